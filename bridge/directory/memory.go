@@ -1,0 +1,207 @@
+package directory
+
+import (
+	"context"
+	"sync"
+
+	"github.com/mcbridge/mcbridge/bridge/key"
+	"github.com/mcbridge/mcbridge/bridge/status"
+)
+
+// memoryStore is the shared state behind every Memory of one name.
+type memoryStore struct {
+	name string
+
+	mu      sync.Mutex
+	entries map[key.Fingerprint]map[key.BlockKey]Entry
+	subs    map[key.Fingerprint]map[int]*subscriber
+	nextSub int
+	refs    int
+}
+
+// subscriber delivers events in order without holding the store's lock, so
+// a callback may take its own locks, even ones held around Publish.
+type subscriber struct {
+	mu sync.Mutex
+	fn func(Event)
+}
+
+var memoryStores = struct {
+	sync.Mutex
+	byName map[string]*memoryStore
+}{byName: map[string]*memoryStore{}}
+
+// Memory is a directory inside one process: every bridge of the process
+// that opens the same name shares it, as processes share an etcd prefix.
+type Memory struct {
+	s      *memoryStore
+	mu     sync.Mutex
+	closed bool
+}
+
+// OpenMemory returns a handle on the process's memory directory called
+// name, creating it on first use; its entries live until the last handle
+// is closed.
+func OpenMemory(name string) *Memory {
+	memoryStores.Lock()
+	defer memoryStores.Unlock()
+	s := memoryStores.byName[name]
+	if s == nil {
+		s = &memoryStore{
+			name:    name,
+			entries: map[key.Fingerprint]map[key.BlockKey]Entry{},
+			subs:    map[key.Fingerprint]map[int]*subscriber{},
+		}
+		memoryStores.byName[name] = s
+	}
+	s.refs++
+	return &Memory{s: s}
+}
+
+func (m *Memory) check() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return status.Errorf(status.State, "memory directory %q: closed", m.s.name)
+	}
+	return nil
+}
+
+func (m *Memory) Publish(ctx context.Context, entries []Entry) ([]bool, error) {
+	if err := m.check(); err != nil {
+		return nil, err
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, status.Wrap(status.Timeout, err, "publish")
+	}
+	s := m.s
+	out := make([]bool, len(entries))
+	var events []Event
+	s.mu.Lock()
+	for i, e := range entries {
+		byKey := s.entries[e.Model]
+		if byKey == nil {
+			byKey = map[key.BlockKey]Entry{}
+			s.entries[e.Model] = byKey
+		}
+		if _, held := byKey[e.Key]; held {
+			continue
+		}
+		byKey[e.Key] = e
+		out[i] = true
+		events = append(events, Event{Kind: Put, Entry: e})
+	}
+	s.mu.Unlock()
+	s.deliver(events)
+	return out, nil
+}
+
+func (m *Memory) Unpublish(ctx context.Context, owner string, model key.Fingerprint, keys []key.BlockKey) error {
+	if err := m.check(); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return status.Wrap(status.Timeout, err, "unpublish")
+	}
+	s := m.s
+	var events []Event
+	s.mu.Lock()
+	byKey := s.entries[model]
+	for _, k := range keys {
+		e, ok := byKey[k]
+		if !ok || e.Loc.Owner != owner {
+			continue
+		}
+		delete(byKey, k)
+		events = append(events, Event{Kind: Delete, Entry: e})
+	}
+	s.mu.Unlock()
+	s.deliver(events)
+	return nil
+}
+
+// deliver hands events to the subscribers of their models, each under the
+// subscriber's own lock so that one subscriber sees them in order.
+func (s *memoryStore) deliver(events []Event) {
+	if len(events) == 0 {
+		return
+	}
+	s.mu.Lock()
+	var targets []*subscriber
+	for _, sub := range s.subs[events[0].Entry.Model] {
+		targets = append(targets, sub)
+	}
+	// Deliver in the order the events happened: hold every subscriber's
+	// lock before releasing the store's, so a later publish cannot overtake.
+	for _, sub := range targets {
+		sub.mu.Lock()
+	}
+	s.mu.Unlock()
+	for _, sub := range targets {
+		for _, ev := range events {
+			if ev.Entry.Model == events[0].Entry.Model {
+				sub.fn(ev)
+			}
+		}
+		sub.mu.Unlock()
+	}
+	var rest []Event
+	for _, ev := range events {
+		if ev.Entry.Model != events[0].Entry.Model {
+			rest = append(rest, ev)
+		}
+	}
+	s.deliver(rest)
+}
+
+func (m *Memory) Subscribe(model key.Fingerprint, fn func(Event)) (func(), error) {
+	if err := m.check(); err != nil {
+		return nil, err
+	}
+	s := m.s
+	sub := &subscriber{fn: fn}
+	s.mu.Lock()
+	s.nextSub++
+	id := s.nextSub
+	if s.subs[model] == nil {
+		s.subs[model] = map[int]*subscriber{}
+	}
+	s.subs[model][id] = sub
+	sub.mu.Lock()
+	snapshot := make([]Entry, 0, len(s.entries[model]))
+	for _, e := range s.entries[model] {
+		snapshot = append(snapshot, e)
+	}
+	s.mu.Unlock()
+	for _, e := range snapshot {
+		fn(Event{Kind: Put, Entry: e})
+	}
+	sub.mu.Unlock()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			s.mu.Lock()
+			delete(s.subs[model], id)
+			s.mu.Unlock()
+		})
+	}, nil
+}
+
+// Close drops this handle. The last handle's close forgets every entry, as
+// a directory whose owners are all gone holds nothing.
+func (m *Memory) Close() error {
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return status.Errorf(status.State, "memory directory %q: closed twice", m.s.name)
+	}
+	m.closed = true
+	m.mu.Unlock()
+	memoryStores.Lock()
+	defer memoryStores.Unlock()
+	m.s.refs--
+	if m.s.refs == 0 {
+		delete(memoryStores.byName, m.s.name)
+	}
+	return nil
+}
