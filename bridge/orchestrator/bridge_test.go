@@ -1,0 +1,376 @@
+package orchestrator
+
+import (
+	"fmt"
+	"math/rand"
+	"testing"
+	"time"
+
+	"github.com/mcbridge/mcbridge/bridge/directory"
+	"github.com/mcbridge/mcbridge/bridge/key"
+	"github.com/mcbridge/mcbridge/bridge/status"
+	"github.com/mcbridge/mcbridge/bridge/transport"
+)
+
+const scribble = 0xee
+
+// checkNoWrong verifies that every row at positions [0, len) is either all
+// scribble or exactly its computed bytes: no unverified byte reached it.
+func (h *host) checkNoWrong(tokens []int32, cells []uint32) error {
+	for p, c := range cells {
+		for l := range h.k {
+			k := h.k[l][int(c)*h.krow[l] : (int(c)+1)*h.krow[l]]
+			if !rowIs(k, func(i int) byte { return value(tokens[p], p, l, 0, i) }) {
+				return fmt.Errorf("pos %d layer %d: K row holds bytes that are neither old nor restored", p, l)
+			}
+			v := make([]byte, h.vrow[l])
+			for i := range v {
+				v[i] = *h.vAt(l, int(c), i)
+			}
+			if !rowIs(v, func(i int) byte { return value(tokens[p], p, l, 1, i) }) {
+				return fmt.Errorf("pos %d layer %d: V row holds bytes that are neither old nor restored", p, l)
+			}
+		}
+	}
+	return nil
+}
+
+func rowIs(row []byte, want func(int) byte) bool {
+	old, restored := true, true
+	for i, b := range row {
+		old = old && b == scribble
+		restored = restored && b == want(i)
+	}
+	return old || restored
+}
+
+func TestRestoreRoundTrip(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		vtrans    bool
+		scattered bool
+		twoProcs  bool
+	}{
+		{"local", false, false, false},
+		{"local-vtrans", true, false, false},
+		{"local-scattered-vtrans", true, true, false},
+		{"remote", false, false, true},
+		{"remote-vtrans-scattered", true, true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := rand.New(rand.NewSource(1))
+			cfg := testConfig(t)
+			a := openBridge(t, cfg, "a")
+			b := a
+			if tc.twoProcs {
+				b = openBridge(t, cfg, "b")
+			}
+			src := newHost(t, 3, 64, 32, 48, tc.vtrans)
+			dst := newHost(t, 3, 64, 32, 48, tc.vtrans)
+			ma, mb := register(t, a, src, 4), register(t, b, dst, 4)
+			tokens := randomTokens(r, 22) // five full blocks and two tokens
+			cells := seqCells(len(tokens))
+			if tc.scattered {
+				cells = scatteredCells(r, len(tokens), 64)
+			}
+			src.fill(tokens, cells)
+			res := saveAll(t, ma, src, key.Scope{}, tokens, cells)
+			if res.Published != 5 || res.Written != 5 || res.Known != 0 {
+				t.Fatalf("save: %+v", res)
+			}
+
+			lk, err := mb.Lookup(key.Scope{}, tokens)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if lk.MatchedBlocks != 5 {
+				t.Fatalf("lookup matched %d blocks, want 5", lk.MatchedBlocks)
+			}
+			dst.scribble(scribble)
+			dcells := seqCells(20)
+			if tc.scattered {
+				dcells = scatteredCells(rand.New(rand.NewSource(2)), 20, 64)
+			}
+			got, err := loadAll(t, mb, dst, key.Scope{}, tokens[:20], dcells)
+			if err != nil || got.OKTokens != 20 {
+				t.Fatalf("load: %+v, %v", got, err)
+			}
+			if err := dst.check(tokens[:20], dcells, 20, scribble); err != nil {
+				t.Fatal(err)
+			}
+			if st := b.Stats(); st.RestoredTokens != 20 || st.Hits != 1 {
+				t.Fatalf("stats: %+v", st)
+			}
+		})
+	}
+}
+
+func TestSaveDedupe(t *testing.T) {
+	cfg := testConfig(t)
+	a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
+	h := newHost(t, 2, 32, 16, 16, false)
+	ma, mb := register(t, a, h, 4), register(t, b, h, 4)
+	tokens := randomTokens(rand.New(rand.NewSource(3)), 16)
+	h.fill(tokens, seqCells(16))
+	if res := saveAll(t, ma, h, key.Scope{}, tokens[:8], seqCells(8)); res.Published != 2 {
+		t.Fatalf("a: %+v", res)
+	}
+	// b knows a's two blocks and writes only the two after them.
+	res := saveAll(t, mb, h, key.Scope{}, tokens, seqCells(16))
+	if res.Known != 2 || res.Written != 2 || res.Published != 2 {
+		t.Fatalf("b: %+v", res)
+	}
+	// Two saves racing past the lookup: the directory keeps one copy.
+	tok2 := randomTokens(rand.New(rand.NewSource(4)), 8)
+	h.fill(tok2, seqCells(8))
+	sa, err := ma.SaveBegin(key.Scope{}, h.layout(), tok2, seqCells(8))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sb, err := mb.SaveBegin(key.Scope{}, h.layout(), tok2, seqCells(8))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for l := 0; l < 2; l++ {
+		if err := sa.SaveLayer(l); err != nil {
+			t.Fatal(err)
+		}
+		if err := sb.SaveLayer(l); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ra, err := sa.End()
+	if err != nil {
+		t.Fatal(err)
+	}
+	rb, err := sb.End()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ra.Published != 2 || rb.Published != 0 || rb.Deduped != 2 {
+		t.Fatalf("race: a %+v, b %+v", ra, rb)
+	}
+	if n, _, _ := b.Resident(); n != 2 {
+		t.Fatalf("b holds %d blocks, want only its 2 unique ones", n)
+	}
+}
+
+func TestRestoreFaults(t *testing.T) {
+	blockBytes := func(m *Model) int64 { return int64(m.geo.Size()) }
+	for _, tc := range []struct {
+		name   string
+		fault  func(m *Model) transport.Fault
+		code   status.Code
+		strict bool // failed rows must be untouched, not only free of wrong bytes
+	}{
+		{"fail", func(*Model) transport.Fault { return transport.Fault{Kind: transport.FailAll} }, status.Transfer, true},
+		{"corrupt", func(*Model) transport.Fault { return transport.Fault{Kind: transport.Corrupt} }, status.Corrupt, true},
+		{"drop-peer", func(*Model) transport.Fault { return transport.Fault{Kind: transport.DropPeer} }, status.Transfer, true},
+		{"timeout", func(*Model) transport.Fault { return transport.Fault{Kind: transport.Delay, Arg: int64(time.Hour)} }, status.Timeout, true},
+		{"partial", func(m *Model) transport.Fault {
+			return transport.Fault{Kind: transport.FailAfter, Arg: blockBytes(m)/3 + 17}
+		}, status.Transfer, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := testConfig(t)
+			cfg.TransferTimeoutMS = 200
+			a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
+			src := newHost(t, 3, 32, 32, 32, false)
+			dst := newHost(t, 3, 32, 32, 32, false)
+			ma, mb := register(t, a, src, 4), register(t, b, dst, 4)
+			tokens := randomTokens(rand.New(rand.NewSource(5)), 16)
+			cells := seqCells(16)
+			src.fill(tokens, cells)
+			saveAll(t, ma, src, key.Scope{}, tokens, cells)
+
+			a.tr.(*transport.Loopback).SetFault(tc.fault(ma))
+			dst.scribble(scribble)
+			res, err := loadAll(t, mb, dst, key.Scope{}, tokens, cells)
+			if status.Of(err) != tc.code {
+				t.Fatalf("load error %v (status %v), want %v", err, status.Of(err), tc.code)
+			}
+			if res.OKTokens == len(tokens) {
+				t.Fatalf("load reported every token good under a fault")
+			}
+			if tc.strict {
+				if err := dst.check(tokens, cells, res.OKTokens, scribble); err != nil {
+					t.Fatal(err)
+				}
+			} else if err := dst.checkNoWrong(tokens, cells); err != nil {
+				t.Fatal(err)
+			}
+			if got := b.Stats().FailuresByStatus[tc.code]; got != 1 {
+				t.Fatalf("failures counted under %v: %d", tc.code, got)
+			}
+			// Once the fault clears, the same restore succeeds in full.
+			a.tr.(*transport.Loopback).SetFault(transport.Fault{})
+			if res, err := loadAll(t, mb, dst, key.Scope{}, tokens, cells); err != nil || res.OKTokens != 16 {
+				t.Fatalf("after the fault: %+v, %v", res, err)
+			}
+			if err := dst.check(tokens, cells, 16, scribble); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// A reader sent to a block that its owner evicted and reused meanwhile
+// must fail verification, not restore the new occupant.
+func TestEvictedDuringRead(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.PoolBytes = 1 << 20
+	a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
+	h := newHost(t, 2, 4096, 1024, 1024, false)
+	ma, mb := register(t, a, h, 16), register(t, b, h, 16)
+	r := rand.New(rand.NewSource(6))
+	tokens := randomTokens(r, 16)
+	h.fill(tokens, seqCells(16))
+	saveAll(t, ma, h, key.Scope{}, tokens, seqCells(16))
+	stale := mb.match(key.Root(mb.fp, key.Scope{}), key.Chain(key.Root(mb.fp, key.Scope{}), tokens, 16))
+	if len(stale) != 1 {
+		t.Fatalf("b sees %d blocks", len(stale))
+	}
+	// Fill a's pool until the first block is evicted and its memory reused.
+	for i := 0; ; i++ {
+		other := randomTokens(r, 16)
+		h.fill(other, seqCells(16))
+		saveAll(t, ma, h, key.Scope{}, other, seqCells(16))
+		if _, ok := a.resident.Get(stale[0].Key); !ok {
+			break
+		}
+		if i > 100 {
+			t.Fatal("block never evicted")
+		}
+	}
+	if mb.Mirrored() == 0 || len(mb.match(key.Root(mb.fp, key.Scope{}), []key.BlockKey{stale[0].Key})) != 0 {
+		t.Fatal("b's mirror still lists the evicted block")
+	}
+	// Replay the stale entry as a lagging directory would.
+	mb.apply(directory.Event{Kind: directory.Put, Entry: stale[0]})
+	dst := newHost(t, 2, 4096, 1024, 1024, false)
+	dst.scribble(scribble)
+	res, err := loadAll(t, mb, dst, key.Scope{}, tokens, seqCells(16))
+	if status.Of(err) != status.Corrupt || res.OKTokens != 0 {
+		t.Fatalf("stale read: %+v, %v", res, err)
+	}
+	if err := dst.check(tokens, seqCells(16), 0, scribble); err != nil {
+		t.Fatal(err)
+	}
+	if a.Stats().Evictions == 0 {
+		t.Fatal("no eviction counted")
+	}
+}
+
+func TestIsolation(t *testing.T) {
+	cfg := testConfig(t)
+	a := openBridge(t, cfg, "a")
+	h := newHost(t, 2, 32, 16, 16, false)
+	m := register(t, a, h, 4)
+	tokens := randomTokens(rand.New(rand.NewSource(7)), 9)
+	h.fill(tokens, seqCells(9))
+	saveAll(t, m, h, key.Scope{TenantSalt: []byte("alice")}, tokens, seqCells(9))
+	other := h.spec(4)
+	other.Params.NLayer = 1
+	other.KRow, other.VRow, other.VElem = other.KRow[:1], other.VRow[:1], other.VElem[:1]
+	other.Params.NEmbdKGQA, other.Params.NEmbdVGQA = other.Params.NEmbdKGQA[:1], other.Params.NEmbdVGQA[:1]
+	m2, err := a.RegisterModel(other)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name  string
+		m     *Model
+		scope key.Scope
+		want  int
+	}{
+		{"same tenant", m, key.Scope{TenantSalt: []byte("alice")}, 2},
+		{"other tenant", m, key.Scope{TenantSalt: []byte("bob")}, 0},
+		{"no tenant", m, key.Scope{}, 0},
+		{"adapter", m, key.Scope{TenantSalt: []byte("alice"), Adapters: "lora@1"}, 0},
+		{"other model", m2, key.Scope{TenantSalt: []byte("alice")}, 0},
+	} {
+		lk, err := tc.m.Lookup(tc.scope, tokens)
+		if err != nil || lk.MatchedBlocks != tc.want {
+			t.Errorf("%s: matched %d, %v; want %d", tc.name, lk.MatchedBlocks, err, tc.want)
+		}
+	}
+}
+
+func TestMisuse(t *testing.T) {
+	cfg := testConfig(t)
+	a := openBridge(t, cfg, "a")
+	h := newHost(t, 2, 32, 16, 16, false)
+	m := register(t, a, h, 4)
+	tokens := randomTokens(rand.New(rand.NewSource(8)), 8)
+	h.fill(tokens, seqCells(8))
+	saveAll(t, m, h, key.Scope{}, tokens, seqCells(8))
+	lo := h.layout()
+	bad := lo
+	bad.Layers = append(bad.Layers[:0:0], lo.Layers...)
+	bad.Layers[1].KStride = 3
+	short := lo
+	short.Layers = lo.Layers[:1]
+	for _, tc := range []struct {
+		name   string
+		tokens []int32
+		cells  []uint32
+		code   status.Code
+	}{
+		{"partial block", tokens[:6], seqCells(6), status.InvalidArg},
+		{"cells count", tokens, seqCells(7), status.InvalidArg},
+		{"cell out of range", tokens, append(seqCells(7), 99), status.Layout},
+		{"cell twice", tokens, append(seqCells(7), 3), status.Layout},
+		{"empty", nil, nil, status.InvalidArg},
+	} {
+		if _, err := m.LoadBegin(key.Scope{}, lo, tc.tokens, tc.cells); status.Of(err) != tc.code {
+			t.Errorf("%s: %v, want %v", tc.name, err, tc.code)
+		}
+	}
+	if _, err := m.LoadBegin(key.Scope{}, bad, tokens, seqCells(8)); status.Of(err) != status.Layout {
+		t.Errorf("bad stride: %v", err)
+	}
+	if _, err := m.LoadBegin(key.Scope{}, short, tokens, seqCells(8)); status.Of(err) != status.Layout {
+		t.Errorf("missing layer: %v", err)
+	}
+	if _, err := m.LoadBegin(key.Scope{}, lo, randomTokens(rand.New(rand.NewSource(9)), 8), seqCells(8)); status.Of(err) != status.NotFound {
+		t.Errorf("unknown tokens: %v", err)
+	}
+	ld, err := m.LoadBegin(key.Scope{}, lo, tokens, seqCells(8))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Close(); status.Of(err) != status.State {
+		t.Errorf("close with an open load: %v", err)
+	}
+	if _, err := ld.WaitLayer(5); status.Of(err) != status.InvalidArg {
+		t.Errorf("wait on layer 5: %v", err)
+	}
+	if _, err := ld.End(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ld.End(); status.Of(err) != status.State {
+		t.Errorf("end twice: %v", err)
+	}
+	if _, err := ld.WaitLayer(0); status.Of(err) != status.State {
+		t.Errorf("wait after end: %v", err)
+	}
+	sv, err := m.SaveBegin(key.Scope{}, lo, randomTokens(rand.New(rand.NewSource(10)), 4), seqCells(4))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sv.SaveLayer(0); err != nil {
+		t.Fatal(err)
+	}
+	if err := sv.SaveLayer(0); status.Of(err) != status.State {
+		t.Errorf("layer saved twice: %v", err)
+	}
+	if _, err := sv.End(); status.Of(err) != status.State {
+		t.Errorf("end with a layer missing: %v", err)
+	}
+	if n, _, _ := a.Resident(); n != 2 {
+		t.Errorf("an incomplete save left %d blocks resident, want 2", n)
+	}
+	if got := a.pool.Used(); got != 2*int64(m.geo.Size()) {
+		t.Errorf("pool holds %d bytes, want two blocks' %d", got, 2*m.geo.Size())
+	}
+}

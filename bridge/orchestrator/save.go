@@ -1,0 +1,240 @@
+package orchestrator
+
+import (
+	"sync"
+
+	"github.com/mcbridge/mcbridge/bridge/directory"
+	"github.com/mcbridge/mcbridge/bridge/index"
+	"github.com/mcbridge/mcbridge/bridge/key"
+	"github.com/mcbridge/mcbridge/bridge/kvlayout"
+	"github.com/mcbridge/mcbridge/bridge/pool"
+	"github.com/mcbridge/mcbridge/bridge/status"
+)
+
+// Save copies a prompt's new full blocks out of a host's KV tensors into
+// the pool, layer by layer, and publishes them at End. Blocks the directory
+// already knows are skipped: the swarm stores each block once.
+type Save struct {
+	m      *Model
+	layout kvlayout.Layout
+
+	total  int // full blocks in the tokens
+	known  int // leading blocks the directory already had
+
+	mu     sync.Mutex
+	blocks []saveBlock
+	saved  []bool // per layer
+	ended  bool
+	err    error // why the save stopped short (pool full)
+}
+
+type saveBlock struct {
+	index  int // block number in the prompt
+	key    key.BlockKey
+	parent key.Hash
+	tokens []int32
+	runs   []kvlayout.Run
+	off    int64
+	gen    uint64
+	sums   []uint64
+}
+
+// SaveResult says what a save stored.
+type SaveResult struct {
+	Blocks    int // full blocks in the tokens
+	Known     int // already in the directory, skipped
+	Written   int // copied into the pool
+	Published int // published by this save
+	Deduped   int // written, but another process published first
+}
+
+// SaveBegin prepares to save the full blocks of tokens, position i living
+// in cells[i]; a trailing partial block is ignored. The host's rows must
+// stay unchanged from each SaveLayer call until it returns.
+func (m *Model) SaveBegin(scope key.Scope, layout kvlayout.Layout, tokens []int32, cells []uint32) (*Save, error) {
+	b := m.b
+	B := m.geo.BlockTokens
+	if len(cells) != len(tokens) {
+		return nil, status.Errorf(status.InvalidArg, "save of %d tokens from %d cells", len(tokens), len(cells))
+	}
+	n := len(tokens) / B
+	if n == 0 {
+		return nil, status.Errorf(status.InvalidArg, "save of %d tokens: no full block of %d", len(tokens), B)
+	}
+	tokens, cells = tokens[:n*B], cells[:n*B]
+	if err := layout.Validate(&m.shape); err != nil {
+		return nil, err
+	}
+	if err := layout.CheckCells(cells); err != nil {
+		return nil, err
+	}
+	if err := b.begin(); err != nil {
+		return nil, err
+	}
+	sv := &Save{m: m, layout: layout, saved: make([]bool, m.geo.Layers()), total: n}
+	sv.layout.Layers = append([]kvlayout.Layer(nil), layout.Layers...)
+	root := key.Root(m.fp, scope)
+	chain := key.Chain(root, tokens, B)
+	known := len(m.match(root, chain))
+	sv.known = known
+	size := int64(m.geo.Size())
+	parent := root
+	if known > 0 {
+		parent = chain[known-1]
+	}
+	for i := known; i < n; i++ {
+		off, err := b.pool.Alloc(size)
+		if err != nil {
+			sv.err = err
+			break
+		}
+		gen := b.pool.NextGeneration()
+		pool.BeginWrite(b.pool.Bytes(off, size), gen)
+		sv.blocks = append(sv.blocks, saveBlock{
+			index: i, key: chain[i], parent: parent, tokens: tokens[i*B : (i+1)*B],
+			runs: kvlayout.Runs(cells[i*B : (i+1)*B]), off: off, gen: gen, sums: make([]uint64, m.geo.Layers()),
+		})
+		parent = chain[i]
+	}
+	if len(sv.blocks) == 0 && sv.err != nil {
+		b.end()
+		return nil, sv.err
+	}
+	return sv, nil
+}
+
+// Blocks is the number of blocks this save will write.
+func (sv *Save) Blocks() int { return len(sv.blocks) }
+
+// SaveLayer copies layer il's rows of every new block into the pool and
+// sums them.
+func (sv *Save) SaveLayer(il int) error {
+	sv.mu.Lock()
+	defer sv.mu.Unlock()
+	g := &sv.m.geo
+	switch {
+	case sv.ended:
+		return status.Errorf(status.State, "save layer on an ended save")
+	case il < 0 || il >= g.Layers():
+		return status.Errorf(status.InvalidArg, "layer %d of %d", il, g.Layers())
+	case sv.saved[il]:
+		return status.Errorf(status.State, "layer %d saved twice", il)
+	}
+	off, n := g.LayerOffset(il), g.LayerSize(il)
+	for i := range sv.blocks {
+		blk := &sv.blocks[i]
+		payload := sv.m.b.pool.Bytes(blk.off+int64(off), int64(n))
+		sv.layout.Gather(&sv.m.shape, il, payload, blk.runs)
+		blk.sums[il] = pool.Sum(payload)
+	}
+	sv.saved[il] = true
+	return nil
+}
+
+// End seals the written blocks and publishes them. When a layer was never
+// saved, nothing is published and the blocks are freed.
+func (sv *Save) End() (SaveResult, error) {
+	sv.mu.Lock()
+	defer sv.mu.Unlock()
+	m := sv.m
+	b := m.b
+	if sv.ended {
+		return SaveResult{}, status.Errorf(status.State, "save ended twice")
+	}
+	sv.ended = true
+	defer b.end()
+	res := SaveResult{Blocks: sv.total, Known: sv.known, Written: len(sv.blocks)}
+	for l, ok := range sv.saved {
+		if !ok && len(sv.blocks) > 0 {
+			sv.free(sv.blocks)
+			b.stats.add(&b.stats.saveFailures, 1)
+			return SaveResult{Blocks: res.Blocks, Known: res.Known}, status.Errorf(status.State, "save ended before layer %d was saved", l)
+		}
+	}
+	g := &m.geo
+	size := int64(g.Size())
+	entries := make([]directory.Entry, len(sv.blocks))
+	for i := range sv.blocks {
+		blk := &sv.blocks[i]
+		mem := b.pool.Bytes(blk.off, size)
+		h := pool.Header{Key: blk.key, Parent: blk.parent, Model: m.fp, Tokens: blk.tokens, LayerSums: blk.sums}
+		if err := pool.EncodeHeader(mem, g, &h); err != nil {
+			sv.free(sv.blocks)
+			return res, err
+		}
+		pool.EndWrite(mem, blk.gen)
+		entries[i] = directory.Entry{Model: m.fp, Key: blk.key, Parent: blk.parent, Loc: directory.Location{
+			Segment: b.tr.LocalSegment(), Addr: uint64(b.pool.Base()) + uint64(blk.off), Length: uint64(size),
+			Checksum: pool.HeaderSum(mem), Generation: blk.gen, Owner: b.owner,
+		}}
+	}
+	ctx, cancel := b.opContext()
+	won, err := b.dir.Publish(ctx, entries)
+	cancel()
+	if err != nil {
+		// Unpublished blocks help nobody; the pool is better used by others.
+		sv.free(sv.blocks)
+		b.stats.add(&b.stats.directoryErrors, 1)
+		return SaveResult{Blocks: res.Blocks, Known: res.Known}, status.Wrap(status.Directory, err, "publishing saved blocks")
+	}
+	var kept, lost []saveBlock
+	for i, w := range won {
+		if w {
+			res.Published++
+			kept = append(kept, sv.blocks[i])
+			m.apply(directoryPut(entries[i]))
+		} else {
+			res.Deduped++
+			lost = append(lost, sv.blocks[i])
+		}
+	}
+	sv.free(lost)
+	if err := sv.insertResident(kept); err != nil {
+		return res, err
+	}
+	b.stats.save(res)
+	return res, sv.err
+}
+
+func directoryPut(e directory.Entry) directory.Event {
+	return directory.Event{Kind: directory.Put, Entry: e}
+}
+
+// insertResident indexes the sealed blocks so eviction can find them. A
+// block whose parent is held elsewhere hangs under that parent's key as
+// under a root: the index only needs the local chains' shape.
+func (sv *Save) insertResident(blocks []saveBlock) error {
+	b := sv.m.b
+	size := int64(sv.m.geo.Size())
+	B := sv.m.geo.BlockTokens
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, blk := range blocks {
+		ib := index.Block[slot]{
+			Key:   blk.key,
+			Value: slot{model: sv.m, off: blk.off, size: size, gen: blk.gen},
+			Bytes: size,
+			Cost:  b.arb.PrefillTime(blk.index*B, (blk.index+1)*B).Seconds(),
+		}
+		var err error
+		if _, ok := b.resident.Get(blk.parent); ok {
+			_, err = b.resident.Insert(blk.parent, ib)
+		} else {
+			_, err = b.resident.InsertChain(blk.parent, []index.Block[slot]{ib})
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// free invalidates and frees blocks that no reader was ever sent to.
+func (sv *Save) free(blocks []saveBlock) {
+	b := sv.m.b
+	size := int64(sv.m.geo.Size())
+	for _, blk := range blocks {
+		pool.BeginWrite(b.pool.Bytes(blk.off, size), b.pool.NextGeneration())
+		_ = b.pool.Free(blk.off, size)
+	}
+}
