@@ -1,0 +1,86 @@
+package main
+
+// Go mirrors of the structs in include/mcbridge.h. Pointer fields are
+// uintptr: they point into the host's memory, which the collector must
+// neither scan nor keep alive. Their sizes and offsets are asserted against
+// the same numbers in C (csrc/mcbridge.c) and in Go (mirror_test.go).
+
+type cModelParams struct {
+	LlamaVersion  uintptr
+	Arch          uintptr
+	GGUFPath      uintptr
+	ContentHash   [16]byte
+	KVProbe       [16]byte
+	NLayer        uint32
+	BlockTokens   uint32
+	NEmbdKGQA     uintptr
+	NEmbdVGQA     uintptr
+	KRowBytes     uintptr
+	VRowBytes     uintptr
+	TypeK         int32
+	TypeV         int32
+	RopeType      int32
+	RopeFreqBase  float32
+	RopeFreqScale float32
+	NCtxOrig      uint32
+	VTrans        bool
+	AttnRotK      bool
+	AttnRotV      bool
+	_             [5]byte
+	Extra         uintptr
+}
+
+type cScope struct {
+	TenantSalt    uintptr
+	TenantSaltLen uint64
+	Adapters      uintptr
+}
+
+type cKVLayer struct {
+	K, V    uintptr
+	KStride uint64
+	VStride uint64
+}
+
+type cKVLayout struct {
+	NLayer   uint32
+	NCells   uint32
+	VTrans   bool
+	_        [7]byte
+	Location uintptr
+	Layers   uintptr
+}
+
+type cLookupResult struct {
+	NBlockTokens   uint32
+	NMatchedBlocks uint32
+	NRestoreTokens uint32
+	Reason         int32
+	EstRestoreMS   float64
+	EstRecomputeMS float64
+	EstTotalMS     float64
+}
+
+type cLoadResult struct {
+	NBlocks    uint32
+	NBlocksOK  uint32
+	NTokensOK  uint32
+	FirstError int32
+	NBytes     uint64
+}
+
+type cSaveResult struct {
+	NBlocks    uint32
+	NKnown     uint32
+	NWritten   uint32
+	NPublished uint32
+	NDeduped   uint32
+}
+
+type cStats struct {
+	Lookups, Hits, Misses, DecidedRestore, DecidedRecompute uint64
+	Loads, LoadFailures, RestoredTokens, RestoredBytes      uint64
+	Saves, SaveFailures, SavedBlocks, DedupedBlocks         uint64
+	Evictions, DirectoryErrors, TornReads                   uint64
+	ResidentBlocks, ResidentBytes, PoolBytes                uint64
+}
