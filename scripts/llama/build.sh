@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# build.sh stock|patched: builds llama-server (CPU only) for the pinned llama.cpp and
+# prints the binary's path on the last line of stdout.
+#
+#   stock    the pristine tree from fetch.sh
+#   patched  a copy of that tree with llama-patches/apply.sh applied, configured with
+#            -DMCBRIDGE_ROOT=<this repository> so that the patches' CMake hook finds
+#            csrc/ and include/ here
+#
+# The hash in the directory names covers everything that needs a fresh configure: the
+# source tree, the CMake options below, LLAMA_EXTRA_CMAKE_ARGS (word-split) and, for
+# patched, apply.sh, the patch series and the repository path. Sources inside the
+# repository (csrc/) are not in it: the build system tracks them, so editing them is an
+# incremental rebuild, not a new directory. A rebuild with nothing changed is a ninja
+# no-op. Under $MCB_CACHE/llama.cpp-<tag>/:
+#
+#   src/  build-stock-<hash>/              the pristine tree and its build
+#   patched-<hash>/src/  patched-<hash>/build/
+#
+# Both builds reach their sources as ../src: with ccache's base_dir that makes the
+# compile commands identical, so a patched build recompiles only what the patches
+# change.
+set -euo pipefail
+# shellcheck source=scripts/llama/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+variant=${1:-}
+case $variant in
+stock | patched) ;;
+*) die "usage: $0 stock|patched" ;;
+esac
+
+start=$SECONDS
+src=$("$mcb_repo/scripts/llama/fetch.sh")
+
+# The web UI would be fetched from the network (LLAMA_USE_PREBUILT_UI) or built with
+# npm (LLAMA_BUILD_UI); with both off the server embeds an empty asset table.
+# LLAMA_CURL no longer exists in this version (deprecated, ignored); HTTPS would only
+# pull in OpenSSL. GGML_NATIVE=OFF keeps the AVX2/FMA/F16C baseline (not -march=native),
+# so every machine sharing a ccache or comparing KV probe digests builds the same code.
+cmake_args=(
+	-DCMAKE_BUILD_TYPE=Release
+	-DBUILD_SHARED_LIBS=OFF
+	-DGGML_NATIVE=OFF
+	-DLLAMA_BUILD_TESTS=OFF
+	-DLLAMA_BUILD_EXAMPLES=OFF
+	-DLLAMA_BUILD_APP=OFF
+	-DLLAMA_BUILD_TOOLS=ON
+	-DLLAMA_BUILD_SERVER=ON
+	-DLLAMA_BUILD_UI=OFF
+	-DLLAMA_USE_PREBUILT_UI=OFF
+	-DLLAMA_OPENSSL=OFF
+)
+# shellcheck disable=SC2206 # word splitting is the interface
+extra_args=(${LLAMA_EXTRA_CMAKE_ARGS:-})
+if [[ $variant == patched ]]; then
+	extra_args+=("-DMCBRIDGE_ROOT=$mcb_repo")
+fi
+
+# series_digest: apply.sh and every patch, by name and content.
+series_digest() {
+	(
+		cd "$mcb_repo/llama-patches"
+		{ LC_ALL=C compgen -G '[0-9]*.patch' || true; } | LC_ALL=C sort | while read -r p; do
+			printf '%s\n' "$p"
+			sha256sum <"$p"
+		done
+		sha256sum <apply.sh
+	) | sha256sum | cut -c1-64
+}
+
+key="tag=$LLAMA_TAG
+src=$src tree=$(tree_id "$src")
+variant=$variant
+cmake=${cmake_args[*]}
+extra=${extra_args[*]}"
+if [[ $variant == patched ]]; then
+	key+="
+series=$(series_digest)"
+fi
+hash=$(printf '%s' "$key" | sha256sum | cut -c1-12)
+if [[ $variant == stock ]]; then
+	build=$llama_root/build-stock-$hash
+else
+	build=$llama_root/patched-$hash/build
+fi
+
+# patched_tree: a private copy of the pristine tree with the series applied, keyed like
+# the build directory, so the stock tree (and a user's LLAMA_SRC) is never modified.
+patched_tree() {
+	local dest=$llama_root/patched-$hash/src tmp
+	if [[ ! -d $dest ]]; then
+		mkdir -p "$llama_root/patched-$hash"
+		tmp=$(mktemp -d "$llama_root/patched-$hash/tmp.XXXXXX")
+		# shellcheck disable=SC2064 # expand now: tmp is local; this runs in $(...)
+		trap "rm -rf '$tmp'" EXIT
+		if [[ -e $src/.git ]]; then
+			git -c advice.detachedHead=false clone --quiet --shared "$src" "$tmp/src"
+		else
+			cp -a "$src" "$tmp/src"
+			git -C "$tmp/src" init --quiet
+			git -C "$tmp/src" add -A
+			git -C "$tmp/src" -c user.name=mcbridge -c user.email=mcbridge@localhost commit --quiet -m "$LLAMA_TAG as found in $src"
+		fi
+		"$mcb_repo/llama-patches/apply.sh" "$tmp/src"
+		mv "$tmp/src" "$dest"
+	else
+		"$mcb_repo/llama-patches/apply.sh" "$dest"
+	fi
+	echo "$dest"
+}
+
+build_server() {
+	local tree=$src launcher=() generator=()
+	if [[ $variant == patched ]]; then
+		tree=$(patched_tree)
+	fi
+	if command -v ccache >/dev/null; then
+		# Paths under base_dir are hashed relative to the build directory (see above).
+		export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$llama_root}
+		launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+	else
+		log "ccache not found: every new build directory compiles from scratch (apt-get install ccache)"
+	fi
+	if command -v ninja >/dev/null; then
+		generator=(-G Ninja)
+	fi
+	if [[ ! -f $build/CMakeCache.txt ]]; then
+		log "configure $variant: $tree -> $build"
+		log "cmake options: ${cmake_args[*]} ${extra_args[*]}"
+		cmake -S "$tree" -B "$build" "${generator[@]}" "${launcher[@]}" "${cmake_args[@]}" "${extra_args[@]}" >&2
+	fi
+	log "build llama-server ($variant) with $(nproc) jobs"
+	cmake --build "$build" --target llama-server -j "$(nproc)" >&2
+}
+
+mkdir -p "$(dirname "$build")"
+with_lock "$build.lock" build_server
+bin=$build/bin/llama-server
+[[ -x $bin ]] || die "build finished without $bin"
+log "llama-server ($variant) ready in $((SECONDS - start))s"
+echo "$bin"
