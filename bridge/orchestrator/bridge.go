@@ -128,7 +128,7 @@ func (b *Bridge) build(deps Deps) error {
 	base := b.pool.Base()
 	b.closers = append(b.closers, func() error { return b.tr.UnregisterMemory(base) })
 	if b.dir = deps.Directory; b.dir == nil {
-		if b.dir, err = openDirectory(b.cfg, b.owner); err != nil {
+		if b.dir, err = openDirectory(b.cfg); err != nil {
 			return err
 		}
 		b.closers = append(b.closers, b.dir.Close)
