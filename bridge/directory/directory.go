@@ -67,6 +67,13 @@ type Directory interface {
 	Close() error
 }
 
+// Watcher is a directory that can also deliver every model's events, as
+// a store node that holds blocks of any model needs.
+type Watcher interface {
+	// SubscribeAll is Subscribe for every model at once.
+	SubscribeAll(fn func(Event)) (cancel func(), err error)
+}
+
 // Value encoding, shared by directories that store entries as bytes:
 //
 //	u8 version (1) | parent[16] | addr u64 | length u64 | checksum u64 |

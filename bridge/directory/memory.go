@@ -15,6 +15,7 @@ type memoryStore struct {
 	mu      sync.Mutex
 	entries map[key.Fingerprint]map[key.BlockKey]Entry
 	subs    map[key.Fingerprint]map[int]*subscriber
+	all     map[int]*subscriber // subscribers of every model
 	nextSub int
 	refs    int
 }
@@ -51,6 +52,7 @@ func OpenMemory(name string) *Memory {
 			name:    name,
 			entries: map[key.Fingerprint]map[key.BlockKey]Entry{},
 			subs:    map[key.Fingerprint]map[int]*subscriber{},
+			all:     map[int]*subscriber{},
 		}
 		memoryStores.byName[name] = s
 	}
@@ -120,38 +122,37 @@ func (m *Memory) Unpublish(ctx context.Context, owner string, model key.Fingerpr
 	return nil
 }
 
-// deliver hands events to the subscribers of their models, each under the
-// subscriber's own lock so that one subscriber sees them in order.
+// deliver hands events to the subscribers of their models and to those of
+// every model. Each subscriber's lock is taken before the store's is let
+// go, so a later publish cannot overtake these events.
 func (s *memoryStore) deliver(events []Event) {
-	if len(events) == 0 {
-		return
-	}
-	s.mu.Lock()
-	var targets []*subscriber
-	for _, sub := range s.subs[events[0].Entry.Model] {
-		targets = append(targets, sub)
-	}
-	// Deliver in the order the events happened: hold every subscriber's
-	// lock before releasing the store's, so a later publish cannot overtake.
-	for _, sub := range targets {
-		sub.mu.Lock()
-	}
-	s.mu.Unlock()
-	for _, sub := range targets {
-		for _, ev := range events {
-			if ev.Entry.Model == events[0].Entry.Model {
+	for len(events) > 0 {
+		model := events[0].Entry.Model
+		n := 1
+		for n < len(events) && events[n].Entry.Model == model {
+			n++
+		}
+		batch := events[:n]
+		events = events[n:]
+		s.mu.Lock()
+		targets := make([]*subscriber, 0, len(s.subs[model])+len(s.all))
+		for _, sub := range s.subs[model] {
+			targets = append(targets, sub)
+		}
+		for _, sub := range s.all {
+			targets = append(targets, sub)
+		}
+		for _, sub := range targets {
+			sub.mu.Lock()
+		}
+		s.mu.Unlock()
+		for _, sub := range targets {
+			for _, ev := range batch {
 				sub.fn(ev)
 			}
-		}
-		sub.mu.Unlock()
-	}
-	var rest []Event
-	for _, ev := range events {
-		if ev.Entry.Model != events[0].Entry.Model {
-			rest = append(rest, ev)
+			sub.mu.Unlock()
 		}
 	}
-	s.deliver(rest)
 }
 
 func (m *Memory) Subscribe(model key.Fingerprint, fn func(Event)) (func(), error) {
@@ -182,6 +183,39 @@ func (m *Memory) Subscribe(model key.Fingerprint, fn func(Event)) (func(), error
 		once.Do(func() {
 			s.mu.Lock()
 			delete(s.subs[model], id)
+			s.mu.Unlock()
+		})
+	}, nil
+}
+
+// SubscribeAll is Subscribe for every model at once.
+func (m *Memory) SubscribeAll(fn func(Event)) (func(), error) {
+	if err := m.check(); err != nil {
+		return nil, err
+	}
+	s := m.s
+	sub := &subscriber{fn: fn}
+	s.mu.Lock()
+	s.nextSub++
+	id := s.nextSub
+	s.all[id] = sub
+	sub.mu.Lock()
+	var snapshot []Entry
+	for _, byKey := range s.entries {
+		for _, e := range byKey {
+			snapshot = append(snapshot, e)
+		}
+	}
+	s.mu.Unlock()
+	for _, e := range snapshot {
+		fn(Event{Kind: Put, Entry: e})
+	}
+	sub.mu.Unlock()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			s.mu.Lock()
+			delete(s.all, id)
 			s.mu.Unlock()
 		})
 	}, nil

@@ -263,6 +263,16 @@ func (t *Tree[V]) Get(k key.BlockKey) (V, bool) {
 	return t.nodes[id].value, true
 }
 
+// Set replaces an indexed block's value, leaving its place, size, cost and
+// recency alone, and reports whether the block was indexed.
+func (t *Tree[V]) Set(k key.BlockKey, v V) bool {
+	id, ok := t.ids[k]
+	if ok {
+		t.nodes[id].value = v
+	}
+	return ok
+}
+
 // Touch counts the blocks as used now, in order, so a chain touched from its
 // first block ends with its deepest block the most recent. Keys not indexed
 // are skipped; it returns how many were found.

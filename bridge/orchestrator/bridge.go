@@ -56,14 +56,20 @@ type Bridge struct {
 	active   int      // loads and saves begun and not ended
 	closed   bool
 	poolBusy bool // a transfer outlived Close: keep the pool mapped
+	// stopReplication ends a store node's replication (Replicate).
+	stopReplication func()
 }
 
-// slot is where a resident block sits in the pool.
+// slot is where a resident block sits in the pool. A replica is a copy
+// of another owner's block that a store node holds unpublished until that
+// owner's entry goes; entry is what it then publishes.
 type slot struct {
-	model *Model
-	off   int64
-	size  int64
-	gen   uint64
+	fp      key.Fingerprint
+	off     int64
+	size    int64
+	gen     uint64
+	replica bool
+	entry   directory.Entry
 }
 
 // parked holds a timed-out batch and the staging it may still write into;
@@ -176,11 +182,15 @@ func (b *Bridge) Close() error {
 	for _, m := range b.models {
 		models = append(models, m)
 	}
-	byModel := map[*Model][]key.BlockKey{}
+	byModel := map[key.Fingerprint][]key.BlockKey{}
 	b.resident.Walk(func(e index.Entry[slot]) bool {
-		byModel[e.Value.model] = append(byModel[e.Value.model], e.Key)
+		if !e.Value.replica {
+			byModel[e.Value.fp] = append(byModel[e.Value.fp], e.Key)
+		}
 		return true
 	})
+	stopReplication := b.stopReplication
+	b.stopReplication = nil
 	parkedBatches := b.parked
 	b.parked = nil
 	b.mu.Unlock()
@@ -191,9 +201,12 @@ func (b *Bridge) Close() error {
 			first = err
 		}
 	}
-	for m, keys := range byModel {
+	if stopReplication != nil {
+		stopReplication()
+	}
+	for fp, keys := range byModel {
 		ctx, cancel := b.opContext()
-		keep(b.dir.Unpublish(ctx, b.owner, m.fp, keys))
+		keep(b.dir.Unpublish(ctx, b.owner, fp, keys))
 		cancel()
 	}
 	for _, m := range models {
@@ -331,14 +344,22 @@ func (b *Bridge) evict(need int64) error {
 	if len(gone) == 0 {
 		return status.Errorf(status.PoolFull, "pool full: the rest is pinned or staging")
 	}
-	byModel := map[*Model][]key.BlockKey{}
+	byModel := map[key.Fingerprint][]key.BlockKey{}
 	for _, e := range gone {
-		byModel[e.Value.model] = append(byModel[e.Value.model], e.Key)
-		e.Value.model.forget(e.Key, b.tr.LocalSegment())
+		if e.Value.replica {
+			continue
+		}
+		byModel[e.Value.fp] = append(byModel[e.Value.fp], e.Key)
+		b.mu.Lock()
+		m := b.models[e.Value.fp]
+		b.mu.Unlock()
+		if m != nil {
+			m.forget(e.Key, b.tr.LocalSegment())
+		}
 	}
-	for m, keys := range byModel {
+	for fp, keys := range byModel {
 		ctx, cancel := b.opContext()
-		if err := b.dir.Unpublish(ctx, b.owner, m.fp, keys); err != nil {
+		if err := b.dir.Unpublish(ctx, b.owner, fp, keys); err != nil {
 			// Readers sent here by a stale entry fail on the generation.
 			b.stats.add(&b.stats.directoryErrors, 1)
 		}

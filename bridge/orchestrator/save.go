@@ -200,9 +200,7 @@ func directoryPut(e directory.Entry) directory.Event {
 	return directory.Event{Kind: directory.Put, Entry: e}
 }
 
-// insertResident indexes the sealed blocks so eviction can find them. A
-// block whose parent is held elsewhere hangs under that parent's key as
-// under a root: the index only needs the local chains' shape.
+// insertResident indexes the sealed blocks so eviction can find them.
 func (sv *Save) insertResident(blocks []saveBlock) error {
 	b := sv.m.b
 	size := int64(sv.m.geo.Size())
@@ -212,21 +210,27 @@ func (sv *Save) insertResident(blocks []saveBlock) error {
 	for _, blk := range blocks {
 		ib := index.Block[slot]{
 			Key:   blk.key,
-			Value: slot{model: sv.m, off: blk.off, size: size, gen: blk.gen},
+			Value: slot{fp: sv.m.fp, off: blk.off, size: size, gen: blk.gen},
 			Bytes: size,
 			Cost:  b.arb.PrefillTime(blk.index*B, (blk.index+1)*B).Seconds(),
 		}
-		var err error
-		if _, ok := b.resident.Get(blk.parent); ok {
-			_, err = b.resident.Insert(blk.parent, ib)
-		} else {
-			_, err = b.resident.InsertChain(blk.parent, []index.Block[slot]{ib})
-		}
-		if err != nil {
+		if err := b.insertResidentLocked(blk.parent, ib); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// insertResidentLocked indexes one block under parent. A block whose parent
+// is held elsewhere hangs under that parent's key as under a root: the
+// index only needs the shape of the chains held here. b.mu is held.
+func (b *Bridge) insertResidentLocked(parent key.Hash, ib index.Block[slot]) error {
+	if _, ok := b.resident.Get(parent); ok {
+		_, err := b.resident.Insert(parent, ib)
+		return err
+	}
+	_, err := b.resident.InsertChain(parent, []index.Block[slot]{ib})
+	return err
 }
 
 // free invalidates and frees blocks that no reader was ever sent to.

@@ -27,6 +27,9 @@ type Stats struct {
 	DirectoryErrors  int64
 	TornReads        int64
 	ParkedBatches    int64
+	Replicated       int64 // blocks a store node copied from their owners
+	TakenOver        int64 // copies a store node published when their owner let go
+	ReplicationFails int64
 	// FailuresByStatus counts load failures by the status that ended them.
 	FailuresByStatus [status.Count]int64
 }
@@ -36,6 +39,7 @@ type counters struct {
 	loads, loadFailures, restoredTokens, restoredBytes                     atomic.Int64
 	saves, saveFailures, savedBlocks, dedupedBlocks                        atomic.Int64
 	evictions, directoryErrors, tornReads, parkedBatches                   atomic.Int64
+	replicated, takenOver, replicationFailures                             atomic.Int64
 	failuresByStatus                                                       [status.Count]atomic.Int64
 }
 
@@ -84,6 +88,7 @@ func (b *Bridge) Stats() Stats {
 		SavedBlocks: c.savedBlocks.Load(), DedupedBlocks: c.dedupedBlocks.Load(),
 		Evictions: c.evictions.Load(), DirectoryErrors: c.directoryErrors.Load(),
 		TornReads: c.tornReads.Load(), ParkedBatches: c.parkedBatches.Load(),
+		Replicated: c.replicated.Load(), TakenOver: c.takenOver.Load(), ReplicationFails: c.replicationFailures.Load(),
 	}
 	for i := range c.failuresByStatus {
 		s.FailuresByStatus[i] = c.failuresByStatus[i].Load()

@@ -18,6 +18,10 @@
 //	96      32    reserved, zero
 //	128     4*B   the block's tokens, little-endian int32
 //	...     8*L   per-layer payload sums: XXH3-64 of the layer's K rows then V rows
+//	...     8*L   per-layer row sizes: u32 K bytes per token, u32 V bytes per token
+//
+// The row sizes make a block self-describing: a store node that holds
+// blocks of models it never registered can still check every layer.
 //
 // The payload holds, per layer, B K rows then B V rows, one row per token in
 // position order. V is always stored by token, also when the host keeps it
@@ -89,7 +93,7 @@ func (g *Geometry) Layers() int { return len(g.KRow) }
 
 // HeaderSize is the aligned size of a block's header.
 func (g *Geometry) HeaderSize() int {
-	return alignUp(fixedHeader + 4*g.BlockTokens + 8*len(g.KRow))
+	return alignUp(fixedHeader + 4*g.BlockTokens + 16*len(g.KRow))
 }
 
 // LayerSize is the payload bytes of layer l: its K rows then its V rows.
@@ -170,6 +174,11 @@ func EncodeHeader(dst []byte, g *Geometry, h *Header) error {
 		le.PutUint64(dst[off:], s)
 		off += 8
 	}
+	for l := range g.KRow {
+		le.PutUint32(dst[off:], uint32(g.KRow[l]))
+		le.PutUint32(dst[off+4:], uint32(g.VRow[l]))
+		off += 8
+	}
 	clear(dst[off:n])
 	le.PutUint64(dst[sumOffset:], xxh3.Hash(dst[sumFrom:n]))
 	return nil
@@ -193,7 +202,7 @@ func DecodeHeader(src []byte, g *Geometry) (Header, error) {
 	case int(le.Uint32(src[72:])) != g.BlockTokens || int(le.Uint32(src[76:])) != g.Layers() ||
 		le.Uint64(src[80:]) != uint64(g.PayloadSize()) || le.Uint64(src[88:]) != g.Digest():
 		return Header{}, status.Errorf(status.Corrupt, "block geometry differs from the model's")
-	case le.Uint16(src[6:]) != 0 || !allZero(src[96:fixedHeader]) || !allZero(src[fixedHeader+4*g.BlockTokens+8*g.Layers():n]):
+	case le.Uint16(src[6:]) != 0 || !allZero(src[96:fixedHeader]) || !allZero(src[fixedHeader+4*g.BlockTokens+16*g.Layers():n]):
 		// Bytes 6..8 are outside the header sum; the others are inside it
 		// but a header written by EncodeHeader has them zero, so any other
 		// value is not a header this format version wrote.
@@ -216,7 +225,45 @@ func DecodeHeader(src []byte, g *Geometry) (Header, error) {
 		h.LayerSums[i] = le.Uint64(src[off:])
 		off += 8
 	}
+	for l := range g.KRow {
+		if int(le.Uint32(src[off:])) != g.KRow[l] || int(le.Uint32(src[off+4:])) != g.VRow[l] {
+			return Header{}, status.Errorf(status.Corrupt, "layer %d row sizes differ from the model's", l)
+		}
+		off += 8
+	}
 	return h, nil
+}
+
+// ParseGeometry reads the geometry a block's header describes, for holders
+// that do not know the block's model. It checks that the header is whole
+// and consistent, not that it names any particular block.
+func ParseGeometry(src []byte) (Geometry, error) {
+	if len(src) < fixedHeader {
+		return Geometry{}, status.Errorf(status.Corrupt, "header truncated: %d bytes", len(src))
+	}
+	le := binary.LittleEndian
+	g := Geometry{BlockTokens: int(le.Uint32(src[72:]))}
+	layers := int(le.Uint32(src[76:]))
+	if g.BlockTokens <= 0 || g.BlockTokens > MaxBlockTokens || layers <= 0 || layers > MaxLayers {
+		return Geometry{}, status.Errorf(status.Corrupt, "header names %d tokens and %d layers", g.BlockTokens, layers)
+	}
+	off := fixedHeader + 4*g.BlockTokens + 8*layers
+	if len(src) < off+8*layers {
+		return Geometry{}, status.Errorf(status.Corrupt, "header truncated: %d bytes", len(src))
+	}
+	g.KRow, g.VRow = make([]int, layers), make([]int, layers)
+	for l := 0; l < layers; l++ {
+		g.KRow[l] = int(le.Uint32(src[off:]))
+		g.VRow[l] = int(le.Uint32(src[off+4:]))
+		off += 8
+	}
+	if err := g.Validate(); err != nil {
+		return Geometry{}, status.Wrap(status.Corrupt, err, "header geometry")
+	}
+	if _, err := DecodeHeader(src, &g); err != nil {
+		return Geometry{}, err
+	}
+	return g, nil
 }
 
 // Expect is what a reader asked for; Verify compares a header against it.
@@ -224,7 +271,7 @@ type Expect struct {
 	Key        key.BlockKey
 	Parent     key.Hash
 	Model      key.Fingerprint
-	Tokens     []int32
+	Tokens     []int32 // nil skips the comparison: the holder never saw them
 	Generation uint64
 }
 
@@ -248,7 +295,9 @@ func VerifyHeader(src []byte, g *Geometry, want *Expect) (Header, error) {
 	case h.Model != want.Model:
 		return h, status.Errorf(status.Corrupt, "block %s belongs to model %s", want.Key, h.Model)
 	}
-	if len(want.Tokens) != len(h.Tokens) {
+	// A holder that never saw the tokens (a store node copying a block)
+	// passes none; it still checks everything else.
+	if want.Tokens != nil && len(want.Tokens) != len(h.Tokens) {
 		return h, status.Errorf(status.Corrupt, "block %s holds %d tokens, want %d", want.Key, len(h.Tokens), len(want.Tokens))
 	}
 	for i, t := range want.Tokens {
