@@ -18,8 +18,8 @@ type Save struct {
 	m      *Model
 	layout kvlayout.Layout
 
-	total  int // full blocks in the tokens
-	known  int // leading blocks the directory already had
+	total int // full blocks in the tokens
+	known int // leading blocks the directory already had
 
 	mu     sync.Mutex
 	blocks []saveBlock
