@@ -1,0 +1,121 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/mcbridge/mcbridge/bridge/config"
+	"github.com/mcbridge/mcbridge/bridge/directory/etcd/embedded"
+	"github.com/mcbridge/mcbridge/bridge/metrics"
+	"github.com/mcbridge/mcbridge/bridge/orchestrator"
+)
+
+func init() {
+	commands["serve"] = command{"run a store node: a DRAM pool that keeps KV past the processes that computed it", serve}
+}
+
+func serve(args []string) error {
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	cfgDoc := fs.String("config", "", "bridge configuration: JSON or a file path (default $MCB_CONFIG)")
+	poolBytes := fs.Int64("pool-bytes", 0, "pool size in bytes (default: the config's)")
+	listen := fs.String("listen", "127.0.0.1:9464", "HTTP address for /metrics, /state and /healthz")
+	embed := fs.Bool("embed-etcd", false, "run a single-node etcd inside this process and use it as the directory")
+	etcdDir := fs.String("etcd-dir", "", "embedded etcd data directory (default: a directory under the user cache)")
+	etcdURL := fs.String("etcd-client-url", "http://127.0.0.1:2379", "where the embedded etcd serves clients")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	cfg, err := config.Load(*cfgDoc)
+	if err != nil {
+		return err
+	}
+	if *poolBytes > 0 {
+		cfg.PoolBytes = *poolBytes
+	}
+	if cfg.Owner == "" {
+		host, _ := os.Hostname()
+		cfg.Owner = fmt.Sprintf("store-%s-%d", host, os.Getpid())
+	}
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+
+	if *embed {
+		dir := *etcdDir
+		if dir == "" {
+			cache, err := os.UserCacheDir()
+			if err != nil {
+				return err
+			}
+			dir = cache + "/mcbridge/etcd"
+		}
+		stop, err := embedded.Start(dir, *etcdURL, embedded.Options{})
+		if err != nil {
+			return err
+		}
+		defer stop()
+		cfg.Directory.Kind = "etcd"
+		cfg.Directory.Endpoints = []string{*etcdURL}
+		log.Info("embedded etcd serving", "url", *etcdURL, "dir", dir)
+	}
+
+	b, err := orchestrator.Open(cfg, orchestrator.Deps{})
+	if err != nil {
+		return err
+	}
+	closed := false
+	defer func() {
+		if !closed {
+			_ = b.Close()
+		}
+	}()
+	if err := b.Replicate(); err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", *listen)
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: serveMux(b), ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	log.Info("store node serving", "segment", b.Segment(), "owner", b.Owner(), "pool_bytes", cfg.PoolBytes,
+		"http", ln.Addr().String(), "directory", cfg.Directory.Kind, "transport", cfg.Transport.Kind)
+	// The first line on stdout is machine-readable, for scripts that start
+	// a store and need its addresses.
+	_ = json.NewEncoder(os.Stdout).Encode(map[string]string{"segment": b.Segment(), "http": ln.Addr().String(), "owner": b.Owner()})
+
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	<-sig
+	log.Info("shutting down: unpublishing this store's blocks")
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	_ = srv.Shutdown(ctx)
+	cancel()
+	closed = true
+	return b.Close()
+}
+
+func serveMux(b *orchestrator.Bridge) *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/metrics", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; version=0.0.4")
+		_ = metrics.Write(w, b)
+	})
+	mux.HandleFunc("/state", func(w http.ResponseWriter, _ *http.Request) {
+		blocks, bytes, poolBytes := b.Resident()
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(map[string]any{
+			"segment": b.Segment(), "owner": b.Owner(),
+			"blocks": blocks, "bytes": bytes, "pool_bytes": poolBytes, "stats": b.Stats(),
+		})
+	})
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
+	return mux
+}
