@@ -6,6 +6,7 @@ package config
 import (
 	"bytes"
 	"encoding/json"
+	"io"
 	"os"
 	"strings"
 
@@ -106,7 +107,9 @@ func Parse(doc []byte) (Config, error) {
 	if err := dec.Decode(&c); err != nil {
 		return c, status.Wrap(status.Config, err, "parsing config")
 	}
-	if dec.More() {
+	// dec.More reports false before a stray '}' or ']', so ask for the
+	// next token instead: only the end of input is clean.
+	if _, err := dec.Token(); err != io.EOF {
 		return c, status.Errorf(status.Config, "config: trailing data after the JSON object")
 	}
 	return c, c.Validate()

@@ -127,7 +127,7 @@ func Runs(cells []uint32) []Run {
 	var runs []Run
 	for i := 0; i < len(cells); {
 		j := i + 1
-		for j < len(cells) && cells[j] == cells[j-1]+1 {
+		for j < len(cells) && uint64(cells[j]) == uint64(cells[j-1])+1 { // no wrap from 2^32-1 to 0
 			j++
 		}
 		runs = append(runs, Run{Pos: i, N: j - i, Cell: cells[i]})

@@ -1,8 +1,9 @@
 package transport
 
 import (
-	"fmt"
 	"sort"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -27,7 +28,7 @@ const (
 	FailAfter           // the link dies after Arg bytes: later requests fail, the straddling one is partial
 	Corrupt             // requests complete, but one byte of each payload is flipped
 	Delay               // every request completes Arg nanoseconds later than shaped
-	DropPeer            // the peer is gone: submit to it fails, in-flight requests fail
+	DropPeer            // the peer is gone: every request to it, new or in flight, ends Failed
 )
 
 // Fault configures one injected failure on the engine that serves requests.
@@ -108,6 +109,10 @@ func (l *Loopback) RegisterMemory(addr uintptr, length uint64, location string, 
 	if addr == 0 || length == 0 {
 		return status.Errorf(status.InvalidArg, "register: empty range")
 	}
+	if uint64(addr)+length < uint64(addr) {
+		// A wrapping range would slip past the overlap checks below.
+		return status.Errorf(status.InvalidArg, "register: [%#x, +%d) wraps the address space", addr, length)
+	}
 	if err := checkLocation(location); err != nil {
 		return err
 	}
@@ -126,19 +131,16 @@ func (l *Loopback) RegisterMemory(addr uintptr, length uint64, location string, 
 }
 
 func checkLocation(loc string) error {
-	var n int
-	switch {
-	case loc == "*":
+	if loc == "*" {
 		return nil
-	case len(loc) > 4 && loc[:4] == "cpu:":
-		_, err := fmt.Sscanf(loc, "cpu:%d", &n)
-		if err == nil {
-			return nil
-		}
-	case len(loc) > 5 && loc[:5] == "cuda:":
-		_, err := fmt.Sscanf(loc, "cuda:%d", &n)
-		if err == nil {
-			return nil
+	}
+	// The whole index must be digits: a scanf-style parse also took
+	// "cpu:0x" and "cuda:-1", hiding a malformed name from tests.
+	for _, prefix := range []string{"cpu:", "cuda:"} {
+		if n, ok := strings.CutPrefix(loc, prefix); ok {
+			if _, err := strconv.ParseUint(n, 10, 31); err == nil {
+				return nil
+			}
 		}
 	}
 	return status.Errorf(status.InvalidArg, "register: location %q is not cpu:N, cuda:N or *", loc)
@@ -212,10 +214,11 @@ func (l *Loopback) AllocateBatch(capacity int) (Batch, error) {
 }
 
 type loopbackTask struct {
-	req  Request
-	peer *Loopback
-	due  time.Time
-	done TaskStatus
+	req     Request
+	peer    *Loopback
+	due     time.Time
+	delayed bool // a Delay fault has pushed due out already
+	done    TaskStatus
 }
 
 type loopbackBatch struct {
@@ -293,30 +296,35 @@ func (b *loopbackBatch) Status(task int) (TaskStatus, error) {
 	if t.done.State.Done() {
 		return t.done, nil
 	}
-	if b.eng.opts.Now().Before(t.due) {
+	now := b.eng.opts.Now()
+	if now.Before(t.due) {
 		return TaskStatus{State: Pending}, nil
 	}
-	t.done = t.peer.serve(b.eng, t.req, &t.due, b.eng.opts.Now())
+	t.done = t.peer.serve(t, now)
 	if !t.done.State.Done() {
 		return TaskStatus{State: Pending}, nil
 	}
 	return t.done, nil
 }
 
-// serve moves one request's bytes with the faults armed on this (target)
-// engine. A Delay fault pushes the due time out once and reports Pending.
-func (p *Loopback) serve(from *Loopback, r Request, due *time.Time, now time.Time) TaskStatus {
+// serve moves one task's bytes with the faults armed on this (target)
+// engine. A Delay fault pushes each task's due time out once, from its
+// shaped due time, and reports Pending until then.
+func (p *Loopback) serve(t *loopbackTask, now time.Time) TaskStatus {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	f := p.fault
 	if p.closed || f.Kind == DropPeer || f.Kind == FailAll {
 		return TaskStatus{State: Failed}
 	}
-	if f.Kind == Delay && f.Arg > 0 {
-		p.fault.Arg = 0
-		*due = now.Add(time.Duration(f.Arg))
-		return TaskStatus{State: Pending}
+	if f.Kind == Delay && !t.delayed {
+		t.delayed = true
+		t.due = t.due.Add(time.Duration(f.Arg))
+		if now.Before(t.due) {
+			return TaskStatus{State: Pending}
+		}
 	}
+	r := t.req
 	if !p.covers(r.Remote, r.Length, true) {
 		return TaskStatus{State: Failed}
 	}

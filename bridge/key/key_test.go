@@ -1,0 +1,426 @@
+package key
+
+import (
+	"encoding/binary"
+	"encoding/hex"
+	"math/rand"
+	"reflect"
+	"testing"
+
+	"github.com/zeebo/xxh3"
+)
+
+func baseModel() Model {
+	return Model{
+		LlamaVersion: "b5000",
+		Arch:         "llama",
+		ContentHash:  Hash{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16},
+		NLayer:       2,
+		NEmbdKGQA:    []uint32{512, 512},
+		NEmbdVGQA:    []uint32{512, 256},
+		TypeK:        1,
+		TypeV:        8,
+		VTrans:       true,
+		RopeType:     0,
+		RopeFreqBase: 10000,
+		RopeScale:    1,
+		NCtxOrig:     4096,
+		AttnRotK:     false,
+		AttnRotV:     false,
+		KVProbe:      Hash{0xaa, 0xbb},
+		BlockTokens:  256,
+		Extra:        "",
+	}
+}
+
+// modelMutations changes one field of Model each. Every exported field must
+// appear here (TestFingerprintCoversEveryField checks it through reflection),
+// so a field added to Model but not to Encode fails the test.
+var modelMutations = []struct {
+	field  string
+	mutate func(m *Model)
+}{
+	{"LlamaVersion", func(m *Model) { m.LlamaVersion = "b5001" }},
+	{"Arch", func(m *Model) { m.Arch = "qwen2" }},
+	{"ContentHash", func(m *Model) { m.ContentHash[15] ^= 1 }},
+	{"NLayer", func(m *Model) { m.NLayer++ }},
+	{"NEmbdKGQA", func(m *Model) { m.NEmbdKGQA = []uint32{512, 513} }},
+	{"NEmbdKGQA", func(m *Model) { m.NEmbdKGQA = append(m.NEmbdKGQA, 0) }},
+	{"NEmbdVGQA", func(m *Model) { m.NEmbdVGQA = []uint32{256, 512} }},
+	{"NEmbdVGQA", func(m *Model) { m.NEmbdVGQA = m.NEmbdVGQA[:1] }},
+	{"TypeK", func(m *Model) { m.TypeK = 0 }},
+	{"TypeV", func(m *Model) { m.TypeV = -1 }},
+	{"VTrans", func(m *Model) { m.VTrans = false }},
+	{"RopeType", func(m *Model) { m.RopeType = 2 }},
+	{"RopeFreqBase", func(m *Model) { m.RopeFreqBase = 500000 }},
+	{"RopeScale", func(m *Model) { m.RopeScale = 0.25 }},
+	{"NCtxOrig", func(m *Model) { m.NCtxOrig = 8192 }},
+	{"AttnRotK", func(m *Model) { m.AttnRotK = true }},
+	{"AttnRotV", func(m *Model) { m.AttnRotV = true }},
+	{"KVProbe", func(m *Model) { m.KVProbe[0] ^= 0x80 }},
+	{"BlockTokens", func(m *Model) { m.BlockTokens = 128 }},
+	{"Extra", func(m *Model) { m.Extra = "x" }},
+}
+
+func TestFingerprintCoversEveryField(t *testing.T) {
+	covered := map[string]bool{}
+	base := baseModel()
+	fp := base.Fingerprint()
+	for _, mu := range modelMutations {
+		covered[mu.field] = true
+		m := baseModel()
+		before := reflect.ValueOf(m).FieldByName(mu.field).Interface()
+		mu.mutate(&m)
+		if reflect.DeepEqual(before, reflect.ValueOf(m).FieldByName(mu.field).Interface()) {
+			t.Fatalf("mutation of %s left it unchanged", mu.field)
+		}
+		if m.Fingerprint() == fp {
+			t.Errorf("changing %s does not change the fingerprint", mu.field)
+		}
+	}
+	typ := reflect.TypeOf(Model{})
+	for i := 0; i < typ.NumField(); i++ {
+		if f := typ.Field(i); f.IsExported() && !covered[f.Name] {
+			t.Errorf("field Model.%s has no mutation: add one so the fingerprint is proven to cover it", f.Name)
+		}
+	}
+	for name := range covered {
+		if _, ok := typ.FieldByName(name); !ok {
+			t.Errorf("mutation names %s, which Model does not have", name)
+		}
+	}
+}
+
+// Variable-length fields must be framed, or moving bytes from one field to
+// its neighbour would give two different models one fingerprint.
+func TestFingerprintFramesFields(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		a, b func(m *Model)
+	}{
+		{"strings", func(m *Model) { m.LlamaVersion, m.Arch = "ab", "c" }, func(m *Model) { m.LlamaVersion, m.Arch = "a", "bc" }},
+		{"slices", func(m *Model) { m.NEmbdKGQA, m.NEmbdVGQA = []uint32{1, 2}, []uint32{3} }, func(m *Model) { m.NEmbdKGQA, m.NEmbdVGQA = []uint32{1}, []uint32{2, 3} }},
+	} {
+		ma, mb := baseModel(), baseModel()
+		tc.a(&ma)
+		tc.b(&mb)
+		if ma.Fingerprint() == mb.Fingerprint() {
+			t.Errorf("%s: shifting a value across a field boundary keeps the fingerprint", tc.name)
+		}
+	}
+}
+
+func TestFingerprintFormat(t *testing.T) {
+	m := baseModel()
+	enc := m.Encode()
+	if string(enc[:len(fingerprintMagic)]) != "MCBFP\x01" {
+		t.Fatalf("encoding starts with %q", enc[:6])
+	}
+	if m.Fingerprint() != canonical128(xxh3.Hash128(enc)) {
+		t.Fatalf("fingerprint is not XXH3-128 of the encoding in canonical byte order")
+	}
+	m2 := baseModel()
+	if m.Fingerprint() != m2.Fingerprint() {
+		t.Fatalf("equal models, different fingerprints")
+	}
+}
+
+// canonical128 writes a 128-bit digest as XXH128's canonical form: the high
+// half then the low half, each big-endian.
+func canonical128(u xxh3.Uint128) Hash {
+	var h Hash
+	binary.BigEndian.PutUint64(h[:8], u.Hi)
+	binary.BigEndian.PutUint64(h[8:], u.Lo)
+	return h
+}
+
+func TestRoot(t *testing.T) {
+	m := baseModel()
+	fp := m.Fingerprint()
+	other := fp
+	other[0] ^= 1
+	base := Root(fp, Scope{})
+	distinct := map[Hash]string{base: "base"}
+	for name, h := range map[string]Hash{
+		"other model":   Root(other, Scope{}),
+		"salt":          Root(fp, Scope{TenantSalt: []byte("tenant-a")}),
+		"another salt":  Root(fp, Scope{TenantSalt: []byte("tenant-b")}),
+		"adapters":      Root(fp, Scope{Adapters: "lora@1.0"}),
+		"adapter scale": Root(fp, Scope{Adapters: "lora@0.5"}),
+		"salt|adapters": Root(fp, Scope{TenantSalt: []byte("a"), Adapters: "b"}),
+		"salt+adapters": Root(fp, Scope{TenantSalt: []byte("ab")}),
+		"adapters only": Root(fp, Scope{Adapters: "ab"}),
+	} {
+		if prev, dup := distinct[h]; dup {
+			t.Errorf("root of %q equals root of %q", name, prev)
+		}
+		distinct[h] = name
+	}
+	if Root(fp, Scope{TenantSalt: []byte{}}) != base {
+		t.Errorf("an empty salt and no salt differ")
+	}
+	if base == fp {
+		t.Errorf("the root equals the fingerprint")
+	}
+	// The documented preimage: magic, fingerprint, then framed salt and adapters.
+	s := Scope{TenantSalt: []byte("salt"), Adapters: "ad"}
+	pre := append([]byte("MCBRT\x01"), fp[:]...)
+	pre = append(pre, 4, 0, 0, 0, 's', 'a', 'l', 't', 2, 0, 0, 0, 'a', 'd')
+	if Root(fp, s) != canonical128(xxh3.Hash128(pre)) {
+		t.Errorf("root does not follow the documented format")
+	}
+}
+
+func seqTokens(n int, seed int64) []int32 {
+	r := rand.New(rand.NewSource(seed))
+	t := make([]int32, n)
+	for i := range t {
+		t[i] = int32(r.Uint32())
+	}
+	return t
+}
+
+func TestChainBlocks(t *testing.T) {
+	root := Hash{9}
+	for _, tc := range []struct {
+		tokens, block, want int
+	}{
+		{0, 4, 0},
+		{3, 4, 0},
+		{4, 4, 1},
+		{11, 4, 2},
+		{12, 4, 3},
+		{12, 1, 12},
+		{12, 0, 0},
+		{12, -4, 0},
+	} {
+		got := Chain(root, seqTokens(tc.tokens, 1), tc.block)
+		if len(got) != tc.want {
+			t.Errorf("Chain of %d tokens in blocks of %d: %d keys, want %d", tc.tokens, tc.block, len(got), tc.want)
+		}
+	}
+}
+
+func TestChainLinksParents(t *testing.T) {
+	root := Hash{1}
+	tokens := seqTokens(40, 2)
+	keys := Chain(root, tokens, 8)
+	parent := root
+	for i, k := range keys {
+		if want := BlockHash(parent, tokens[i*8:(i+1)*8], nil); k != want {
+			t.Fatalf("key %d is not the hash of its parent and its tokens", i)
+		}
+		// Documented preimage: parent || tokens as LE int32.
+		if want := canonical128(xxh3.Hash128(append(parent[:], TokenBytes(tokens[i*8:(i+1)*8])...))); k != want {
+			t.Fatalf("key %d does not follow the documented format", i)
+		}
+		parent = k
+	}
+
+	// The same block under different parents has different keys.
+	same := append(append([]int32{}, tokens[:8]...), tokens[:8]...)
+	two := Chain(root, same, 8)
+	if two[0] == two[1] {
+		t.Fatalf("equal block tokens at depth 0 and 1 share a key")
+	}
+	if Chain(Hash{2}, tokens, 8)[0] == keys[0] {
+		t.Fatalf("another root gives the same first key")
+	}
+
+	// A change in block j changes keys j.. and nothing before.
+	changed := append([]int32{}, tokens...)
+	changed[2*8+3]++
+	ck := Chain(root, changed, 8)
+	for i := range keys {
+		if (ck[i] == keys[i]) != (i < 2) {
+			t.Fatalf("after changing block 2, key %d equal=%v", i, ck[i] == keys[i])
+		}
+	}
+}
+
+func TestChainPrefixOfLongerPrompt(t *testing.T) {
+	root := Hash{3}
+	long := seqTokens(1000, 3)
+	lk := Chain(root, long, 16)
+	for _, n := range []int{16, 17, 500, 511, 512} {
+		sk := Chain(root, long[:n], 16)
+		if len(sk) != n/16 {
+			t.Fatalf("%d tokens: %d keys", n, len(sk))
+		}
+		for i := range sk {
+			if sk[i] != lk[i] {
+				t.Fatalf("prompt of %d tokens: key %d differs from the longer prompt's", n, i)
+			}
+		}
+	}
+}
+
+func TestAppendChainEqualsChain(t *testing.T) {
+	root := Hash{4}
+	// 2048 exceeds AppendChain's stack scratch: the allocating path must agree.
+	for _, block := range []int{1, 7, 256, 1024, 2048} {
+		tokens := seqTokens(3*block+1, int64(block))
+		want := Chain(root, tokens, block)
+		prefix := []BlockKey{{0xee}}
+		got := AppendChain(prefix, root, tokens, block)
+		if got[0] != (BlockKey{0xee}) || !reflect.DeepEqual(got[1:], want) {
+			t.Errorf("block %d: AppendChain differs from Chain or clobbers dst", block)
+		}
+		if n := testing.AllocsPerRun(5, func() { got = AppendChain(got[:0], root, tokens, block) }); block <= 1024 && n != 0 {
+			t.Errorf("block %d: AppendChain into a long enough dst allocates %v times", block, n)
+		}
+	}
+}
+
+// Golden values computed with the C xxHash library (python3-xxhash), an
+// implementation independent of the one the package uses.
+func TestChainGolden(t *testing.T) {
+	tokens := []int32{1, 2, 3, 4, -1, 0x7fffffff, -0x80000000, 100000, 5, 6, 7, 8, 9}
+	var root Hash
+	for i := range root {
+		root[i] = byte(i)
+	}
+	want := []string{
+		"4c54e37fc7943ca3082d6b4fe9c74494",
+		"d3c8c7e1ae91e2b96db845ba86586c9b",
+		"e53f9ac48678cfe7506cfead560d69e3",
+	}
+	checkGolden(t, Chain(root, tokens, 4), want)
+
+	// 1 KiB blocks take xxh3's long-input path.
+	long := goldenLongTokens(3*256 + 5)
+	checkGolden(t, Chain(Hash{}, long, 256), []string{
+		"63854f8f7450df825ae72352b4d9c5a3",
+		"6148f545b082171e8b4b30b023a1e708",
+		"72a2a84f5661a5f8b9c88f0775f3b9b4",
+	})
+}
+
+func checkGolden(t *testing.T, got []BlockKey, want []string) {
+	t.Helper()
+	if len(got) != len(want) {
+		t.Fatalf("%d keys, want %d", len(got), len(want))
+	}
+	for i := range want {
+		if got[i].String() != want[i] {
+			t.Errorf("key %d = %s, want %s", i, got[i], want[i])
+		}
+	}
+}
+
+func goldenLongTokens(n int) []int32 {
+	t := make([]int32, n)
+	for i := range t {
+		t[i] = int32(uint32(i) * 2654435761)
+	}
+	return t
+}
+
+func TestTokenBytes(t *testing.T) {
+	got := TokenBytes([]int32{1, -1, 0x01020304})
+	want := []byte{1, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 4, 3, 2, 1}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("TokenBytes = %x, want %x", got, want)
+	}
+}
+
+func TestHashString(t *testing.T) {
+	h := Hash{0x01, 0xab}
+	if h.String() != "01ab"+hex.EncodeToString(make([]byte, 14)) {
+		t.Fatalf("String = %s", h)
+	}
+	if h.IsZero() || !(Hash{}).IsZero() {
+		t.Fatalf("IsZero wrong")
+	}
+}
+
+// mooncakeReference follows the conductor-indexer spec literally:
+// local = XXH3-64(tokens as LE u32, seed); seq[0] = local[0];
+// seq[i] = XXH3-64(LE(seq[i-1]) || LE(local[i]), seed).
+func mooncakeReference(tokens []int32, block int, seed uint64) []uint64 {
+	var seq []uint64
+	for i := 0; (i+1)*block <= len(tokens); i++ {
+		var raw []byte
+		for _, t := range tokens[i*block : (i+1)*block] {
+			raw = binary.LittleEndian.AppendUint32(raw, uint32(t))
+		}
+		local := xxh3.HashSeed(raw, seed)
+		if i == 0 {
+			seq = append(seq, local)
+			continue
+		}
+		var pair []byte
+		pair = binary.LittleEndian.AppendUint64(pair, seq[i-1])
+		pair = binary.LittleEndian.AppendUint64(pair, local)
+		seq = append(seq, xxh3.HashSeed(pair, seed))
+	}
+	return seq
+}
+
+func TestMooncakeHashesMatchSpec(t *testing.T) {
+	for _, tc := range []struct {
+		n, block int
+		seed     uint64
+	}{
+		{0, 4, 0}, {3, 4, 0}, {4, 4, 1}, {37, 4, 0x5eed}, {1000, 64, 0}, {2000, 256, 1 << 63}, {50, 1, 7},
+	} {
+		tokens := seqTokens(tc.n, int64(tc.n))
+		got := MooncakeHashes(tokens, tc.block, tc.seed)
+		want := mooncakeReference(tokens, tc.block, tc.seed)
+		if len(got) != len(want) || len(got) != tc.n/tc.block {
+			t.Fatalf("%+v: %d hashes, reference %d", tc, len(got), len(want))
+		}
+		for i := range want {
+			if got[i] != want[i] {
+				t.Fatalf("%+v: hash %d = %#x, reference %#x", tc, i, got[i], want[i])
+			}
+		}
+	}
+	if MooncakeHashes(seqTokens(8, 1), 0, 0) != nil {
+		t.Fatalf("block size 0 gives hashes")
+	}
+}
+
+// Golden values from the C xxHash library (python3-xxhash).
+func TestMooncakeHashesGolden(t *testing.T) {
+	tokens := []int32{1, 2, 3, 4, -1, 0x7fffffff, -0x80000000, 100000, 5, 6, 7, 8, 9}
+	for _, tc := range []struct {
+		seed   uint64
+		tokens []int32
+		block  int
+		want   []uint64
+	}{
+		{0x5eed, tokens, 4, []uint64{0xa301127d2b4164db, 0xd10cad7f1afa82ad, 0xfeaa2ff1ea2b8e75}},
+		{0, tokens, 4, []uint64{0x6fc1ebd4f4d6ea31, 0x24f053a1fb9a501e, 0x4827805690609694}},
+		{7, goldenLongTokens(3*256 + 5), 256, []uint64{0x66d410f05e64b0c9, 0x47134437bfe15d3d, 0x5ed4f6718960220a}},
+	} {
+		if got := MooncakeHashes(tc.tokens, tc.block, tc.seed); !reflect.DeepEqual(got, tc.want) {
+			t.Errorf("seed %#x: %#x, want %#x", tc.seed, got, tc.want)
+		}
+	}
+}
+
+func BenchmarkChain128k(b *testing.B) {
+	const n, block = 131072, 256
+	tokens := seqTokens(n, 1)
+	root := Hash{1}
+	var keys []BlockKey
+	b.SetBytes(4 * n)
+	b.ReportAllocs()
+	for b.Loop() {
+		keys = Chain(root, tokens, block)
+	}
+	if len(keys) != n/block {
+		b.Fatalf("%d keys", len(keys))
+	}
+}
+
+func BenchmarkMooncakeHashes128k(b *testing.B) {
+	const n, block = 131072, 256
+	tokens := seqTokens(n, 1)
+	b.SetBytes(4 * n)
+	b.ReportAllocs()
+	for b.Loop() {
+		MooncakeHashes(tokens, block, 0)
+	}
+}
