@@ -1,0 +1,215 @@
+/*
+ * Worker threads: each takes a queued task, moves it slice by slice through
+ * the fault hooks, and publishes the final state last, because a published
+ * final state lets the caller free the batch that owns the task.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "internal.h"
+
+static int64_t mono_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+/* Sleeps us microseconds unless the engine stops first. */
+static void pause_us(struct engine *e, int64_t us) {
+    int64_t until = mono_us() + us;
+    struct timespec ts = {.tv_sec = until / 1000000,
+                          .tv_nsec = (until % 1000000) * 1000};
+    pthread_mutex_lock(&e->qmu);
+    while (!atomic_load(&e->stopping) && mono_us() < until)
+        if (pthread_cond_timedwait(&e->qcv, &e->qmu, &ts) == ETIMEDOUT) break;
+    pthread_mutex_unlock(&e->qmu);
+}
+
+static bool stalled(struct engine *e) {
+    int64_t at = atomic_load(&e->stall_after);
+    return at >= 0 && atomic_load(&e->moved) >= (uint64_t)at;
+}
+
+/* Holds the worker while a stall is armed and reached; false on stop. */
+static bool wait_unstalled(struct engine *e) {
+    if (!stalled(e)) return true;
+    pthread_mutex_lock(&e->qmu);
+    while (!atomic_load(&e->stopping) && stalled(e))
+        pthread_cond_wait(&e->qcv, &e->qmu);
+    pthread_mutex_unlock(&e->qmu);
+    return !atomic_load(&e->stopping);
+}
+
+/*
+ * Claims up to want bytes of the fault budgets: the fail and stall limits
+ * apply to the sum of all workers' bytes, so the claim is one atomic step.
+ * Returns 0 when the fail budget is spent.
+ */
+static uint64_t claim(struct engine *e, uint64_t want) {
+    for (;;) {
+        uint64_t m = atomic_load(&e->moved);
+        uint64_t n = want;
+        int64_t fail = atomic_load(&e->fail_after);
+        int64_t stall = atomic_load(&e->stall_after);
+        if (fail >= 0) {
+            if (m >= (uint64_t)fail) return 0;
+            if (n > (uint64_t)fail - m) n = (uint64_t)fail - m;
+        }
+        if (stall >= 0 && m < (uint64_t)stall && n > (uint64_t)stall - m)
+            n = (uint64_t)stall - m;
+        if (atomic_compare_exchange_weak(&e->moved, &m, m + n)) return n;
+    }
+}
+
+static bool take_corruption(struct engine *e) {
+    int64_t c = atomic_load(&e->corrupt);
+    while (c > 0)
+        if (atomic_compare_exchange_weak(&e->corrupt, &c, c - 1)) return true;
+    return false;
+}
+
+/* Flips one byte of what the task delivered, by the path it used. */
+static int corrupt(struct engine *e, struct task *t) {
+    const struct transfer_request *r = &t->req;
+    uint64_t off = r->length / 2;
+    if (r->opcode == OPCODE_READ) {
+        volatile uint8_t *b = (uint8_t *)r->source + off;
+        *b ^= 0xff;
+        return 0;
+    }
+    uint8_t b;
+    int rc = peer_transfer(e, t->peer, OPCODE_READ, (uintptr_t)&b,
+                           r->target_offset + off, 1);
+    b ^= 0xff;
+    if (rc == 0)
+        rc = peer_transfer(e, t->peer, OPCODE_WRITE, (uintptr_t)&b,
+                           r->target_offset + off, 1);
+    return rc;
+}
+
+static void finish(struct engine *e, struct task *t, int state) {
+    struct notice *nt = t->notice;
+    if (nt) {
+        if (state != STATUS_COMPLETED) atomic_store(&nt->failed, true);
+        if (atomic_fetch_sub(&nt->remaining, 1) == 1) {
+            if (!atomic_load(&nt->failed))
+                peer_notify(e, nt->peer, nt->name, nt->msg);
+            peer_unref(nt->peer);
+            free(nt->name);
+            free(nt->msg);
+            free(nt);
+        }
+    }
+    peer_unref(t->peer);
+    atomic_fetch_sub(&e->stats.inflight_bytes, t->req.length);
+    if (state == STATUS_COMPLETED)
+        atomic_fetch_add(&e->stats.tasks_completed, 1);
+    else
+        atomic_fetch_add(&e->stats.tasks_failed, 1);
+    atomic_store_explicit(&t->state, state, memory_order_release);
+}
+
+static void run_task(struct engine *e, struct task *t) {
+    const struct transfer_request *r = &t->req;
+    atomic_store(&t->state, STATUS_PENDING);
+    int64_t start = mono_us();
+    uint64_t done = 0;
+    int state = STATUS_COMPLETED;
+    while (done < r->length) {
+        int64_t delay = atomic_load(&e->delay_us);
+        if (delay > 0) pause_us(e, delay);
+        if (!wait_unstalled(e) || atomic_load(&e->stopping)) {
+            state = STATUS_CANCELED;
+            break;
+        }
+        if (atomic_load(&e->drop)) {
+            state = STATUS_FAILED;
+            break;
+        }
+        uint64_t want = r->length - done;
+        if (want > SLICE_BYTES) want = SLICE_BYTES;
+        uint64_t n = claim(e, want);
+        if (n == 0) {
+            state = STATUS_FAILED;
+            break;
+        }
+        int rc = peer_transfer(e, t->peer, r->opcode,
+                               (uintptr_t)r->source + done,
+                               r->target_offset + done, n);
+        if (rc) {
+            state = rc == -TE_CLOCK ? STATUS_TIMEOUT : STATUS_FAILED;
+            break;
+        }
+        done += n;
+        atomic_store(&t->transferred, done);
+        if (e->task_timeout_ms > 0 && done < r->length &&
+            mono_us() - start > (int64_t)e->task_timeout_ms * 1000) {
+            state = STATUS_TIMEOUT;
+            break;
+        }
+    }
+    if (state == STATUS_COMPLETED && take_corruption(e) && corrupt(e, t))
+        state = STATUS_FAILED;
+    finish(e, t, state);
+}
+
+static void *worker_main(void *arg) {
+    struct engine *e = arg;
+    for (;;) {
+        pthread_mutex_lock(&e->qmu);
+        while (!atomic_load(&e->stopping) && !e->qhead)
+            pthread_cond_wait(&e->qcv, &e->qmu);
+        struct task *t = NULL;
+        if (!atomic_load(&e->stopping)) {
+            t = e->qhead;
+            e->qhead = t->next;
+            if (!e->qhead) e->qtail = NULL;
+        }
+        pthread_mutex_unlock(&e->qmu);
+        if (!t) return NULL;
+        run_task(e, t);
+    }
+}
+
+int workers_start(struct engine *e, int n) {
+    for (e->nworkers = 0; e->nworkers < n; e->nworkers++)
+        if (pthread_create(&e->workers[e->nworkers], NULL, worker_main, e))
+            return -TE_MEMORY;
+    return 0;
+}
+
+void workers_stop(struct engine *e) {
+    pthread_mutex_lock(&e->qmu);
+    atomic_store(&e->stopping, true);
+    pthread_cond_broadcast(&e->qcv);
+    pthread_mutex_unlock(&e->qmu);
+    for (int i = 0; i < e->nworkers; i++) pthread_join(e->workers[i], NULL);
+    e->nworkers = 0;
+    for (struct task *t = e->qhead, *next; t; t = next) {
+        next = t->next;
+        finish(e, t, STATUS_CANCELED);
+    }
+    e->qhead = e->qtail = NULL;
+}
+
+void workers_enqueue(struct engine *e, struct task *first, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        first[i].next = i + 1 < n ? &first[i + 1] : NULL;
+        atomic_fetch_add(&e->stats.inflight_bytes, first[i].req.length);
+    }
+    pthread_mutex_lock(&e->qmu);
+    if (e->qtail)
+        e->qtail->next = first;
+    else
+        e->qhead = first;
+    e->qtail = &first[n - 1];
+    pthread_cond_broadcast(&e->qcv);
+    pthread_mutex_unlock(&e->qmu);
+}
+
+void faults_release_stall(struct engine *e) {
+    pthread_mutex_lock(&e->qmu);
+    pthread_cond_broadcast(&e->qcv);
+    pthread_mutex_unlock(&e->qmu);
+}
