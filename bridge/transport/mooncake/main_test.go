@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"syscall"
 	"testing"
@@ -18,10 +17,8 @@ import (
 
 	"github.com/mcbridge/mcbridge/bridge/status"
 	"github.com/mcbridge/mcbridge/bridge/transport"
+	"github.com/mcbridge/mcbridge/bridge/transport/mooncake/mocklib"
 )
-
-// EnvMockLibrary names a prebuilt mock; without it the tests build one.
-const EnvMockLibrary = "MCB_TE_MOCK_LIB"
 
 // mockLib is the mock library the tests run against.
 var mockLib string
@@ -55,34 +52,10 @@ func leakCheck() int {
 	return 0
 }
 
-// findMock uses $MCB_TE_MOCK_LIB or compiles mooncake-capi/mock with the
-// system C compiler, so that `go test ./...` needs no prior CMake build.
 func findMock() (func(), error) {
-	if p := os.Getenv(EnvMockLibrary); p != "" {
-		mockLib = p
-		return func() {}, nil
-	}
-	dir, err := os.MkdirTemp("", "mcb-te-mock-")
-	if err != nil {
-		return nil, err
-	}
-	sources, err := filepath.Glob("../../../mooncake-capi/mock/*.c")
-	if err != nil || len(sources) == 0 {
-		os.RemoveAll(dir)
-		return nil, fmt.Errorf("mock sources not found (%v); set %s", err, EnvMockLibrary)
-	}
-	cc := os.Getenv("CC")
-	if cc == "" {
-		cc = "cc"
-	}
-	out := filepath.Join(dir, "libmooncake_te_mock.so")
-	args := append([]string{"-shared", "-fPIC", "-O2", "-pthread", "-Wall", "-Wextra", "-Werror", "-o", out}, sources...)
-	if msg, err := exec.Command(cc, args...).CombinedOutput(); err != nil {
-		os.RemoveAll(dir)
-		return nil, fmt.Errorf("building the mock: %v\n%s", err, msg)
-	}
-	mockLib = out
-	return func() { os.RemoveAll(dir) }, nil
+	p, cleanup, err := mocklib.Find()
+	mockLib = p
+	return cleanup, err
 }
 
 // buffer is memory outside the Go heap, as the engines' worker threads may
