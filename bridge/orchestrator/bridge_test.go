@@ -1,48 +1,16 @@
 package orchestrator
 
 import (
-	"fmt"
 	"math/rand"
 	"testing"
 	"time"
 
 	"github.com/mcbridge/mcbridge/bridge/directory"
 	"github.com/mcbridge/mcbridge/bridge/key"
+	"github.com/mcbridge/mcbridge/bridge/kvlayout/kvtest"
 	"github.com/mcbridge/mcbridge/bridge/status"
 	"github.com/mcbridge/mcbridge/bridge/transport"
 )
-
-const scribble = 0xee
-
-// checkNoWrong verifies that every row at positions [0, len) is either all
-// scribble or exactly its computed bytes: no unverified byte reached it.
-func (h *host) checkNoWrong(tokens []int32, cells []uint32) error {
-	for p, c := range cells {
-		for l := range h.k {
-			k := h.k[l][int(c)*h.krow[l] : (int(c)+1)*h.krow[l]]
-			if !rowIs(k, func(i int) byte { return value(tokens[p], p, l, 0, i) }) {
-				return fmt.Errorf("pos %d layer %d: K row holds bytes that are neither old nor restored", p, l)
-			}
-			v := make([]byte, h.vrow[l])
-			for i := range v {
-				v[i] = *h.vAt(l, int(c), i)
-			}
-			if !rowIs(v, func(i int) byte { return value(tokens[p], p, l, 1, i) }) {
-				return fmt.Errorf("pos %d layer %d: V row holds bytes that are neither old nor restored", p, l)
-			}
-		}
-	}
-	return nil
-}
-
-func rowIs(row []byte, want func(int) byte) bool {
-	old, restored := true, true
-	for i, b := range row {
-		old = old && b == scribble
-		restored = restored && b == want(i)
-	}
-	return old || restored
-}
 
 func TestRestoreRoundTrip(t *testing.T) {
 	for _, tc := range []struct {
@@ -68,12 +36,12 @@ func TestRestoreRoundTrip(t *testing.T) {
 			src := newHost(t, 3, 64, 32, 48, tc.vtrans)
 			dst := newHost(t, 3, 64, 32, 48, tc.vtrans)
 			ma, mb := register(t, a, src, 4), register(t, b, dst, 4)
-			tokens := randomTokens(r, 22) // five full blocks and two tokens
-			cells := seqCells(len(tokens))
+			tokens := kvtest.Tokens(r, 22) // five full blocks and two tokens
+			cells := kvtest.SeqCells(len(tokens))
 			if tc.scattered {
-				cells = scatteredCells(r, len(tokens), 64)
+				cells = kvtest.ScatteredCells(r, len(tokens), 64)
 			}
-			src.fill(tokens, cells)
+			src.Fill(tokens, cells)
 			res := saveAll(t, ma, src, key.Scope{}, tokens, cells)
 			if res.Published != 5 || res.Written != 5 || res.Known != 0 {
 				t.Fatalf("save: %+v", res)
@@ -86,16 +54,16 @@ func TestRestoreRoundTrip(t *testing.T) {
 			if lk.MatchedBlocks != 5 {
 				t.Fatalf("lookup matched %d blocks, want 5", lk.MatchedBlocks)
 			}
-			dst.scribble(scribble)
-			dcells := seqCells(20)
+			dst.Scribble()
+			dcells := kvtest.SeqCells(20)
 			if tc.scattered {
-				dcells = scatteredCells(rand.New(rand.NewSource(2)), 20, 64)
+				dcells = kvtest.ScatteredCells(rand.New(rand.NewSource(2)), 20, 64)
 			}
 			got, err := loadAll(t, mb, dst, key.Scope{}, tokens[:20], dcells)
 			if err != nil || got.OKTokens != 20 {
 				t.Fatalf("load: %+v, %v", got, err)
 			}
-			if err := dst.check(tokens[:20], dcells, 20, scribble); err != nil {
+			if err := dst.Check(tokens[:20], dcells, 20); err != nil {
 				t.Fatal(err)
 			}
 			if st := b.Stats(); st.RestoredTokens != 20 || st.Hits != 1 {
@@ -110,24 +78,24 @@ func TestSaveDedupe(t *testing.T) {
 	a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
 	h := newHost(t, 2, 32, 16, 16, false)
 	ma, mb := register(t, a, h, 4), register(t, b, h, 4)
-	tokens := randomTokens(rand.New(rand.NewSource(3)), 16)
-	h.fill(tokens, seqCells(16))
-	if res := saveAll(t, ma, h, key.Scope{}, tokens[:8], seqCells(8)); res.Published != 2 {
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(3)), 16)
+	h.Fill(tokens, kvtest.SeqCells(16))
+	if res := saveAll(t, ma, h, key.Scope{}, tokens[:8], kvtest.SeqCells(8)); res.Published != 2 {
 		t.Fatalf("a: %+v", res)
 	}
 	// b knows a's two blocks and writes only the two after them.
-	res := saveAll(t, mb, h, key.Scope{}, tokens, seqCells(16))
+	res := saveAll(t, mb, h, key.Scope{}, tokens, kvtest.SeqCells(16))
 	if res.Known != 2 || res.Written != 2 || res.Published != 2 {
 		t.Fatalf("b: %+v", res)
 	}
 	// Two saves racing past the lookup: the directory keeps one copy.
-	tok2 := randomTokens(rand.New(rand.NewSource(4)), 8)
-	h.fill(tok2, seqCells(8))
-	sa, err := ma.SaveBegin(key.Scope{}, h.layout(), tok2, seqCells(8))
+	tok2 := kvtest.Tokens(rand.New(rand.NewSource(4)), 8)
+	h.Fill(tok2, kvtest.SeqCells(8))
+	sa, err := ma.SaveBegin(key.Scope{}, h.Layout(), tok2, kvtest.SeqCells(8))
 	if err != nil {
 		t.Fatal(err)
 	}
-	sb, err := mb.SaveBegin(key.Scope{}, h.layout(), tok2, seqCells(8))
+	sb, err := mb.SaveBegin(key.Scope{}, h.Layout(), tok2, kvtest.SeqCells(8))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -178,13 +146,13 @@ func TestRestoreFaults(t *testing.T) {
 			src := newHost(t, 3, 32, 32, 32, false)
 			dst := newHost(t, 3, 32, 32, 32, false)
 			ma, mb := register(t, a, src, 4), register(t, b, dst, 4)
-			tokens := randomTokens(rand.New(rand.NewSource(5)), 16)
-			cells := seqCells(16)
-			src.fill(tokens, cells)
+			tokens := kvtest.Tokens(rand.New(rand.NewSource(5)), 16)
+			cells := kvtest.SeqCells(16)
+			src.Fill(tokens, cells)
 			saveAll(t, ma, src, key.Scope{}, tokens, cells)
 
 			a.tr.(*transport.Loopback).SetFault(tc.fault(ma))
-			dst.scribble(scribble)
+			dst.Scribble()
 			res, err := loadAll(t, mb, dst, key.Scope{}, tokens, cells)
 			if status.Of(err) != tc.code {
 				t.Fatalf("load error %v (status %v), want %v", err, status.Of(err), tc.code)
@@ -193,10 +161,10 @@ func TestRestoreFaults(t *testing.T) {
 				t.Fatalf("load reported every token good under a fault")
 			}
 			if tc.strict {
-				if err := dst.check(tokens, cells, res.OKTokens, scribble); err != nil {
+				if err := dst.Check(tokens, cells, res.OKTokens); err != nil {
 					t.Fatal(err)
 				}
-			} else if err := dst.checkNoWrong(tokens, cells); err != nil {
+			} else if err := dst.CheckNoWrong(tokens, cells); err != nil {
 				t.Fatal(err)
 			}
 			if got := b.Stats().FailuresByStatus[tc.code]; got != 1 {
@@ -207,7 +175,7 @@ func TestRestoreFaults(t *testing.T) {
 			if res, err := loadAll(t, mb, dst, key.Scope{}, tokens, cells); err != nil || res.OKTokens != 16 {
 				t.Fatalf("after the fault: %+v, %v", res, err)
 			}
-			if err := dst.check(tokens, cells, 16, scribble); err != nil {
+			if err := dst.Check(tokens, cells, 16); err != nil {
 				t.Fatal(err)
 			}
 		})
@@ -223,18 +191,18 @@ func TestEvictedDuringRead(t *testing.T) {
 	h := newHost(t, 2, 4096, 1024, 1024, false)
 	ma, mb := register(t, a, h, 16), register(t, b, h, 16)
 	r := rand.New(rand.NewSource(6))
-	tokens := randomTokens(r, 16)
-	h.fill(tokens, seqCells(16))
-	saveAll(t, ma, h, key.Scope{}, tokens, seqCells(16))
+	tokens := kvtest.Tokens(r, 16)
+	h.Fill(tokens, kvtest.SeqCells(16))
+	saveAll(t, ma, h, key.Scope{}, tokens, kvtest.SeqCells(16))
 	stale := mb.match(key.Root(mb.fp, key.Scope{}), key.Chain(key.Root(mb.fp, key.Scope{}), tokens, 16))
 	if len(stale) != 1 {
 		t.Fatalf("b sees %d blocks", len(stale))
 	}
 	// Fill a's pool until the first block is evicted and its memory reused.
 	for i := 0; ; i++ {
-		other := randomTokens(r, 16)
-		h.fill(other, seqCells(16))
-		saveAll(t, ma, h, key.Scope{}, other, seqCells(16))
+		other := kvtest.Tokens(r, 16)
+		h.Fill(other, kvtest.SeqCells(16))
+		saveAll(t, ma, h, key.Scope{}, other, kvtest.SeqCells(16))
 		if _, ok := a.resident.Get(stale[0].Key); !ok {
 			break
 		}
@@ -248,12 +216,12 @@ func TestEvictedDuringRead(t *testing.T) {
 	// Replay the stale entry as a lagging directory would.
 	mb.apply(directory.Event{Kind: directory.Put, Entry: stale[0]})
 	dst := newHost(t, 2, 4096, 1024, 1024, false)
-	dst.scribble(scribble)
-	res, err := loadAll(t, mb, dst, key.Scope{}, tokens, seqCells(16))
+	dst.Scribble()
+	res, err := loadAll(t, mb, dst, key.Scope{}, tokens, kvtest.SeqCells(16))
 	if status.Of(err) != status.Corrupt || res.OKTokens != 0 {
 		t.Fatalf("stale read: %+v, %v", res, err)
 	}
-	if err := dst.check(tokens, seqCells(16), 0, scribble); err != nil {
+	if err := dst.Check(tokens, kvtest.SeqCells(16), 0); err != nil {
 		t.Fatal(err)
 	}
 	if a.Stats().Evictions == 0 {
@@ -266,10 +234,10 @@ func TestIsolation(t *testing.T) {
 	a := openBridge(t, cfg, "a")
 	h := newHost(t, 2, 32, 16, 16, false)
 	m := register(t, a, h, 4)
-	tokens := randomTokens(rand.New(rand.NewSource(7)), 9)
-	h.fill(tokens, seqCells(9))
-	saveAll(t, m, h, key.Scope{TenantSalt: []byte("alice")}, tokens, seqCells(9))
-	other := h.spec(4)
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(7)), 9)
+	h.Fill(tokens, kvtest.SeqCells(9))
+	saveAll(t, m, h, key.Scope{TenantSalt: []byte("alice")}, tokens, kvtest.SeqCells(9))
+	other := spec(h, 4)
 	other.Params.NLayer = 1
 	other.KRow, other.VRow, other.VElem = other.KRow[:1], other.VRow[:1], other.VElem[:1]
 	other.Params.NEmbdKGQA, other.Params.NEmbdVGQA = other.Params.NEmbdKGQA[:1], other.Params.NEmbdVGQA[:1]
@@ -301,10 +269,10 @@ func TestMisuse(t *testing.T) {
 	a := openBridge(t, cfg, "a")
 	h := newHost(t, 2, 32, 16, 16, false)
 	m := register(t, a, h, 4)
-	tokens := randomTokens(rand.New(rand.NewSource(8)), 8)
-	h.fill(tokens, seqCells(8))
-	saveAll(t, m, h, key.Scope{}, tokens, seqCells(8))
-	lo := h.layout()
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(8)), 8)
+	h.Fill(tokens, kvtest.SeqCells(8))
+	saveAll(t, m, h, key.Scope{}, tokens, kvtest.SeqCells(8))
+	lo := h.Layout()
 	bad := lo
 	bad.Layers = append(bad.Layers[:0:0], lo.Layers...)
 	bad.Layers[1].KStride = 3
@@ -316,26 +284,26 @@ func TestMisuse(t *testing.T) {
 		cells  []uint32
 		code   status.Code
 	}{
-		{"partial block", tokens[:6], seqCells(6), status.InvalidArg},
-		{"cells count", tokens, seqCells(7), status.InvalidArg},
-		{"cell out of range", tokens, append(seqCells(7), 99), status.Layout},
-		{"cell twice", tokens, append(seqCells(7), 3), status.Layout},
+		{"partial block", tokens[:6], kvtest.SeqCells(6), status.InvalidArg},
+		{"cells count", tokens, kvtest.SeqCells(7), status.InvalidArg},
+		{"cell out of range", tokens, append(kvtest.SeqCells(7), 99), status.Layout},
+		{"cell twice", tokens, append(kvtest.SeqCells(7), 3), status.Layout},
 		{"empty", nil, nil, status.InvalidArg},
 	} {
 		if _, err := m.LoadBegin(key.Scope{}, lo, tc.tokens, tc.cells); status.Of(err) != tc.code {
 			t.Errorf("%s: %v, want %v", tc.name, err, tc.code)
 		}
 	}
-	if _, err := m.LoadBegin(key.Scope{}, bad, tokens, seqCells(8)); status.Of(err) != status.Layout {
+	if _, err := m.LoadBegin(key.Scope{}, bad, tokens, kvtest.SeqCells(8)); status.Of(err) != status.Layout {
 		t.Errorf("bad stride: %v", err)
 	}
-	if _, err := m.LoadBegin(key.Scope{}, short, tokens, seqCells(8)); status.Of(err) != status.Layout {
+	if _, err := m.LoadBegin(key.Scope{}, short, tokens, kvtest.SeqCells(8)); status.Of(err) != status.Layout {
 		t.Errorf("missing layer: %v", err)
 	}
-	if _, err := m.LoadBegin(key.Scope{}, lo, randomTokens(rand.New(rand.NewSource(9)), 8), seqCells(8)); status.Of(err) != status.NotFound {
+	if _, err := m.LoadBegin(key.Scope{}, lo, kvtest.Tokens(rand.New(rand.NewSource(9)), 8), kvtest.SeqCells(8)); status.Of(err) != status.NotFound {
 		t.Errorf("unknown tokens: %v", err)
 	}
-	ld, err := m.LoadBegin(key.Scope{}, lo, tokens, seqCells(8))
+	ld, err := m.LoadBegin(key.Scope{}, lo, tokens, kvtest.SeqCells(8))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -354,7 +322,7 @@ func TestMisuse(t *testing.T) {
 	if _, err := ld.WaitLayer(0); status.Of(err) != status.State {
 		t.Errorf("wait after end: %v", err)
 	}
-	sv, err := m.SaveBegin(key.Scope{}, lo, randomTokens(rand.New(rand.NewSource(10)), 4), seqCells(4))
+	sv, err := m.SaveBegin(key.Scope{}, lo, kvtest.Tokens(rand.New(rand.NewSource(10)), 4), kvtest.SeqCells(4))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/mcbridge/mcbridge/bridge/config"
 	"github.com/mcbridge/mcbridge/bridge/key"
+	"github.com/mcbridge/mcbridge/bridge/kvlayout/kvtest"
 	"github.com/mcbridge/mcbridge/bridge/transport"
 )
 
@@ -35,9 +36,9 @@ func TestStoreOutlivesOwner(t *testing.T) {
 	t.Cleanup(func() { _ = a.Close() })
 	src := newHost(t, 3, 64, 32, 48, true)
 	ma := register(t, a, src, 4)
-	tokens := randomTokens(rand.New(rand.NewSource(11)), 20)
-	src.fill(tokens, seqCells(20))
-	saveAll(t, ma, src, key.Scope{}, tokens, seqCells(20))
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(11)), 20)
+	src.Fill(tokens, kvtest.SeqCells(20))
+	saveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(20))
 	waitFor(t, "the store to copy 5 blocks", func() bool { return store.Stats().Replicated == 5 })
 
 	// The owner exits: it unpublishes, and the store's copies take over.
@@ -49,12 +50,12 @@ func TestStoreOutlivesOwner(t *testing.T) {
 	c := openBridge(t, cfg, "c")
 	dst := newHost(t, 3, 64, 32, 48, true)
 	mc := register(t, c, dst, 4)
-	dst.scribble(scribble)
-	res, err := loadAll(t, mc, dst, key.Scope{}, tokens[:20], seqCells(20))
+	dst.Scribble()
+	res, err := loadAll(t, mc, dst, key.Scope{}, tokens[:20], kvtest.SeqCells(20))
 	if err != nil || res.OKTokens != 20 {
 		t.Fatalf("restore from the store: %+v, %v", res, err)
 	}
-	if err := dst.check(tokens, seqCells(20), 20, scribble); err != nil {
+	if err := dst.Check(tokens, kvtest.SeqCells(20), 20); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -66,9 +67,9 @@ func TestStoreRefusesCorruptCopies(t *testing.T) {
 	store := openBridge(t, cfg, "store")
 	src := newHost(t, 2, 32, 16, 16, false)
 	ma := register(t, a, src, 4)
-	tokens := randomTokens(rand.New(rand.NewSource(12)), 8)
-	src.fill(tokens, seqCells(8))
-	saveAll(t, ma, src, key.Scope{}, tokens, seqCells(8))
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(12)), 8)
+	src.Fill(tokens, kvtest.SeqCells(8))
+	saveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(8))
 	if err := store.Replicate(); err != nil {
 		t.Fatal(err)
 	}
