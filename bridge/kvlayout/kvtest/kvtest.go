@@ -7,7 +7,6 @@ package kvtest
 import (
 	"fmt"
 	"math/rand"
-	"testing"
 
 	"github.com/mcbridge/mcbridge/bridge/key"
 	"github.com/mcbridge/mcbridge/bridge/kvlayout"
@@ -28,9 +27,16 @@ type Host struct {
 	K, V   [][]byte
 }
 
+// TB is the part of testing.TB a Host needs, so that a child process of a
+// test can make one too.
+type TB interface {
+	Fatal(args ...any)
+	Cleanup(func())
+}
+
 // New maps a host's tensors; layer l's K rows are krow+16*l bytes so that
 // layers differ. They are unmapped when tb ends.
-func New(tb testing.TB, layers, cells, krow, vrow int, vtrans bool) *Host {
+func New(tb TB, layers, cells, krow, vrow int, vtrans bool) *Host {
 	h := &Host{Cells: cells, VTrans: vtrans, VElem: 2}
 	for l := 0; l < layers; l++ {
 		h.KRow = append(h.KRow, krow+16*l)

@@ -1,0 +1,504 @@
+// Package swarm runs bridges in several processes that share KV through
+// etcd and the Transfer Engine (the mock TE, loaded through purego): one
+// saves, others restore and check every byte; peers die mid-transfer;
+// a store node keeps blocks after their owners exit; etcd goes away.
+//
+// The test binary re-executes itself for each child process, with
+// MCB_SWARM_ROLE naming what the child does.
+package swarm
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math/rand"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/mcbridge/mcbridge/bridge/config"
+	"github.com/mcbridge/mcbridge/bridge/directory/etcd/etcdtest"
+	"github.com/mcbridge/mcbridge/bridge/key"
+	"github.com/mcbridge/mcbridge/bridge/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/bridge/orchestrator"
+	"github.com/mcbridge/mcbridge/bridge/transport/mooncake"
+	"github.com/mcbridge/mcbridge/bridge/transport/mooncake/mocklib"
+)
+
+var mockLib string
+
+func TestMain(m *testing.M) {
+	if role := os.Getenv("MCB_SWARM_ROLE"); role != "" {
+		os.Exit(child(role))
+	}
+	p, cleanup, err := mocklib.Find()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "swarm tests:", err)
+		os.Exit(2)
+	}
+	mockLib = p
+	code := m.Run()
+	cleanup()
+	os.Exit(code)
+}
+
+// job is what a child process is told: its bridge config, the host shape
+// and the prompt, all derived from a seed so every process agrees.
+type job struct {
+	Config      config.Config
+	Layers      int
+	Cells       int
+	KRow, VRow  int
+	BlockTokens int
+	Tokens      int
+	Seed        int64
+	Blocks      int // blocks a restorer must find before it loads
+}
+
+func (j job) host(tb kvtest.TB) *kvtest.Host {
+	return kvtest.New(tb, j.Layers, j.Cells, j.KRow, j.VRow, false)
+}
+
+func (j job) tokens() []int32 {
+	return kvtest.Tokens(rand.New(rand.NewSource(j.Seed)), j.Tokens)
+}
+
+func (j job) register(tb kvtest.TB, b *orchestrator.Bridge, h *kvtest.Host) *orchestrator.Model {
+	p, krow, vrow, velem := h.Model(j.BlockTokens)
+	m, err := b.RegisterModel(orchestrator.ModelSpec{Params: p, KRow: krow, VRow: vrow, VElem: velem})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return m
+}
+
+// childTB lets a child process use kvtest: a failure ends the process
+// with its message on stderr, and memory lives until exit.
+type childTB struct{}
+
+func (childTB) Fatal(args ...any) {
+	fmt.Fprintln(os.Stderr, args...)
+	os.Exit(1)
+}
+
+func (childTB) Cleanup(func()) {}
+
+// child runs one role and returns the process's exit code.
+func child(role string) int {
+	var j job
+	if err := json.Unmarshal([]byte(os.Getenv("MCB_SWARM_JOB")), &j); err != nil {
+		fmt.Fprintln(os.Stderr, "bad job:", err)
+		return 2
+	}
+	tb := childTB{}
+	b, err := orchestrator.Open(j.Config, orchestrator.Deps{})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "open:", err)
+		return 1
+	}
+	h := j.host(tb)
+	m := j.register(tb, b, h)
+	tokens := j.tokens()
+	cells := kvtest.SeqCells(len(tokens))
+	switch role {
+	case "saver":
+		h.Fill(tokens, cells)
+		res := save(tb, m, h, tokens, cells)
+		fmt.Printf("saved %d\n", res.Published)
+		// Stay alive, holding the blocks, until the parent closes stdin.
+		_, _ = io.Copy(io.Discard, os.Stdin)
+	case "restorer":
+		n := waitMatched(m, tokens, j.Blocks, 20*time.Second)
+		if n < j.Blocks {
+			fmt.Fprintf(os.Stderr, "found %d of %d blocks\n", n, j.Blocks)
+			return 1
+		}
+		h.Scribble()
+		restore := tokens[:j.Blocks*j.BlockTokens]
+		res, err := load(m, h, restore, cells[:len(restore)])
+		if err != nil || res.OKTokens != len(restore) {
+			fmt.Fprintf(os.Stderr, "load: %+v, %v\n", res, err)
+			return 1
+		}
+		if err := h.Check(restore, cells[:len(restore)], len(restore)); err != nil {
+			fmt.Fprintln(os.Stderr, "restored bytes:", err)
+			return 1
+		}
+		fmt.Printf("restored %d\n", res.OKTokens)
+	default:
+		fmt.Fprintln(os.Stderr, "unknown role", role)
+		return 2
+	}
+	if err := b.Close(); err != nil {
+		fmt.Fprintln(os.Stderr, "close:", err)
+		return 1
+	}
+	return 0
+}
+
+func save(tb kvtest.TB, m *orchestrator.Model, h *kvtest.Host, tokens []int32, cells []uint32) orchestrator.SaveResult {
+	sv, err := m.SaveBegin(key.Scope{}, h.Layout(), tokens, cells)
+	if err != nil {
+		tb.Fatal("save begin:", err)
+	}
+	for l := range h.K {
+		if err := sv.SaveLayer(l); err != nil {
+			tb.Fatal("save layer:", err)
+		}
+	}
+	res, err := sv.End()
+	if err != nil {
+		tb.Fatal("save end:", err)
+	}
+	return res
+}
+
+func load(m *orchestrator.Model, h *kvtest.Host, tokens []int32, cells []uint32) (orchestrator.LoadResult, error) {
+	ld, err := m.LoadBegin(key.Scope{}, h.Layout(), tokens, cells)
+	if err != nil {
+		return orchestrator.LoadResult{}, err
+	}
+	for l := range h.K {
+		if _, err := ld.WaitLayer(l); err != nil {
+			_, _ = ld.End()
+			return orchestrator.LoadResult{}, err
+		}
+	}
+	return ld.End()
+}
+
+// waitMatched polls Lookup until it matches want blocks: the mirror fills
+// through the directory's watch, asynchronously.
+func waitMatched(m *orchestrator.Model, tokens []int32, want int, limit time.Duration) int {
+	deadline := time.Now().Add(limit)
+	for {
+		r, err := m.Lookup(key.Scope{}, tokens)
+		if err == nil && r.MatchedBlocks >= want || time.Now().After(deadline) {
+			return r.MatchedBlocks
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// proc is a running child.
+type proc struct {
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+	out   *bufio.Reader
+}
+
+func start(t *testing.T, role string, j job) *proc {
+	t.Helper()
+	doc, err := json.Marshal(j)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "MCB_SWARM_ROLE="+role, "MCB_SWARM_JOB="+string(doc))
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &proc{cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout)}
+	t.Cleanup(func() {
+		_ = p.cmd.Process.Kill()
+		_ = p.cmd.Wait()
+	})
+	return p
+}
+
+// expect reads the child's next line and checks its word and number.
+func (p *proc) expect(t *testing.T, word string, n int) {
+	t.Helper()
+	line, err := p.out.ReadString('\n')
+	if err != nil {
+		t.Fatalf("child said nothing (%v)", err)
+	}
+	f := strings.Fields(line)
+	if len(f) != 2 || f[0] != word || f[1] != strconv.Itoa(n) {
+		t.Fatalf("child said %q, want %q %d", line, word, n)
+	}
+}
+
+// finish closes the child's stdin and waits for a clean exit.
+func (p *proc) finish(t *testing.T) {
+	t.Helper()
+	_ = p.stdin.Close()
+	if err := p.cmd.Wait(); err != nil {
+		t.Fatalf("child: %v", err)
+	}
+}
+
+func (p *proc) kill() {
+	_ = p.cmd.Process.Signal(syscall.SIGKILL)
+	_ = p.cmd.Wait()
+}
+
+// baseJob is a job over etcd at endpoint and the mock TE.
+func baseJob(t *testing.T, endpoint, owner string) job {
+	c := config.Default()
+	c.Owner = owner
+	c.PoolBytes = 64 << 20
+	c.BlockTokens = 16
+	c.TransferTimeoutMS = 5000
+	c.Transport = config.Transport{Kind: "mooncake", Lib: mockLib, Metadata: "P2PHANDSHAKE", Protocol: "tcp", LocalHostname: "127.0.0.1"}
+	c.Directory.Kind = "etcd"
+	c.Directory.Endpoints = []string{endpoint}
+	c.Directory.Prefix = "/" + strings.ReplaceAll(t.Name(), "/", "_")
+	c.Directory.LeaseTTLS = 2
+	return job{Config: c, Layers: 4, Cells: 256, KRow: 256, VRow: 256, BlockTokens: 16, Tokens: 8*16 + 5, Seed: 42, Blocks: 8}
+}
+
+// openParent opens a bridge in the test process, on an engine the test
+// holds so it can steer the mock's path and faults.
+func openParent(t *testing.T, j job) (*orchestrator.Bridge, *mooncake.Engine) {
+	t.Helper()
+	eng, err := mooncake.Open(mooncake.Config{Library: mockLib, LocalServerName: "127.0.0.1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := orchestrator.Open(j.Config, orchestrator.Deps{Transport: eng})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = b.Close()
+		_ = eng.Close()
+	})
+	return b, eng
+}
+
+func TestTwoProcesses(t *testing.T) {
+	srv := etcdtest.Start(t)
+	j := baseJob(t, srv.Endpoint(), "saver")
+	saver := start(t, "saver", j)
+	saver.expect(t, "saved", 8)
+	for _, path := range []struct {
+		name string
+		p    mooncake.Path
+	}{{"same-host", mooncake.PathVM}, {"tcp", mooncake.PathTCP}} {
+		t.Run(path.name, func(t *testing.T) {
+			pj := j
+			pj.Config.Owner = "reader-" + path.name
+			b, eng := openParent(t, pj)
+			if err := eng.SetPath(path.p); err != nil {
+				t.Fatal(err)
+			}
+			h := pj.host(t)
+			m := pj.register(t, b, h)
+			tokens := pj.tokens()
+			if n := waitMatched(m, tokens, 8, 20*time.Second); n != 8 {
+				t.Fatalf("the mirror found %d of 8 blocks", n)
+			}
+			h.Scribble()
+			cells := kvtest.ScatteredCells(rand.New(rand.NewSource(3)), 128, pj.Cells)
+			res, err := load(m, h, tokens[:128], cells)
+			if err != nil || res.OKTokens != 128 {
+				t.Fatalf("load: %+v, %v", res, err)
+			}
+			if err := h.Check(tokens[:128], cells, 128); err != nil {
+				t.Fatal(err)
+			}
+			st, err := eng.MockStats()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if path.p == mooncake.PathVM && st.VMBytes == 0 || path.p == mooncake.PathTCP && st.TCPBytes == 0 {
+				t.Fatalf("the %s path moved nothing: %+v", path.name, st)
+			}
+		})
+	}
+	saver.finish(t)
+}
+
+func TestSeveralProcesses(t *testing.T) {
+	srv := etcdtest.Start(t)
+	j := baseJob(t, srv.Endpoint(), "saver")
+	saver := start(t, "saver", j)
+	saver.expect(t, "saved", 8)
+	var readers []*proc
+	for i := 0; i < 3; i++ {
+		rj := j
+		rj.Config.Owner = fmt.Sprintf("reader-%d", i)
+		readers = append(readers, start(t, "restorer", rj))
+	}
+	for _, r := range readers {
+		r.expect(t, "restored", 128)
+		r.finish(t)
+	}
+	saver.finish(t)
+}
+
+// A peer killed while a reader pulls its blocks: the reader reports the
+// blocks as failed, restores nothing wrong, carries on, and its mirror
+// drops the dead peer's blocks once the lease expires.
+func TestPeerKilledMidTransfer(t *testing.T) {
+	srv := etcdtest.Start(t)
+	j := baseJob(t, srv.Endpoint(), "victim")
+	j.KRow, j.VRow = 8192, 8192 // ~0.5 MiB per token row set: blocks of several MiB
+	j.Config.PoolBytes = 512 << 20
+	victim := start(t, "saver", j)
+	victim.expect(t, "saved", 8)
+
+	pj := j
+	pj.Config.Owner = "reader"
+	b, eng := openParent(t, pj)
+	h := pj.host(t)
+	m := pj.register(t, b, h)
+	tokens := pj.tokens()
+	if n := waitMatched(m, tokens, 8, 20*time.Second); n != 8 {
+		t.Fatalf("the mirror found %d of 8 blocks", n)
+	}
+	h.Scribble()
+	cells := kvtest.SeqCells(128)
+	// Hold the transfers once 3 MiB have moved, kill the peer, let go.
+	if err := eng.SetFault(mooncake.FaultStallAfter, 3<<20); err != nil {
+		t.Fatal(err)
+	}
+	ld, err := m.LoadBegin(key.Scope{}, h.Layout(), tokens[:128], cells)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	victim.kill()
+	if err := eng.SetFault(mooncake.FaultStallAfter, -1); err != nil {
+		t.Fatal(err)
+	}
+	res, err := ld.End()
+	if err == nil || res.OKTokens == 128 {
+		t.Fatalf("load through a dead peer: %+v, %v", res, err)
+	}
+	if err := h.CheckNoWrong(tokens[:128], cells); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("dead peer: %d of 128 tokens restored, error: %v", res.OKTokens, err)
+
+	// The lease of the dead peer expires and its blocks leave the mirror.
+	deadline := time.Now().Add(20 * time.Second)
+	for m.Mirrored() > 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the dead peer's %d blocks are still mirrored", m.Mirrored())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	// And the reader carries on: it saves and restores its own blocks.
+	h.Fill(tokens, kvtest.SeqCells(len(tokens)))
+	if res := save(t, m, h, tokens, kvtest.SeqCells(len(tokens))); res.Published != 8 {
+		t.Fatalf("save after the failure: %+v", res)
+	}
+}
+
+// A store node holds the blocks after every process that computed them
+// has gone, whether it exited or was killed, and a new process restores
+// from it.
+func TestStoreOutlivesProcesses(t *testing.T) {
+	srv := etcdtest.Start(t)
+	j := baseJob(t, srv.Endpoint(), "saver")
+	sj := j
+	sj.Config.Owner = "store"
+	sj.Config.PoolBytes = 128 << 20
+	store, _ := openParent(t, sj)
+	if err := store.Replicate(); err != nil {
+		t.Fatal(err)
+	}
+	waitStat := func(what string, f func(orchestrator.Stats) bool) {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for !f(store.Stats()) {
+			if time.Now().After(deadline) {
+				t.Fatalf("store: %s never happened: %+v", what, store.Stats())
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	saver := start(t, "saver", j)
+	saver.expect(t, "saved", 8)
+	waitStat("8 copies", func(s orchestrator.Stats) bool { return s.Replicated == 8 })
+	saver.finish(t) // a clean exit unpublishes; the store takes over
+	waitStat("8 take-overs", func(s orchestrator.Stats) bool { return s.TakenOver == 8 })
+
+	// Another prompt from a process that is killed: its lease expires.
+	kj := j
+	kj.Config.Owner, kj.Seed = "crasher", 7
+	crasher := start(t, "saver", kj)
+	crasher.expect(t, "saved", 8)
+	waitStat("16 copies", func(s orchestrator.Stats) bool { return s.Replicated == 16 })
+	crasher.kill()
+	waitStat("16 take-overs", func(s orchestrator.Stats) bool { return s.TakenOver == 16 })
+
+	for _, rj := range []job{j, kj} {
+		rj.Config.Owner = "late-reader"
+		r := start(t, "restorer", rj)
+		r.expect(t, "restored", 128)
+		r.finish(t)
+	}
+}
+
+// etcd down: saves are refused with a clear status, lookups keep working
+// from the local mirror, and publishing resumes when etcd is back.
+func TestEtcdDown(t *testing.T) {
+	srv := etcdtest.Start(t)
+	j := baseJob(t, srv.Endpoint(), "writer")
+	j.Config.Directory.OpTimeoutMS = 500
+	b, _ := openParent(t, j)
+	h := j.host(t)
+	m := j.register(t, b, h)
+	tokens := j.tokens()
+	cells := kvtest.SeqCells(len(tokens))
+	h.Fill(tokens, cells)
+	if res := save(t, m, h, tokens, cells); res.Published != 8 {
+		t.Fatalf("save: %+v", res)
+	}
+	srv.Stop()
+	other := kvtest.Tokens(rand.New(rand.NewSource(9)), 64)
+	h.Fill(other, kvtest.SeqCells(64))
+	sv, err := m.SaveBegin(key.Scope{}, h.Layout(), other, kvtest.SeqCells(64))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for l := range h.K {
+		if err := sv.SaveLayer(l); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := sv.End(); err == nil {
+		t.Fatal("a save published with etcd down")
+	} else {
+		t.Logf("save with etcd down: %v", err)
+	}
+	if r, err := m.Lookup(key.Scope{}, tokens); err != nil || r.MatchedBlocks != 8 {
+		t.Fatalf("lookup with etcd down: %+v, %v", r, err)
+	}
+	srv.Restart()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		sv, err := m.SaveBegin(key.Scope{}, h.Layout(), other, kvtest.SeqCells(64))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for l := range h.K {
+			_ = sv.SaveLayer(l)
+		}
+		res, err := sv.End()
+		if err == nil && res.Published == 4 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("publishing never resumed: %+v, %v", res, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
