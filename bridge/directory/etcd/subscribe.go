@@ -95,9 +95,9 @@ func (d *Directory) newSubscription(model key.Fingerprint, fn func(directory.Eve
 			b, err := parseBlockKey(prefix, k)
 			return model, b, err
 		},
-		fn: fn,
-		done:   make(chan struct{}),
-		known:  map[key.BlockKey]delivered{},
+		fn:    fn,
+		done:  make(chan struct{}),
+		known: map[key.BlockKey]delivered{},
 	}
 }
 
