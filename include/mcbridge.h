@@ -19,8 +19,9 @@
  *     handle or struct that the library fills. On failure outputs are left
  *     as they were unless stated otherwise.
  *   - Handles are integers from a table inside the library, never pointers.
- *     0 is never a valid handle; an unknown, closed or wrong-kind handle
- *     gives MCB_STATUS_BAD_HANDLE and nothing else happens.
+ *     0 is never a valid handle and a handle is never reused, so a stale
+ *     one cannot reach a newer object; an unknown, closed or wrong-kind
+ *     handle gives MCB_STATUS_BAD_HANDLE and nothing else happens.
  *   - mcb_status_str and mcb_reason_str return static strings.
  *     mcb_last_error returns a thread-local string that stays valid until
  *     the next mcb_ call on the same thread.

@@ -113,17 +113,19 @@ func writeError(buf unsafe.Pointer, n uint64, msg string) {
 	b[k] = 0
 }
 
-// cString reads a NUL-terminated string of at most limit bytes.
+// cString reads a NUL-terminated string whose terminator lies within its
+// first limit bytes. It reads no byte past those, so an unterminated string
+// that runs into unmapped memory is an error, not a fault.
 func cString(p uintptr, limit int, what string) (string, error) {
 	if p == 0 {
 		return "", nil
 	}
-	for n := 0; n <= limit; n++ {
+	for n := 0; n < limit; n++ {
 		if *(*byte)(ptr(p + uintptr(n))) == 0 {
 			return string(mem.Bytes(p, n)), nil
 		}
 	}
-	return "", status.Errorf(status.InvalidArg, "%s longer than %d bytes or not terminated", what, limit)
+	return "", status.Errorf(status.InvalidArg, "%s not terminated within %d bytes", what, limit)
 }
 
 // ptr converts a caller's address; the caller vouches that it is mapped.

@@ -1,6 +1,7 @@
 package key
 
 import (
+	"fmt"
 	"io"
 	"os"
 	"sync"
@@ -27,6 +28,10 @@ func FileDigest(path string) (Hash, error) {
 	st, err := os.Stat(path)
 	if err != nil {
 		return Hash{}, err
+	}
+	if !st.Mode().IsRegular() {
+		// A FIFO or a device would never end, or never mean the same bytes.
+		return Hash{}, fmt.Errorf("%s is not a regular file", path)
 	}
 	stamp := fileStamp{path: path, size: st.Size(), mtime: st.ModTime()}
 	fileDigests.Lock()

@@ -68,7 +68,7 @@ func (lo *Layout) Validate(s *Shape) error {
 			return status.Errorf(status.Layout, "layer %d: K stride %d below the row size %d", l, ly.KStride, krow)
 		}
 		if !fits(ly.K, ly.KStride, uint64(lo.Cells-1), krow) {
-			return status.Errorf(status.Layout, "layer %d: K tensor wraps the address space", l)
+			return status.Errorf(status.Layout, "layer %d: K tensor reaches past user space", l)
 		}
 		if lo.VTrans {
 			if elem == 0 || vrow%elem != 0 {
@@ -78,7 +78,7 @@ func (lo *Layout) Validate(s *Shape) error {
 				return status.Errorf(status.Layout, "layer %d: transposed V stride %d holds fewer than %d cells", l, ly.VStride, lo.Cells)
 			}
 			if !fits(ly.V, ly.VStride, vrow/elem-1, uint64(lo.Cells)*elem) {
-				return status.Errorf(status.Layout, "layer %d: V tensor wraps the address space", l)
+				return status.Errorf(status.Layout, "layer %d: V tensor reaches past user space", l)
 			}
 			continue
 		}
@@ -86,18 +86,24 @@ func (lo *Layout) Validate(s *Shape) error {
 			return status.Errorf(status.Layout, "layer %d: V stride %d below the row size %d", l, ly.VStride, vrow)
 		}
 		if !fits(ly.V, ly.VStride, uint64(lo.Cells-1), vrow) {
-			return status.Errorf(status.Layout, "layer %d: V tensor wraps the address space", l)
+			return status.Errorf(status.Layout, "layer %d: V tensor reaches past user space", l)
 		}
 	}
 	return nil
 }
 
-// fits reports whether base + n*stride + last stays below 2^64.
+// maxAddr bounds user-space addresses on every 64-bit platform Linux
+// runs (57-bit virtual addresses with 5-level paging): a tensor said to
+// reach past it cannot be memory the host owns.
+const maxAddr = 1 << 57
+
+// fits reports whether base + n*stride + last stays within user space.
 func fits(base uintptr, stride, n, last uint64) bool {
 	if n != 0 && stride > (math.MaxUint64-last)/n {
 		return false
 	}
-	return uint64(base) <= math.MaxUint64-(n*stride+last)
+	span := n*stride + last
+	return uint64(base) < maxAddr && span <= maxAddr-uint64(base)
 }
 
 // CheckCells checks that cells name distinct cells of the layout.

@@ -61,11 +61,11 @@ func TestValidate(t *testing.T) {
 		{"NULL V", func() *Layout { lo := good(); lo.Layers[0].V = 0; return lo }, nil, status.Layout, "layer 0: NULL"},
 		{"K stride below row", func() *Layout { lo := good(); lo.Layers[0].KStride = 15; return lo }, nil, status.Layout, "K stride 15"},
 		{"V stride below row", func() *Layout { lo := good(); lo.Layers[1].VStride = 7; return lo }, nil, status.Layout, "V stride 7"},
-		{"K wraps", func() *Layout { lo := good(); lo.Layers[0].K = top; return lo }, nil, status.Layout, "K tensor wraps"},
-		{"K stride overflows", func() *Layout { lo := good(); lo.Layers[0].KStride = math.MaxUint64 / 16; return lo }, nil, status.Layout, "K tensor wraps"},
-		{"V wraps", func() *Layout { lo := good(); lo.Layers[1].V = top; return lo }, nil, status.Layout, "V tensor wraps"},
-		{"transposed V wraps", func() *Layout { lo := trans(); lo.Layers[1].V = top; return lo }, nil, status.Layout, "V tensor wraps"},
-		{"transposed V stride overflows", func() *Layout { lo := trans(); lo.Layers[0].VStride = math.MaxUint64 / 2; return lo }, nil, status.Layout, "V tensor wraps"},
+		{"K wraps", func() *Layout { lo := good(); lo.Layers[0].K = top; return lo }, nil, status.Layout, "K tensor reaches past user space"},
+		{"K stride overflows", func() *Layout { lo := good(); lo.Layers[0].KStride = math.MaxUint64 / 16; return lo }, nil, status.Layout, "K tensor reaches past user space"},
+		{"V wraps", func() *Layout { lo := good(); lo.Layers[1].V = top; return lo }, nil, status.Layout, "V tensor reaches past user space"},
+		{"transposed V wraps", func() *Layout { lo := trans(); lo.Layers[1].V = top; return lo }, nil, status.Layout, "V tensor reaches past user space"},
+		{"transposed V stride overflows", func() *Layout { lo := trans(); lo.Layers[0].VStride = math.MaxUint64 / 2; return lo }, nil, status.Layout, "V tensor reaches past user space"},
 		{"transposed stride too small", func() *Layout { lo := trans(); lo.Layers[1].VStride = 63; return lo }, nil, status.Layout, "fewer than 32 cells"},
 		{"V row not whole elements", trans, shape(4, []int{16, 16}, []int{8, 9}, []int{2, 2}), status.Layout, "not whole elements"},
 		{"V element of 0", trans, shape(4, []int{16, 16}, []int{8, 8}, []int{2, 0}), status.Layout, "not whole elements"},
@@ -80,19 +80,19 @@ func TestValidate(t *testing.T) {
 			t.Errorf("%s: %v, want %v mentioning %q", tc.name, err, tc.code, tc.msg)
 		}
 	}
-	// A tensor may end one byte short of 2^64 (its end must be an address);
-	// one byte further wraps.
+	// A tensor may end exactly at the top of user space (2^57); one byte
+	// further cannot be memory the host owns, though it does not wrap.
 	edge := good()
 	edge.Layers = edge.Layers[:1]
 	edge.Cells = 1
-	edge.Layers[0].K = uintptr(math.MaxUint64 - 16)
+	edge.Layers[0].K = uintptr(1<<57 - 16)
 	one := shape(4, []int{16}, []int{8}, []int{2})
 	if err := edge.Validate(one); err != nil {
-		t.Errorf("K ending just below 2^64: %v", err)
+		t.Errorf("K ending at the top of user space: %v", err)
 	}
 	edge.Layers[0].K++
 	if err := edge.Validate(one); status.Of(err) != status.Layout {
-		t.Errorf("K ending at 2^64: %v", err)
+		t.Errorf("K ending past user space: %v", err)
 	}
 }
 

@@ -83,6 +83,13 @@ func (b *Bridge) RegisterModel(spec ModelSpec) (*Model, error) {
 		return nil, status.Errorf(status.State, "bridge is closed")
 	}
 	if m, ok := b.models[fp]; ok {
+		// Row sizes follow from the types and widths in the fingerprint;
+		// a host that reports others for the same model has a bug, and
+		// its layouts would be checked against rows it never declared.
+		if m.geo.Digest() != geo.Digest() {
+			b.mu.Unlock()
+			return nil, status.Errorf(status.ModelMismatch, "model %s registered with other row sizes", fp)
+		}
 		m.refs++
 		b.mu.Unlock()
 		return m, nil
