@@ -138,6 +138,11 @@ struct peer {
     int32_t pid;
     int pidfd; /* -1 when pidfd_open is unavailable */
     atomic_bool vm_denied;
+    /* A peer whose TCP exchange just failed is unreachable until this
+     * monotonic time (ms): later tasks fail fast instead of each waiting
+     * out its own timeout on a dead link, as a real engine marks an
+     * endpoint failed. */
+    _Atomic int64_t down_until_ms;
 
     pthread_mutex_t mu; /* guards bufs and idle */
     struct span *bufs;
@@ -281,5 +286,8 @@ HIDDEN int workers_start(struct engine *e, int n);
 HIDDEN void workers_stop(struct engine *e);
 HIDDEN void workers_enqueue(struct engine *e, struct task *first, size_t n);
 HIDDEN void faults_release_stall(struct engine *e);
+
+/* Milliseconds of CLOCK_MONOTONIC. */
+int64_t mono_ms(void);
 
 #endif

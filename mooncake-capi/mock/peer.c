@@ -300,8 +300,12 @@ static int vm_io(struct engine *e, struct peer *p, int opcode, uintptr_t local,
 
 static int tcp_io(struct engine *e, struct peer *p, int opcode,
                   uintptr_t local, uint64_t remote, uint64_t len) {
+    if (mono_ms() < atomic_load(&p->down_until_ms)) return -TE_SOCKET;
     int fd = conn_get(e, p);
-    if (fd < 0) return fd;
+    if (fd < 0) {
+        atomic_store(&p->down_until_ms, mono_ms() + e->io_timeout_ms);
+        return fd;
+    }
     int rc = opcode == OPCODE_READ
                  ? exchange(e, fd, WIRE_READ, remote, NULL, 0, (void *)local,
                             len, NULL, NULL)
@@ -309,10 +313,12 @@ static int tcp_io(struct engine *e, struct peer *p, int opcode,
                             len, NULL, 0, NULL, NULL);
     /* A refused range leaves the stream in sync; anything else may not. */
     if (rc == 0 || rc == -TE_ADDRESS_NOT_REGISTERED ||
-        rc == -TE_INVALID_ARGUMENT)
+        rc == -TE_INVALID_ARGUMENT) {
         conn_put(e, p, fd);
-    else
+    } else {
         close(fd);
+        atomic_store(&p->down_until_ms, mono_ms() + e->io_timeout_ms);
+    }
     if (rc == 0) atomic_fetch_add(&e->stats.tcp_bytes, len);
     return rc;
 }

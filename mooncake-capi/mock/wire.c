@@ -120,7 +120,7 @@ void hello_free(struct hello *h) {
     h->nbufs = 0;
 }
 
-static int64_t now_ms(void) {
+int64_t mono_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
@@ -131,7 +131,7 @@ static int wait_fd(int fd, short events, int64_t deadline) {
     for (;;) {
         int wait = -1;
         if (deadline >= 0) {
-            int64_t left = deadline - now_ms();
+            int64_t left = deadline - mono_ms();
             if (left <= 0) return -ETIMEDOUT;
             wait = left > 1000000 ? 1000000 : (int)left;
         }
@@ -144,7 +144,7 @@ static int wait_fd(int fd, short events, int64_t deadline) {
 
 int io_send_all(int fd, const void *buf, size_t n, int timeout_ms) {
     const uint8_t *p = buf;
-    int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+    int64_t deadline = timeout_ms < 0 ? -1 : mono_ms() + timeout_ms;
     while (n > 0) {
         ssize_t k = send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (k > 0) {
@@ -162,7 +162,7 @@ int io_send_all(int fd, const void *buf, size_t n, int timeout_ms) {
 
 int io_recv_all(int fd, void *buf, size_t n, int timeout_ms) {
     uint8_t *p = buf;
-    int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+    int64_t deadline = timeout_ms < 0 ? -1 : mono_ms() + timeout_ms;
     while (n > 0) {
         ssize_t k = recv(fd, p, n, MSG_DONTWAIT);
         if (k > 0) {

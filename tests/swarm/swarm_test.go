@@ -130,6 +130,10 @@ func child(role string) int {
 			return 1
 		}
 		fmt.Printf("restored %d\n", res.OKTokens)
+	case "cutreader":
+		if code := cutReader(j, m, b, h); code != 0 {
+			return code
+		}
 	default:
 		fmt.Fprintln(os.Stderr, "unknown role", role)
 		return 2

@@ -40,8 +40,8 @@ type Server struct {
 // cold etcd on a loaded machine needs a few seconds.
 const startTimeout = 60 * time.Second
 
-// binary returns the etcd server binary to run, or "" when there is none.
-func binary() string {
+// Binary returns the etcd server binary to run, or "" when there is none.
+func Binary() string {
 	if b := os.Getenv("MCB_ETCD_BIN"); b != "" {
 		return b
 	}
@@ -58,7 +58,7 @@ func binary() string {
 // stops it when the test ends.
 func Start(tb testing.TB, extraArgs ...string) *Server {
 	tb.Helper()
-	bin := binary()
+	bin := Binary()
 	if bin == "" {
 		tb.Skip("no etcd server binary: install Debian's etcd-server package (apt-get install etcd-server) or set MCB_ETCD_BIN")
 	}

@@ -1,0 +1,228 @@
+package swarm
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mcbridge/mcbridge/bridge/directory/etcd/etcdtest"
+	"github.com/mcbridge/mcbridge/bridge/key"
+	"github.com/mcbridge/mcbridge/bridge/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/bridge/orchestrator"
+	"github.com/mcbridge/mcbridge/bridge/transport/mooncake"
+)
+
+// hosts are two network namespaces joined by a veth pair on a private
+// test subnet that exists only inside them: host A computes and saves,
+// host B runs etcd and a reader. Nothing leaves the namespaces.
+type hosts struct {
+	a, b       string // namespace names
+	ipA, ipB   string
+	vethA      string
+	etcdClient string
+}
+
+func run(t *testing.T, args ...string) {
+	t.Helper()
+	if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+		t.Fatalf("%s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+}
+
+func makeHosts(t *testing.T) *hosts {
+	if os.Geteuid() != 0 {
+		t.Skip("multi-host test: needs root to create network namespaces")
+	}
+	if _, err := exec.LookPath("ip"); err != nil {
+		t.Skip("multi-host test: no ip command (Debian package iproute2)")
+	}
+	tag := strconv.Itoa(os.Getpid() % 100000)
+	h := &hosts{a: "mcb" + tag + "a", b: "mcb" + tag + "b", ipA: "10.213.7.1", ipB: "10.213.7.2", vethA: "mcb" + tag + "va"}
+	if out, err := exec.Command("ip", "netns", "add", h.a).CombinedOutput(); err != nil {
+		t.Skipf("multi-host test: this machine does not allow network namespaces: %v %s", err, out)
+	}
+	t.Cleanup(func() {
+		_ = exec.Command("ip", "netns", "del", h.a).Run()
+		_ = exec.Command("ip", "netns", "del", h.b).Run()
+	})
+	vethB := "mcb" + tag + "vb"
+	run(t, "ip", "netns", "add", h.b)
+	run(t, "ip", "link", "add", h.vethA, "type", "veth", "peer", "name", vethB)
+	run(t, "ip", "link", "set", h.vethA, "netns", h.a)
+	run(t, "ip", "link", "set", vethB, "netns", h.b)
+	for _, c := range [][]string{
+		{h.a, "ip", "addr", "add", h.ipA + "/24", "dev", h.vethA},
+		{h.b, "ip", "addr", "add", h.ipB + "/24", "dev", vethB},
+		{h.a, "ip", "link", "set", h.vethA, "up"},
+		{h.b, "ip", "link", "set", vethB, "up"},
+		{h.a, "ip", "link", "set", "lo", "up"},
+		{h.b, "ip", "link", "set", "lo", "up"},
+	} {
+		run(t, append([]string{"ip", "netns", "exec", c[0]}, c[1:]...)...)
+	}
+	h.startEtcd(t)
+	return h
+}
+
+// startEtcd runs etcd inside host B and waits until host A can reach it.
+func (h *hosts) startEtcd(t *testing.T) {
+	bin := etcdtest.Binary()
+	if bin == "" {
+		t.Skip("multi-host test: no etcd server binary (Debian package etcd-server)")
+	}
+	dir := t.TempDir()
+	h.etcdClient = "http://" + h.ipB + ":2379"
+	peer := "http://" + h.ipB + ":2380"
+	cmd := exec.Command("ip", "netns", "exec", h.b, bin, "--name", "hostb", "--data-dir", filepath.Join(dir, "data"),
+		"--listen-client-urls", h.etcdClient, "--advertise-client-urls", h.etcdClient,
+		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", "hostb="+peer)
+	logf, err := os.Create(filepath.Join(dir, "etcd.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		logf.Close()
+	})
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		out, err := exec.Command("ip", "netns", "exec", h.a, "curl", "-fsS", "-m", "1", h.etcdClient+"/health").CombinedOutput()
+		if err == nil && strings.Contains(string(out), "true") {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("etcd in host B never became reachable from host A: %v %s", err, out)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// startIn runs a child in a namespace.
+func startIn(t *testing.T, ns, role string, j job, env ...string) *proc {
+	t.Helper()
+	doc, err := json.Marshal(j)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("ip", "netns", "exec", ns, os.Args[0], "-test.run=^$")
+	cmd.Env = append(append(os.Environ(), "MCB_SWARM_ROLE="+role, "MCB_SWARM_JOB="+string(doc)), env...)
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &proc{cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout)}
+	t.Cleanup(func() {
+		_ = p.cmd.Process.Kill()
+		_ = p.cmd.Wait()
+	})
+	return p
+}
+
+// TestMultiHost restores across two hosts over the mock TE's TCP path,
+// then cuts host A off mid-transfer: the reader on host B gets per-block
+// failures, restores nothing wrong, and drops host A's blocks once its
+// lease expires.
+func TestMultiHost(t *testing.T) {
+	h := makeHosts(t)
+	j := baseJob(t, h.etcdClient, "host-a")
+	j.KRow, j.VRow = 8192, 8192 // blocks of several MiB, so a cut lands mid-transfer
+	j.Config.PoolBytes = 512 << 20
+	j.Config.Transport.LocalHostname = h.ipA
+	saver := startIn(t, h.a, "saver", j)
+	saver.expect(t, "saved", 8)
+
+	rj := j
+	rj.Config.Owner = "host-b"
+	rj.Config.Transport.LocalHostname = h.ipB
+	tcp := []string{"MOCK_TE_PATH=tcp", "MOCK_TE_IO_TIMEOUT_MS=2000"}
+	whole := startIn(t, h.b, "restorer", rj, tcp...)
+	whole.expect(t, "restored", 128)
+	whole.finish(t)
+
+	rj.Config.Owner = "host-b-cut"
+	cut := startIn(t, h.b, "cutreader", rj, tcp...)
+	cut.expect(t, "stalled", 0)
+	run(t, "ip", "netns", "exec", h.a, "ip", "link", "set", h.vethA, "down")
+	fmt.Fprintln(cut.stdin, "go")
+	line, err := cut.out.ReadString('\n')
+	if err != nil || !strings.HasPrefix(line, "failed ") {
+		t.Fatalf("cut reader said %q (%v)", line, err)
+	}
+	t.Logf("host A cut off mid-transfer: %s", strings.TrimSpace(line))
+	cut.expect(t, "dropped", 0)
+	cut.finish(t)
+	saver.kill()
+}
+
+// cutReader is the reader of TestMultiHost's cut: it holds its transfers
+// after a few MiB, says so, waits for the parent to cut the link, lets go,
+// and reports what arrived and when the mirror let go of host A.
+func cutReader(j job, m *orchestrator.Model, b *orchestrator.Bridge, h *kvtest.Host) int {
+	tokens := j.tokens()
+	if n := waitMatched(m, tokens, j.Blocks, 20*time.Second); n < j.Blocks {
+		fmt.Fprintf(os.Stderr, "found %d of %d blocks\n", n, j.Blocks)
+		return 1
+	}
+	eng, ok := b.Transport().(*mooncake.Engine)
+	if !ok {
+		fmt.Fprintln(os.Stderr, "cut reader needs the mooncake transport")
+		return 2
+	}
+	if err := eng.SetFault(mooncake.FaultStallAfter, 3<<20); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	h.Scribble()
+	n := j.Blocks * j.BlockTokens
+	cells := kvtest.SeqCells(n)
+	ld, err := m.LoadBegin(key.Scope{}, h.Layout(), tokens[:n], cells)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "load begin:", err)
+		return 1
+	}
+	fmt.Println("stalled 0")
+	if _, err := bufio.NewReader(os.Stdin).ReadString('\n'); err != nil {
+		return 1
+	}
+	_ = eng.SetFault(mooncake.FaultStallAfter, -1)
+	res, err := ld.End()
+	if err == nil || res.OKTokens == n {
+		fmt.Fprintf(os.Stderr, "load across a cut link succeeded: %+v\n", res)
+		return 1
+	}
+	if err := h.CheckNoWrong(tokens[:n], cells); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	fmt.Printf("failed %d\n", res.OKTokens)
+	deadline := time.Now().Add(30 * time.Second)
+	for m.Mirrored() > 0 {
+		if time.Now().After(deadline) {
+			fmt.Fprintf(os.Stderr, "host A's %d blocks never left the mirror\n", m.Mirrored())
+			return 1
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	fmt.Println("dropped 0")
+	return 0
+}
