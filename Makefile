@@ -29,8 +29,7 @@ test-c: all
 
 test-llama: all
 	scripts/llama/smoke.sh stock
-	@if [ -x scripts/stage1/test.sh ]; then scripts/stage1/test.sh; fi
-	@if [ -x scripts/server/test.sh ]; then scripts/server/test.sh; fi
+	scripts/stage1/test.sh
 
 demo: all
 	scripts/demo/run.sh
