@@ -138,7 +138,7 @@ struct peer {
     int32_t pid;
     int pidfd; /* -1 when pidfd_open is unavailable */
     atomic_bool vm_denied;
-    /* A peer whose TCP exchange just failed is unreachable until this
+    /* A peer whose TCP exchange just timed out is unreachable until this
      * monotonic time (ms): later tasks fail fast instead of each waiting
      * out its own timeout on a dead link, as a real engine marks an
      * endpoint failed. */

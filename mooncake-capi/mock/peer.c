@@ -79,8 +79,10 @@ static int dial(struct engine *e, struct peer *p) {
         setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
     }
     if (connect(fd, (struct sockaddr *)&p->addr, p->addrlen)) {
+        /* SO_SNDTIMEO bounds connect: EINPROGRESS means it timed out. */
+        int timed_out = errno == EINPROGRESS || errno == ETIMEDOUT;
         close(fd);
-        return -TE_SOCKET;
+        return timed_out ? -TE_CLOCK : -TE_SOCKET;
     }
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -298,12 +300,18 @@ static int vm_io(struct engine *e, struct peer *p, int opcode, uintptr_t local,
     return peer_alive(p) ? 0 : -ESRCH;
 }
 
+/* Only a timeout marks a peer down: a refused or reset connection fails
+ * fast by itself, and a peer that comes back must be reachable at once. */
+static void mark_down(struct engine *e, struct peer *p) {
+    atomic_store(&p->down_until_ms, mono_ms() + e->io_timeout_ms);
+}
+
 static int tcp_io(struct engine *e, struct peer *p, int opcode,
                   uintptr_t local, uint64_t remote, uint64_t len) {
     if (mono_ms() < atomic_load(&p->down_until_ms)) return -TE_SOCKET;
     int fd = conn_get(e, p);
     if (fd < 0) {
-        atomic_store(&p->down_until_ms, mono_ms() + e->io_timeout_ms);
+        if (fd == -TE_CLOCK) mark_down(e, p);
         return fd;
     }
     int rc = opcode == OPCODE_READ
@@ -317,7 +325,7 @@ static int tcp_io(struct engine *e, struct peer *p, int opcode,
         conn_put(e, p, fd);
     } else {
         close(fd);
-        atomic_store(&p->down_until_ms, mono_ms() + e->io_timeout_ms);
+        if (rc == -TE_CLOCK) mark_down(e, p);
     }
     if (rc == 0) atomic_fetch_add(&e->stats.tcp_bytes, len);
     return rc;
