@@ -156,40 +156,37 @@ func (s *memoryStore) deliver(events []Event) {
 }
 
 func (m *Memory) Subscribe(model key.Fingerprint, fn func(Event)) (func(), error) {
-	if err := m.check(); err != nil {
-		return nil, err
-	}
-	s := m.s
-	sub := &subscriber{fn: fn}
-	s.mu.Lock()
-	s.nextSub++
-	id := s.nextSub
-	if s.subs[model] == nil {
-		s.subs[model] = map[int]*subscriber{}
-	}
-	s.subs[model][id] = sub
-	sub.mu.Lock()
-	snapshot := make([]Entry, 0, len(s.entries[model]))
-	for _, e := range s.entries[model] {
-		snapshot = append(snapshot, e)
-	}
-	s.mu.Unlock()
-	for _, e := range snapshot {
-		fn(Event{Kind: Put, Entry: e})
-	}
-	sub.mu.Unlock()
-	var once sync.Once
-	return func() {
-		once.Do(func() {
-			s.mu.Lock()
-			delete(s.subs[model], id)
-			s.mu.Unlock()
-		})
-	}, nil
+	return m.subscribe(fn, func(s *memoryStore, id int, sub *subscriber) ([]Entry, func()) {
+		if s.subs[model] == nil {
+			s.subs[model] = map[int]*subscriber{}
+		}
+		s.subs[model][id] = sub
+		snapshot := make([]Entry, 0, len(s.entries[model]))
+		for _, e := range s.entries[model] {
+			snapshot = append(snapshot, e)
+		}
+		return snapshot, func() { delete(s.subs[model], id) }
+	})
 }
 
 // SubscribeAll is Subscribe for every model at once.
 func (m *Memory) SubscribeAll(fn func(Event)) (func(), error) {
+	return m.subscribe(fn, func(s *memoryStore, id int, sub *subscriber) ([]Entry, func()) {
+		s.all[id] = sub
+		var snapshot []Entry
+		for _, byKey := range s.entries {
+			for _, e := range byKey {
+				snapshot = append(snapshot, e)
+			}
+		}
+		return snapshot, func() { delete(s.all, id) }
+	})
+}
+
+// subscribe registers a subscriber under the store's lock (add returns its
+// snapshot and how to unregister it), then delivers the snapshot before any
+// event that follows it, holding the subscriber's lock.
+func (m *Memory) subscribe(fn func(Event), add func(s *memoryStore, id int, sub *subscriber) ([]Entry, func())) (func(), error) {
 	if err := m.check(); err != nil {
 		return nil, err
 	}
@@ -197,15 +194,8 @@ func (m *Memory) SubscribeAll(fn func(Event)) (func(), error) {
 	sub := &subscriber{fn: fn}
 	s.mu.Lock()
 	s.nextSub++
-	id := s.nextSub
-	s.all[id] = sub
+	snapshot, remove := add(s, s.nextSub, sub)
 	sub.mu.Lock()
-	var snapshot []Entry
-	for _, byKey := range s.entries {
-		for _, e := range byKey {
-			snapshot = append(snapshot, e)
-		}
-	}
 	s.mu.Unlock()
 	for _, e := range snapshot {
 		fn(Event{Kind: Put, Entry: e})
@@ -215,7 +205,7 @@ func (m *Memory) SubscribeAll(fn func(Event)) (func(), error) {
 	return func() {
 		once.Do(func() {
 			s.mu.Lock()
-			delete(s.all, id)
+			remove()
 			s.mu.Unlock()
 		})
 	}, nil

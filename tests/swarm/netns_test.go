@@ -2,7 +2,6 @@ package swarm
 
 import (
 	"bufio"
-	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -112,30 +111,7 @@ func (h *hosts) startEtcd(t *testing.T) {
 // startIn runs a child in a namespace.
 func startIn(t *testing.T, ns, role string, j job, env ...string) *proc {
 	t.Helper()
-	doc, err := json.Marshal(j)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command("ip", "netns", "exec", ns, os.Args[0], "-test.run=^$")
-	cmd.Env = append(append(os.Environ(), "MCB_SWARM_ROLE="+role, "MCB_SWARM_JOB="+string(doc)), env...)
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	p := &proc{cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout)}
-	t.Cleanup(func() {
-		_ = p.cmd.Process.Kill()
-		_ = p.cmd.Wait()
-	})
-	return p
+	return startCmd(t, exec.Command("ip", "netns", "exec", ns, os.Args[0], "-test.run=^$"), role, j, env...)
 }
 
 // TestMultiHost restores across two hosts over the mock TE's TCP path,

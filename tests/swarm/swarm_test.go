@@ -198,12 +198,18 @@ type proc struct {
 
 func start(t *testing.T, role string, j job) *proc {
 	t.Helper()
+	return startCmd(t, exec.Command(os.Args[0], "-test.run=^$"), role, j)
+}
+
+// startCmd runs cmd, which executes this test binary (perhaps through
+// another program such as ip netns exec), as a child with a role and a job.
+func startCmd(t *testing.T, cmd *exec.Cmd, role string, j job, env ...string) *proc {
+	t.Helper()
 	doc, err := json.Marshal(j)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "MCB_SWARM_ROLE="+role, "MCB_SWARM_JOB="+string(doc))
+	cmd.Env = append(append(os.Environ(), "MCB_SWARM_ROLE="+role, "MCB_SWARM_JOB="+string(doc)), env...)
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
