@@ -223,6 +223,26 @@ static int run(const char *config, int vtrans) {
     printf("restored %u tokens (%" PRIu64 " bytes) into %s tensors: every byte checked\n", lr.n_tokens_ok,
            lr.n_bytes, vtrans ? "transposed-V" : "row-major");
 
+    /* A second bridge (another pool, another transfer engine) finds the
+     * blocks through the shared directory and reads them through the
+     * transport: with a Mooncake config, purego calls into the TE library
+     * from inside this C program. */
+    {
+        mcb_bridge peer = 0;
+        mcb_model pm = 0;
+        EXPECT(mcb_bridge_open(config, &peer), MCB_STATUS_OK);
+        EXPECT(mcb_model_register(peer, &params, &pm), MCB_STATUS_OK);
+        EXPECT(mcb_lookup(pm, NULL, tokens, N, &lk), MCB_STATUS_OK);
+        CHECK(lk.n_restore_tokens == 7 * BLOCK, "peer lookup: restore %u tokens", lk.n_restore_tokens);
+        host_scribble(&dst);
+        EXPECT(mcb_load_begin(pm, NULL, &dst.layout, tokens, 7 * BLOCK, dcells, &load), MCB_STATUS_OK);
+        EXPECT(mcb_load_end(load, &lr), MCB_STATUS_OK);
+        bad = host_diff(&dst, tokens, dcells, N, 7 * BLOCK);
+        CHECK(lr.n_tokens_ok == 7 * BLOCK && bad == 0, "peer restore: %u tokens, %ld bytes differ", lr.n_tokens_ok, bad);
+        printf("a second bridge restored %u tokens through the transport\n", lr.n_tokens_ok);
+        EXPECT(mcb_bridge_close(peer), MCB_STATUS_OK);
+    }
+
     /* Misuse: each refused with its own status, nothing touched. */
     host_scribble(&dst);
     mcb_load bogus = 0;

@@ -171,19 +171,26 @@ func (m *Model) forget(k key.BlockKey, segment string) {
 // match returns the leading entries of chain present in the mirror, each
 // hanging under the previous one.
 func (m *Model) match(root key.Hash, chain []key.BlockKey) []directory.Entry {
+	var out []directory.Entry
+	m.walk(root, chain, func(e *directory.Entry) { out = append(out, *e) })
+	return out
+}
+
+// walk visits the leading entries of chain present in the mirror, each
+// hanging under the previous one, and returns how many there were.
+func (m *Model) walk(root key.Hash, chain []key.BlockKey, visit func(*directory.Entry)) int {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
-	var out []directory.Entry
 	parent := root
-	for _, k := range chain {
+	for i, k := range chain {
 		e, ok := m.mirror[k]
 		if !ok || e.Parent != parent {
-			break
+			return i
 		}
-		out = append(out, e)
+		visit(&e)
 		parent = k
 	}
-	return out
+	return len(chain)
 }
 
 // Mirrored is the number of blocks of this model the local mirror knows.
@@ -211,21 +218,23 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32) (LookupResult, error) {
 	b := m.b
 	B := m.geo.BlockTokens
 	// The last token is always computed, so a block ending at it is moot.
-	chain := key.Chain(key.Root(m.fp, scope), tokens[:len(tokens)-1], B)
-	found := m.match(key.Root(m.fp, scope), chain)
+	root := key.Root(m.fp, scope)
+	chain := key.Chain(root, tokens[:len(tokens)-1], B)
 	link := "none"
-	if len(found) > 0 {
-		link = b.linkName(found[0].Loc.Segment)
-	}
+	matched := m.walk(root, chain, func(e *directory.Entry) {
+		if link == "none" {
+			link = b.linkName(e.Loc.Segment)
+		}
+	})
 	d := b.arb.Decide(arbiter.Input{
 		PromptTokens:    len(tokens),
 		BlockTokens:     B,
-		MatchedBlocks:   len(found),
+		MatchedBlocks:   matched,
 		KVBytesPerToken: m.kvBytesPerToken,
 		Link:            link,
 	})
 	b.stats.lookup(d)
-	return LookupResult{MatchedBlocks: len(found), Decision: d, RestoreTokens: d.RestoreBlocks * B}, nil
+	return LookupResult{MatchedBlocks: matched, Decision: d, RestoreTokens: d.RestoreBlocks * B}, nil
 }
 
 // linkName groups calibration by where bytes come from: this process's own
