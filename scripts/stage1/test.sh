@@ -103,11 +103,15 @@ two_processes() {
 	port=$(free_port)
 	MCB_ETCD_BIN=$etcd MCB_ETCD_PORT=$port "$mcb_repo/scripts/etcd/local.sh" "$work/etcd" 2>"$work/etcd.log" &
 	etcd_pid=$!
-	for _ in $(seq 100); do
-		curl -fsS "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+	# A loaded CI machine can take a while to start etcd; wait for it
+	# rather than let the first publish time out.
+	local healthy=0
+	for _ in $(seq 600); do
+		curl -fsS "http://127.0.0.1:$port/health" 2>/dev/null | grep -q true && { healthy=1; break; }
 		sleep 0.1
 	done
-	local cfg='{"directory":{"kind":"etcd","endpoints":["http://127.0.0.1:'$port'"],"prefix":"/stage1"},
+	((healthy)) || { log "etcd on port $port never became healthy; log $work/etcd.log"; return 1; }
+	local cfg='{"directory":{"kind":"etcd","endpoints":["http://127.0.0.1:'$port'"],"prefix":"/stage1","op_timeout_ms":10000},
 		"transport":{"kind":"mooncake","lib":"'$te_mock'"},"arbiter":{"policy":"always-restore"},"pool_bytes":16777216}'
 	mkfifo "$work/xsave.stdin"
 	"$build/stage1_test" xsave "$work/tiny.gguf" "$cfg" "$ready" <"$work/xsave.stdin" &
