@@ -42,5 +42,9 @@ fuzz:
 	  done; \
 	done
 
+# Regenerates docs/bench/README.md and its plots (MCB_BENCH_QUICK=1: a quick run).
+bench-report:
+	bench/report.sh
+
 clean:
 	rm -rf $(BUILD)

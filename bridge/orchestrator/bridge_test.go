@@ -342,3 +342,30 @@ func TestMisuse(t *testing.T) {
 		t.Errorf("pool holds %d bytes, want two blocks' %d", got, 2*m.geo.Size())
 	}
 }
+
+// A restore counts as a use: under LRU, the prompt restored last outlives
+// one saved later but never used.
+func TestRestoreRefreshesRecency(t *testing.T) {
+	cfg := testConfig(t)
+	b := openBridge(t, cfg, "a")
+	h := newHost(t, 2, 64, 1024, 1024, false)
+	m := register(t, b, h, 16)
+	r := rand.New(rand.NewSource(13))
+	first, second := kvtest.Tokens(r, 16), kvtest.Tokens(r, 16)
+	for _, toks := range [][]int32{first, second} {
+		h.Fill(toks, kvtest.SeqCells(16))
+		saveAll(t, m, h, key.Scope{}, toks, kvtest.SeqCells(16))
+	}
+	if _, err := loadAll(t, m, h, key.Scope{}, first, kvtest.SeqCells(16)); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.evict(1); err != nil {
+		t.Fatal(err)
+	}
+	if lk, _ := m.Lookup(key.Scope{}, append(first, 1)); lk.MatchedBlocks != 1 {
+		t.Fatal("the block restored last was evicted first")
+	}
+	if lk, _ := m.Lookup(key.Scope{}, append(second, 1)); lk.MatchedBlocks != 0 {
+		t.Fatal("the block never used survived")
+	}
+}

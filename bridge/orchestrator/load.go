@@ -32,7 +32,6 @@ type Load struct {
 	ok        int      // leading blocks still good
 	err       error    // why block ok failed
 	ended     bool
-	remoteB   int64 // bytes requested from peers
 }
 
 type loadBlock struct {
@@ -198,7 +197,6 @@ func (ld *Load) submitRemote() error {
 				Remote:  lb.entry.Loc.Addr + uint64(from),
 				Length:  uint64(to - from),
 			})
-			ld.remoteB += int64(to - from)
 		}
 	}
 	if len(reqs) > 0 {
@@ -294,15 +292,35 @@ func (ld *Load) End() (LoadResult, error) {
 		Bytes:    int64(ld.ok) * int64(ld.m.geo.PayloadSize()),
 		Err:      ld.err,
 	}
-	if ld.remoteB > 0 && ld.ok == len(ld.blocks) {
-		b.arb.ObserveTransfer(b.linkName(ld.blocks[0].entry.Loc.Segment), ld.remoteB, b.now().Sub(ld.start))
+	// A complete load calibrates the link it came over: a peer's, or this
+	// pool's own ("local"), whose cost is verification and placement.
+	if ld.ok == len(ld.blocks) && res.Bytes > 0 {
+		b.arb.ObserveTransfer(b.linkName(ld.blocks[0].entry.Loc.Segment), res.Bytes, b.now().Sub(ld.start))
 	}
+	ld.touchLocal()
 	b.stats.load(res)
 	b.end()
 	if ld.err != nil && len(ld.blocks) > 0 {
 		return res, ld.err
 	}
 	return res, nil
+}
+
+// touchLocal counts the restored blocks of this pool as used, so that
+// eviction keeps what is restored often.
+func (ld *Load) touchLocal() {
+	b := ld.m.b
+	var keys []key.BlockKey
+	for i := 0; i < ld.ok; i++ {
+		if ld.blocks[i].entry.Loc.Segment == b.tr.LocalSegment() {
+			keys = append(keys, ld.blocks[i].entry.Key)
+		}
+	}
+	if len(keys) > 0 {
+		b.mu.Lock()
+		b.resident.Touch(keys...)
+		b.mu.Unlock()
+	}
 }
 
 // recheck reads each good block's generation again after its payload: a

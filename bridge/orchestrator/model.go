@@ -172,13 +172,13 @@ func (m *Model) forget(k key.BlockKey, segment string) {
 // hanging under the previous one.
 func (m *Model) match(root key.Hash, chain []key.BlockKey) []directory.Entry {
 	var out []directory.Entry
-	m.walk(root, chain, func(e *directory.Entry) { out = append(out, *e) })
+	m.walk(root, chain, func(e directory.Entry) { out = append(out, e) })
 	return out
 }
 
 // walk visits the leading entries of chain present in the mirror, each
 // hanging under the previous one, and returns how many there were.
-func (m *Model) walk(root key.Hash, chain []key.BlockKey, visit func(*directory.Entry)) int {
+func (m *Model) walk(root key.Hash, chain []key.BlockKey, visit func(directory.Entry)) int {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
 	parent := root
@@ -187,7 +187,7 @@ func (m *Model) walk(root key.Hash, chain []key.BlockKey, visit func(*directory.
 		if !ok || e.Parent != parent {
 			return i
 		}
-		visit(&e)
+		visit(e)
 		parent = k
 	}
 	return len(chain)
@@ -221,7 +221,7 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32) (LookupResult, error) {
 	root := key.Root(m.fp, scope)
 	chain := key.Chain(root, tokens[:len(tokens)-1], B)
 	link := "none"
-	matched := m.walk(root, chain, func(e *directory.Entry) {
+	matched := m.walk(root, chain, func(e directory.Entry) {
 		if link == "none" {
 			link = b.linkName(e.Loc.Segment)
 		}
