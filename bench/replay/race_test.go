@@ -1,0 +1,6 @@
+//go:build race
+
+package replay
+
+// raceEnabled: the race detector slows the replay about fifteen-fold.
+const raceEnabled = true

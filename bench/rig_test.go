@@ -1,0 +1,257 @@
+package bench
+
+import (
+	"fmt"
+	"os"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/mcbridge/mcbridge/bench/kvhost"
+	"github.com/mcbridge/mcbridge/bridge/config"
+	"github.com/mcbridge/mcbridge/bridge/key"
+	"github.com/mcbridge/mcbridge/bridge/orchestrator"
+	"github.com/mcbridge/mcbridge/bridge/status"
+)
+
+// blockTokens is the bridge's default block size.
+const blockTokens = 256
+
+// quick reports whether benchmarks run in the CI's quick mode: smaller
+// sizes, so that every case runs once in seconds.
+func quick() bool { return os.Getenv("MCB_BENCH_QUICK") != "" || testing.Short() }
+
+// geometry is a model's KV shape: layers of K and V rows of row bytes.
+type geometry struct {
+	name   string
+	layers int
+	row    int
+}
+
+func (g geometry) bytesPerToken() int64 { return int64(2 * g.layers * g.row) }
+func (g geometry) blockBytes() int64    { return blockTokens * g.bytesPerToken() }
+
+// Geometries that give each block size, named after a model of that shape
+// where one exists (f16 KV, 256-token blocks).
+var (
+	geo64K   = geometry{"64KiB", 2, 64}
+	geo256K  = geometry{"256KiB", 4, 128}
+	geo1M    = geometry{"1MiB", 8, 256}
+	geoBench = geometry{"3MiB-bench-cpu", 12, 512} // DESIGN.md §5's bench model: 12 layers, 4 KV heads of 64
+	geo16M   = geometry{"16MiB", 16, 2048}
+	geoLlama = geometry{"32MiB-llama3-8b", 32, 2048} // 32 layers, 8 KV heads of 128
+	geo64M   = geometry{"64MiB-qwen2.5-32b", 64, 2048}
+	// geoTiny moves almost no bytes, for benchmarks that time everything
+	// but the copies.
+	geoTiny = geometry{"tiny", 1, 2}
+)
+
+func blockGeometries() []geometry {
+	if quick() {
+		return []geometry{geo64K, geo1M}
+	}
+	return []geometry{geo64K, geo256K, geo1M, geoBench, geo16M, geoLlama, geo64M}
+}
+
+// restoreBytes is about what one restore moves: enough to amortise a
+// batch's setup, small enough for three copies in memory.
+func restoreBytes() int64 {
+	if quick() {
+		return 4 << 20
+	}
+	return 64 << 20
+}
+
+var dirs atomic.Int64
+
+// link is how a restore reaches the blocks: from the reader's own pool,
+// or from a peer's over a Loopback link of GBps (0: unshaped).
+type link struct {
+	name  string
+	local bool
+	GBps  float64
+}
+
+var (
+	linkLocal    = link{name: "local", local: true}
+	linkUnshaped = link{name: "unshaped"}
+)
+
+func shaped(gbps float64) link { return link{name: fmt.Sprintf("%gGBps", gbps), GBps: gbps} }
+
+func links() []link {
+	if quick() {
+		return []link{linkLocal, linkUnshaped, shaped(10)}
+	}
+	return []link{linkLocal, linkUnshaped, shaped(1), shaped(10), shaped(25), shaped(50)}
+}
+
+// openBridge opens a bridge in directory dir whose pool holds poolBlocks
+// blocks of g, over a Loopback link of gbps.
+func openBridge(tb testing.TB, dir, owner string, g geometry, poolBlocks int64, gbps float64) *orchestrator.Bridge {
+	tb.Helper()
+	cfg := config.Default()
+	cfg.Owner = fmt.Sprintf("%s-%s", dir, owner)
+	cfg.Directory.Name = dir
+	cfg.BlockTokens = blockTokens
+	// Headers and alignment add under 1% to a block of 64 KiB and more.
+	cfg.PoolBytes = max(poolBlocks*(g.blockBytes()+g.blockBytes()/64+4096), 1<<20)
+	cfg.Transport.BandwidthGBps = gbps
+	cfg.TransferTimeoutMS = 60_000
+	b, err := orchestrator.Open(cfg, orchestrator.Deps{})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		if err := b.Close(); err != nil {
+			tb.Errorf("closing %s: %v", cfg.Owner, err)
+		}
+	})
+	return b
+}
+
+func newDir(tb testing.TB) string {
+	return fmt.Sprintf("bench-%s-%d", tb.Name(), dirs.Add(1))
+}
+
+func newHost(tb testing.TB, g geometry, cells int) *kvhost.Host {
+	tb.Helper()
+	h, err := kvhost.New(g.layers, cells, g.row, g.row)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = h.Close() })
+	return h
+}
+
+func register(tb testing.TB, b *orchestrator.Bridge, h *kvhost.Host, name string) *orchestrator.Model {
+	tb.Helper()
+	m, err := b.RegisterModel(h.Spec(name, blockTokens))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return m
+}
+
+// promptTokens returns n distinct-looking tokens drawn from seed.
+func promptTokens(n int, seed uint64) []int32 {
+	t := make([]int32, n)
+	x := seed
+	for i := range t {
+		x = x*6364136223846793005 + 1442695040888963407
+		t[i] = int32(x >> 47)
+	}
+	return t
+}
+
+// save stores tokens from h through m in one layer-wise save.
+func save(m *orchestrator.Model, h *kvhost.Host, scope key.Scope, tokens []int32) (orchestrator.SaveResult, error) {
+	sv, err := m.SaveBegin(scope, h.Layout(), tokens, kvhost.Positions(len(tokens)))
+	if err != nil {
+		return orchestrator.SaveResult{}, err
+	}
+	for l := range h.Layers() {
+		if err := sv.SaveLayer(l); err != nil {
+			_, _ = sv.End()
+			return orchestrator.SaveResult{}, err
+		}
+	}
+	return sv.End()
+}
+
+// restoreRig holds a prefix of blocks saved by one bridge, for another
+// bridge (or the same one, for a local restore) to restore.
+type restoreRig struct {
+	src, dst *kvhost.Host
+	reader   *orchestrator.Model
+	tokens   []int32
+	cells    []uint32
+	blocks   int
+	payload  int64 // KV bytes one restore places
+}
+
+func newRestoreRig(tb testing.TB, g geometry, blocks int, l link) *restoreRig {
+	tb.Helper()
+	dir := newDir(tb)
+	n := blocks * blockTokens
+	r := &restoreRig{src: newHost(tb, g, n), dst: newHost(tb, g, n), tokens: promptTokens(n, uint64(blocks)),
+		cells: kvhost.Positions(n), blocks: blocks, payload: int64(n) * g.bytesPerToken()}
+	// Room for the blocks and, on the reader, their staging.
+	writer := openBridge(tb, dir, "writer", g, int64(blocks)+2, l.GBps)
+	wm := register(tb, writer, r.src, g.name)
+	r.reader = wm
+	if !l.local {
+		reader := openBridge(tb, dir, "reader", g, int64(blocks)+2, l.GBps)
+		r.reader = register(tb, reader, r.dst, g.name)
+	}
+	r.src.Compute(r.tokens, 0, n)
+	res, err := save(wm, r.src, key.Scope{}, r.tokens)
+	if err != nil || res.Published != blocks {
+		tb.Fatalf("saving %d blocks: %+v, %v", blocks, res, err)
+	}
+	return r
+}
+
+// restore restores every block, layer by layer, and fails unless all
+// arrive verified.
+func (r *restoreRig) restore() error {
+	ld, err := r.reader.LoadBegin(key.Scope{}, r.dst.Layout(), r.tokens, r.cells)
+	if err != nil {
+		return err
+	}
+	for l := range r.dst.Layers() {
+		if _, err := ld.WaitLayer(l); err != nil {
+			_, _ = ld.End()
+			return err
+		}
+	}
+	res, err := ld.End()
+	if err == nil && res.OKBlocks != r.blocks {
+		err = status.Errorf(status.Internal, "restored %d of %d blocks", res.OKBlocks, r.blocks)
+	}
+	return err
+}
+
+// memcpy copies the bytes a restore places, from the writer's tensors to
+// the reader's.
+func (r *restoreRig) memcpy() { r.dst.CopyFrom(r.src, len(r.tokens)) }
+
+// check verifies that the reader's tensors hold the restored rows.
+func (r *restoreRig) check() error { return r.dst.Check(r.tokens, len(r.tokens)) }
+
+// pairTimer times an operation against a memcpy of the same bytes run
+// right after each iteration, so that both see the machine in the same
+// state. The ratio is taken between the fastest of each: on a machine
+// shared with other work, the fastest iteration is the least disturbed.
+type pairTimer struct {
+	op, memcpy       time.Duration // totals
+	minOp, minMemcpy time.Duration
+}
+
+func (p *pairTimer) run(b *testing.B, op func() error, memcpy func()) {
+	b.Helper()
+	start := time.Now()
+	if err := op(); err != nil {
+		b.Fatal(err)
+	}
+	d := time.Since(start)
+	p.op += d
+	p.minOp = minPositive(p.minOp, d)
+	b.StopTimer()
+	start = time.Now()
+	memcpy()
+	d = time.Since(start)
+	p.memcpy += d
+	p.minMemcpy = minPositive(p.minMemcpy, d)
+	b.StartTimer()
+}
+
+func minPositive(have, d time.Duration) time.Duration {
+	if have == 0 || d < have {
+		return d
+	}
+	return have
+}
+
+// xMemcpy is the operation's throughput as a multiple of memcpy's.
+func (p *pairTimer) xMemcpy() float64 { return float64(p.minMemcpy) / float64(p.minOp) }
