@@ -1,6 +1,8 @@
 package orchestrator
 
 import (
+	"context"
+	"fmt"
 	"math/rand"
 	"testing"
 	"time"
@@ -367,5 +369,87 @@ func TestRestoreRefreshesRecency(t *testing.T) {
 	}
 	if lk, _ := m.Lookup(key.Scope{}, append(second, 1)); lk.MatchedBlocks != 0 {
 		t.Fatal("the block never used survived")
+	}
+}
+
+// flakyDirectory fails Publish while down is set, committing the entries
+// first when commit is set, as a slow etcd does that commits after the
+// client's deadline.
+type flakyDirectory struct {
+	directory.Directory
+	down, commit bool
+}
+
+func (d *flakyDirectory) Publish(ctx context.Context, entries []directory.Entry) ([]bool, error) {
+	if d.down && !d.commit {
+		return nil, status.Errorf(status.Timeout, "directory did not answer in time")
+	}
+	won, err := d.Directory.Publish(ctx, entries)
+	if d.down {
+		return nil, status.Errorf(status.Timeout, "directory did not answer in time")
+	}
+	return won, err
+}
+
+// A publish that times out keeps its blocks sealed and resident: an entry
+// the directory committed anyway names valid bytes, and the next save of
+// the same tokens offers blocks the directory never took again instead of
+// writing them twice.
+func TestPublishTimeoutKeepsBlocks(t *testing.T) {
+	for _, commit := range []bool{true, false} {
+		t.Run(fmt.Sprintf("committed=%v", commit), func(t *testing.T) {
+			cfg := testConfig(t)
+			dir := &flakyDirectory{Directory: directory.OpenMemory(cfg.Directory.Name), down: true, commit: commit}
+			defer dir.Close()
+			b, err := Open(withOwner(cfg, "a"), Deps{Directory: dir})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer b.Close()
+			h := newHost(t, 2, 32, 16, 16, false)
+			m := register(t, b, h, 4)
+			tokens := kvtest.Tokens(rand.New(rand.NewSource(14)), 8)
+			h.Fill(tokens, kvtest.SeqCells(8))
+			sv, err := m.SaveBegin(key.Scope{}, h.Layout(), tokens, kvtest.SeqCells(8))
+			if err != nil {
+				t.Fatal(err)
+			}
+			for l := range h.K {
+				if err := sv.SaveLayer(l); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if _, err := sv.End(); status.Of(err) != status.Timeout {
+				t.Fatalf("save through a directory that timed out: %v", err)
+			}
+			if n, _, _ := b.Resident(); n != 2 {
+				t.Fatalf("%d blocks resident after the timeout, want 2", n)
+			}
+			reader := openBridge(t, cfg, "reader")
+			dst := newHost(t, 2, 32, 16, 16, false)
+			mr := register(t, reader, dst, 4)
+			if commit {
+				// The entries did commit: another process restores valid bytes.
+				dst.Scribble()
+				if res, err := loadAll(t, mr, dst, key.Scope{}, tokens, kvtest.SeqCells(8)); err != nil || res.OKTokens != 8 {
+					t.Fatalf("restore of the committed entries: %+v, %v", res, err)
+				}
+				if err := dst.Check(tokens, kvtest.SeqCells(8), 8); err != nil {
+					t.Fatal(err)
+				}
+			}
+			dir.down = false
+			used := b.pool.Used()
+			res := saveAll(t, m, h, key.Scope{}, tokens, kvtest.SeqCells(8))
+			if res.Written != 0 || b.pool.Used() != used {
+				t.Fatalf("second save: %+v, pool %d -> %d bytes", res, used, b.pool.Used())
+			}
+			if want := map[bool]int{true: 0, false: 2}[commit]; res.Published != want {
+				t.Fatalf("second save published %d blocks, want %d", res.Published, want)
+			}
+			if lk, _ := mr.Lookup(key.Scope{}, append(tokens, 1)); lk.MatchedBlocks != 2 {
+				t.Fatalf("the reader sees %d blocks after the second save", lk.MatchedBlocks)
+			}
+		})
 	}
 }

@@ -233,7 +233,7 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32) (LookupResult, error) {
 		KVBytesPerToken: m.kvBytesPerToken,
 		Link:            link,
 	})
-	b.stats.lookup(d)
+	b.stats.lookup(d, B)
 	return LookupResult{MatchedBlocks: matched, Decision: d, RestoreTokens: d.RestoreBlocks * B}, nil
 }
 

@@ -21,11 +21,12 @@ type Save struct {
 	total int // full blocks in the tokens
 	known int // leading blocks the directory already had
 
-	mu     sync.Mutex
-	blocks []saveBlock
-	saved  []bool // per layer
-	ended  bool
-	err    error // why the save stopped short (pool full)
+	mu        sync.Mutex
+	blocks    []saveBlock
+	republish []directory.Entry // held here, sealed, publish unanswered before
+	saved     []bool            // per layer
+	ended     bool
+	err       error // why the save stopped short (pool full)
 }
 
 type saveBlock struct {
@@ -83,6 +84,19 @@ func (m *Model) SaveBegin(scope key.Scope, layout kvlayout.Layout, tokens []int3
 		parent = chain[known-1]
 	}
 	for i := known; i < n; i++ {
+		// A block this pool already holds is not written twice: a sealed
+		// block whose publish went unanswered is offered to the directory
+		// again as it is, and any other one is already shared.
+		b.mu.Lock()
+		held, ok := b.resident.Get(chain[i])
+		b.mu.Unlock()
+		if ok {
+			if held.pending {
+				sv.republish = append(sv.republish, held.entry)
+			}
+			parent = chain[i]
+			continue
+		}
 		off, err := b.pool.Alloc(size)
 		if err != nil {
 			sv.err = err
@@ -96,7 +110,7 @@ func (m *Model) SaveBegin(scope key.Scope, layout kvlayout.Layout, tokens []int3
 		})
 		parent = chain[i]
 	}
-	if len(sv.blocks) == 0 && sv.err != nil {
+	if len(sv.blocks) == 0 && len(sv.republish) == 0 && sv.err != nil {
 		b.end()
 		return nil, sv.err
 	}
@@ -169,48 +183,80 @@ func (sv *Save) End() (SaveResult, error) {
 		}}
 	}
 	ctx, cancel := b.opContext()
-	won, err := b.dir.Publish(ctx, entries)
+	won, err := b.dir.Publish(ctx, append(entries, sv.republish...))
 	cancel()
 	if err != nil {
-		// Unpublished blocks help nobody; the pool is better used by others.
-		sv.free(sv.blocks)
+		// The directory may still commit some of these entries after the
+		// deadline (a slow etcd, a batch cut in several transactions), so
+		// the blocks stay resident and sealed, marked pending: an entry that
+		// appears later points at the bytes it names, eviction unpublishes
+		// it, and the next save of these tokens offers them again.
 		b.stats.add(&b.stats.directoryErrors, 1)
-		return SaveResult{Blocks: res.Blocks, Known: res.Known}, status.Wrap(status.Directory, err, "publishing saved blocks")
+		code := status.Of(err)
+		if code != status.Timeout {
+			code = status.Directory
+		}
+		if ierr := sv.insertResident(sv.blocks, entries, true); ierr != nil {
+			sv.free(sv.blocks)
+		}
+		return SaveResult{Blocks: res.Blocks, Known: res.Known, Written: res.Written}, status.Wrap(code, err, "publishing saved blocks")
 	}
 	var kept, lost []saveBlock
+	var keptEntries []directory.Entry
 	for i, w := range won {
-		if w {
+		switch {
+		case i >= len(sv.blocks):
+			// Either way the directory now answers for the block.
+			if w {
+				res.Published++
+				m.apply(directoryPut(sv.republish[i-len(sv.blocks)]))
+			}
+			b.settle(sv.republish[i-len(sv.blocks)].Key)
+		case w:
 			res.Published++
 			kept = append(kept, sv.blocks[i])
+			keptEntries = append(keptEntries, entries[i])
 			m.apply(directoryPut(entries[i]))
-		} else {
+		default:
 			res.Deduped++
 			lost = append(lost, sv.blocks[i])
 		}
 	}
 	sv.free(lost)
-	if err := sv.insertResident(kept); err != nil {
+	if err := sv.insertResident(kept, keptEntries, false); err != nil {
 		return res, err
 	}
 	b.stats.save(res)
 	return res, sv.err
 }
 
+// settle clears a resident block's pending mark.
+func (b *Bridge) settle(k key.BlockKey) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if s, ok := b.resident.Get(k); ok && s.pending {
+		s.pending = false
+		b.resident.Set(k, s)
+	}
+}
+
 func directoryPut(e directory.Entry) directory.Event {
 	return directory.Event{Kind: directory.Put, Entry: e}
 }
 
-// insertResident indexes the sealed blocks so eviction can find them.
-func (sv *Save) insertResident(blocks []saveBlock) error {
+// insertResident indexes sealed blocks so eviction can find them; entries
+// are what was offered to the directory for each, pending whether the
+// directory's answer is unknown.
+func (sv *Save) insertResident(blocks []saveBlock, entries []directory.Entry, pending bool) error {
 	b := sv.m.b
 	size := int64(sv.m.geo.Size())
 	B := sv.m.geo.BlockTokens
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	for _, blk := range blocks {
+	for i, blk := range blocks {
 		ib := index.Block[slot]{
 			Key:   blk.key,
-			Value: slot{fp: sv.m.fp, off: blk.off, size: size, gen: blk.gen},
+			Value: slot{fp: sv.m.fp, off: blk.off, size: size, gen: blk.gen, pending: pending, entry: entries[i]},
 			Bytes: size,
 			Cost:  b.arb.PrefillTime(blk.index*B, (blk.index+1)*B).Seconds(),
 		}

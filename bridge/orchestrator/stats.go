@@ -45,13 +45,14 @@ type counters struct {
 
 func (c *counters) add(v *atomic.Int64, n int64) { v.Add(n) }
 
-func (c *counters) lookup(d arbiter.Decision) {
+func (c *counters) lookup(d arbiter.Decision, blockTokens int) {
 	c.lookups.Add(1)
 	if d.MatchedBlocks == 0 {
 		c.misses.Add(1)
 		return
 	}
 	c.hits.Add(1)
+	c.matchedTokens.Add(int64(d.MatchedBlocks * blockTokens))
 	if d.RestoreBlocks > 0 {
 		c.decidedRestore.Add(1)
 	} else {

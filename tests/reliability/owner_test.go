@@ -1,0 +1,172 @@
+package reliability
+
+import (
+	"bufio"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/mcbridge/mcbridge/bridge/config"
+	"github.com/mcbridge/mcbridge/bridge/directory"
+	"github.com/mcbridge/mcbridge/bridge/directory/etcd"
+	"github.com/mcbridge/mcbridge/bridge/key"
+	"github.com/mcbridge/mcbridge/bridge/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/bridge/mem"
+	"github.com/mcbridge/mcbridge/bridge/orchestrator"
+	"github.com/mcbridge/mcbridge/bridge/pool"
+)
+
+// runOwner is a process that computes and saves prompts when told, and
+// holds their blocks in its pool until it quits or is killed.
+func runOwner(j job) int {
+	tb := childTB{}
+	b, err := orchestrator.Open(j.Config, orchestrator.Deps{})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "open:", err)
+		return 1
+	}
+	h := newHost(tb, j.Cells)
+	m, err := b.RegisterModel(spec(h, nil))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "register:", err)
+		return 1
+	}
+	var open []*orchestrator.Save // saves a test kills the process in
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		f := strings.Fields(in.Text())
+		if len(f) == 0 {
+			continue
+		}
+		arg := func(i int) int64 {
+			n, err := strconv.ParseInt(f[i], 10, 64)
+			if err != nil {
+				tb.Fatal("owner: bad argument", f[i])
+			}
+			return n
+		}
+		switch f[0] {
+		case "save": // save SEED N SALT
+			tokens := prompt(arg(1), int(arg(2)))
+			cells := kvtest.SeqCells(len(tokens))
+			h.Fill(tokens, cells)
+			res, err := saveLayers(m, h, scope(f[3]), tokens, cells, layers)
+			if err != nil {
+				tb.Fatal("owner: save:", err)
+			}
+			fmt.Println("save", res.Published)
+		case "partial": // partial SEED N LAYERS: begin a save, stop after LAYERS layers
+			tokens := prompt(arg(1), int(arg(2)))
+			cells := kvtest.SeqCells(len(tokens))
+			h.Fill(tokens, cells)
+			sv, err := m.SaveBegin(key.Scope{}, h.Layout(), tokens, cells)
+			if err != nil {
+				tb.Fatal("owner: save begin:", err)
+			}
+			for l := 0; l < int(arg(3)); l++ {
+				if err := sv.SaveLayer(l); err != nil {
+					tb.Fatal("owner: save layer:", err)
+				}
+			}
+			open = append(open, sv)
+			fmt.Println("partial", sv.Blocks())
+		case "scribble": // scribble SEED N BLOCK payload|tokens
+			tokens := prompt(arg(1), int(arg(2)))
+			if err := scribble(j.Config, b.Owner(), m, tokens, int(arg(3)), f[4]); err != nil {
+				tb.Fatal("owner: scribble:", err)
+			}
+			fmt.Println("scribble", f[3])
+		case "quit":
+			if err := b.Close(); err != nil {
+				fmt.Fprintln(os.Stderr, "close:", err)
+				return 1
+			}
+			fmt.Println("quit")
+			return 0
+		default:
+			tb.Fatal("owner: unknown command", f[0])
+		}
+	}
+	fmt.Fprintln(os.Stderr, "owner: stdin closed with", len(open), "saves open")
+	return 1
+}
+
+// saveLayers saves tokens, copying the first n layers; n below the
+// model's layer count ends the save unfinished.
+func saveLayers(m *orchestrator.Model, h *kvtest.Host, sc key.Scope, tokens []int32, cells []uint32, n int) (orchestrator.SaveResult, error) {
+	sv, err := m.SaveBegin(sc, h.Layout(), tokens, cells)
+	if err != nil {
+		return orchestrator.SaveResult{}, err
+	}
+	for l := 0; l < n; l++ {
+		if err := sv.SaveLayer(l); err != nil {
+			_, _ = sv.End()
+			return orchestrator.SaveResult{}, err
+		}
+	}
+	return sv.End()
+}
+
+// scribble damages this process's copy of block i of tokens, as memory
+// that rots under a published entry would: "payload" flips a byte of layer
+// 2; "tokens" rewrites the header with other tokens and a valid header sum,
+// which is what a 128-bit key collision would look like to a reader.
+func scribble(cfg config.Config, owner string, m *orchestrator.Model, tokens []int32, i int, mode string) error {
+	chain := key.Chain(key.Root(m.Fingerprint(), key.Scope{}), tokens, m.BlockTokens())
+	e, err := findEntry(cfg, m.Fingerprint(), chain[i])
+	if err != nil {
+		return err
+	}
+	if e.Loc.Owner != owner {
+		return fmt.Errorf("block %d is held by %s, not by this process", i, e.Loc.Owner)
+	}
+	block := mem.Bytes(uintptr(e.Loc.Addr), int(e.Loc.Length))
+	g, err := pool.ParseGeometry(block)
+	if err != nil {
+		return err
+	}
+	switch mode {
+	case "payload":
+		block[g.LayerOffset(2)+17] ^= 0x5a
+	case "tokens":
+		h, err := pool.DecodeHeader(block, &g)
+		if err != nil {
+			return err
+		}
+		h.Tokens[3]++
+		return pool.EncodeHeader(block, &g, &h)
+	default:
+		return fmt.Errorf("scribble mode %q", mode)
+	}
+	return nil
+}
+
+// findEntry reads one block's entry from the etcd directory cfg names.
+func findEntry(cfg config.Config, fp key.Fingerprint, k key.BlockKey) (directory.Entry, error) {
+	d, err := etcd.New(etcd.Config{Endpoints: cfg.Directory.Endpoints, Prefix: cfg.Directory.Prefix})
+	if err != nil {
+		return directory.Entry{}, err
+	}
+	defer d.Close()
+	found := make(chan directory.Entry, 1)
+	cancel, err := d.Subscribe(fp, func(ev directory.Event) {
+		if ev.Kind == directory.Put && ev.Entry.Key == k {
+			select {
+			case found <- ev.Entry:
+			default:
+			}
+		}
+	})
+	if err != nil {
+		return directory.Entry{}, err
+	}
+	defer cancel()
+	select {
+	case e := <-found:
+		return e, nil
+	case <-time.After(20 * time.Second):
+		return directory.Entry{}, fmt.Errorf("block %s never appeared in the directory", k)
+	}
+}
