@@ -106,8 +106,11 @@ func (r *replicator) run(stop chan struct{}) {
 
 // copyBlock reads another owner's block into the pool and verifies it.
 func (b *Bridge) copyBlock(e directory.Entry) {
+	// Peers read copies through the engine, unseen, so the store's only
+	// sign that a block is in demand is another owner publishing it again:
+	// count that as a use, so eviction keeps hot prefixes.
 	b.mu.Lock()
-	_, have := b.resident.Get(e.Key)
+	have := b.resident.Touch(e.Key) == 1
 	b.mu.Unlock()
 	if have || e.Loc.Length == 0 || int64(e.Loc.Length) > b.pool.Size()/2 {
 		return
