@@ -1,0 +1,88 @@
+package proxy
+
+import (
+	"encoding/json"
+	"reflect"
+	"strings"
+	"testing"
+)
+
+func TestParseRequest(t *testing.T) {
+	tests := []struct {
+		name   string
+		ep     endpoint
+		body   string
+		err    bool
+		prompt string  // the single prompt, "" for none
+		tokens []int32 // its tokens when it is ids only
+		stream bool
+		slot   int
+		cache  bool
+		dirty  bool
+		multi  bool
+	}{
+		{"token ids", completion, `{"prompt":[1,2,3],"stream":true,"id_slot":1}`, false, `[1,2,3]`, []int32{1, 2, 3}, true, 1, true, false, false},
+		{"string", completion, `{"prompt":"hello","cache_prompt":false}`, false, `"hello"`, nil, false, -1, false, false, false},
+		{"mixed", completion, `{"prompt":["a",5,"b"]}`, false, `["a",5,"b"]`, nil, false, -1, true, false, false},
+		{"one prompt in a list", completion, `{"prompt":[[7,8]]}`, false, `[7,8]`, []int32{7, 8}, false, -1, true, false, false},
+		{"several prompts", completion, `{"prompt":["a","b"]}`, false, "", nil, false, -1, true, false, false},
+		{"lists of ids", completion, `{"prompt":[[1],[2]]}`, false, "", nil, false, -1, true, false, false},
+		{"multimodal object", completion, `{"prompt":{"prompt_string":"x"}}`, false, "", nil, false, -1, true, false, false},
+		{"id out of int32", completion, `{"prompt":[3000000000]}`, false, "", nil, false, -1, true, false, false},
+		{"fractional id", completion, `{"prompt":[1.5]}`, false, "", nil, false, -1, true, false, false},
+		{"any slot", completion, `{"prompt":[1],"id_slot":-1}`, false, `[1]`, []int32{1}, false, -1, true, false, false},
+		{"cache reuse", completion, `{"prompt":[1],"n_cache_reuse":256}`, false, `[1]`, []int32{1}, false, -1, true, true, false},
+		{"cache reuse off", completion, `{"prompt":[1],"n_cache_reuse":0}`, false, `[1]`, []int32{1}, false, -1, true, false, false},
+		{"lora", completion, `{"prompt":[1],"lora":[{"id":0,"scale":1}]}`, false, `[1]`, []int32{1}, false, -1, true, true, false},
+		{"no lora", completion, `{"prompt":[1],"lora":[]}`, false, `[1]`, []int32{1}, false, -1, true, false, false},
+		{"n_cmpl", completion, `{"prompt":[1],"n_cmpl":2}`, false, `[1]`, []int32{1}, false, -1, true, false, true},
+		{"n", completion, `{"prompt":[1],"n":3}`, false, `[1]`, []int32{1}, false, -1, true, false, true},
+		{"chat", chat, `{"messages":[{"role":"user","content":"hi"}],"stream":true}`, false, "", nil, true, -1, true, false, false},
+		{"not an object", completion, `[1,2]`, true, "", nil, false, -1, true, false, false},
+		{"null", completion, `null`, true, "", nil, false, -1, true, false, false},
+		{"broken", completion, `{"prompt":`, true, "", nil, false, -1, true, false, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			r, err := parseRequest(tc.ep, []byte(tc.body))
+			if tc.err {
+				if err == nil {
+					t.Fatalf("parsed %q", tc.body)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if string(r.prompt) != tc.prompt || !reflect.DeepEqual(r.tokens, tc.tokens) || r.stream != tc.stream ||
+				r.idSlot != tc.slot || r.cachePrompt != tc.cache || r.dirty != tc.dirty || r.multi != tc.multi {
+				t.Fatalf("got prompt %s tokens %v stream %v slot %d cache %v dirty %v multi %v",
+					r.prompt, r.tokens, r.stream, r.idSlot, r.cachePrompt, r.dirty, r.multi)
+			}
+		})
+	}
+}
+
+func TestPinnedKeepsTheRestOfTheBody(t *testing.T) {
+	body := `{"prompt":"<a> & b","id_slot":0,"n_predict":3,"x":{"y":[1,2.50]}}`
+	r, err := parseRequest(completion, []byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := r.pinned(3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got, want map[string]any
+	if err := json.Unmarshal(out, &got); err != nil {
+		t.Fatal(err)
+	}
+	_ = json.Unmarshal([]byte(body), &want)
+	want["id_slot"] = float64(3)
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("pinned body %s", out)
+	}
+	if !json.Valid(out) || !strings.Contains(string(out), `"<a> & b"`) {
+		t.Fatalf("the prompt's bytes changed: %s", out)
+	}
+}

@@ -1,0 +1,134 @@
+package proxy
+
+import (
+	"context"
+	"testing"
+	"time"
+)
+
+func TestAcquirePrefersTheLongestCachedPrefix(t *testing.T) {
+	tab := newSlotTable(3)
+	ctx := context.Background()
+	// Fill the slots with known contents, oldest first.
+	for i, toks := range [][]int32{{1, 2, 3}, {1, 2, 9}, {7}} {
+		id, _, err := tab.acquire(ctx, i, nil)
+		if err != nil || id != i {
+			t.Fatal(id, err)
+		}
+		tab.release(id, toks, false)
+	}
+	tests := []struct {
+		prompt []int32
+		slot   int
+		lcp    int
+	}{
+		{[]int32{1, 2, 3, 4}, 0, 3},
+		{[]int32{1, 2, 9, 9}, 1, 3},
+		{[]int32{7, 7}, 2, 1},
+		{[]int32{1, 2}, 0, 2}, // a tie goes to the least recently used
+		{[]int32{5}, 1, 0},    // no match: the least recently used (slot 0 just was)
+	}
+	for _, tc := range tests {
+		id, l, err := tab.acquire(ctx, -1, tc.prompt)
+		if err != nil || id != tc.slot || l != tc.lcp {
+			t.Fatalf("prompt %v: slot %d lcp %d (%v), want %d %d", tc.prompt, id, l, err, tc.slot, tc.lcp)
+		}
+		tab.release(id, tab.view(id).tokens, false)
+	}
+}
+
+func TestAcquireWaitsForARelease(t *testing.T) {
+	tab := newSlotTable(1)
+	ctx := context.Background()
+	if _, _, err := tab.acquire(ctx, -1, nil); err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan int)
+	go func() {
+		id, _, err := tab.acquire(ctx, 0, nil)
+		if err != nil {
+			id = -1
+		}
+		got <- id
+	}()
+	select {
+	case id := <-got:
+		t.Fatalf("acquired held slot %d", id)
+	case <-time.After(10 * time.Millisecond):
+	}
+	tab.release(0, []int32{4}, true)
+	if id := <-got; id != 0 {
+		t.Fatalf("acquired %d", id)
+	}
+	if v := tab.view(0); !v.held || !v.dirty || len(v.tokens) != 1 {
+		t.Fatalf("view %+v", v)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	if _, _, err := tab.acquire(cctx, 0, nil); err == nil {
+		t.Fatal("acquired with a cancelled context")
+	}
+	if _, _, err := tab.acquire(ctx, 5, nil); err == nil {
+		t.Fatal("acquired a slot that does not exist")
+	}
+}
+
+func TestHoldAll(t *testing.T) {
+	tab := newSlotTable(3)
+	ctx := context.Background()
+	if _, _, err := tab.acquire(ctx, 1, nil); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error)
+	go func() { done <- tab.holdAll(ctx) }()
+	select {
+	case err := <-done:
+		t.Fatalf("held every slot while one was taken: %v", err)
+	case <-time.After(10 * time.Millisecond):
+	}
+	tab.release(1, nil, false)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 3; i++ {
+		if !tab.view(i).held {
+			t.Fatalf("slot %d not held", i)
+		}
+	}
+	cctx, cancel := context.WithTimeout(ctx, time.Millisecond)
+	defer cancel()
+	if err := tab.holdAll(cctx); err == nil {
+		t.Fatal("held slots held by another")
+	}
+}
+
+func TestNextDirty(t *testing.T) {
+	with := func(c int) *exchange {
+		return &exchange{haveAns: true, ans: answer{Timings: &timings{CacheN: c}}}
+	}
+	known := slotState{tokens: []int32{1, 2, 3, 4}}
+	dirtyKnown := slotState{tokens: []int32{1, 2, 3, 4}, dirty: true}
+	prompt := []int32{1, 2, 3, 9, 9}
+	tests := []struct {
+		name     string
+		before   slotState
+		prompt   []int32
+		reqDirty bool
+		x        *exchange
+		want     bool
+	}{
+		{"computed from zero", dirtyKnown, prompt, false, with(0), false},
+		{"reused known clean cells", known, prompt, false, with(3), false},
+		{"reused known dirty cells", dirtyKnown, prompt, false, with(2), true},
+		{"reused more than known", known, prompt, false, with(4), true},
+		{"reused unknown cells", slotState{}, prompt, false, with(1), true},
+		{"no prompt tokens", known, nil, false, with(1), true},
+		{"dirty request", known, prompt, true, with(0), true},
+		{"no timings", known, prompt, false, &exchange{}, true},
+	}
+	for _, tc := range tests {
+		if got := nextDirty(tc.before, tc.prompt, tc.reqDirty, tc.x); got != tc.want {
+			t.Errorf("%s: dirty %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}

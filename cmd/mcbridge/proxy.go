@@ -1,0 +1,136 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/mcbridge/mcbridge/bridge/config"
+	"github.com/mcbridge/mcbridge/bridge/key"
+	"github.com/mcbridge/mcbridge/bridge/orchestrator"
+	"github.com/mcbridge/mcbridge/bridge/proxy"
+)
+
+func init() {
+	commands["proxy"] = command{"share KV between stock llama-servers: a reverse proxy that restores and publishes slot files", runProxy}
+}
+
+func runProxy(args []string) error {
+	fs := flag.NewFlagSet("proxy", flag.ContinueOnError)
+	upstream := fs.String("upstream", "http://127.0.0.1:8080", "llama-server's base URL")
+	listen := fs.String("listen", "127.0.0.1:8081", "address clients connect to")
+	slotDir := fs.String("slot-dir", "", "the server's --slot-save-path, on this host (required)")
+	cfgDoc := fs.String("config", "", "bridge configuration: JSON or a file path (default $MCB_CONFIG)")
+	modelPath := fs.String("model-path", "", "the GGUF the server runs, when /props' path is relative or not readable here")
+	noPublish := fs.Bool("no-publish", false, "restore only, never publish")
+	ctxShift := fs.Bool("upstream-context-shift", false, "the server runs with --context-shift: publish nothing")
+	cacheReuse := fs.Int("upstream-cache-reuse", 0, "the server's --cache-reuse: above 0, publish nothing")
+	tenant := fs.String("tenant", "", "salt for every key: only proxies with the same tenant share")
+	apiKey := fs.String("upstream-api-key", "", "the server's --api-key, for the proxy's own calls (default $MCB_UPSTREAM_API_KEY)")
+	wait := fs.Duration("wait", 2*time.Minute, "how long to wait for the server at start")
+	verbose := fs.Bool("v", false, "log every fallback and each restore's timings")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	// Read here, not as the flag's default, which -h would print.
+	if *apiKey == "" {
+		*apiKey = os.Getenv("MCB_UPSTREAM_API_KEY")
+	}
+	if *slotDir == "" {
+		return fmt.Errorf("--slot-dir is required (the directory llama-server was given with --slot-save-path)")
+	}
+	cfg, err := config.Load(*cfgDoc)
+	if err != nil {
+		return err
+	}
+	level := slog.LevelInfo
+	if *verbose {
+		level = slog.LevelDebug
+	}
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+
+	b, err := orchestrator.Open(cfg, orchestrator.Deps{})
+	if err != nil {
+		return err
+	}
+	bridgeOpen := true
+	defer func() {
+		if bridgeOpen {
+			_ = b.Close()
+		}
+	}()
+	p, err := proxy.New(b, proxy.Options{
+		Upstream: *upstream, SlotDir: *slotDir, ModelPath: *modelPath, APIKey: *apiKey,
+		NoPublish: *noPublish, UpstreamContextShift: *ctxShift, UpstreamCacheReuse: *cacheReuse,
+		Scope: key.Scope{TenantSalt: []byte(*tenant)}, Log: log,
+	})
+	if err != nil {
+		return err
+	}
+	// Learning now reports a misconfiguration at start; the proxy serves
+	// (without the bridge) either way and tries again later.
+	if err := waitHealthy(*upstream, *wait); err != nil {
+		log.Warn("upstream not healthy yet; forwarding without the bridge until it is", "err", err)
+	} else {
+		ctx, cancel := context.WithTimeout(context.Background(), *wait)
+		_ = p.Learn(ctx)
+		cancel()
+	}
+
+	ln, err := net.Listen("tcp", *listen)
+	if err != nil {
+		return err
+	}
+	// No write timeout: streamed completions run as long as they run.
+	srv := &http.Server{Handler: p, ReadHeaderTimeout: 10 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	st := p.State()
+	log.Info("proxy serving", "listen", ln.Addr().String(), "upstream", *upstream, "segment", b.Segment(),
+		"owner", b.Owner(), "directory", cfg.Directory.Kind, "transport", cfg.Transport.Kind,
+		"bridge", st.Bridge, "publishing", st.Publishing)
+	// The first line on stdout is machine-readable, for scripts.
+	_ = json.NewEncoder(os.Stdout).Encode(map[string]any{"listen": ln.Addr().String(), "segment": b.Segment(),
+		"owner": b.Owner(), "bridge": st.Bridge, "fingerprint": st.Fingerprint})
+
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	<-sig
+	log.Info("shutting down: finishing publishes, then unpublishing this proxy's blocks")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	_ = srv.Shutdown(ctx)
+	cancel()
+	perr := p.Close()
+	bridgeOpen = false
+	if err := b.Close(); err != nil {
+		return err
+	}
+	return perr
+}
+
+// waitHealthy polls the server's /health until it answers 200.
+func waitHealthy(base string, limit time.Duration) error {
+	deadline := time.Now().Add(limit)
+	client := &http.Client{Timeout: 5 * time.Second}
+	for {
+		resp, err := client.Get(base + "/health")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+			err = fmt.Errorf("/health: HTTP %d", resp.StatusCode)
+		}
+		if time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
