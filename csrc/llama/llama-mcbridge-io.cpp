@@ -1,0 +1,410 @@
+// Stage 2 (amendment 1): a restore runs llama.cpp's own machinery,
+// llama_kv_cache::state_read -> state_read_meta (seq_rm, find_slot, apply_ubatch, the
+// checks) -> state_read_data (layer count, V layout, types and row sizes, one read per
+// contiguous run of cells), with a reader whose header is synthesized (P cells at
+// positions 0..P-1) and whose tensor reads become one bridge load into the KV tensors.
+// Any failure throws inside state_read_data, where llama.cpp rolls the sequence back.
+// The save is the mirror: the cells and tensors of the sequence, handed to the bridge.
+#include "llama-mcbridge-impl.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-io.h"
+#include "llama-kv-cache.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+namespace mcb_llama {
+
+namespace {
+
+struct cell_run {
+    uint32_t from; // first cell
+    uint32_t n;    // cells
+};
+
+// Groups position-ordered cells into runs of consecutive cells, as state_read_data does.
+std::vector<cell_run> runs_of(const std::vector<uint32_t> & cells) {
+    std::vector<cell_run> runs;
+    for (uint32_t c : cells) {
+        if (!runs.empty() && runs.back().from + runs.back().n == c) {
+            runs.back().n++;
+        } else {
+            runs.push_back({c, 1});
+        }
+    }
+    return runs;
+}
+
+// The cells holding positions [0, n) of seq_id, in position order; stops at the first
+// position the sequence does not hold.
+std::vector<uint32_t> cells_of(const llama_kv_cache * kv, llama_seq_id seq_id, int32_t n) {
+    std::vector<uint32_t> cell(n, UINT32_MAX);
+    const llama_kv_cells & cells = kv->get_cells(seq_id);
+    for (uint32_t i = 0; i < cells.size(); i++) {
+        if (cells.is_empty(i) || !cells.seq_has(i, seq_id)) {
+            continue;
+        }
+        const llama_pos p = cells.pos_get(i);
+        if (p >= 0 && p < n) {
+            cell[p] = i;
+        }
+    }
+    auto hole = std::find(cell.begin(), cell.end(), UINT32_MAX);
+    cell.erase(hole, cell.end());
+    return cell;
+}
+
+// The per-stream K and V tensors of every KV layer, as bound by the cache.
+struct kv_tensors {
+    std::vector<ggml_tensor *> k;
+    std::vector<ggml_tensor *> v;
+};
+
+// Builds the bridge's view of the tensors: rows of cell c at data + c * row stride, or,
+// with V transposed, dimension j of cell c at data + (j * n_cells + c) * element size.
+std::vector<mcb_kv_layer> layers_of(const kv_tensors & t, uint32_t n_cells, bool v_trans) {
+    std::vector<mcb_kv_layer> layers(t.k.size());
+    for (size_t l = 0; l < t.k.size(); l++) {
+        for (ggml_tensor * x : {t.k[l], t.v[l]}) {
+            if (x->buffer == nullptr || !ggml_backend_buffer_is_host(x->buffer) || x->data == nullptr) {
+                throw std::runtime_error(std::string("KV tensor ") + x->name + " is not in host memory");
+            }
+        }
+        layers[l].k        = t.k[l]->data;
+        layers[l].k_stride = t.k[l]->nb[1];
+        layers[l].v        = t.v[l]->data;
+        layers[l].v_stride = v_trans ? (uint64_t) n_cells * ggml_element_size(t.v[l]) : t.v[l]->nb[1];
+    }
+    return layers;
+}
+
+// The stage-2 reader. Its byte stream is the state blob of a sequence that holds
+// positions 0..P-1 (llama-patches/README.md, "Sequence-state blob"), minus the tensor
+// bytes; the tensor reads are checked against the runs of the cells that find_slot
+// chose, and the last of them runs the load.
+class bridge_reader : public llama_io_read_i {
+public:
+    bridge_reader(llama_kv_cache * kv, const llama_hparams & hp, const attachment & att, const mcb_scope * scope,
+                  llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens) :
+        kv(kv), hp(hp), att(att), scope(scope), seq_id(seq_id), tokens(tokens), n_tokens(n_tokens),
+        layer_ids(kv->get_layer_ids()) {
+        put<uint32_t>(kv->get_n_stream());
+        // The cells go in the first stream section; state_read places a single-sequence
+        // blob in the destination's own stream whichever section carries it.
+        put<uint32_t>((uint32_t) n_tokens);
+        for (int32_t i = 0; i < n_tokens; i++) {
+            put<int32_t>(i);       // pos
+            put<uint32_t>(1);      // n_seq_id
+            put<int32_t>(seq_id);  // discarded: the destination is used
+        }
+        put<uint32_t>(att.v_trans ? 1 : 0);
+        put<uint32_t>((uint32_t) layer_ids.size());
+        const ggml_type tk = kv->type_k();
+        const ggml_type tv = kv->type_v();
+        for (uint32_t il : layer_ids) {
+            put<int32_t>((int32_t) tk);
+            put<uint64_t>(ggml_row_size(tk, hp.n_embd_k_gqa(il)));
+        }
+        for (uint32_t il : layer_ids) {
+            put<int32_t>((int32_t) tv);
+            if (!att.v_trans) {
+                put<uint64_t>(ggml_row_size(tv, hp.n_embd_v_gqa(il)));
+            } else {
+                put<uint32_t>((uint32_t) ggml_type_size(tv));
+                put<uint32_t>(hp.n_embd_v_gqa(il));
+            }
+        }
+        for (uint32_t s = 1; s < kv->get_n_stream(); s++) {
+            put<uint32_t>(0);
+        }
+        tensors.k.assign(layer_ids.size(), nullptr);
+        tensors.v.assign(layer_ids.size(), nullptr);
+    }
+
+    void read(void * dst, size_t size) override {
+        if (size > stream.size() - cur) {
+            throw std::runtime_error("mcbridge: llama.cpp read past the synthesized state header");
+        }
+        memcpy(dst, stream.data() + cur, size);
+        cur += size;
+    }
+
+    void read_tensor(ggml_tensor * t, size_t offset, size_t size) override {
+        try {
+            if (cells.empty()) {
+                plan(); // state_read_meta has placed the cells by now
+            }
+            expect(t, offset, size);
+            if (++n_reads == n_reads_total) {
+                load();
+            }
+        } catch (const std::exception & e) {
+            error = e.what(); // state_read_data swallows the exception itself
+            throw;
+        }
+    }
+
+    size_t n_bytes() override { return cur; }
+
+    int32_t    n_ok    = 0;
+    uint64_t   bytes   = 0;
+    mcb_status  status  = MCB_STATUS_OK;
+    std::string error;
+
+private:
+    template <typename T> void put(T v) {
+        const auto * p = reinterpret_cast<const uint8_t *>(&v);
+        stream.insert(stream.end(), p, p + sizeof(T));
+    }
+
+    void plan() {
+        cells = cells_of(kv, seq_id, n_tokens);
+        if ((int32_t) cells.size() != n_tokens) {
+            throw std::runtime_error("mcbridge: restored positions are not all in the cache");
+        }
+        runs = runs_of(cells);
+        const size_t L = layer_ids.size();
+        n_reads_total = L * runs.size();
+        for (uint32_t il : layer_ids) {
+            n_reads_total += runs.size() * (att.v_trans ? hp.n_embd_v_gqa(il) : 1);
+        }
+    }
+
+    // The read that state_read_data issues next, by its index: K of every layer, then V
+    // of every layer (by row j when transposed), one per run.
+    void expect(ggml_tensor * t, size_t offset, size_t size) {
+        const size_t R = runs.size();
+        const size_t L = layer_ids.size();
+        size_t i = n_reads;
+        size_t want_off, want_size;
+        ggml_tensor ** slot;
+        if (i < L * R) {
+            const size_t l = i / R;
+            const cell_run & r = runs[i % R];
+            const size_t row = ggml_row_size(kv->type_k(), hp.n_embd_k_gqa(layer_ids[l]));
+            want_off  = r.from * row;
+            want_size = r.n * row;
+            slot = &tensors.k[l];
+        } else {
+            i -= L * R;
+            size_t l = 0;
+            for (; l < L; l++) {
+                const size_t per = R * (att.v_trans ? hp.n_embd_v_gqa(layer_ids[l]) : 1);
+                if (i < per) {
+                    break;
+                }
+                i -= per;
+            }
+            if (l == L) {
+                throw std::runtime_error("mcbridge: more tensor reads than the cells need");
+            }
+            const cell_run & r = runs[i % R];
+            if (!att.v_trans) {
+                const size_t row = ggml_row_size(kv->type_v(), hp.n_embd_v_gqa(layer_ids[l]));
+                want_off  = r.from * row;
+                want_size = r.n * row;
+            } else {
+                const size_t el = ggml_type_size(kv->type_v());
+                const size_t j  = i / R;
+                want_off  = (r.from + j * kv->get_size()) * el;
+                want_size = r.n * el;
+            }
+            slot = &tensors.v[l];
+        }
+        if (offset != want_off || size != want_size || (*slot != nullptr && *slot != t)) {
+            throw std::runtime_error("mcbridge: llama.cpp read tensor " + std::string(t->name) + " at " +
+                                     std::to_string(offset) + "+" + std::to_string(size) + ", expected " +
+                                     std::to_string(want_off) + "+" + std::to_string(want_size));
+        }
+        *slot = t;
+    }
+
+    // One load for all the runs: the bridge moves every block and verifies each layer
+    // before this returns, so no compute ever sees unverified rows (amendment 2).
+    void load() {
+        const std::vector<mcb_kv_layer> layers = layers_of(tensors, kv->get_size(), att.v_trans);
+        mcb_kv_layout layout = {};
+        layout.n_layer  = (uint32_t) layers.size();
+        layout.n_cells  = kv->get_size();
+        layout.v_trans  = att.v_trans;
+        layout.location = "cpu:0";
+        layout.layers   = layers.data();
+
+        mcb_load h = 0;
+        status = mcb_load_begin(att.model, scope, &layout, tokens, (size_t) n_tokens, cells.data(), &h);
+        if (status != MCB_STATUS_OK) {
+            throw std::runtime_error("mcb_load_begin: " + status_message(status));
+        }
+        uint32_t ok = (uint32_t) n_tokens;
+        for (uint32_t l = 0; l < layout.n_layer; l++) {
+            uint32_t ok_l = 0;
+            const mcb_status st = mcb_load_wait_layer(h, l, &ok_l);
+            if (st != MCB_STATUS_OK && status == MCB_STATUS_OK) {
+                status = st;
+            }
+            ok = std::min(ok, st == MCB_STATUS_OK ? ok_l : 0u);
+        }
+        mcb_load_result res = {};
+        const mcb_status st_end = mcb_load_end(h, &res);
+        if (st_end != MCB_STATUS_OK && status == MCB_STATUS_OK) {
+            status = st_end;
+        }
+        n_ok  = (int32_t) std::min<uint32_t>(ok, res.n_tokens_ok);
+        bytes = res.n_bytes;
+        if (n_ok == 0) {
+            throw std::runtime_error("mcbridge: no block restored (" + status_message(status) + ")");
+        }
+    }
+
+    llama_kv_cache *      kv;
+    const llama_hparams & hp;
+    const attachment &    att;
+    const mcb_scope *     scope;
+    const llama_seq_id    seq_id;
+    const llama_token *   tokens;
+    const int32_t         n_tokens;
+    const std::vector<uint32_t> layer_ids;
+
+    std::vector<uint8_t> stream;
+    size_t cur = 0;
+
+    std::vector<uint32_t> cells;
+    std::vector<cell_run> runs;
+    size_t n_reads = 0;
+    size_t n_reads_total = 0;
+    kv_tensors tensors;
+};
+
+// Learns which tensors hold a sequence's K and V from a state_write of it: each layer's
+// reads come together, K of every layer first, then V. Copies nothing.
+class tensor_capture : public llama_io_write_i {
+public:
+    void write(const void * /*src*/, size_t size) override { n += size; }
+    void write_tensor(ggml_tensor * t, size_t /*offset*/, size_t size) override {
+        if (order.empty() || order.back() != t) {
+            order.push_back(t);
+        }
+        n += size;
+    }
+    size_t n_bytes() override { return n; }
+
+    std::vector<ggml_tensor *> order;
+
+private:
+    size_t n = 0;
+};
+
+} // namespace
+
+restore_result seq_restore(llama_context * ctx, const attachment & att, const mcb_scope * scope,
+                           llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens) {
+    restore_result out;
+    llama_kv_cache * kv = plain_kv(ctx);
+    if (kv == nullptr || n_tokens <= 0 || tokens == nullptr) {
+        out.status = MCB_STATUS_INVALID_ARG;
+        out.error  = "no plain KV cache or no tokens";
+        return out;
+    }
+    // No compute may be writing the cache while the bridge does.
+    llama_synchronize(ctx);
+
+    bridge_reader reader(kv, llama_get_model(ctx)->hparams, att, scope, seq_id, tokens, n_tokens);
+    try {
+        kv->state_read(reader, seq_id);
+    } catch (const std::exception & e) {
+        // state_read_sinfo has removed the sequence (seq_rm(seq, -1, -1)).
+        // Without a bridge status llama.cpp refused the cells (no room, a check failed).
+        out.status      = reader.status != MCB_STATUS_OK ? reader.status : MCB_STATUS_LAYOUT;
+        out.error       = reader.error.empty() ? e.what() : reader.error;
+        out.seq_cleared = true;
+        if (kv->seq_pos_max(seq_id) >= 0) {
+            kv->seq_rm(seq_id, -1, -1);
+        }
+        return out;
+    }
+    out.seq_cleared = true;
+    out.status      = reader.status;
+    out.n_bytes     = reader.bytes;
+    out.n_tokens    = reader.n_ok;
+    if (out.n_tokens < n_tokens) {
+        // A partial load: keep the verified prefix, drop the cells past it.
+        kv->seq_rm(seq_id, out.n_tokens, -1);
+    }
+    mark_restored(kv, seq_id);
+    return out;
+}
+
+save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scope * scope,
+                     llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens) {
+    save_result out;
+    llama_kv_cache * kv = plain_kv(ctx);
+    if (kv == nullptr || n_tokens <= 0 || tokens == nullptr) {
+        out.status = MCB_STATUS_INVALID_ARG;
+        out.error  = "no plain KV cache or no tokens";
+        return out;
+    }
+    llama_synchronize(ctx);
+
+    const int32_t clean = (int32_t) std::min<llama_pos>(n_tokens, seq_clean_end(ctx, seq_id));
+    const std::vector<uint32_t> cells = cells_of(kv, seq_id, clean);
+    const int32_t n = (int32_t) cells.size();
+    if (n == 0) {
+        return out;
+    }
+
+    tensor_capture cap;
+    kv->state_write(cap, seq_id);
+    const size_t L = kv->get_layer_ids().size();
+    if (cap.order.size() != 2 * L) {
+        out.status = MCB_STATUS_INTERNAL;
+        out.error  = "state_write named " + std::to_string(cap.order.size()) + " tensors for " + std::to_string(L) + " layers";
+        return out;
+    }
+    kv_tensors t;
+    t.k.assign(cap.order.begin(), cap.order.begin() + L);
+    t.v.assign(cap.order.begin() + L, cap.order.end());
+
+    std::vector<mcb_kv_layer> layers;
+    try {
+        layers = layers_of(t, kv->get_size(), att.v_trans);
+    } catch (const std::exception & e) {
+        out.status = MCB_STATUS_UNSUPPORTED;
+        out.error  = e.what();
+        return out;
+    }
+    mcb_kv_layout layout = {};
+    layout.n_layer  = (uint32_t) layers.size();
+    layout.n_cells  = kv->get_size();
+    layout.v_trans  = att.v_trans;
+    layout.location = "cpu:0";
+    layout.layers   = layers.data();
+
+    mcb_save h = 0;
+    out.status = mcb_save_begin(att.model, scope, &layout, tokens, (size_t) n, cells.data(), &h);
+    if (out.status != MCB_STATUS_OK) {
+        out.error = "mcb_save_begin: " + status_message(out.status);
+        return out;
+    }
+    for (uint32_t l = 0; l < layout.n_layer; l++) {
+        const mcb_status st = mcb_save_layer(h, l);
+        if (st != MCB_STATUS_OK) {
+            out.status = st;
+            out.error  = "mcb_save_layer: " + status_message(st);
+            break;
+        }
+    }
+    const mcb_status st_end = mcb_save_end(h, &out.blocks);
+    if (st_end != MCB_STATUS_OK && out.status == MCB_STATUS_OK) {
+        out.status = st_end;
+        out.error  = "mcb_save_end: " + status_message(st_end);
+    }
+    out.n_tokens = out.status == MCB_STATUS_OK ? n : 0;
+    return out;
+}
+
+} // namespace mcb_llama

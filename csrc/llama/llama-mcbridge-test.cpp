@@ -1,0 +1,354 @@
+// llama-mcbridge-test MODEL OTHER_MODEL: stage 2 inside one process, against real
+// llama_contexts of the patched libllama sharing one bridge (in-process directory and
+// transport). Run by scripts/server/test.sh; exit status 0 when every check passes.
+//
+//   - a save from one context and a restore into another with the same KV format
+//     places byte-identical K and V at every restored position, into cells that
+//     find_slot scattered around another sequence's cells, with V row-major (flash
+//     attention on) and transposed (off);
+//   - another model, another K type and another V layout find nothing and restore
+//     nothing, and a failed restore leaves every other sequence's KV untouched;
+//   - a restore that cannot fit rolls back;
+//   - a shifted or holed sequence publishes only its clean prefix, and a cut below the
+//     hole makes it clean again.
+#include "llama-mcbridge.h"
+#include "llama.h"
+
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace {
+
+int g_failures = 0;
+
+void check(bool ok, const char * fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, ok ? "ok   " : "FAIL ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    g_failures += ok ? 0 : 1;
+}
+
+constexpr uint32_t k_block = 32;
+
+struct kv_format {
+    const char * name;
+    bool         flash_attn;
+    ggml_type    type_k;
+};
+
+struct model_file {
+    const char *  path;
+    llama_model * model;
+};
+
+struct context {
+    llama_context *        ctx = nullptr;
+    mcb_llama::attachment att;
+
+    context(const model_file & m, const kv_format & f, uint32_t n_ctx, uint32_t n_seq, bool unified) {
+        llama_context_params cp = llama_context_default_params();
+        cp.n_ctx           = n_ctx;
+        cp.n_batch         = 64;
+        cp.n_ubatch        = 64;
+        cp.n_seq_max       = n_seq;
+        cp.kv_unified      = unified;
+        cp.n_threads       = 2;
+        cp.n_threads_batch = 2;
+        cp.flash_attn_type = f.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        cp.type_k          = f.type_k;
+        cp.no_perf         = true;
+        ctx = llama_init_from_model(m.model, cp);
+        if (ctx == nullptr) {
+            fprintf(stderr, "llama_init_from_model failed (%s)\n", f.name);
+            exit(2);
+        }
+        std::string why;
+        if (!mcb_llama::attach(ctx, m.path, "", att, why)) {
+            fprintf(stderr, "attach failed (%s): %s\n", f.name, why.c_str());
+            exit(2);
+        }
+    }
+    ~context() {
+        mcb_llama::detach(ctx);
+        llama_free(ctx);
+    }
+    context(const context &) = delete;
+
+    llama_memory_t mem() const { return llama_get_memory(ctx); }
+
+    // Decodes tokens at positions [p0, p0 + n) of seq in batches of at most 64.
+    void decode(llama_seq_id seq, const std::vector<llama_token> & toks, llama_pos p0) const {
+        for (size_t i = 0; i < toks.size(); i += 64) {
+            const size_t n = std::min<size_t>(64, toks.size() - i);
+            llama_batch b = llama_batch_init((int32_t) n, 0, 1);
+            for (size_t j = 0; j < n; j++) {
+                b.token[j]     = toks[i + j];
+                b.pos[j]       = p0 + (llama_pos) (i + j);
+                b.n_seq_id[j]  = 1;
+                b.seq_id[j][0] = seq;
+                b.logits[j]    = i + j + 1 == toks.size();
+            }
+            b.n_tokens = (int32_t) n;
+            if (llama_decode(ctx, b) != 0) {
+                fprintf(stderr, "llama_decode failed\n");
+                exit(2);
+            }
+            llama_batch_free(b);
+        }
+        llama_synchronize(ctx);
+    }
+
+    mcb_llama::save_result save(llama_seq_id seq, const std::vector<llama_token> & toks) const {
+        return mcb_llama::seq_save(ctx, att, nullptr, seq, toks.data(), (int32_t) toks.size());
+    }
+
+    mcb_llama::restore_result restore(llama_seq_id seq, const std::vector<llama_token> & toks, int32_t n) const {
+        return mcb_llama::seq_restore(ctx, att, nullptr, seq, toks.data(), n);
+    }
+
+    int32_t matched(const std::vector<llama_token> & toks) const {
+        mcb_lookup_result lr = {};
+        if (mcb_lookup(att.model, nullptr, toks.data(), toks.size(), &lr) != MCB_STATUS_OK) {
+            return -1;
+        }
+        return (int32_t) (lr.n_matched_blocks * lr.n_block_tokens);
+    }
+
+    std::vector<uint8_t> blob(llama_seq_id seq) const {
+        std::vector<uint8_t> b(llama_state_seq_get_size(ctx, seq));
+        b.resize(llama_state_seq_get_data(ctx, b.data(), b.size(), seq));
+        return b;
+    }
+
+    // Every position's K and V bytes, read from llama.cpp's own state blob (its
+    // layout: llama-patches/README.md), so that the comparison does not trust ours.
+    std::map<llama_pos, std::string> kv_by_pos(llama_seq_id seq) const {
+        const std::vector<uint8_t> b = blob(seq);
+        size_t off = 0;
+        auto take = [&](size_t n) {
+            if (off + n > b.size()) {
+                fprintf(stderr, "state blob ends early\n");
+                exit(2);
+            }
+            const uint8_t * p = b.data() + off;
+            off += n;
+            return p;
+        };
+        auto u32 = [&]() { uint32_t v; memcpy(&v, take(4), 4); return v; };
+        auto u64 = [&]() { uint64_t v; memcpy(&v, take(8), 8); return v; };
+        std::map<llama_pos, std::string> out;
+        take(8); // magic, seq id
+        const uint32_t n_stream = u32();
+        for (uint32_t s = 0; s < n_stream; s++) {
+            const uint32_t n = u32();
+            if (n == 0) {
+                continue;
+            }
+            std::vector<llama_pos> pos(n);
+            for (uint32_t i = 0; i < n; i++) {
+                pos[i] = (llama_pos) u32();
+                const uint32_t n_seq = u32();
+                take(4 * n_seq);
+            }
+            std::vector<std::string> row(n);
+            const uint32_t v_trans = u32();
+            const uint32_t n_layer = u32();
+            for (uint32_t l = 0; l < n_layer; l++) {
+                u32();
+                const uint64_t sz = u64();
+                for (uint32_t i = 0; i < n; i++) {
+                    row[i].append((const char *) take(sz), sz);
+                }
+            }
+            for (uint32_t l = 0; l < n_layer; l++) {
+                u32();
+                if (!v_trans) {
+                    const uint64_t sz = u64();
+                    for (uint32_t i = 0; i < n; i++) {
+                        row[i].append((const char *) take(sz), sz);
+                    }
+                } else {
+                    const uint32_t el = u32();
+                    const uint32_t dims = u32();
+                    for (uint32_t j = 0; j < dims; j++) {
+                        for (uint32_t i = 0; i < n; i++) {
+                            row[i].append((const char *) take(el), el);
+                        }
+                    }
+                }
+            }
+            for (uint32_t i = 0; i < n; i++) {
+                out[pos[i]] = row[i];
+            }
+        }
+        return out;
+    }
+};
+
+std::vector<llama_token> tokens(size_t n, int mul, int off) {
+    std::vector<llama_token> t(n);
+    for (size_t i = 0; i < n; i++) {
+        t[i] = (llama_token) ((i * mul + off) % 256);
+    }
+    return t;
+}
+
+// Positions [0, n) of seq hold the same KV bytes in a and b.
+bool same_kv(const context & a, const context & b, llama_seq_id seq, int32_t n) {
+    const auto ka = a.kv_by_pos(seq);
+    const auto kb = b.kv_by_pos(seq);
+    for (llama_pos p = 0; p < n; p++) {
+        auto ia = ka.find(p);
+        auto ib = kb.find(p);
+        if (ia == ka.end() || ib == kb.end() || ia->second != ib->second) {
+            fprintf(stderr, "  position %d differs\n", p);
+            return false;
+        }
+    }
+    return kb.size() == (size_t) n;
+}
+
+// Saves a prompt from one context and restores it into another of the same format,
+// around a holed sequence so that find_slot scatters the restored cells.
+void round_trip(const model_file & model, const kv_format & f) {
+    const std::vector<llama_token> prompt = tokens(200, 7, 3);
+    const int32_t want = 200 / k_block * k_block;
+
+    context src(model, f, 1024, 2, true);
+    src.decode(0, prompt, 0);
+    const auto sv = src.save(0, prompt);
+    check(sv.status == MCB_STATUS_OK && sv.blocks.n_blocks == 200 / k_block,
+          "%s: save of 200 tokens: %u full blocks, status %s %s", f.name, sv.blocks.n_blocks,
+          mcb_status_str(sv.status), sv.error.c_str());
+
+    context dst(model, f, 1024, 2, true);
+    dst.decode(1, tokens(100, 5, 1), 0);
+    llama_memory_seq_rm(dst.mem(), 1, 20, 60); // a hole of 40 cells in the middle of seq 1
+    const auto before = dst.blob(1);
+    check(dst.matched(prompt) == want, "%s: lookup finds %d tokens", f.name, dst.matched(prompt));
+    const auto r = dst.restore(0, prompt, want);
+    check(r.n_tokens == want && r.status == MCB_STATUS_OK, "%s: restored %d of %d tokens (%llu bytes) %s", f.name,
+          r.n_tokens, want, (unsigned long long) r.n_bytes, r.error.c_str());
+    check(llama_memory_seq_pos_max(dst.mem(), 0) == want - 1, "%s: seq 0 ends at %d", f.name,
+          llama_memory_seq_pos_max(dst.mem(), 0));
+    llama_memory_seq_rm(src.mem(), 0, want, -1);
+    check(same_kv(src, dst, 0, want), "%s: restored K and V are byte-identical to the computed ones", f.name);
+    check(dst.blob(1) == before, "%s: the other sequence is untouched", f.name);
+    check(mcb_llama::seq_clean_end(dst.ctx, 0) > want, "%s: a restored sequence is clean", f.name);
+
+    // Nothing fits: a one-sequence cache full of seq 0 cannot take seq 1's 192 cells.
+    context full(model, f, 256, 2, true);
+    full.decode(0, tokens(250, 3, 2), 0);
+    const auto before_full = full.blob(0);
+    const auto rf = full.restore(1, prompt, want);
+    check(rf.n_tokens == 0 && llama_memory_seq_pos_max(full.mem(), 1) == -1 && full.blob(0) == before_full,
+          "%s: a restore without room restores nothing and leaves the cache as it was (%s)", f.name, rf.error.c_str());
+}
+
+void mismatches(const model_file & model, const model_file & other, const kv_format & saved, const std::vector<kv_format> & others) {
+    // A prompt no other check saves: only the saving format has it.
+    const std::vector<llama_token> prompt = tokens(200, 17, 5);
+    {
+        context src(model, saved, 1024, 1, true);
+        src.decode(0, prompt, 0);
+        src.save(0, prompt);
+    }
+    auto expect_nothing = [&](const model_file & m, const kv_format & f, const std::string & what) {
+        context dst(m, f, 1024, 2, true);
+        dst.decode(1, tokens(60, 5, 1), 0);
+        const auto before = dst.blob(1);
+        check(dst.matched(prompt) == 0, "%s: lookup finds nothing", what.c_str());
+        const auto r = dst.restore(0, prompt, 192);
+        check(r.n_tokens == 0 && llama_memory_seq_pos_max(dst.mem(), 0) == -1 && dst.blob(1) == before,
+              "%s: restore gives nothing and leaves the cache as it was (%s: %s)", what.c_str(), mcb_status_str(r.status),
+              r.error.c_str());
+    };
+    for (const auto & f : others) {
+        expect_nothing(model, f, std::string("saved ") + saved.name + ", context " + f.name);
+    }
+    expect_nothing(other, saved, "another model (other weights)");
+    {
+        context same(model, saved, 1024, 1, true);
+        check(same.matched(prompt) == 192, "the saving format still finds its 192 tokens");
+    }
+}
+
+void clean_marks(const model_file & model, const kv_format & f) {
+    const std::vector<llama_token> prompt = tokens(200, 11, 4);
+    context c(model, f, 1024, 1, true);
+    c.decode(0, prompt, 0);
+    // What context shift does: drop [50, 60) and slide the rest down.
+    llama_memory_seq_rm(c.mem(), 0, 50, 60);
+    llama_memory_seq_add(c.mem(), 0, 60, -1, -10);
+    check(mcb_llama::seq_clean_end(c.ctx, 0) == 50, "a shift lowers the clean mark to 50 (%d)",
+          mcb_llama::seq_clean_end(c.ctx, 0));
+    std::vector<llama_token> shifted(prompt.begin(), prompt.begin() + 50);
+    shifted.insert(shifted.end(), prompt.begin() + 60, prompt.end());
+    const auto s1 = c.save(0, shifted);
+    check(s1.n_tokens == 50 && s1.blocks.n_blocks == 50 / k_block, "a shifted sequence saves its clean 50 tokens (%d, %u blocks)",
+          s1.n_tokens, s1.blocks.n_blocks);
+    context probe(model, f, 1024, 1, true);
+    check(probe.matched(shifted) == 32, "only the clean block is published (%d)", probe.matched(shifted));
+
+    // Cut below the mark: what is left is clean, and so is what is computed on it.
+    llama_memory_seq_rm(c.mem(), 0, 40, -1);
+    std::vector<llama_token> again(prompt.begin(), prompt.begin() + 40);
+    const auto tail = tokens(120, 13, 9);
+    c.decode(0, tail, 40);
+    again.insert(again.end(), tail.begin(), tail.end());
+    check(mcb_llama::seq_clean_end(c.ctx, 0) > 160, "a cut below the mark makes the sequence clean");
+    const auto s2 = c.save(0, again);
+    check(s2.n_tokens == 160 && s2.blocks.n_blocks == 5, "then all 160 tokens are saved (%d, %u blocks)", s2.n_tokens,
+          s2.blocks.n_blocks);
+}
+
+} // namespace
+
+int main(int argc, char ** argv) {
+    if (argc != 3) {
+        fprintf(stderr, "usage: %s MODEL.gguf OTHER_MODEL.gguf\n", argv[0]);
+        return 2;
+    }
+    llama_log_set([](ggml_log_level level, const char * text, void *) {
+        if (level >= GGML_LOG_LEVEL_WARN) {
+            fputs(text, stderr);
+        }
+    }, nullptr);
+    llama_backend_init();
+    mcb_llama::set_config("{\"block_tokens\": " + std::to_string(k_block) + "}");
+
+    llama_model_params mp = llama_model_default_params();
+    const model_file model = {argv[1], llama_model_load_from_file(argv[1], mp)};
+    const model_file other = {argv[2], llama_model_load_from_file(argv[2], mp)};
+    if (model.model == nullptr || other.model == nullptr) {
+        fprintf(stderr, "cannot load the models\n");
+        return 2;
+    }
+
+    const kv_format fa_on  = {"fa-on-f16", true, GGML_TYPE_F16};
+    const kv_format fa_off = {"fa-off-f16", false, GGML_TYPE_F16};
+    const kv_format bf16k  = {"fa-on-k-bf16", true, GGML_TYPE_BF16};
+
+    round_trip(model, fa_on);
+    round_trip(model, fa_off);
+    round_trip(model, bf16k);
+    mismatches(model, other, fa_on, {fa_off, bf16k});
+    clean_marks(model, fa_on);
+
+    llama_model_free(model.model);
+    llama_model_free(other.model);
+    check(mcb_handles_open() <= 1, "no load or save handle left open (%zu handles, the bridge included)", mcb_handles_open());
+    if (g_failures > 0) {
+        fprintf(stderr, "llama-mcbridge-test: %d checks failed\n", g_failures);
+        return 1;
+    }
+    fprintf(stderr, "llama-mcbridge-test: all checks passed\n");
+    return 0;
+}

@@ -1,0 +1,508 @@
+// The process's bridge, the registration of each context's KV format, and the clean
+// marks. See llama-mcbridge.h.
+#include "llama-mcbridge.h"
+#include "llama-mcbridge-impl.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-io.h"
+#include "llama-kv-cache.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+#include <vector>
+
+#ifndef MCB_LLAMA_TAG
+#error "MCB_LLAMA_TAG (the pinned llama.cpp tag) is set by mcbridge.cmake"
+#endif
+
+namespace mcb_llama {
+
+namespace {
+
+constexpr llama_pos k_all_clean = std::numeric_limits<llama_pos>::max();
+
+// Clean marks of one cache. A sequence without an entry has the default mark: after
+// clear() every sequence is empty and so clean; after a whole-cache state load nothing
+// is known about any of them.
+struct kv_marks {
+    llama_pos                        dflt = k_all_clean;
+    std::map<llama_seq_id, llama_pos> seq;
+
+    llama_pos get(llama_seq_id s) const {
+        auto it = seq.find(s);
+        return it == seq.end() ? dflt : it->second;
+    }
+    void lower(llama_seq_id s, llama_pos p) { seq[s] = std::min(get(s), std::max<llama_pos>(p, 0)); }
+};
+
+struct process_state {
+    std::recursive_mutex mu; // recursive: the KV probe edits a cache while attach holds it
+    std::string config; // --mcb-config
+    std::string tenant; // --mcb-tenant
+    bool        opened = false; // the bridge was tried (it is opened at most once)
+    std::string open_error;     // why it did not open
+    mcb_bridge  bridge = 0;
+    std::unordered_map<const llama_context *, attachment>  contexts;
+    std::unordered_map<const llama_kv_cache *, kv_marks>  marks; // caches of attached contexts only
+
+    ~process_state() {
+        // Closing unpublishes this process's blocks at once instead of leaving peers to
+        // find them gone when their holder's lease runs out. The bridge refuses while a
+        // load or save is open, and then the lease does it.
+        if (bridge != 0) {
+            mcb_bridge_close(bridge);
+        }
+    }
+};
+
+process_state & state() {
+    static process_state s;
+    return s;
+}
+
+// Marks are kept only while some context is attached; the kv hooks test this first
+// so that a server with the bridge off pays one atomic load per cache edit.
+std::atomic<bool> g_tracking{false};
+
+// 128-bit FNV-1a: the KV probe digest needs a stable hash that both ends compute the
+// same way; it identifies numerics, it does not defend against an adversary.
+__extension__ typedef unsigned __int128 u128; // GCC and Clang; pedantic C++ has no 128-bit type
+
+struct fnv128 {
+    u128 h = (((u128) 0x6c62272e07bb0142ULL) << 64) | 0x62b821756295c58dULL;
+    void add(const void * data, size_t n) {
+        const u128 prime = (((u128) 1) << 88) | 0x13b;
+        const auto * p = static_cast<const uint8_t *>(data);
+        for (size_t i = 0; i < n; i++) {
+            h ^= p[i];
+            h *= prime;
+        }
+    }
+    void out(uint8_t dst[16]) const {
+        for (int i = 0; i < 16; i++) {
+            dst[i] = (uint8_t) (h >> (8 * i));
+        }
+    }
+};
+
+// Hashes the K and V bytes a state_write hands over (never the headers: they carry the
+// stream count, which differs between servers that may share blocks).
+class probe_writer : public llama_io_write_i {
+public:
+    void write(const void * /*src*/, size_t size) override { n += size; }
+    void write_tensor(ggml_tensor * t, size_t offset, size_t size) override {
+        buf.resize(size);
+        ggml_backend_tensor_get(t, buf.data(), offset, size);
+        hash.add(buf.data(), size);
+        n += size;
+    }
+    size_t n_bytes() override { return n; }
+
+    fnv128 hash;
+
+private:
+    std::vector<uint8_t> buf;
+    size_t n = 0;
+};
+
+// The KV probe of amendment 5: the KV a fixed short sequence produces on this node.
+// Nodes whose numerics differ (another backend, other build flags) get other keys.
+// Runs on sequence 0 of an empty cache and leaves it empty.
+bool kv_probe(llama_context * ctx, llama_kv_cache * kv, uint8_t out[16], std::string & why) {
+    const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(ctx));
+    const int32_t n_vocab = llama_vocab_n_tokens(vocab);
+    if (kv->seq_pos_max(0) >= 0) {
+        why = "sequence 0 is not empty";
+        return false;
+    }
+    std::vector<llama_token> toks(8);
+    for (size_t i = 0; i < toks.size(); i++) {
+        toks[i] = (llama_token) ((i * 37 + 11) % (size_t) n_vocab);
+    }
+    llama_batch batch = llama_batch_get_one(toks.data(), (int32_t) toks.size());
+    const int32_t rc = llama_decode(ctx, batch);
+    llama_synchronize(ctx);
+    bool ok = rc == 0;
+    if (ok) {
+        probe_writer w;
+        try {
+            kv->state_write(w, 0);
+            w.hash.out(out);
+        } catch (const std::exception & e) {
+            why = e.what();
+            ok = false;
+        }
+    } else {
+        why = "llama_decode returned " + std::to_string(rc);
+    }
+    kv->seq_rm(0, -1, -1);
+    return ok;
+}
+
+// Mirrors llama_kv_cache's constructor (llama-kv-cache.cpp ~l.312): the Hadamard
+// rotation of quantized K/V is private state there, and it changes the KV bytes.
+bool attn_rot(ggml_type type, uint32_t n_embd_head) {
+    const char * env = getenv("LLAMA_ATTN_ROT_DISABLE");
+    const bool disabled = env != nullptr && atoi(env) != 0;
+    return !disabled && ggml_is_quantized(type) && n_embd_head % 64 == 0;
+}
+
+// The configuration the bridge opens with: --mcb-config, else MCB_CONFIG.
+std::string config_doc(const process_state & s) {
+    if (!s.config.empty()) {
+        return s.config;
+    }
+    const char * env = getenv("MCB_CONFIG");
+    return env != nullptr ? env : "";
+}
+
+bool configured() {
+    std::lock_guard<std::recursive_mutex> lk(state().mu);
+    return !config_doc(state()).empty();
+}
+
+// Opens the process's bridge on first use; true when it is open.
+bool ensure_bridge(process_state & s, std::string & why) {
+    if (s.opened) {
+        if (s.bridge == 0) {
+            why = s.open_error;
+        }
+        return s.bridge != 0;
+    }
+    const std::string cfg = config_doc(s);
+    if (cfg.empty()) {
+        why = "not configured (--mcb-config or MCB_CONFIG)"; // "" would open the defaults
+        return false;
+    }
+    s.opened = true;
+    if (mcb_abi_version() != MCB_ABI_VERSION) {
+        why = s.open_error = "libmcbridge ABI " + std::to_string(mcb_abi_version()) + ", built against " +
+                             std::to_string(MCB_ABI_VERSION);
+        return false;
+    }
+    const mcb_status st = mcb_bridge_open(cfg.c_str(), &s.bridge);
+    if (st != MCB_STATUS_OK) {
+        s.bridge = 0;
+        why = s.open_error = "mcb_bridge_open: " + status_message(st);
+        return false;
+    }
+    return true;
+}
+
+} // namespace
+
+void set_config(const std::string & json_or_path) {
+    std::lock_guard<std::recursive_mutex> lk(state().mu);
+    state().config = json_or_path;
+}
+
+void set_tenant(const std::string & tenant) {
+    std::lock_guard<std::recursive_mutex> lk(state().mu);
+    state().tenant = tenant;
+}
+
+const std::string & default_tenant() {
+    return state().tenant;
+}
+
+mcb_bridge bridge() {
+    std::lock_guard<std::recursive_mutex> lk(state().mu);
+    return state().bridge;
+}
+
+std::string status_message(mcb_status st) {
+    std::string msg = mcb_status_str(st);
+    const char * detail = mcb_last_error();
+    if (detail != nullptr && detail[0] != '\0') {
+        msg += ": ";
+        msg += detail;
+    }
+    return msg;
+}
+
+llama_kv_cache * plain_kv(llama_context * ctx) {
+    return dynamic_cast<llama_kv_cache *>(llama_get_memory(ctx));
+}
+
+bool attach(llama_context * ctx, const char * gguf_path, const std::string & extra,
+            attachment & out, std::string & why_off) {
+    const llama_model & model = *llama_get_model(ctx);
+    const llama_hparams & hp = model.hparams;
+    const llama_cparams & cp = ctx->get_cparams();
+
+    // Amendment 6: what the bridge cannot describe or restore exactly.
+    llama_kv_cache * kv = plain_kv(ctx);
+    if (!configured()) {
+        why_off = "not configured (--mcb-config or MCB_CONFIG)";
+    } else if (cp.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
+        why_off = "not a target context (MTP/draft)";
+    } else if (llama_model_is_recurrent(&model)) {
+        why_off = "recurrent model";
+    } else if (llama_model_is_hybrid(&model)) {
+        why_off = "hybrid model";
+    } else if (llama_model_n_swa(&model) > 0) {
+        why_off = "sliding-window attention (iSWA)";
+    } else if (kv == nullptr) {
+        why_off = "the context's memory is not a plain KV cache";
+    } else if (kv->has_cell_ext()) {
+        why_off = "KV cells carry M-RoPE/per-layer-embedding extensions";
+    } else if (hp.is_mla()) {
+        why_off = "MLA attention (no V cache)";
+    } else if (!cp.causal_attn) {
+        why_off = "non-causal attention";
+    }
+    if (!why_off.empty()) {
+        return false;
+    }
+
+    const std::vector<uint32_t> ids = kv->get_layer_ids();
+    for (uint32_t il : ids) {
+        ggml_tensor * k = kv->get_k_storage((int32_t) il);
+        if (k->buffer == nullptr || !ggml_backend_buffer_is_host(k->buffer)) {
+            why_off = "KV cache in device memory (this build moves host memory only)";
+            return false;
+        }
+    }
+
+    process_state & s = state();
+    std::lock_guard<std::recursive_mutex> lk(s.mu);
+    if (!ensure_bridge(s, why_off)) {
+        return false;
+    }
+
+    const ggml_type tk = kv->type_k();
+    const ggml_type tv = kv->type_v();
+    const bool v_trans = !cp.flash_attn;
+    std::vector<uint32_t> ek, ev, kr, vr;
+    for (uint32_t il : ids) {
+        ek.push_back(hp.n_embd_k_gqa(il));
+        ev.push_back(hp.n_embd_v_gqa(il));
+        kr.push_back((uint32_t) ggml_row_size(tk, ek.back()));
+        vr.push_back((uint32_t) ggml_row_size(tv, ev.back()));
+    }
+
+    std::ostringstream ex;
+    ex << "rope_scaling=" << (int) cp.rope_scaling_type
+       << ";yarn=" << cp.yarn_ext_factor << "," << cp.yarn_attn_factor << "," << cp.yarn_beta_fast << "," << cp.yarn_beta_slow
+       << ";n_pos_per_embd=" << hp.n_pos_per_embd();
+    if (!extra.empty()) {
+        ex << ";" << extra;
+    }
+    const std::string extra_s = ex.str();
+
+    mcb_model_params p = {};
+    p.llama_version   = MCB_LLAMA_TAG;
+    const std::string arch = model.arch_name();
+    p.arch            = arch.c_str();
+    p.gguf_path       = gguf_path;
+    p.n_layer         = (uint32_t) ids.size();
+    p.block_tokens    = 0;
+    p.n_embd_k_gqa    = ek.data();
+    p.n_embd_v_gqa    = ev.data();
+    p.k_row_bytes     = kr.data();
+    p.v_row_bytes     = vr.data();
+    p.type_k          = (int32_t) tk;
+    p.type_v          = (int32_t) tv;
+    p.rope_type       = (int32_t) llama_model_rope_type(&model);
+    p.rope_freq_base  = cp.rope_freq_base;
+    p.rope_freq_scale = cp.rope_freq_scale;
+    p.n_ctx_orig      = cp.n_ctx_orig_yarn;
+    p.v_trans         = v_trans;
+    p.attn_rot_k      = attn_rot(tk, hp.n_embd_head_k());
+    p.attn_rot_v      = attn_rot(tv, hp.n_embd_head_v());
+    p.extra           = extra_s.c_str();
+
+    std::string why_probe;
+    if (!kv_probe(ctx, kv, p.kv_probe, why_probe)) {
+        why_off = "KV probe failed: " + why_probe;
+        return false;
+    }
+
+    mcb_model m = 0;
+    const mcb_status st = mcb_model_register(s.bridge, &p, &m);
+    if (st != MCB_STATUS_OK) {
+        why_off = "mcb_model_register: " + status_message(st);
+        return false;
+    }
+
+    attachment a;
+    a.model   = m;
+    a.n_layer = p.n_layer;
+    a.v_trans = v_trans;
+    std::ostringstream d;
+    d << arch << ", " << p.n_layer << " KV layers, K " << ggml_type_name(tk) << " V " << ggml_type_name(tv)
+      << (v_trans ? " (V transposed)" : "") << ", " << kv->get_n_stream() << " stream(s) of " << kv->get_size()
+      << " cells";
+    a.describe = d.str();
+
+    // Whatever the cache holds now was not computed under our watch.
+    kv_marks & km = s.marks[kv];
+    km = kv_marks{};
+    for (uint32_t seq = 0; seq < llama_n_seq_max(ctx); seq++) {
+        if (kv->seq_pos_max((llama_seq_id) seq) >= 0) {
+            km.seq[(llama_seq_id) seq] = 0;
+        }
+    }
+    s.contexts[ctx] = a;
+    g_tracking.store(true, std::memory_order_release);
+    out = a;
+    return true;
+}
+
+void detach(llama_context * ctx) {
+    process_state & s = state();
+    std::lock_guard<std::recursive_mutex> lk(s.mu);
+    auto it = s.contexts.find(ctx);
+    if (it == s.contexts.end()) {
+        return;
+    }
+    mcb_model_unregister(it->second.model);
+    s.contexts.erase(it);
+    s.marks.erase(plain_kv(ctx));
+    g_tracking.store(!s.contexts.empty(), std::memory_order_release);
+}
+
+llama_pos seq_clean_end(llama_context * ctx, llama_seq_id seq_id) {
+    process_state & s = state();
+    std::lock_guard<std::recursive_mutex> lk(s.mu);
+    auto it = s.marks.find(plain_kv(ctx));
+    return it == s.marks.end() ? 0 : it->second.get(seq_id);
+}
+
+void mark_restored(llama_kv_cache * kv, llama_seq_id seq_id) {
+    process_state & s = state();
+    std::lock_guard<std::recursive_mutex> lk(s.mu);
+    auto it = s.marks.find(kv);
+    if (it != s.marks.end()) {
+        // Published blocks are clean by construction: the sequence holds nothing else.
+        it->second.seq[seq_id] = k_all_clean;
+    }
+}
+
+//
+// clean marks (amendment 4)
+//
+
+namespace {
+
+// Runs fn on the marks of kv when kv belongs to an attached context.
+template <typename F>
+void with_marks(const llama_kv_cache * kv, F && fn) {
+    if (!g_tracking.load(std::memory_order_acquire)) {
+        return;
+    }
+    process_state & s = state();
+    std::lock_guard<std::recursive_mutex> lk(s.mu);
+    auto it = s.marks.find(kv);
+    if (it != s.marks.end()) {
+        fn(it->second);
+    }
+}
+
+void rm_one(const llama_kv_cache * kv, kv_marks & m, llama_seq_id seq, llama_pos p0, llama_pos p1) {
+    const llama_pos pos_max = kv->seq_pos_max(seq);
+    if (pos_max < 0) {
+        return; // nothing to remove
+    }
+    p0 = std::max<llama_pos>(p0, 0);
+    const bool to_end = p1 < 0 || p1 > pos_max;
+    if (!to_end && p1 <= p0) {
+        return;
+    }
+    if (to_end) {
+        // A tail cut: what stays was computed before what goes, so it stays as clean
+        // as it was; a cut at or below the mark removes every unclean cell.
+        if (p0 <= m.get(seq)) {
+            m.seq[seq] = k_all_clean;
+        }
+        return;
+    }
+    // A hole in the middle: cells after it were computed over tokens that are gone.
+    m.lower(seq, p0);
+}
+
+} // namespace
+
+void kv_seq_rm(const llama_kv_cache * kv, llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
+    with_marks(kv, [&](kv_marks & m) {
+        if (seq_id >= 0) {
+            rm_one(kv, m, seq_id, p0, p1);
+            return;
+        }
+        // Every sequence: the ones with their own mark, and the default for the rest.
+        for (auto & [seq, _] : m.seq) {
+            rm_one(kv, m, seq, p0, p1);
+        }
+        if (p0 <= 0 && p1 < 0) {
+            m = kv_marks{};
+        }
+    });
+}
+
+void kv_seq_cp(const llama_kv_cache * kv, llama_seq_id src, llama_seq_id dst, llama_pos p0, llama_pos p1) {
+    (void) p1; // a copy of [0, p1) is a prefix of src and as clean as src is
+    if (src == dst) {
+        return;
+    }
+    with_marks(kv, [&](kv_marks & m) {
+        const bool dst_empty = kv->seq_pos_max(dst) < 0;
+        const bool cross_stream = &kv->get_cells(src) != &kv->get_cells(dst); // the copy replaces dst's stream
+        if ((dst_empty || cross_stream) && p0 <= 0) {
+            m.seq[dst] = m.get(src);
+        } else {
+            m.seq[dst] = 0; // two histories mixed in one sequence
+        }
+    });
+}
+
+void kv_seq_keep(const llama_kv_cache * kv, llama_seq_id seq_id) {
+    with_marks(kv, [&](kv_marks & m) {
+        const llama_pos keep = m.get(seq_id);
+        m = kv_marks{};
+        m.seq[seq_id] = keep;
+    });
+}
+
+void kv_seq_add(const llama_kv_cache * kv, llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) {
+    if (shift == 0 || (p0 >= 0 && p0 == p1)) {
+        return;
+    }
+    with_marks(kv, [&](kv_marks & m) {
+        p0 = std::max<llama_pos>(p0, 0);
+        // Cells from p0 on move; from the lower of the old and new start, positions hold
+        // KV computed at other positions.
+        m.lower(seq_id, std::min(p0, p0 + shift));
+    });
+}
+
+void kv_seq_div(const llama_kv_cache * kv, llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d) {
+    if (d == 1 || (p0 >= 0 && p0 == p1)) {
+        return;
+    }
+    with_marks(kv, [&](kv_marks & m) { m.lower(seq_id, std::max<llama_pos>(p0, 0)); });
+}
+
+void kv_clear(const llama_kv_cache * kv) {
+    with_marks(kv, [&](kv_marks & m) { m = kv_marks{}; });
+}
+
+void kv_state_read(const llama_kv_cache * kv, llama_seq_id seq_id) {
+    with_marks(kv, [&](kv_marks & m) {
+        if (seq_id < 0) {
+            m = kv_marks{};
+            m.dflt = 0;
+        } else {
+            m.seq[seq_id] = 0;
+        }
+    });
+}
+
+} // namespace mcb_llama

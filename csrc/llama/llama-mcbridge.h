@@ -1,0 +1,100 @@
+// llama-mcbridge.h: the mcbridge side of a patched libllama (llama.cpp v0.5.0).
+//
+// Compiled into libllama only when llama.cpp is configured with -DMCBRIDGE_ROOT (see
+// mcbridge.cmake); the patches in llama-patches/ call into it and nothing else. It
+// owns three things:
+//
+//   - the process's bridge (opened once, from --mcb-config or MCB_CONFIG) and the
+//     registration of each llama_context's KV format with it (amendments 5 and 6),
+//   - stage 2: restoring positions [0, P) of a sequence through llama.cpp's own
+//     restore machinery (llama_kv_cache::state_read) with a reader whose tensor reads
+//     become one bridge load into the KV tensors, and the mirror for saves
+//     (amendment 1),
+//   - the clean mark of every sequence: the position below which its KV was computed
+//     from position 0 over exactly its tokens; shifts and mid-sequence removals lower
+//     it, and only KV below it is ever published (amendment 4).
+//
+// Everything here runs on the thread that drives the llama_context (the server's
+// update loop); the bridge's own calls are thread-safe.
+#pragma once
+
+#include "llama.h"
+#include "mcbridge.h"
+
+#include <cstdint>
+#include <string>
+
+class llama_kv_cache;
+
+namespace mcb_llama {
+
+// Configuration, given before any context attaches. An empty config falls back to
+// the MCB_CONFIG environment variable; neither set means the bridge stays off.
+void set_config(const std::string & json_or_path);
+// The tenant salt used when a request names none (--mcb-tenant).
+void set_tenant(const std::string & tenant);
+const std::string & default_tenant();
+
+// A context the bridge serves: its registration and what the server reports.
+struct attachment {
+    mcb_model   model   = 0;
+    uint32_t    n_layer = 0;
+    bool        v_trans = false;
+    std::string describe; // one line for the log: types, layers, layout
+};
+
+// Registers ctx's KV format with the process's bridge (opening it on first use).
+// gguf_path is digested for the model fingerprint; extra names whatever else the
+// host applies that changes KV bytes (control vectors, server-wide adapters).
+// Returns false, with why_off set, when the bridge is off or cannot serve this
+// context (draft, recurrent, hybrid, sliding window, M-RoPE, device KV, ...).
+bool attach(llama_context * ctx, const char * gguf_path, const std::string & extra,
+            attachment & out, std::string & why_off);
+void detach(llama_context * ctx);
+
+// The process's bridge, 0 when off. For statistics.
+mcb_bridge bridge();
+
+struct restore_result {
+    int32_t    n_tokens = 0;        // positions [0, n_tokens) of the sequence are restored
+    uint64_t   n_bytes  = 0;        // KV bytes placed
+    mcb_status status   = MCB_STATUS_OK;
+    bool       seq_cleared = false; // the sequence lost its previous cells (any attempt that got as far as llama.cpp's restore)
+    std::string error;
+};
+
+// Stage 2: restores positions [0, n_tokens) of seq_id (whole blocks) from the bridge.
+// The sequence's previous cells are removed first (llama.cpp's restore always starts
+// with seq_rm(seq, -1, -1)); on any failure the sequence is left empty and n_tokens is
+// 0, so the caller recomputes from position 0. A partial load keeps its good prefix.
+restore_result seq_restore(llama_context * ctx, const attachment & att, const mcb_scope * scope,
+                           llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens);
+
+struct save_result {
+    int32_t         n_tokens = 0; // clean, contiguous positions handed to the bridge
+    mcb_save_result blocks   = {};
+    mcb_status      status   = MCB_STATUS_OK;
+    std::string     error;
+};
+
+// The mirror for saves: hands the bridge the KV of positions [0, n) of seq_id, where n
+// is the clean prefix of tokens[0, n_tokens) that the cache holds; the bridge keeps its
+// full blocks. The rows are copied before this returns (amendment 2).
+save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scope * scope,
+                     llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens);
+
+// The clean mark of seq_id in ctx's cache: KV at positions below it may be published.
+llama_pos seq_clean_end(llama_context * ctx, llama_seq_id seq_id);
+
+// Called by llama_kv_cache (llama-patches/0002) before it edits its cells, so that the
+// clean marks follow every edit, whoever makes it.
+void kv_seq_rm  (const llama_kv_cache * kv, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+void kv_seq_cp  (const llama_kv_cache * kv, llama_seq_id src, llama_seq_id dst, llama_pos p0, llama_pos p1);
+void kv_seq_keep(const llama_kv_cache * kv, llama_seq_id seq_id);
+void kv_seq_add (const llama_kv_cache * kv, llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift);
+void kv_seq_div (const llama_kv_cache * kv, llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d);
+void kv_clear   (const llama_kv_cache * kv);
+// After a successful state_read: the loaded KV came from elsewhere.
+void kv_state_read(const llama_kv_cache * kv, llama_seq_id seq_id);
+
+} // namespace mcb_llama

@@ -1,0 +1,46 @@
+// server-mcbridge.h: llama-server's use of the bridge (compiled into server-context when
+// llama.cpp is configured with -DMCBRIDGE_ROOT). The patches call these at the hook
+// points llama-patches/README.md names; with the bridge off every one of them returns
+// at once and the server behaves as stock.
+#pragma once
+
+#include "server-common.h"
+#include "server-schema.h"
+#include "server-task.h"
+
+#include <ostream>
+#include <vector>
+
+namespace mcb_server {
+
+// End of load_model: registers the target context with the bridge, or logs why the
+// bridge stays off (not configured, draft model, unsupported memory, ...).
+void attach(llama_context * ctx_tgt, bool has_draft, const common_params & params);
+// destroy(): the context is about to be freed.
+void detach(llama_context * ctx_tgt);
+
+// Just before [TAG_PROMPT_LOGITS]: after the slot's own cache reuse has set n_past,
+// restores a longer prefix from the bridge when the arbiter says so. On a restore,
+// cached becomes input[0, P) and P is returned; otherwise n_past (or 0 when a failed
+// restore emptied the sequence). At least one prompt token is always left to compute.
+int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & task,
+                       const std::vector<common_adapter_lora_info> & lora, bool alora,
+                       const server_tokens & input, server_tokens & cached, int32_t n_past,
+                       mcb_request_stats & st);
+
+// post_decode at SLOT_STATE_DONE_PROMPT: the prompt's KV is computed and synchronized;
+// hands its new full blocks to the bridge and feeds the arbiter the prefill time.
+void prompt_save(llama_context * ctx, int32_t seq_id, const server_task & task,
+                 const std::vector<common_adapter_lora_info> & lora, const server_tokens & tokens,
+                 mcb_request_stats & st);
+
+// server_slot_stats::to_json: the mcb_* fields of "timings".
+void add_timings(const mcb_request_stats & st, json & timings);
+
+// /metrics: the bridge's counters as mcbridge_* series.
+void add_metrics(std::ostream & out);
+
+// The request fields the bridge reads ("mcb_tenant").
+server_schema::field * tenant_field();
+
+} // namespace mcb_server
