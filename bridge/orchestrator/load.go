@@ -2,6 +2,7 @@ package orchestrator
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"time"
 
@@ -238,16 +239,26 @@ func (ld *Load) WaitLayer(il int) (int, error) {
 // layer verifies and places layer l of every block still good.
 func (ld *Load) layer(l int) {
 	g := &ld.m.geo
+	// One wait covers the layer's requests of every remote block: they are
+	// consecutive tasks, and polling them together costs one backoff.
+	var arrived []transport.TaskStatus
+	var waitErr error
+	if ld.remote > 0 {
+		arrived, waitErr = transport.Wait(ld.ctx, ld.batch, l*ld.remote, ld.remote, transport.DefaultBackoff)
+	}
 	for i := 0; i < ld.ok; i++ {
 		lb := &ld.blocks[i]
 		if !lb.local {
-			st, err := transport.Wait(ld.ctx, ld.batch, l*ld.remote+lb.task, 1, transport.DefaultBackoff)
-			if err != nil {
-				ld.fail(i, err)
-				break
-			}
-			if st[0].State != transport.Completed {
-				ld.fail(i, status.Errorf(status.Transfer, "block %s layer %d: transfer %s", lb.entry.Key, l, st[0].State))
+			if st := arrived[lb.task]; st.State != transport.Completed {
+				code := status.Transfer
+				if st.State == transport.TimedOut {
+					code = status.Timeout
+				}
+				if waitErr != nil {
+					ld.fail(i, status.Wrap(status.Of(waitErr), waitErr, fmt.Sprintf("block %s layer %d", lb.entry.Key, l)))
+				} else {
+					ld.fail(i, status.Errorf(code, "block %s layer %d: transfer %s", lb.entry.Key, l, st.State))
+				}
 				break
 			}
 		}

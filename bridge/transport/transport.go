@@ -12,6 +12,7 @@ package transport
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"time"
 
 	"github.com/mcbridge/mcbridge/bridge/status"
@@ -113,14 +114,17 @@ type Batch interface {
 	Free() error
 }
 
-// Backoff is the polling schedule of Wait: it starts at Min and doubles to Max.
+// Backoff is the polling schedule of Wait: Spins polls that only yield the
+// processor, then sleeps that start at Min and double to Max.
 type Backoff struct {
+	Spins    int
 	Min, Max time.Duration
 }
 
-// DefaultBackoff spins briefly before sleeping: most host transfers finish
-// within microseconds, and a long sleep would dominate their latency.
-var DefaultBackoff = Backoff{Min: 0, Max: 200 * time.Microsecond}
+// DefaultBackoff spins before sleeping: most host transfers finish within
+// microseconds, and the shortest sleep a timer gives (tens of microseconds)
+// would dominate their latency if every poll paid it.
+var DefaultBackoff = Backoff{Spins: 256, Min: time.Microsecond, Max: 200 * time.Microsecond}
 
 // Wait polls tasks [first, first+n) of b until each is done or ctx ends, and
 // returns their final statuses. A task still running when ctx ends is
@@ -130,7 +134,7 @@ func Wait(ctx context.Context, b Batch, first, n int, bo Backoff) ([]TaskStatus,
 	out := make([]TaskStatus, n)
 	pending := n
 	delay := bo.Min
-	for {
+	for round := 0; ; round++ {
 		for i := range out {
 			if out[i].State.Done() {
 				continue
@@ -155,9 +159,11 @@ func Wait(ctx context.Context, b Batch, first, n int, bo Backoff) ([]TaskStatus,
 			}
 			return out, status.Wrap(status.Timeout, err, "waiting for transfers")
 		}
-		if delay > 0 {
-			time.Sleep(delay)
+		if round < bo.Spins {
+			runtime.Gosched()
+			continue
 		}
+		time.Sleep(delay)
 		delay = min(max(2*delay, time.Microsecond), bo.Max)
 	}
 }
