@@ -30,6 +30,7 @@ test-c: all
 test-llama: all
 	scripts/llama/smoke.sh stock
 	scripts/stage1/test.sh
+	scripts/server/test.sh
 	scripts/proxy/test.sh
 
 demo: all
