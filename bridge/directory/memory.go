@@ -79,8 +79,10 @@ func (m *Memory) Publish(ctx context.Context, entries []Entry) ([]bool, error) {
 	s := m.s
 	out := make([]bool, len(entries))
 	var events []Event
+	models := map[key.Fingerprint]bool{}
 	s.mu.Lock()
 	for i, e := range entries {
+		models[e.Model] = true
 		byKey := s.entries[e.Model]
 		if byKey == nil {
 			byKey = map[key.BlockKey]Entry{}
@@ -93,8 +95,10 @@ func (m *Memory) Publish(ctx context.Context, entries []Entry) ([]bool, error) {
 		out[i] = true
 		events = append(events, Event{Kind: Put, Entry: e})
 	}
-	s.mu.Unlock()
-	s.deliver(events)
+	// Also with nothing new: a publisher that lost a block to another
+	// returns only once the winner's events reached every subscriber, so
+	// its own mirror already shows who holds the block.
+	s.deliverLocked(models, events)
 	return out, nil
 }
 
@@ -117,41 +121,44 @@ func (m *Memory) Unpublish(ctx context.Context, owner string, model key.Fingerpr
 		delete(byKey, k)
 		events = append(events, Event{Kind: Delete, Entry: e})
 	}
-	s.mu.Unlock()
-	s.deliver(events)
+	s.deliverLocked(map[key.Fingerprint]bool{model: true}, events)
 	return nil
 }
 
-// deliver hands events to the subscribers of their models and to those of
-// every model. Each subscriber's lock is taken before the store's is let
-// go, so a later publish cannot overtake these events.
-func (s *memoryStore) deliver(events []Event) {
-	for len(events) > 0 {
-		model := events[0].Entry.Model
-		n := 1
-		for n < len(events) && events[n].Entry.Model == model {
-			n++
-		}
-		batch := events[:n]
-		events = events[n:]
-		s.mu.Lock()
-		targets := make([]*subscriber, 0, len(s.subs[model])+len(s.all))
+// deliverLocked hands events to the subscribers of their models and to
+// those of every model. It is called with s.mu held and releases it; each
+// subscriber's lock is taken before s.mu is let go, so a later change can
+// neither overtake these events nor return before they are delivered.
+func (s *memoryStore) deliverLocked(models map[key.Fingerprint]bool, events []Event) {
+	var targets []*subscriber
+	byModel := map[key.Fingerprint][]*subscriber{}
+	for model := range models {
 		for _, sub := range s.subs[model] {
 			targets = append(targets, sub)
+			byModel[model] = append(byModel[model], sub)
 		}
-		for _, sub := range s.all {
-			targets = append(targets, sub)
+	}
+	for _, sub := range s.all {
+		targets = append(targets, sub)
+	}
+	all := make([]*subscriber, 0, len(s.all))
+	for _, sub := range s.all {
+		all = append(all, sub)
+	}
+	for _, sub := range targets {
+		sub.mu.Lock()
+	}
+	s.mu.Unlock()
+	for _, ev := range events {
+		for _, sub := range byModel[ev.Entry.Model] {
+			sub.fn(ev)
 		}
-		for _, sub := range targets {
-			sub.mu.Lock()
+		for _, sub := range all {
+			sub.fn(ev)
 		}
-		s.mu.Unlock()
-		for _, sub := range targets {
-			for _, ev := range batch {
-				sub.fn(ev)
-			}
-			sub.mu.Unlock()
-		}
+	}
+	for _, sub := range targets {
+		sub.mu.Unlock()
 	}
 }
 

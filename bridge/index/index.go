@@ -263,6 +263,12 @@ func (t *Tree[V]) Get(k key.BlockKey) (V, bool) {
 	return t.nodes[id].value, true
 }
 
+// Leaf reports whether k is indexed and has no block below it.
+func (t *Tree[V]) Leaf(k key.BlockKey) bool {
+	id, ok := t.ids[k]
+	return ok && t.nodes[id].child == 0
+}
+
 // Set replaces an indexed block's value, leaving its place, size, cost and
 // recency alone, and reports whether the block was indexed.
 func (t *Tree[V]) Set(k key.BlockKey, v V) bool {

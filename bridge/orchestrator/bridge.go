@@ -62,16 +62,18 @@ type Bridge struct {
 
 // slot is where a resident block sits in the pool. A replica is a copy
 // of another owner's block that a store node holds unpublished until that
-// owner's entry goes; a pending block is one of ours whose publish went
-// unanswered. entry is what the directory was, or will be, offered.
+// owner's entry goes. One of ours is publishing while its save's publish
+// is out, and pending when that publish went unanswered. entry is what
+// the directory was, or will be, offered.
 type slot struct {
-	fp      key.Fingerprint
-	off     int64
-	size    int64
-	gen     uint64
-	replica bool
-	pending bool
-	entry   directory.Entry
+	fp         key.Fingerprint
+	off        int64
+	size       int64
+	gen        uint64
+	replica    bool
+	publishing bool
+	pending    bool
+	entry      directory.Entry
 }
 
 // parked holds a timed-out batch and the staging it may still write into;

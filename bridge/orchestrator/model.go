@@ -177,20 +177,39 @@ func (m *Model) match(root key.Hash, chain []key.BlockKey) []directory.Entry {
 }
 
 // walk visits the leading entries of chain present in the mirror, each
-// hanging under the previous one, and returns how many there were.
+// hanging under the previous one, and returns how many there were. Where
+// the mirror ends it goes on through blocks this process sealed whose
+// publish is still out or went unanswered: they are valid here before the
+// directory shows them.
 func (m *Model) walk(root key.Hash, chain []key.BlockKey, visit func(directory.Entry)) int {
+	n, parent := m.walkMirror(root, chain, visit)
+	b := m.b
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for ; n < len(chain); n++ {
+		s, ok := b.resident.Get(chain[n])
+		if !ok || s.replica || s.fp != m.fp || !(s.publishing || s.pending) || s.entry.Parent != parent {
+			break
+		}
+		visit(s.entry)
+		parent = chain[n]
+	}
+	return n
+}
+
+func (m *Model) walkMirror(root key.Hash, chain []key.BlockKey, visit func(directory.Entry)) (int, key.Hash) {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
 	parent := root
 	for i, k := range chain {
 		e, ok := m.mirror[k]
 		if !ok || e.Parent != parent {
-			return i
+			return i, parent
 		}
 		visit(e)
 		parent = k
 	}
-	return len(chain)
+	return len(chain), parent
 }
 
 // Mirrored is the number of blocks of this model the local mirror knows.

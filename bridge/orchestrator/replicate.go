@@ -130,10 +130,14 @@ func (b *Bridge) copyBlock(e directory.Entry) {
 		return
 	}
 	b.mu.Lock()
-	err = b.insertResidentLocked(e.Parent, index.Block[slot]{
-		Key: e.Key, Bytes: size, Cost: b.arb.PrefillTime(0, g.BlockTokens).Seconds(),
-		Value: slot{fp: e.Model, off: off, size: size, gen: e.Loc.Generation, replica: true, entry: e},
-	})
+	if _, held := b.resident.Get(e.Key); held {
+		err = status.Errorf(status.State, "block %s became resident meanwhile", e.Key)
+	} else {
+		err = b.insertResidentLocked(e.Parent, index.Block[slot]{
+			Key: e.Key, Bytes: size, Cost: b.arb.PrefillTime(0, g.BlockTokens).Seconds(),
+			Value: slot{fp: e.Model, off: off, size: size, gen: e.Loc.Generation, replica: true, entry: e},
+		})
+	}
 	b.mu.Unlock()
 	if err != nil {
 		_ = b.pool.Free(off, size)

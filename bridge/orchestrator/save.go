@@ -76,7 +76,9 @@ func (m *Model) SaveBegin(scope key.Scope, layout kvlayout.Layout, tokens []int3
 	sv.layout.Layers = append([]kvlayout.Layer(nil), layout.Layers...)
 	root := key.Root(m.fp, scope)
 	chain := key.Chain(root, tokens, B)
-	known := len(m.match(root, chain))
+	// Known means known to the directory: blocks of ours it has not
+	// answered for are offered again below.
+	known, _ := m.walkMirror(root, chain, func(directory.Entry) {})
 	sv.known = known
 	size := int64(m.geo.Size())
 	parent := root
@@ -91,7 +93,8 @@ func (m *Model) SaveBegin(scope key.Scope, layout kvlayout.Layout, tokens []int3
 		held, ok := b.resident.Get(chain[i])
 		b.mu.Unlock()
 		if ok {
-			if held.pending {
+			// A block whose own publish is still out is left to it.
+			if held.pending && !held.publishing {
 				sv.republish = append(sv.republish, held.entry)
 			}
 			parent = chain[i]
@@ -182,60 +185,116 @@ func (sv *Save) End() (SaveResult, error) {
 			Checksum: pool.HeaderSum(mem), Generation: blk.gen, Owner: b.owner,
 		}}
 	}
+	// Index the blocks, pending, before any entry can name them: a load
+	// of this process that finds a block in the mirror finds it resident.
+	// Blocks another save of this process indexed first are duplicates.
+	in, err := sv.insertResident(sv.blocks, entries)
+	var blocks []saveBlock
+	var offered []directory.Entry
+	var dups []saveBlock
+	for i, next := 0, 0; i < len(sv.blocks); i++ {
+		if next < len(in) && in[next] == i {
+			blocks = append(blocks, sv.blocks[i])
+			offered = append(offered, entries[i])
+			next++
+		} else {
+			dups = append(dups, sv.blocks[i])
+		}
+	}
+	sv.free(dups)
+	res.Deduped += len(dups)
+	sv.blocks, entries = blocks, offered
+	if err != nil {
+		return res, err
+	}
+	// Pinned while the publish is out, so eviction cannot free a block
+	// that an entry is about to name.
+	sv.pin(true)
 	ctx, cancel := b.opContext()
 	won, err := b.dir.Publish(ctx, append(entries, sv.republish...))
 	cancel()
+	sv.pin(false)
 	if err != nil {
 		// The directory may still commit some of these entries after the
 		// deadline (a slow etcd, a batch cut in several transactions), so
-		// the blocks stay resident and sealed, marked pending: an entry that
-		// appears later points at the bytes it names, eviction unpublishes
-		// it, and the next save of these tokens offers them again.
+		// the blocks stay resident, sealed and pending: an entry that
+		// appears later names valid bytes, eviction unpublishes it, and the
+		// next save of these tokens offers the blocks again.
 		b.stats.add(&b.stats.directoryErrors, 1)
 		code := status.Of(err)
 		if code != status.Timeout {
 			code = status.Directory
 		}
-		if ierr := sv.insertResident(sv.blocks, entries, true); ierr != nil {
-			sv.free(sv.blocks)
+		for _, blk := range sv.blocks {
+			b.settle(blk.key, true)
 		}
 		return SaveResult{Blocks: res.Blocks, Known: res.Known, Written: res.Written}, status.Wrap(code, err, "publishing saved blocks")
 	}
-	var kept, lost []saveBlock
-	var keptEntries []directory.Entry
+	var lost []saveBlock
 	for i, w := range won {
+		var e directory.Entry
 		switch {
 		case i >= len(sv.blocks):
-			// Either way the directory now answers for the block.
-			if w {
-				res.Published++
-				m.apply(directoryPut(sv.republish[i-len(sv.blocks)]))
-			}
-			b.settle(sv.republish[i-len(sv.blocks)].Key)
+			e = sv.republish[i-len(sv.blocks)]
 		case w:
-			res.Published++
-			kept = append(kept, sv.blocks[i])
-			keptEntries = append(keptEntries, entries[i])
-			m.apply(directoryPut(entries[i]))
+			e = entries[i]
 		default:
 			res.Deduped++
 			lost = append(lost, sv.blocks[i])
+			continue
+		}
+		// Either way the directory now answers for the block.
+		b.settle(e.Key, false)
+		if w {
+			res.Published++
+			m.apply(directoryPut(e))
 		}
 	}
-	sv.free(lost)
-	if err := sv.insertResident(kept, keptEntries, false); err != nil {
-		return res, err
-	}
+	sv.drop(lost)
 	b.stats.save(res)
 	return res, sv.err
 }
 
-// settle clears a resident block's pending mark.
-func (b *Bridge) settle(k key.BlockKey) {
+// pin pins or unpins the save's blocks in the index.
+func (sv *Save) pin(on bool) {
+	b := sv.m.b
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if s, ok := b.resident.Get(k); ok && s.pending {
-		s.pending = false
+	for _, blk := range sv.blocks {
+		if on {
+			_ = b.resident.Pin(blk.key)
+		} else {
+			_ = b.resident.Unpin(blk.key)
+		}
+	}
+}
+
+// drop unindexes and frees blocks another process published first. A
+// lost block that a won one hangs under stays, pending: its key is held
+// elsewhere, and eviction will take it.
+func (sv *Save) drop(lost []saveBlock) {
+	b := sv.m.b
+	var free []saveBlock
+	for i := len(lost) - 1; i >= 0; i-- {
+		b.settle(lost[i].key, false)
+		b.mu.Lock()
+		if b.resident.Leaf(lost[i].key) {
+			if _, err := b.resident.Remove(lost[i].key); err == nil {
+				free = append(free, lost[i])
+			}
+		}
+		b.mu.Unlock()
+	}
+	sv.free(free)
+}
+
+// settle records the outcome of a resident block's publish: answered, or
+// pending, to be offered again by the next save of its tokens.
+func (b *Bridge) settle(k key.BlockKey, pending bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if s, ok := b.resident.Get(k); ok {
+		s.publishing, s.pending = false, pending
 		b.resident.Set(k, s)
 	}
 }
@@ -244,27 +303,35 @@ func directoryPut(e directory.Entry) directory.Event {
 	return directory.Event{Kind: directory.Put, Entry: e}
 }
 
-// insertResident indexes sealed blocks so eviction can find them; entries
-// are what was offered to the directory for each, pending whether the
-// directory's answer is unknown.
-func (sv *Save) insertResident(blocks []saveBlock, entries []directory.Entry, pending bool) error {
+// insertResident indexes sealed blocks, publishing, so eviction and loads
+// can find them; entries are what the directory is offered for each.
+//
+// It returns the positions in blocks of those it indexed. A block whose key
+// is already resident (another save of this process sealed it first) is
+// left out for the caller to free; so is everything after an error.
+func (sv *Save) insertResident(blocks []saveBlock, entries []directory.Entry) ([]int, error) {
 	b := sv.m.b
 	size := int64(sv.m.geo.Size())
 	B := sv.m.geo.BlockTokens
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	var in []int
 	for i, blk := range blocks {
+		if _, held := b.resident.Get(blk.key); held {
+			continue
+		}
 		ib := index.Block[slot]{
 			Key:   blk.key,
-			Value: slot{fp: sv.m.fp, off: blk.off, size: size, gen: blk.gen, pending: pending, entry: entries[i]},
+			Value: slot{fp: sv.m.fp, off: blk.off, size: size, gen: blk.gen, publishing: true, entry: entries[i]},
 			Bytes: size,
 			Cost:  b.arb.PrefillTime(blk.index*B, (blk.index+1)*B).Seconds(),
 		}
 		if err := b.insertResidentLocked(blk.parent, ib); err != nil {
-			return err
+			return in, err
 		}
+		in = append(in, i)
 	}
-	return nil
+	return in, nil
 }
 
 // insertResidentLocked indexes one block under parent. A block whose parent
