@@ -518,7 +518,15 @@ func lateEntries(c *fcase, j job, r *node, b []int32, p *slowProxy) {
 	}
 	// The saver kept the blocks sealed and resident when the publish timed
 	// out, so entries that etcd committed late name valid bytes.
-	waitMatched(c.t, r.m, key.Scope{}, b, ghosts)
+	// Lookups already see the saver's own sealed blocks; wait until the
+	// directory's late entries reach the mirror too.
+	want := fullBlocks + ghosts // prompt a, then the late entries of b
+	for deadline := time.Now().Add(10 * time.Second); r.m.Mirrored() < want; {
+		if time.Now().After(deadline) {
+			c.t.Fatalf("the late entries never reached the mirror: %d of %d", r.m.Mirrored(), want)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 	out := r.restore(r.h, key.Scope{}, b)
 	if out.Err != nil || out.Restored != out.Asked {
 		c.t.Errorf("restore through late entries: %+v", out)
