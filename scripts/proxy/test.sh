@@ -40,16 +40,6 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 failures=0
-pass() { log "ok   $*"; }
-fail() {
-	log "FAIL $*"
-	failures=$((failures + 1))
-}
-expect() { # expect DESCRIPTION COMMAND...
-	local what=$1
-	shift
-	if "$@"; then pass "$what"; else fail "$what"; fi
-}
 
 stock=${LLAMA_SERVER_STOCK:-$("$mcb_repo/scripts/llama/build.sh" stock | tail -n 1)}
 mcb=$(mcb_bin "$work")

@@ -6,6 +6,19 @@
 # shellcheck source=scripts/llama/lib.sh
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")/../llama" && pwd)/lib.sh"
 
+# Check bookkeeping of the test scripts: each fail counts in $failures,
+# which the caller sets to 0 and reports at the end.
+pass() { log "ok   $*"; }
+fail() {
+	log "FAIL $*"
+	failures=$((failures + 1))
+}
+expect() { # expect DESCRIPTION COMMAND...
+	local what=$1
+	shift
+	if "$@"; then pass "$what"; else fail "$what"; fi
+}
+
 declare -A srv_pids=() srv_urls=()
 server_pid=
 
