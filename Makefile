@@ -22,7 +22,7 @@ test-go: all
 
 # cgocheck2 catches Go pointers kept by C; the cgo packages run under it.
 test-cgocheck: all
-	GOEXPERIMENT=cgocheck2 $(GO) test -count=1 ./bridge/cabi/... ./bridge/transport/mooncake/...
+	GOEXPERIMENT=cgocheck2 $(GO) test -count=1 ./cabi/... ./internal/transport/mooncake/...
 
 test-c: all
 	ctest --test-dir $(BUILD) --output-on-failure

@@ -6,15 +6,15 @@ import (
 	"fmt"
 	"testing"
 
-	"github.com/mcbridge/mcbridge/bridge/directory"
-	"github.com/mcbridge/mcbridge/bridge/key"
-	"github.com/mcbridge/mcbridge/bridge/orchestrator"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/directory"
+	"github.com/mcbridge/mcbridge/internal/key"
 )
 
 // lookupRig is a bridge whose mirror holds a saved 128k-token prompt among
 // background blocks of other prompts, as a busy swarm's mirror does.
 type lookupRig struct {
-	model  *orchestrator.Model
+	model  *bridge.Model
 	tokens []int32
 }
 

@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mcbridge/mcbridge/bridge/key"
+	"github.com/mcbridge/mcbridge/internal/key"
 )
 
 // stallRun is what the compute side saw in one layer-wise restore.

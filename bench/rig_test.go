@@ -8,10 +8,10 @@ import (
 	"time"
 
 	"github.com/mcbridge/mcbridge/bench/kvhost"
-	"github.com/mcbridge/mcbridge/bridge/config"
-	"github.com/mcbridge/mcbridge/bridge/key"
-	"github.com/mcbridge/mcbridge/bridge/orchestrator"
-	"github.com/mcbridge/mcbridge/bridge/status"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/status"
 )
 
 // blockTokens is the bridge's default block size.
@@ -88,7 +88,7 @@ func links() []link {
 
 // openBridge opens a bridge in directory dir whose pool holds poolBlocks
 // blocks of g, over a Loopback link of gbps.
-func openBridge(tb testing.TB, dir, owner string, g geometry, poolBlocks int64, gbps float64) *orchestrator.Bridge {
+func openBridge(tb testing.TB, dir, owner string, g geometry, poolBlocks int64, gbps float64) *bridge.Bridge {
 	tb.Helper()
 	cfg := config.Default()
 	cfg.Owner = fmt.Sprintf("%s-%s", dir, owner)
@@ -98,7 +98,7 @@ func openBridge(tb testing.TB, dir, owner string, g geometry, poolBlocks int64, 
 	cfg.PoolBytes = max(poolBlocks*(g.blockBytes()+g.blockBytes()/64+4096), 1<<20)
 	cfg.Transport.BandwidthGBps = gbps
 	cfg.TransferTimeoutMS = 60_000
-	b, err := orchestrator.Open(cfg, orchestrator.Deps{})
+	b, err := bridge.Open(cfg, bridge.Deps{})
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -124,7 +124,7 @@ func newHost(tb testing.TB, g geometry, cells int) *kvhost.Host {
 	return h
 }
 
-func register(tb testing.TB, b *orchestrator.Bridge, h *kvhost.Host, name string) *orchestrator.Model {
+func register(tb testing.TB, b *bridge.Bridge, h *kvhost.Host, name string) *bridge.Model {
 	tb.Helper()
 	m, err := b.RegisterModel(h.Spec(name, blockTokens))
 	if err != nil {
@@ -145,15 +145,15 @@ func promptTokens(n int, seed uint64) []int32 {
 }
 
 // save stores tokens from h through m in one layer-wise save.
-func save(m *orchestrator.Model, h *kvhost.Host, scope key.Scope, tokens []int32) (orchestrator.SaveResult, error) {
+func save(m *bridge.Model, h *kvhost.Host, scope key.Scope, tokens []int32) (bridge.SaveResult, error) {
 	sv, err := m.SaveBegin(scope, h.Layout(), tokens, kvhost.Positions(len(tokens)))
 	if err != nil {
-		return orchestrator.SaveResult{}, err
+		return bridge.SaveResult{}, err
 	}
 	for l := range h.Layers() {
 		if err := sv.SaveLayer(l); err != nil {
 			_, _ = sv.End()
-			return orchestrator.SaveResult{}, err
+			return bridge.SaveResult{}, err
 		}
 	}
 	return sv.End()
@@ -163,7 +163,7 @@ func save(m *orchestrator.Model, h *kvhost.Host, scope key.Scope, tokens []int32
 // bridge (or the same one, for a local restore) to restore.
 type restoreRig struct {
 	src, dst *kvhost.Host
-	reader   *orchestrator.Model
+	reader   *bridge.Model
 	tokens   []int32
 	cells    []uint32
 	blocks   int

@@ -6,9 +6,9 @@ import (
 	"time"
 
 	"github.com/mcbridge/mcbridge/bench/kvhost"
-	"github.com/mcbridge/mcbridge/bridge/key"
-	"github.com/mcbridge/mcbridge/bridge/mem"
-	"github.com/mcbridge/mcbridge/bridge/orchestrator"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/mem"
 )
 
 // blocksFor is how many blocks of g one restore or save moves.
@@ -76,7 +76,7 @@ func BenchmarkRestoreSlot(b *testing.B) {
 // third save on it evicts as it goes, as a full pool does.
 type saveRig struct {
 	host   *kvhost.Host
-	model  *orchestrator.Model
+	model  *bridge.Model
 	tokens []int32
 	blocks int
 	salt   uint64

@@ -20,8 +20,8 @@ import (
 	"time"
 
 	"github.com/mcbridge/mcbridge/bench/preset"
-	"github.com/mcbridge/mcbridge/bridge/arbiter"
-	"github.com/mcbridge/mcbridge/bridge/status"
+	"github.com/mcbridge/mcbridge/internal/arbiter"
+	"github.com/mcbridge/mcbridge/internal/status"
 )
 
 // Options sets the sweep; zero fields take the defaults noted.

@@ -5,7 +5,7 @@ import (
 	"time"
 
 	"github.com/mcbridge/mcbridge/bench/preset"
-	"github.com/mcbridge/mcbridge/bridge/arbiter"
+	"github.com/mcbridge/mcbridge/internal/arbiter"
 )
 
 // TestArbiterTarget is DESIGN.md §7's arbiter target on the default sweep:

@@ -11,11 +11,11 @@ import (
 	"bytes"
 	"encoding/binary"
 
-	"github.com/mcbridge/mcbridge/bridge/key"
-	"github.com/mcbridge/mcbridge/bridge/kvlayout"
-	"github.com/mcbridge/mcbridge/bridge/mem"
-	"github.com/mcbridge/mcbridge/bridge/orchestrator"
-	"github.com/mcbridge/mcbridge/bridge/status"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout"
+	"github.com/mcbridge/mcbridge/internal/mem"
+	"github.com/mcbridge/mcbridge/internal/status"
 )
 
 // elem is the size of an f16 element, the KV type llama.cpp defaults to.
@@ -70,9 +70,9 @@ func (h *Host) Layers() int { return len(h.k) }
 
 // Spec is the model registration matching the tensors; name keeps unlike
 // benchmarks out of each other's key space.
-func (h *Host) Spec(name string, blockTokens int) orchestrator.ModelSpec {
+func (h *Host) Spec(name string, blockTokens int) bridge.ModelSpec {
 	n := len(h.k)
-	s := orchestrator.ModelSpec{
+	s := bridge.ModelSpec{
 		Params: key.Model{LlamaVersion: "kvhost", Arch: "llama", NLayer: uint32(n), TypeK: 1, TypeV: 1,
 			BlockTokens: uint32(blockTokens), Extra: name},
 	}

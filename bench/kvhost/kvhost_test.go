@@ -3,7 +3,7 @@ package kvhost
 import (
 	"testing"
 
-	"github.com/mcbridge/mcbridge/bridge/status"
+	"github.com/mcbridge/mcbridge/internal/status"
 )
 
 func TestComputeCheck(t *testing.T) {

@@ -13,8 +13,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/mcbridge/mcbridge/bridge/arbiter"
-	"github.com/mcbridge/mcbridge/bridge/status"
+	"github.com/mcbridge/mcbridge/internal/arbiter"
+	"github.com/mcbridge/mcbridge/internal/status"
 )
 
 // Prefill is the true time to prefill positions [start, end) of one

@@ -54,13 +54,13 @@ import (
 
 	"github.com/mcbridge/mcbridge/bench/kvhost"
 	"github.com/mcbridge/mcbridge/bench/preset"
-	"github.com/mcbridge/mcbridge/bridge/arbiter"
-	"github.com/mcbridge/mcbridge/bridge/config"
-	"github.com/mcbridge/mcbridge/bridge/directory"
-	"github.com/mcbridge/mcbridge/bridge/key"
-	"github.com/mcbridge/mcbridge/bridge/orchestrator"
-	"github.com/mcbridge/mcbridge/bridge/pool"
-	"github.com/mcbridge/mcbridge/bridge/status"
+	"github.com/mcbridge/mcbridge/internal/arbiter"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/directory"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/pool"
+	"github.com/mcbridge/mcbridge/internal/status"
 )
 
 // Options configures a replay. Zero fields take the defaults noted.
@@ -304,8 +304,8 @@ func tinyBlockSize(blockTokens, row int) int64 {
 var replays atomic.Int64
 
 type server struct {
-	b   *orchestrator.Bridge
-	m   *orchestrator.Model
+	b   *bridge.Bridge
+	m   *bridge.Model
 	arb *arbiter.Arbiter
 }
 
@@ -398,7 +398,7 @@ func runPolicy(trace []Request, opt Options, p arbiter.Policy) (_ PolicyRun, _ i
 	defer stop()
 	for s := range opt.Servers {
 		cfg.Owner = fmt.Sprintf("replay-%d-server-%d", id, s)
-		b, err := orchestrator.Open(cfg, orchestrator.Deps{})
+		b, err := bridge.Open(cfg, bridge.Deps{})
 		if err != nil {
 			return PolicyRun{}, 0, err
 		}

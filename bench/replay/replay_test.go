@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/mcbridge/mcbridge/bench/preset"
-	"github.com/mcbridge/mcbridge/bridge/arbiter"
+	"github.com/mcbridge/mcbridge/internal/arbiter"
 )
 
 // linear is a preset whose costs are easy to compute by hand: 1 ms per

@@ -5,7 +5,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/mcbridge/mcbridge/bridge/status"
+	"github.com/mcbridge/mcbridge/internal/status"
 )
 
 // ParseBytes reads a byte count: a number, optionally fractional, and an

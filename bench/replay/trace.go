@@ -8,8 +8,8 @@ import (
 	"os"
 	"strconv"
 
-	"github.com/mcbridge/mcbridge/bridge/arbiter"
-	"github.com/mcbridge/mcbridge/bridge/status"
+	"github.com/mcbridge/mcbridge/internal/arbiter"
+	"github.com/mcbridge/mcbridge/internal/status"
 )
 
 // Request is one line of a Mooncake trace.

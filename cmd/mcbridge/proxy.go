@@ -13,10 +13,10 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/mcbridge/mcbridge/bridge/config"
-	"github.com/mcbridge/mcbridge/bridge/key"
-	"github.com/mcbridge/mcbridge/bridge/orchestrator"
-	"github.com/mcbridge/mcbridge/bridge/proxy"
+	"github.com/mcbridge/mcbridge/hosts/proxy"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/key"
 )
 
 func init() {
@@ -57,7 +57,7 @@ func runProxy(args []string) error {
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 
-	b, err := orchestrator.Open(cfg, orchestrator.Deps{})
+	b, err := bridge.Open(cfg, bridge.Deps{})
 	if err != nil {
 		return err
 	}

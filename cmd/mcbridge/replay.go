@@ -11,8 +11,8 @@ import (
 
 	"github.com/mcbridge/mcbridge/bench/preset"
 	"github.com/mcbridge/mcbridge/bench/replay"
-	"github.com/mcbridge/mcbridge/bridge/arbiter"
-	"github.com/mcbridge/mcbridge/bridge/status"
+	"github.com/mcbridge/mcbridge/internal/arbiter"
+	"github.com/mcbridge/mcbridge/internal/status"
 )
 
 func init() {

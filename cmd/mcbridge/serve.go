@@ -13,10 +13,10 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/mcbridge/mcbridge/bridge/config"
-	"github.com/mcbridge/mcbridge/bridge/directory/etcd/embedded"
-	"github.com/mcbridge/mcbridge/bridge/metrics"
-	"github.com/mcbridge/mcbridge/bridge/orchestrator"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/directory/etcd/embedded"
+	"github.com/mcbridge/mcbridge/internal/metrics"
 )
 
 func init() {
@@ -66,7 +66,7 @@ func serve(args []string) error {
 		log.Info("embedded etcd serving", "url", *etcdURL, "dir", dir)
 	}
 
-	b, err := orchestrator.Open(cfg, orchestrator.Deps{})
+	b, err := bridge.Open(cfg, bridge.Deps{})
 	if err != nil {
 		return err
 	}
@@ -102,7 +102,7 @@ func serve(args []string) error {
 	return b.Close()
 }
 
-func serveMux(b *orchestrator.Bridge) *http.ServeMux {
+func serveMux(b *bridge.Bridge) *http.ServeMux {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/metrics", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; version=0.0.4")

@@ -12,8 +12,8 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 MCB_ETCD_BIN=$("$repo/scripts/etcd/ensure.sh" | tail -n1)
 export MCB_ETCD_BIN
 cd "$repo"
-go test -run '^$' -bench 'BenchmarkPublish' -benchtime 2s ./bridge/directory/etcd/
+go test -run '^$' -bench 'BenchmarkPublish' -benchtime 2s ./internal/directory/etcd/
 for n in "${@:-1e4}"; do
 	MCB_ETCD_BENCH_BLOCKS=$n go test -run '^$' -bench 'BenchmarkSubscribeCatchUp' \
-		-benchtime 3x -timeout 60m ./bridge/directory/etcd/
+		-benchtime 3x -timeout 60m ./internal/directory/etcd/
 done

@@ -5,7 +5,7 @@
 #   scripts/etcd/ensure.sh          # $MCB_ETCD_BIN, /usr/bin/etcd or etcd on PATH; as root,
 #                                   # installs Debian's etcd-server package when none is found
 #
-# The tests (bridge/directory/etcd/etcdtest) look in the same places and skip without one.
+# The tests (internal/directory/etcd/etcdtest) look in the same places and skip without one.
 set -euo pipefail
 
 log() { printf '[etcd %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }

@@ -37,11 +37,11 @@ with_lock() {
 }
 
 # model_file PRESET PATH [mcb-gguf flags]: writes a random-weight model with the repo's
-# generator (bridge/gguf).
+# generator (internal/gguf).
 model_file() {
 	local preset=$1 path=$2
 	shift 2
-	(cd "$mcb_repo" && go run ./bridge/gguf/cmd/mcb-gguf -preset "$preset" -o "$path" "$@")
+	(cd "$mcb_repo" && go run ./cmd/mcb-gguf -preset "$preset" -o "$path" "$@")
 }
 
 # free_port: a loopback port nothing listens on now (a refused connection).

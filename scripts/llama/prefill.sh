@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # prefill.sh [stock|patched]: prefill speed of llama-server on the bench model
-# (bridge/gguf preset "bench"), as the server's own timings report it.
+# (internal/gguf preset "bench"), as the server's own timings report it.
 #
 #   PREFILL_SIZES   prompt lengths in tokens (default "512 2048")
 #   PREFILL_RUNS    runs per length (default 2; the first may pay for page faults)

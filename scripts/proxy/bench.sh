@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench.sh: time to first token through `mcbridge proxy` in front of STOCK llama-servers,
-# against the stock server alone, on the bench model (bridge/gguf preset "bench"), in one
+# against the stock server alone, on the bench model (internal/gguf preset "bench"), in one
 # run; writes bench/out/proxy.json and prints a table.
 #
 # Two stock servers, each behind a proxy; the proxies share KV through etcd and the mock
@@ -115,7 +115,7 @@ for p in $prefixes; do
 done
 
 mkdir -p "$(dirname "$out")"
-jq -n --argjson rows "$(printf '%s\n' "${rows[@]}" | jq -s .)" --arg model "mcbridge-bench (bridge/gguf preset bench)" \
+jq -n --argjson rows "$(printf '%s\n' "${rows[@]}" | jq -s .)" --arg model "mcbridge-bench (internal/gguf preset bench)" \
 	--arg dir "$dir_mode" --argjson threads "$threads" --arg host "$(uname -n)" --argjson cores "$(nproc)" \
 	--argjson secs $((SECONDS - start)) --arg slotfs "$(df --output=fstype "$slots" | tail -n 1)" \
 	--argjson load "$(awk '{ print $1 }' /proc/loadavg)" \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench.sh: end-to-end time to first token of llama-server with and without mcbridge, on
-# the bench model (bridge/gguf preset "bench"), measured in one run; writes
+# the bench model (internal/gguf preset "bench"), measured in one run; writes
 # bench/out/e2e.json (read by bench/report.sh) and prints a table.
 #
 # A stock and a patched llama-server (bridge on, defaults) run side by side and get their
@@ -161,7 +161,7 @@ jq -n --argjson rows "$(printf '%s\n' "${rows[@]}" | jq -cs .)" \
 	{
 		date: $date, host: $host, cpu: $cpu, cpus: $ncpu, threads: $threads, load_average_at_end: $load,
 		seconds: $secs, memcpy_gb_per_s: ($bps / 1e9),
-		model: "bridge/gguf preset bench (12 layers, n_embd 768, 4 KV heads, f16 KV: 12 KiB a token)",
+		model: "internal/gguf preset bench (12 layers, n_embd 768, 4 KV heads, f16 KV: 12 KiB a token)",
 		bridge_config: "defaults (in-process pool, memory directory, loopback transport, 256-token blocks)",
 		flash_attention: "auto (on for the CPU backend: V row-major)",
 		ttft: $rows,

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# test.sh: builds libmcb_stage1 (csrc/stage1) against the stock llama.cpp v0.5.0 build and
+# test.sh: builds libmcb_stage1 (hosts/libllama) against the stock llama.cpp v0.5.0 build and
 # runs its tests, plain and under ASan/UBSan, then the two-process case and the Go tests of
-# bridge/llamastate. Prints one summary line per step; exits non-zero if any step failed.
+# internal/llamastate. Prints one summary line per step; exits non-zero if any step failed.
 #
 #   scripts/stage1/test.sh             # everything
-#   scripts/stage1/test.sh testdata    # regenerate bridge/llamastate/testdata from the stock build
+#   scripts/stage1/test.sh testdata    # regenerate internal/llamastate/testdata from the stock build
 #
-#   STAGE1_BUILD   build directory of csrc/stage1 (default build/stage1)
+#   STAGE1_BUILD   build directory of hosts/libllama (default build/stage1)
 #   STAGE1_ASAN=0  skip the sanitizer builds and runs
 #   STAGE1_XPROC=0 skip the two-process case (it needs an etcd server, scripts/etcd/ensure.sh)
 set -euo pipefail
@@ -47,7 +47,7 @@ llama_build=$(dirname "$(dirname "$server")")
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 if [[ ! -f $build/CMakeCache.txt ]]; then
-	cmake -S "$mcb_repo/csrc/stage1" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	cmake -S "$mcb_repo/hosts/libllama" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 		-DLLAMA_BUILD_DIR="$llama_build" -DLLAMA_SRC_DIR="$src" -DMCB_BUILD_DIR="$mcb_repo/build" \
 		-DMCB_STAGE1_SANITIZE="$([[ $asan == 1 ]] && echo ON || echo OFF)" >&2
 fi
@@ -57,7 +57,7 @@ log "build: $((SECONDS - t0))s"
 model_file tiny "$work/tiny.gguf" >&2
 model_file tiny "$work/other.gguf" -seed 2 >&2
 
-testdata=$mcb_repo/bridge/llamastate/testdata
+testdata=$mcb_repo/internal/llamastate/testdata
 if [[ $mode == testdata ]]; then
 	"$build/stage1_test" testdata "$work/tiny.gguf" "$testdata"
 	log "testdata written to $testdata"
@@ -141,8 +141,8 @@ if [[ ${STAGE1_XPROC:-1} == 1 ]]; then
 	step "two processes (etcd)" two_processes
 fi
 
-step "go vet bridge/llamastate" go -C "$mcb_repo" vet ./bridge/llamastate/
-step "go test -race llamastate" go -C "$mcb_repo" test -race -count=1 ./bridge/llamastate/
+step "go vet internal/llamastate" go -C "$mcb_repo" vet ./internal/llamastate/
+step "go test -race llamastate" go -C "$mcb_repo" test -race -count=1 ./internal/llamastate/
 
 printf '\nstage1 summary (%ds in all):\n' $((SECONDS - start))
 printf '  %s\n' "${summary[@]}"

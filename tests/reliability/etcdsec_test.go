@@ -23,13 +23,13 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
-	"github.com/mcbridge/mcbridge/bridge/config"
-	"github.com/mcbridge/mcbridge/bridge/directory/etcd/embedded"
-	"github.com/mcbridge/mcbridge/bridge/directory/etcd/etcdtest"
-	"github.com/mcbridge/mcbridge/bridge/key"
-	"github.com/mcbridge/mcbridge/bridge/kvlayout/kvtest"
-	"github.com/mcbridge/mcbridge/bridge/orchestrator"
-	"github.com/mcbridge/mcbridge/bridge/status"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/directory/etcd/embedded"
+	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/internal/status"
 )
 
 // pki is a throwaway certificate authority with a server certificate for
@@ -225,14 +225,14 @@ func secureConfig(t *testing.T, endpoint, prefix string, directory map[string]an
 
 // peer is a bridge opened from its configuration alone.
 type peer struct {
-	b *orchestrator.Bridge
-	m *orchestrator.Model
+	b *bridge.Bridge
+	m *bridge.Model
 	h *kvtest.Host
 }
 
 func openPeer(t *testing.T, c config.Config) (*peer, error) {
 	t.Helper()
-	b, err := orchestrator.Open(c, orchestrator.Deps{})
+	b, err := bridge.Open(c, bridge.Deps{})
 	if err != nil {
 		return nil, err
 	}
@@ -245,7 +245,7 @@ func openPeer(t *testing.T, c config.Config) (*peer, error) {
 	return &peer{b, m, h}, nil
 }
 
-func (p *peer) save(tokens []int32) (orchestrator.SaveResult, error) {
+func (p *peer) save(tokens []int32) (bridge.SaveResult, error) {
 	cells := kvtest.SeqCells(len(tokens))
 	p.h.Fill(tokens, cells)
 	return saveLayers(p.m, p.h, key.Scope{}, tokens, cells, layers)

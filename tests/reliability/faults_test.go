@@ -13,16 +13,16 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/mcbridge/mcbridge/bridge/config"
-	"github.com/mcbridge/mcbridge/bridge/directory"
-	"github.com/mcbridge/mcbridge/bridge/directory/etcd"
-	"github.com/mcbridge/mcbridge/bridge/directory/etcd/embedded"
-	"github.com/mcbridge/mcbridge/bridge/directory/etcd/etcdtest"
-	"github.com/mcbridge/mcbridge/bridge/key"
-	"github.com/mcbridge/mcbridge/bridge/kvlayout/kvtest"
-	"github.com/mcbridge/mcbridge/bridge/orchestrator"
-	"github.com/mcbridge/mcbridge/bridge/status"
-	"github.com/mcbridge/mcbridge/bridge/transport/mooncake"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/directory"
+	"github.com/mcbridge/mcbridge/internal/directory/etcd"
+	"github.com/mcbridge/mcbridge/internal/directory/etcd/embedded"
+	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/transport/mooncake"
 )
 
 // Seeds of the prompts the cases use: A is published before the fault, B
@@ -91,7 +91,7 @@ func (c *fcase) counted(what string, before, after, want int64) {
 	c.notef("%s +%d", what, after-before)
 }
 
-func (c *fcase) failures(code status.Code, before, after orchestrator.Stats) {
+func (c *fcase) failures(code status.Code, before, after bridge.Stats) {
 	c.t.Helper()
 	c.counted("LoadFailures", before.LoadFailures, after.LoadFailures, 1)
 	c.counted("FailuresByStatus["+code.String()+"]", before.FailuresByStatus[code], after.FailuresByStatus[code], 1)
@@ -618,7 +618,7 @@ func evictedDuringRead(c *fcase) outcome {
 			c.t.Fatalf("layer %d: %d tokens good, %v", l, ok, err)
 		}
 	}
-	var res orchestrator.LoadResult
+	var res bridge.LoadResult
 	var err error
 	var wg sync.WaitGroup
 	wg.Add(1)

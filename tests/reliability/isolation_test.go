@@ -20,10 +20,10 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/mcbridge/mcbridge/bridge/directory/etcd/etcdtest"
-	"github.com/mcbridge/mcbridge/bridge/key"
-	"github.com/mcbridge/mcbridge/bridge/status"
-	"github.com/mcbridge/mcbridge/bridge/transport/mooncake"
+	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/transport/mooncake"
 )
 
 // Two tenants sending the same prompt to processes that share etcd and

@@ -12,11 +12,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mcbridge/mcbridge/bridge/directory/etcd/etcdtest"
-	"github.com/mcbridge/mcbridge/bridge/key"
-	"github.com/mcbridge/mcbridge/bridge/kvlayout/kvtest"
-	"github.com/mcbridge/mcbridge/bridge/orchestrator"
-	"github.com/mcbridge/mcbridge/bridge/status"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/internal/status"
 )
 
 // loadJob is one load generator's workload: prompts made of one of a few
@@ -54,7 +54,7 @@ type loadReport struct {
 	Blocks         int   // held when the time was up
 	Bytes          int64
 	PoolBytes      int64
-	Stats          orchestrator.Stats
+	Stats          bridge.Stats
 	RSSKiB, HWMKiB int64
 	Errors         []string // the first failures, for the log
 	Samples        []sample
@@ -78,7 +78,7 @@ var fallbackCodes = map[status.Code]bool{
 func runLoad(j job) int {
 	lj := j.Load
 	tb := childTB{}
-	b, err := orchestrator.Open(j.Config, orchestrator.Deps{})
+	b, err := bridge.Open(j.Config, bridge.Deps{})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "open:", err)
 		return 1
@@ -128,7 +128,7 @@ func runLoad(j job) int {
 }
 
 // request serves one prompt and returns the time spent in the bridge.
-func request(m *orchestrator.Model, h *kvtest.Host, tokens []int32, rep *loadReport) time.Duration {
+func request(m *bridge.Model, h *kvtest.Host, tokens []int32, rep *loadReport) time.Duration {
 	cells := kvtest.SeqCells(len(tokens))
 	t0 := time.Now()
 	lk, err := m.Lookup(key.Scope{}, tokens)
@@ -162,7 +162,7 @@ func request(m *orchestrator.Model, h *kvtest.Host, tokens []int32, rep *loadRep
 }
 
 // load restores tokens and returns how many leading tokens arrived.
-func load(m *orchestrator.Model, h *kvtest.Host, tokens []int32, cells []uint32, rep *loadReport) int {
+func load(m *bridge.Model, h *kvtest.Host, tokens []int32, cells []uint32, rep *loadReport) int {
 	ld, err := m.LoadBegin(key.Scope{}, h.Layout(), tokens, cells)
 	if err != nil {
 		if status.Of(err) == status.NotFound {

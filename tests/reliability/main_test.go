@@ -24,11 +24,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mcbridge/mcbridge/bridge/config"
-	"github.com/mcbridge/mcbridge/bridge/key"
-	"github.com/mcbridge/mcbridge/bridge/kvlayout/kvtest"
-	"github.com/mcbridge/mcbridge/bridge/orchestrator"
-	"github.com/mcbridge/mcbridge/bridge/transport/mooncake/mocklib"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/internal/transport/mooncake/mocklib"
 )
 
 var mockLib string
@@ -86,12 +86,12 @@ func newHost(tb kvtest.TB, cells int) *kvtest.Host {
 
 // spec is the model a host of newHost registers; edit changes its
 // fingerprint inputs (another llama.cpp version, other weights).
-func spec(h *kvtest.Host, edit func(*key.Model)) orchestrator.ModelSpec {
+func spec(h *kvtest.Host, edit func(*key.Model)) bridge.ModelSpec {
 	p, krow, vrow, velem := h.Model(blockTokens)
 	if edit != nil {
 		edit(&p)
 	}
-	return orchestrator.ModelSpec{Params: p, KRow: krow, VRow: vrow, VElem: velem}
+	return bridge.ModelSpec{Params: p, KRow: krow, VRow: vrow, VElem: velem}
 }
 
 // prompt is the token sequence every process derives from seed.
@@ -238,7 +238,7 @@ func (p *proc) kill() {
 
 // waitMatched polls Lookup until it matches want blocks: a mirror fills
 // through the directory's watch, asynchronously.
-func waitMatched(t *testing.T, m *orchestrator.Model, sc key.Scope, tokens []int32, want int) {
+func waitMatched(t *testing.T, m *bridge.Model, sc key.Scope, tokens []int32, want int) {
 	t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
 	for {

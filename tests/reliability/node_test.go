@@ -7,23 +7,23 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mcbridge/mcbridge/bridge/config"
-	"github.com/mcbridge/mcbridge/bridge/key"
-	"github.com/mcbridge/mcbridge/bridge/kvlayout/kvtest"
-	"github.com/mcbridge/mcbridge/bridge/orchestrator"
-	"github.com/mcbridge/mcbridge/bridge/pool"
-	"github.com/mcbridge/mcbridge/bridge/status"
-	"github.com/mcbridge/mcbridge/bridge/transport/mooncake"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/internal/pool"
+	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/transport/mooncake"
 )
 
 // node is a bridge in the test process on a mock engine the test holds,
 // so that it can arm the engine's faults and read its counters.
 type node struct {
 	t      *testing.T
-	b      *orchestrator.Bridge
+	b      *bridge.Bridge
 	eng    *mooncake.Engine
 	h      *kvtest.Host
-	m      *orchestrator.Model
+	m      *bridge.Model
 	closed bool
 }
 
@@ -33,7 +33,7 @@ func openNode(t *testing.T, c config.Config, cells int, edit func(*key.Model)) *
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := orchestrator.Open(c, orchestrator.Deps{Transport: eng})
+	b, err := bridge.Open(c, bridge.Deps{Transport: eng})
 	if err != nil {
 		_ = eng.Close()
 		t.Fatal(err)
@@ -59,7 +59,7 @@ func (n *node) geometry() pool.Geometry {
 }
 
 // save computes tokens on the node's host and saves them.
-func (n *node) save(sc key.Scope, tokens []int32) (orchestrator.SaveResult, error) {
+func (n *node) save(sc key.Scope, tokens []int32) (bridge.SaveResult, error) {
 	cells := kvtest.SeqCells(len(tokens))
 	n.h.Fill(tokens, cells)
 	return saveLayers(n.m, n.h, sc, tokens, cells, layers)
@@ -78,7 +78,7 @@ func (o outcome) Code() status.Code { return status.Of(o.Err) }
 // begin looks tokens up and starts loading every full block before the
 // last token into h, whatever the lookup decided, so that a fault that
 // empties the directory still reaches the load.
-func (n *node) begin(h *kvtest.Host, sc key.Scope, tokens []int32) (*orchestrator.Load, outcome) {
+func (n *node) begin(h *kvtest.Host, sc key.Scope, tokens []int32) (*bridge.Load, outcome) {
 	n.t.Helper()
 	lk, err := n.m.Lookup(sc, tokens)
 	if err != nil {
@@ -92,7 +92,7 @@ func (n *node) begin(h *kvtest.Host, sc key.Scope, tokens []int32) (*orchestrato
 }
 
 // finish waits for every layer, ends the load and checks the host.
-func (n *node) finish(h *kvtest.Host, ld *orchestrator.Load, tokens []int32, o outcome) outcome {
+func (n *node) finish(h *kvtest.Host, ld *bridge.Load, tokens []int32, o outcome) outcome {
 	n.t.Helper()
 	if ld == nil {
 		n.verify(h, tokens, 0)

@@ -8,21 +8,21 @@ import (
 	"strings"
 	"time"
 
-	"github.com/mcbridge/mcbridge/bridge/config"
-	"github.com/mcbridge/mcbridge/bridge/directory"
-	"github.com/mcbridge/mcbridge/bridge/directory/etcd"
-	"github.com/mcbridge/mcbridge/bridge/key"
-	"github.com/mcbridge/mcbridge/bridge/kvlayout/kvtest"
-	"github.com/mcbridge/mcbridge/bridge/mem"
-	"github.com/mcbridge/mcbridge/bridge/orchestrator"
-	"github.com/mcbridge/mcbridge/bridge/pool"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/directory"
+	"github.com/mcbridge/mcbridge/internal/directory/etcd"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/internal/mem"
+	"github.com/mcbridge/mcbridge/internal/pool"
 )
 
 // runOwner is a process that computes and saves prompts when told, and
 // holds their blocks in its pool until it quits or is killed.
 func runOwner(j job) int {
 	tb := childTB{}
-	b, err := orchestrator.Open(j.Config, orchestrator.Deps{})
+	b, err := bridge.Open(j.Config, bridge.Deps{})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "open:", err)
 		return 1
@@ -33,7 +33,7 @@ func runOwner(j job) int {
 		fmt.Fprintln(os.Stderr, "register:", err)
 		return 1
 	}
-	var open []*orchestrator.Save // saves a test kills the process in
+	var open []*bridge.Save // saves a test kills the process in
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
 		f := strings.Fields(in.Text())
@@ -95,15 +95,15 @@ func runOwner(j job) int {
 
 // saveLayers saves tokens, copying the first n layers; n below the
 // model's layer count ends the save unfinished.
-func saveLayers(m *orchestrator.Model, h *kvtest.Host, sc key.Scope, tokens []int32, cells []uint32, n int) (orchestrator.SaveResult, error) {
+func saveLayers(m *bridge.Model, h *kvtest.Host, sc key.Scope, tokens []int32, cells []uint32, n int) (bridge.SaveResult, error) {
 	sv, err := m.SaveBegin(sc, h.Layout(), tokens, cells)
 	if err != nil {
-		return orchestrator.SaveResult{}, err
+		return bridge.SaveResult{}, err
 	}
 	for l := 0; l < n; l++ {
 		if err := sv.SaveLayer(l); err != nil {
 			_, _ = sv.End()
-			return orchestrator.SaveResult{}, err
+			return bridge.SaveResult{}, err
 		}
 	}
 	return sv.End()
@@ -113,7 +113,7 @@ func saveLayers(m *orchestrator.Model, h *kvtest.Host, sc key.Scope, tokens []in
 // that rots under a published entry would: "payload" flips a byte of layer
 // 2; "tokens" rewrites the header with other tokens and a valid header sum,
 // which is what a 128-bit key collision would look like to a reader.
-func scribble(cfg config.Config, owner string, m *orchestrator.Model, tokens []int32, i int, mode string) error {
+func scribble(cfg config.Config, owner string, m *bridge.Model, tokens []int32, i int, mode string) error {
 	chain := key.Chain(key.Root(m.Fingerprint(), key.Scope{}), tokens, m.BlockTokens())
 	e, err := findEntry(cfg, m.Fingerprint(), chain[i])
 	if err != nil {

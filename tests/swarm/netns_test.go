@@ -11,11 +11,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mcbridge/mcbridge/bridge/directory/etcd/etcdtest"
-	"github.com/mcbridge/mcbridge/bridge/key"
-	"github.com/mcbridge/mcbridge/bridge/kvlayout/kvtest"
-	"github.com/mcbridge/mcbridge/bridge/orchestrator"
-	"github.com/mcbridge/mcbridge/bridge/transport/mooncake"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/internal/transport/mooncake"
 )
 
 // hosts are two network namespaces joined by a veth pair on a private
@@ -153,7 +153,7 @@ func TestMultiHost(t *testing.T) {
 // cutReader is the reader of TestMultiHost's cut: it holds its transfers
 // after a few MiB, says so, waits for the parent to cut the link, lets go,
 // and reports what arrived and when the mirror let go of host A.
-func cutReader(j job, m *orchestrator.Model, b *orchestrator.Bridge, h *kvtest.Host) int {
+func cutReader(j job, m *bridge.Model, b *bridge.Bridge, h *kvtest.Host) int {
 	tokens := j.tokens()
 	if n := waitMatched(m, tokens, j.Blocks, 20*time.Second); n < j.Blocks {
 		fmt.Fprintf(os.Stderr, "found %d of %d blocks\n", n, j.Blocks)

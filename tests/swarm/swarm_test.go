@@ -21,13 +21,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mcbridge/mcbridge/bridge/config"
-	"github.com/mcbridge/mcbridge/bridge/directory/etcd/etcdtest"
-	"github.com/mcbridge/mcbridge/bridge/key"
-	"github.com/mcbridge/mcbridge/bridge/kvlayout/kvtest"
-	"github.com/mcbridge/mcbridge/bridge/orchestrator"
-	"github.com/mcbridge/mcbridge/bridge/transport/mooncake"
-	"github.com/mcbridge/mcbridge/bridge/transport/mooncake/mocklib"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/internal/transport/mooncake"
+	"github.com/mcbridge/mcbridge/internal/transport/mooncake/mocklib"
 )
 
 var mockLib string
@@ -68,9 +68,9 @@ func (j job) tokens() []int32 {
 	return kvtest.Tokens(rand.New(rand.NewSource(j.Seed)), j.Tokens)
 }
 
-func (j job) register(tb kvtest.TB, b *orchestrator.Bridge, h *kvtest.Host) *orchestrator.Model {
+func (j job) register(tb kvtest.TB, b *bridge.Bridge, h *kvtest.Host) *bridge.Model {
 	p, krow, vrow, velem := h.Model(j.BlockTokens)
-	m, err := b.RegisterModel(orchestrator.ModelSpec{Params: p, KRow: krow, VRow: vrow, VElem: velem})
+	m, err := b.RegisterModel(bridge.ModelSpec{Params: p, KRow: krow, VRow: vrow, VElem: velem})
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -96,7 +96,7 @@ func child(role string) int {
 		return 2
 	}
 	tb := childTB{}
-	b, err := orchestrator.Open(j.Config, orchestrator.Deps{})
+	b, err := bridge.Open(j.Config, bridge.Deps{})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "open:", err)
 		return 1
@@ -145,7 +145,7 @@ func child(role string) int {
 	return 0
 }
 
-func save(tb kvtest.TB, m *orchestrator.Model, h *kvtest.Host, tokens []int32, cells []uint32) orchestrator.SaveResult {
+func save(tb kvtest.TB, m *bridge.Model, h *kvtest.Host, tokens []int32, cells []uint32) bridge.SaveResult {
 	sv, err := m.SaveBegin(key.Scope{}, h.Layout(), tokens, cells)
 	if err != nil {
 		tb.Fatal("save begin:", err)
@@ -162,15 +162,15 @@ func save(tb kvtest.TB, m *orchestrator.Model, h *kvtest.Host, tokens []int32, c
 	return res
 }
 
-func load(m *orchestrator.Model, h *kvtest.Host, tokens []int32, cells []uint32) (orchestrator.LoadResult, error) {
+func load(m *bridge.Model, h *kvtest.Host, tokens []int32, cells []uint32) (bridge.LoadResult, error) {
 	ld, err := m.LoadBegin(key.Scope{}, h.Layout(), tokens, cells)
 	if err != nil {
-		return orchestrator.LoadResult{}, err
+		return bridge.LoadResult{}, err
 	}
 	for l := range h.K {
 		if _, err := ld.WaitLayer(l); err != nil {
 			_, _ = ld.End()
-			return orchestrator.LoadResult{}, err
+			return bridge.LoadResult{}, err
 		}
 	}
 	return ld.End()
@@ -178,7 +178,7 @@ func load(m *orchestrator.Model, h *kvtest.Host, tokens []int32, cells []uint32)
 
 // waitMatched polls Lookup until it matches want blocks: the mirror fills
 // through the directory's watch, asynchronously.
-func waitMatched(m *orchestrator.Model, tokens []int32, want int, limit time.Duration) int {
+func waitMatched(m *bridge.Model, tokens []int32, want int, limit time.Duration) int {
 	deadline := time.Now().Add(limit)
 	for {
 		r, err := m.Lookup(key.Scope{}, tokens)
@@ -274,13 +274,13 @@ func baseJob(t *testing.T, endpoint, owner string) job {
 
 // openParent opens a bridge in the test process, on an engine the test
 // holds so it can steer the mock's path and faults.
-func openParent(t *testing.T, j job) (*orchestrator.Bridge, *mooncake.Engine) {
+func openParent(t *testing.T, j job) (*bridge.Bridge, *mooncake.Engine) {
 	t.Helper()
 	eng, err := mooncake.Open(mooncake.Config{Library: mockLib, LocalServerName: "127.0.0.1"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := orchestrator.Open(j.Config, orchestrator.Deps{Transport: eng})
+	b, err := bridge.Open(j.Config, bridge.Deps{Transport: eng})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -424,7 +424,7 @@ func TestStoreOutlivesProcesses(t *testing.T) {
 	if err := store.Replicate(); err != nil {
 		t.Fatal(err)
 	}
-	waitStat := func(what string, f func(orchestrator.Stats) bool) {
+	waitStat := func(what string, f func(bridge.Stats) bool) {
 		t.Helper()
 		deadline := time.Now().Add(30 * time.Second)
 		for !f(store.Stats()) {
@@ -436,18 +436,18 @@ func TestStoreOutlivesProcesses(t *testing.T) {
 	}
 	saver := start(t, "saver", j)
 	saver.expect(t, "saved", 8)
-	waitStat("8 copies", func(s orchestrator.Stats) bool { return s.Replicated == 8 })
+	waitStat("8 copies", func(s bridge.Stats) bool { return s.Replicated == 8 })
 	saver.finish(t) // a clean exit unpublishes; the store takes over
-	waitStat("8 take-overs", func(s orchestrator.Stats) bool { return s.TakenOver == 8 })
+	waitStat("8 take-overs", func(s bridge.Stats) bool { return s.TakenOver == 8 })
 
 	// Another prompt from a process that is killed: its lease expires.
 	kj := j
 	kj.Config.Owner, kj.Seed = "crasher", 7
 	crasher := start(t, "saver", kj)
 	crasher.expect(t, "saved", 8)
-	waitStat("16 copies", func(s orchestrator.Stats) bool { return s.Replicated == 16 })
+	waitStat("16 copies", func(s bridge.Stats) bool { return s.Replicated == 16 })
 	crasher.kill()
-	waitStat("16 take-overs", func(s orchestrator.Stats) bool { return s.TakenOver == 16 })
+	waitStat("16 take-overs", func(s bridge.Stats) bool { return s.TakenOver == 16 })
 
 	for _, rj := range []job{j, kj} {
 		rj.Config.Owner = "late-reader"

@@ -15,7 +15,7 @@ BenchmarkRestore/block=1MiB/link=10GBps-2                    	       3	    67033
     rig_test.go:12: a log line
 BenchmarkBroken-2   3   12 ns/op   7
 PASS
-pkg: github.com/mcbridge/mcbridge/bridge/index
+pkg: github.com/mcbridge/mcbridge/internal/residency
 BenchmarkMatch/blocks=1000-2   	  100	     12000 ns/op	        23.4 ns/block
 ok  	github.com/mcbridge/mcbridge/bench	1.202s
 `
@@ -30,7 +30,7 @@ func TestParseBench(t *testing.T) {
 			Metrics: map[string]float64{"ns/op": 8689, "ns/token": 8.486, "us/lookup": 8.689, "B/op": 848, "allocs/op": 4}},
 		{Pkg: "github.com/mcbridge/mcbridge/bench", Name: "Restore/block=1MiB/link=10GBps", N: 3,
 			Metrics: map[string]float64{"ns/op": 670333, "MB/s": 6257.05, "x_linerate": 0.6303, "x_memcpy": 0.5087}},
-		{Pkg: "github.com/mcbridge/mcbridge/bridge/index", Name: "Match/blocks=1000", N: 100,
+		{Pkg: "github.com/mcbridge/mcbridge/internal/residency", Name: "Match/blocks=1000", N: 100,
 			Metrics: map[string]float64{"ns/op": 12000, "ns/block": 23.4}},
 	}
 	if !reflect.DeepEqual(got, want) {

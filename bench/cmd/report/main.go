@@ -23,7 +23,7 @@ import (
 	"github.com/mcbridge/mcbridge/bench/arbitereval"
 	"github.com/mcbridge/mcbridge/bench/preset"
 	"github.com/mcbridge/mcbridge/bench/replay"
-	"github.com/mcbridge/mcbridge/bridge/arbiter"
+	"github.com/mcbridge/mcbridge/internal/arbiter"
 )
 
 // report is everything the README is written from; bench/out/report.json

@@ -1,0 +1,480 @@
+package proxy
+
+import (
+	"bytes"
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/zeebo/xxh3"
+
+	"github.com/mcbridge/mcbridge/internal/llamastate"
+)
+
+// fakeServer answers like llama-server v0.5.0 where the proxy looks: slots,
+// slot files, completions, tokenizer and chat template. Its KV is a hash
+// of the model seed, layer and token prefix, laid out in slot files in the
+// format of a real one from llamastate's testdata, cells out of position
+// order as a real cache may have them. A restore checks every byte of K
+// and V against what the server would compute: a proxy that restores
+// anything else fails the test.
+type fakeServer struct {
+	t      testing.TB
+	srv    *httptest.Server
+	dir    string // the slot directory, with a trailing slash as servers are given it
+	model  string // the model file /props names
+	seed   uint64
+	format kvFormat
+	nCtx   int
+
+	mu    sync.Mutex
+	slots []fakeSlot
+	tasks int
+	build string
+
+	// knobs the tests turn
+	refuseRestore  bool
+	saveVersion    uint32           // when set, saved files claim this version
+	completionCode int              // when set, completions fail with it
+	gate           chan struct{}    // when set, each stream event after the first waits for it
+	busy           map[int]bool     // slots /slots reports busy
+	restores       []int            // slots restored into, in order
+	overlaps       int              // pinned requests that found their slot computing
+	requests       []map[string]any // completion bodies as received
+	apiKey         string           // when set, every call but /health must carry it
+}
+
+type fakeSlot struct {
+	tokens    []int32
+	computing bool
+	task      *int
+}
+
+// newFake starts a fake server with n slots whose KV format is the one of
+// the testdata slot file (n streams when streams > 1).
+func newFake(t testing.TB, file string, slots, streams int, seed uint64) *fakeServer {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("..", "llamastate", "testdata", file))
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := llamastate.Parse(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, _, err := formatOf(st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.NStream = streams
+	dir := t.TempDir()
+	model := filepath.Join(dir, "model.gguf")
+	if err := os.WriteFile(model, []byte(fmt.Sprintf("fake gguf, seed %d", seed)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	slotDir := filepath.Join(dir, "slots")
+	if err := os.Mkdir(slotDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	fs := &fakeServer{t: t, dir: slotDir + "/", model: model, seed: seed, format: f, nCtx: 4096,
+		slots: make([]fakeSlot, slots), busy: map[int]bool{}, build: "b1-fake"}
+	fs.srv = httptest.NewServer(fs.handler())
+	t.Cleanup(fs.srv.Close)
+	return fs
+}
+
+func (fs *fakeServer) url() string { return fs.srv.URL }
+
+// row is the K or V row of layer l at position p after prefix hash h.
+func (fs *fakeServer) row(h uint64, l int, kind byte, size int) []byte {
+	out := make([]byte, size)
+	var seed [18]byte
+	binary.LittleEndian.PutUint64(seed[:], h)
+	seed[8], seed[9] = byte(l), kind
+	for i := 0; i < size; i += 8 {
+		binary.LittleEndian.PutUint64(seed[10:], uint64(i))
+		var w [8]byte
+		binary.LittleEndian.PutUint64(w[:], xxh3.Hash(seed[:]))
+		copy(out[i:], w[:])
+	}
+	return out
+}
+
+// prefixHashes are the chained hashes the KV of each position depends on.
+func (fs *fakeServer) prefixHashes(tokens []int32) []uint64 {
+	hs := make([]uint64, len(tokens))
+	h := fs.seed
+	var b [12]byte
+	for i, t := range tokens {
+		binary.LittleEndian.PutUint64(b[:], h)
+		binary.LittleEndian.PutUint32(b[8:], uint32(t))
+		h = xxh3.Hash(b[:])
+		hs[i] = h
+	}
+	return hs
+}
+
+// cellPos is the position cell c of n holds: a rotation, so that the
+// files are not in position order.
+func cellPos(c, n int) int { return (c + n/3) % n }
+
+// slotFile writes what the server holds in slot id as a slot file.
+func (fs *fakeServer) slotFile(id int, tokens []int32) []byte {
+	n := len(tokens)
+	f := fs.format
+	st := &llamastate.State{Kind: llamastate.SlotFile, Words: serverWords(tokens), Streams: make([]llamastate.Stream, f.NStream)}
+	if n == 0 {
+		b, err := st.Build()
+		if err != nil {
+			fs.t.Error(err)
+		}
+		return b
+	}
+	stream := 0
+	if f.NStream > 1 {
+		stream = id
+	}
+	s := &st.Streams[stream]
+	s.VTrans = f.VTrans
+	hs := fs.prefixHashes(tokens)
+	for c := 0; c < n; c++ {
+		s.Cells = append(s.Cells, llamastate.Cell{Pos: int32(cellPos(c, n)), SeqIDs: []int32{int32(id)}})
+	}
+	for l, lf := range f.Layers {
+		ly := llamastate.Layer{KType: lf.KType, KRowSize: lf.KRow, VType: lf.VType, VRowSize: lf.VRow, VElSize: lf.VElSize, NEmbdV: lf.NEmbdV}
+		for c := 0; c < n; c++ {
+			ly.K = append(ly.K, fs.row(hs[cellPos(c, n)], l, 'k', int(lf.KRow))...)
+		}
+		ly.V = make([]byte, n*int(lf.VRow))
+		for c := 0; c < n; c++ {
+			v := fs.row(hs[cellPos(c, n)], l, 'v', int(lf.VRow))
+			if !f.VTrans {
+				copy(ly.V[c*int(lf.VRow):], v)
+				continue
+			}
+			el := int(lf.VElSize)
+			for j := 0; j < int(lf.NEmbdV); j++ {
+				copy(ly.V[(j*n+c)*el:(j*n+c+1)*el], v[j*el:])
+			}
+		}
+		s.Layers = append(s.Layers, ly)
+	}
+	b, err := st.Build()
+	if err != nil {
+		fs.t.Error(err)
+	}
+	if fs.saveVersion != 0 {
+		binary.LittleEndian.PutUint32(b[4:], fs.saveVersion)
+	}
+	return b
+}
+
+// load checks a slot file byte by byte against what this server computes
+// for its tokens, as llama.cpp's restore checks the format (the content
+// check is the test's own: wrong KV must never reach a slot).
+func (fs *fakeServer) load(b []byte) ([]int32, error) {
+	st, err := llamastate.Parse(b)
+	if err != nil {
+		return nil, err
+	}
+	toks, err := st.PromptTokens()
+	if err != nil {
+		return nil, err
+	}
+	f, si, err := formatOf(st)
+	if err != nil {
+		return nil, err
+	}
+	if !f.equal(&fs.format) {
+		return nil, fmt.Errorf("format differs")
+	}
+	s := &st.Streams[si]
+	n := len(s.Cells)
+	if n != len(toks) {
+		return nil, fmt.Errorf("%d cells for %d tokens", n, len(toks))
+	}
+	hs := fs.prefixHashes(toks)
+	for c, cell := range s.Cells {
+		p := int(cell.Pos)
+		for l, ly := range s.Layers {
+			if !bytes.Equal(ly.K[c*int(ly.KRowSize):(c+1)*int(ly.KRowSize)], fs.row(hs[p], l, 'k', int(ly.KRowSize))) {
+				fs.t.Errorf("restore: layer %d K of position %d is not this model's", l, p)
+				return nil, fmt.Errorf("wrong K")
+			}
+			want := fs.row(hs[p], l, 'v', int(ly.VRowSize))
+			got := make([]byte, ly.VRowSize)
+			if !s.VTrans {
+				copy(got, ly.V[c*int(ly.VRowSize):])
+			} else {
+				el := int(ly.VElSize)
+				for j := 0; j < int(ly.NEmbdV); j++ {
+					copy(got[j*el:(j+1)*el], ly.V[(j*n+c)*el:])
+				}
+			}
+			if !bytes.Equal(got, want) {
+				fs.t.Errorf("restore: layer %d V of position %d is not this model's", l, p)
+				return nil, fmt.Errorf("wrong V")
+			}
+		}
+	}
+	return toks, nil
+}
+
+// answerTokens is what the model generates after prompt: it depends on
+// the prompt only, as greedy decoding over the same KV does.
+func (fs *fakeServer) answerTokens(prompt []int32, n int) []int32 {
+	hs := fs.prefixHashes(prompt)
+	h := fs.seed
+	if len(hs) > 0 {
+		h = hs[len(hs)-1]
+	}
+	out := make([]int32, n)
+	for i := range out {
+		h = xxh3.Hash([]byte(strconv.FormatUint(h, 16)))
+		out[i] = int32(256 + h%256)
+	}
+	return out
+}
+
+func fakeError(w http.ResponseWriter, code int, msg string) {
+	w.Header().Set("Content-Type", "application/json; charset=utf-8")
+	w.WriteHeader(code)
+	fmt.Fprintf(w, `{"error":{"code":%d,"message":%q,"type":"invalid_request_error"}}`, code, msg)
+}
+
+func writeJSON(w http.ResponseWriter, v any) {
+	w.Header().Set("Content-Type", "application/json; charset=utf-8")
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+// tokenize is the fake's byte-level tokenizer: strings are their bytes,
+// numbers are token ids.
+func tokenize(v any) []int32 {
+	switch v := v.(type) {
+	case string:
+		out := make([]int32, len(v))
+		for i := 0; i < len(v); i++ {
+			out[i] = int32(v[i])
+		}
+		return out
+	case []any:
+		var out []int32
+		for _, e := range v {
+			if f, ok := e.(float64); ok {
+				out = append(out, int32(f))
+			} else {
+				out = append(out, tokenize(e)...)
+			}
+		}
+		return out
+	}
+	return nil
+}
+
+// chatPrompt is the fake's chat template.
+func chatPrompt(body map[string]any) string {
+	var sb strings.Builder
+	msgs, _ := body["messages"].([]any)
+	for _, m := range msgs {
+		mm, _ := m.(map[string]any)
+		fmt.Fprintf(&sb, "<%v>%v\n", mm["role"], mm["content"])
+	}
+	sb.WriteString("<assistant>")
+	return sb.String()
+}
+
+func (fs *fakeServer) handler() http.Handler {
+	m := http.NewServeMux()
+	m.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { writeJSON(w, map[string]string{"status": "ok"}) })
+	m.HandleFunc("GET /props", func(w http.ResponseWriter, r *http.Request) {
+		fs.mu.Lock()
+		defer fs.mu.Unlock()
+		writeJSON(w, map[string]any{"total_slots": len(fs.slots), "model_path": fs.model, "build_info": fs.build,
+			"default_generation_settings": map[string]any{"n_ctx": fs.nCtx}, "modalities": map[string]bool{"vision": false}})
+	})
+	m.HandleFunc("GET /slots", func(w http.ResponseWriter, r *http.Request) {
+		fs.mu.Lock()
+		defer fs.mu.Unlock()
+		var out []map[string]any
+		for i, s := range fs.slots {
+			e := map[string]any{"id": i, "n_ctx": fs.nCtx, "is_processing": s.computing || fs.busy[i]}
+			if s.task != nil {
+				e["id_task"] = *s.task
+			}
+			out = append(out, e)
+		}
+		writeJSON(w, out)
+	})
+	m.HandleFunc("POST /tokenize", func(w http.ResponseWriter, r *http.Request) {
+		var body map[string]any
+		_ = json.NewDecoder(r.Body).Decode(&body)
+		writeJSON(w, map[string]any{"tokens": tokenize(body["content"])})
+	})
+	m.HandleFunc("POST /apply-template", func(w http.ResponseWriter, r *http.Request) {
+		var body map[string]any
+		_ = json.NewDecoder(r.Body).Decode(&body)
+		writeJSON(w, map[string]any{"prompt": chatPrompt(body)})
+	})
+	m.HandleFunc("POST /slots/{id}", fs.slotAction)
+	m.HandleFunc("POST /completion", fs.complete(false))
+	m.HandleFunc("POST /v1/chat/completions", fs.complete(true))
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if fs.apiKey != "" && r.URL.Path != "/health" && r.Header.Get("Authorization") != "Bearer "+fs.apiKey {
+			fakeError(w, 401, "Invalid API Key")
+			return
+		}
+		m.ServeHTTP(w, r)
+	})
+}
+
+func (fs *fakeServer) slotAction(w http.ResponseWriter, r *http.Request) {
+	id, _ := strconv.Atoi(r.PathValue("id"))
+	var body struct {
+		Filename string `json:"filename"`
+	}
+	_ = json.NewDecoder(r.Body).Decode(&body)
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	if id < 0 || id >= len(fs.slots) || strings.ContainsAny(body.Filename, "/\\") {
+		fakeError(w, 400, "Invalid slot ID or filename")
+		return
+	}
+	if fs.slots[id].computing {
+		fs.t.Errorf("slot %s on slot %d while it computes", r.URL.Query().Get("action"), id)
+	}
+	path := fs.dir + body.Filename
+	switch r.URL.Query().Get("action") {
+	case "save":
+		b := fs.slotFile(id, fs.slots[id].tokens)
+		if err := os.WriteFile(path, b, 0o644); err != nil {
+			fakeError(w, 500, err.Error())
+			return
+		}
+		writeJSON(w, map[string]any{"id_slot": id, "filename": body.Filename, "n_saved": len(fs.slots[id].tokens), "n_written": len(b)})
+	case "restore":
+		fs.restores = append(fs.restores, id)
+		b, err := os.ReadFile(path)
+		var toks []int32
+		if err == nil && !fs.refuseRestore {
+			toks, err = fs.load(b)
+		}
+		if err != nil || fs.refuseRestore {
+			fs.slots[id].tokens = nil // llama-server clears the slot
+			fakeError(w, 400, "Unable to restore slot: No available space in KV cache or invalid slot save file")
+			return
+		}
+		fs.slots[id].tokens = toks
+		writeJSON(w, map[string]any{"id_slot": id, "filename": body.Filename, "n_restored": len(toks), "n_read": len(b)})
+	default:
+		fakeError(w, 400, "Invalid action")
+	}
+}
+
+func (fs *fakeServer) complete(chat bool) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		var body map[string]any
+		if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
+			fakeError(w, 400, "bad json")
+			return
+		}
+		var prompt []int32
+		if chat {
+			prompt = tokenize(chatPrompt(body))
+		} else {
+			prompt = tokenize(body["prompt"])
+		}
+		nPredict := 4
+		if v, ok := body["n_predict"].(float64); ok {
+			nPredict = int(v)
+		}
+		cache := true
+		if v, ok := body["cache_prompt"].(bool); ok {
+			cache = v
+		}
+		stream, _ := body["stream"].(bool)
+		fs.mu.Lock()
+		fs.requests = append(fs.requests, body)
+		if fs.completionCode != 0 {
+			fs.mu.Unlock()
+			fakeError(w, fs.completionCode, "the fake failed on purpose")
+			return
+		}
+		id := -1
+		if v, ok := body["id_slot"].(float64); ok && v >= 0 {
+			id = int(v) % len(fs.slots)
+			if fs.slots[id].computing {
+				fs.overlaps++
+			}
+		} else {
+			for i := range fs.slots {
+				if !fs.slots[i].computing {
+					id = i
+					break
+				}
+			}
+		}
+		if id < 0 {
+			fs.mu.Unlock()
+			fakeError(w, 503, "no slot")
+			return
+		}
+		sl := &fs.slots[id]
+		nPast := 0
+		if cache {
+			nPast = lcp(sl.tokens, prompt)
+			if nPast == len(prompt) && nPast > 0 {
+				nPast--
+			}
+		}
+		if v, ok := body["n_cache_reuse"].(float64); ok && v > 0 && len(sl.tokens) > nPast {
+			// Chunk reuse claims cells past the common prefix.
+			nPast = min(len(prompt)-1, len(sl.tokens))
+		}
+		sl.computing = true
+		fs.tasks++
+		task := fs.tasks
+		gate := fs.gate
+		fs.mu.Unlock()
+
+		gen := fs.answerTokens(prompt, nPredict)
+		tm := map[string]any{"cache_n": nPast, "prompt_n": len(prompt) - nPast, "prompt_ms": 1.5, "predicted_n": nPredict}
+		finish := func() {
+			fs.mu.Lock()
+			sl.tokens = append(append([]int32(nil), prompt...), gen[:max(nPredict-1, 0)]...)
+			sl.computing = false
+			sl.task = &task
+			fs.mu.Unlock()
+		}
+		if !stream {
+			finish()
+			if chat {
+				writeJSON(w, map[string]any{"choices": []any{map[string]any{"message": map[string]any{"content": fmt.Sprint(gen)}}}, "timings": tm})
+				return
+			}
+			writeJSON(w, map[string]any{"content": fmt.Sprint(gen), "tokens": gen, "id_slot": id, "stop": true, "truncated": false, "timings": tm})
+			return
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		fl := w.(http.Flusher)
+		for i, g := range gen {
+			if i > 0 && gate != nil {
+				<-gate
+			}
+			ev, _ := json.Marshal(map[string]any{"content": fmt.Sprint(g), "tokens": []int32{g}, "stop": false})
+			fmt.Fprintf(w, "data: %s\n\n", ev)
+			fl.Flush()
+		}
+		finish()
+		ev, _ := json.Marshal(map[string]any{"content": "", "stop": true, "timings": tm})
+		fmt.Fprintf(w, "data: %s\n\n", ev)
+		fl.Flush()
+	}
+}

@@ -1,0 +1,190 @@
+package proxy
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"slices"
+
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/llamastate"
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// learn finds out what the upstream serves: its slots, its model file's
+// digest, and, from a slot file of a fixed probe prompt, its KV format and
+// the digest of the probe's KV. Together they are the model's fingerprint:
+// another model, K/V type, flash-attention setting, rope override or
+// server-wide adapter gives other keys, so it restores nothing.
+func (p *Proxy) learn(ctx context.Context) (*learned, error) {
+	pr, err := p.up.props(ctx)
+	if err != nil {
+		return nil, err
+	}
+	for kind, on := range pr.Modalities {
+		if on {
+			return nil, status.Errorf(status.Unsupported, "the upstream takes %s input: multimodal prompts are not keyed", kind)
+		}
+	}
+	path, digest, err := p.modelDigest(pr)
+	if err != nil {
+		return nil, err
+	}
+	infos, err := p.up.slots(ctx)
+	if err != nil {
+		return nil, status.Wrap(status.Unsupported, err, "GET /slots (do not start the server with --no-slots)")
+	}
+	if len(infos) == 0 {
+		return nil, status.Errorf(status.Unsupported, "the upstream has no slots")
+	}
+	tab := p.tableFor(len(infos))
+
+	slot, _, err := tab.acquire(ctx, -1, nil)
+	if err != nil {
+		return nil, err
+	}
+	before := tab.view(slot)
+	st, err := p.probe(ctx, slot)
+	if err != nil {
+		tab.release(slot, nil, before.dirty)
+		return nil, err
+	}
+	tab.release(slot, probeTokens, false)
+	f, _, err := formatOf(st)
+	if err != nil {
+		return nil, err
+	}
+	if f.NStream != 1 && f.NStream != len(infos) {
+		return nil, status.Errorf(status.Unsupported, "%d KV streams for %d slots", f.NStream, len(infos))
+	}
+	kv, err := probeDigest(st, len(probeTokens))
+	if err != nil {
+		return nil, err
+	}
+	spec, err := f.spec(digest, kv, "mcbridge-proxy-v1;build="+pr.BuildInfo)
+	if err != nil {
+		return nil, err
+	}
+	m, err := p.b.RegisterModel(spec)
+	if err != nil {
+		return nil, err
+	}
+	return &learned{m: m, format: f, props: pr, path: path, digest: digest, tasks: map[int]int{}}, nil
+}
+
+// modelDigest digests the model file: the path /props gives when it is
+// absolute and readable here, else the configured one. A relative path is
+// the server's working directory's, which the proxy does not know.
+func (p *Proxy) modelDigest(pr props) (string, key.Hash, error) {
+	path := p.opts.ModelPath
+	if path == "" {
+		if !filepath.IsAbs(pr.ModelPath) {
+			return "", key.Hash{}, status.Errorf(status.Config, "the upstream's model path %q is not absolute: give the model's path", pr.ModelPath)
+		}
+		path = pr.ModelPath
+	}
+	d, err := key.FileDigest(path)
+	if err != nil {
+		return "", key.Hash{}, status.Wrap(status.Config, err, "digesting the model file (give the model's path when the server's is not readable here)")
+	}
+	return path, d, nil
+}
+
+// tableFor returns the slot table, new when the slot count changed.
+func (p *Proxy) tableFor(n int) *slotTable {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.slots == nil || p.slots.len() != n {
+		p.slots = newSlotTable(n)
+	}
+	return p.slots
+}
+
+// probe computes the probe prompt from scratch in a held slot and reads
+// the slot back.
+func (p *Proxy) probe(ctx context.Context, slot int) (*llamastate.State, error) {
+	req := map[string]any{"prompt": probeTokens, "n_predict": 1, "temperature": 0, "cache_prompt": false, "id_slot": slot}
+	if err := p.up.complete(ctx, req); err != nil {
+		return nil, status.Wrap(status.Unsupported, err, "probe completion")
+	}
+	st, _, err := p.save(ctx, slot)
+	if err != nil {
+		return nil, err
+	}
+	toks, err := st.PromptTokens()
+	if err != nil {
+		return nil, err
+	}
+	if !slices.Equal(toks, probeTokens) {
+		return nil, status.Errorf(status.Unsupported, "the probe's slot holds %d other tokens", len(toks))
+	}
+	return st, nil
+}
+
+// save has the server write slot into a file, reads and parses it, and
+// removes it.
+func (p *Proxy) save(ctx context.Context, slot int) (*llamastate.State, []byte, error) {
+	name := p.fileName("s", slot)
+	path := p.slotPath(name)
+	_, err := p.up.slotAction(ctx, slot, "save", name)
+	defer os.Remove(path)
+	if err != nil {
+		return nil, nil, status.Wrap(status.Unsupported, err, "slot save")
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, nil, status.Wrap(status.Unsupported, err, "reading the saved slot (is the slot directory the server's --slot-save-path?)")
+	}
+	st, err := llamastate.Parse(data)
+	if err != nil {
+		return nil, nil, err
+	}
+	return st, data, nil
+}
+
+// checkUpstream confirms, before a restore, that the upstream is still the
+// server the model was learned from and that slot is idle. A changed
+// server drops the model.
+func (p *Proxy) checkUpstream(ctx context.Context, lm *learned, slot int) error {
+	pr, err := p.up.props(ctx)
+	if err != nil {
+		return err
+	}
+	_, digest, err := p.modelDigest(pr)
+	if err != nil || digest != lm.digest || pr.ModelPath != lm.props.ModelPath || pr.BuildInfo != lm.props.BuildInfo ||
+		pr.TotalSlots != lm.props.TotalSlots || pr.Settings.NCtx != lm.props.Settings.NCtx {
+		p.forget(lm, "the upstream's model, build or slots changed")
+		return &fallback{"upstream_changed", status.Errorf(status.ModelMismatch, "the upstream changed since it was learned")}
+	}
+	infos, err := p.up.slots(ctx)
+	if err != nil {
+		return err
+	}
+	if err := lm.checkTasks(infos); err != nil {
+		p.forget(lm, err.Error())
+		return &fallback{"upstream_changed", err}
+	}
+	for _, in := range infos {
+		if in.ID == slot && in.IsProcessing {
+			return &fallback{"slot_busy", status.Errorf(status.State, "slot %d is busy outside the proxy", slot)}
+		}
+	}
+	return nil
+}
+
+// checkTasks spots a restarted server: its slots forget their last task,
+// or number tasks from zero again.
+func (lm *learned) checkTasks(infos []slotInfo) error {
+	lm.mu.Lock()
+	defer lm.mu.Unlock()
+	for _, in := range infos {
+		prev, seen := lm.tasks[in.ID]
+		if seen && (in.IDTask == nil || *in.IDTask < prev) {
+			return status.Errorf(status.ModelMismatch, "slot %d forgot its last task: the upstream restarted", in.ID)
+		}
+		if in.IDTask != nil {
+			lm.tasks[in.ID] = *in.IDTask
+		}
+	}
+	return nil
+}

@@ -1,0 +1,281 @@
+package arbiter
+
+import (
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// Policy selects how a decision is made. Benchmarks compare all three.
+type Policy int
+
+const (
+	CostModel       Policy = iota // minimise the estimated time to first token
+	AlwaysRestore                 // restore every usable matched block
+	AlwaysRecompute               // restore nothing
+)
+
+var policyNames = [...]string{
+	CostModel:       "cost-model",
+	AlwaysRestore:   "always-restore",
+	AlwaysRecompute: "always-recompute",
+}
+
+func (p Policy) String() string {
+	if p >= 0 && int(p) < len(policyNames) {
+		return policyNames[p]
+	}
+	return fmt.Sprintf("policy(%d)", int(p))
+}
+
+// ParsePolicy reads a policy by its String form.
+func ParsePolicy(s string) (Policy, error) {
+	for p, name := range policyNames {
+		if s == name {
+			return Policy(p), nil
+		}
+	}
+	return 0, status.Errorf(status.Config, "arbiter: unknown policy %q (want %s)", s, strings.Join(policyNames[:], ", "))
+}
+
+// ReasonCode says why a decision came out as it did.
+type ReasonCode int
+
+const (
+	NoMatch          ReasonCode = iota // no leading block of the prompt is cached
+	TooShort                           // no whole block fits before the one token that must be computed
+	Restore                            // restoring is estimated faster
+	RecomputeCheaper                   // recomputing is estimated faster
+	Split                              // computing the head while restoring the tail is estimated fastest
+	PolicyForced                       // the policy chose, not the cost model
+	InvalidInput                       // the input cannot describe a prompt; nothing is restored
+)
+
+var reasonNames = [...]string{
+	NoMatch:          "no-match",
+	TooShort:         "too-short",
+	Restore:          "restore",
+	RecomputeCheaper: "recompute-cheaper",
+	Split:            "split",
+	PolicyForced:     "policy-forced",
+	InvalidInput:     "invalid-input",
+}
+
+func (r ReasonCode) String() string {
+	if r >= 0 && int(r) < len(reasonNames) {
+		return reasonNames[r]
+	}
+	return fmt.Sprintf("reason(%d)", int(r))
+}
+
+// Input describes one prompt against the cache.
+type Input struct {
+	PromptTokens    int    // P: tokens in the prompt
+	BlockTokens     int    // B: tokens per block
+	MatchedBlocks   int    // m: leading blocks found in the cache
+	KVBytesPerToken int64  // KV bytes one token occupies, all layers
+	Link            string // the source the blocks come from, e.g. "local" or a peer segment
+}
+
+// Decision is the plan for one prompt. Blocks [0, HeadComputeBlocks) are
+// computed while blocks [HeadComputeBlocks, PrefixBlocks()) are restored;
+// then positions [PrefixBlocks()·B, P) are computed. Without a split plan
+// HeadComputeBlocks is 0 and the restored blocks are the leading ones.
+type Decision struct {
+	RestoreBlocks     int
+	HeadComputeBlocks int
+	MatchedBlocks     int
+	Policy            Policy
+	Reason            ReasonCode
+	EstRestore        time.Duration // time to first token restoring every usable block
+	EstRecompute      time.Duration // time to first token computing the whole prompt
+	EstTotal          time.Duration // time to first token of this plan
+}
+
+// PrefixBlocks is how many leading blocks are in place before the rest of
+// the prompt is computed.
+func (d Decision) PrefixBlocks() int { return d.HeadComputeBlocks + d.RestoreBlocks }
+
+// String reads as a log line, e.g.
+// "restore 12/12 blocks: est 4.1ms vs recompute 310ms".
+func (d Decision) String() string {
+	est := func(x time.Duration) string { return round3(x).String() }
+	switch d.Reason {
+	case InvalidInput:
+		return "recompute: invalid input"
+	case NoMatch:
+		return "recompute: no cached blocks: est " + est(d.EstTotal)
+	case TooShort:
+		return fmt.Sprintf("recompute 0/%d blocks: no whole block before the last token: est %s", d.MatchedBlocks, est(d.EstTotal))
+	case Split:
+		return fmt.Sprintf("split %d/%d blocks, computing %d while restoring %d: est %s vs restore %s vs recompute %s",
+			d.PrefixBlocks(), d.MatchedBlocks, d.HeadComputeBlocks, d.RestoreBlocks, est(d.EstTotal), est(d.EstRestore), est(d.EstRecompute))
+	}
+	forced := ""
+	if d.Reason == PolicyForced {
+		forced = " (" + d.Policy.String() + ")"
+	}
+	if d.RestoreBlocks == 0 {
+		return fmt.Sprintf("recompute 0/%d blocks%s: est %s vs restore %s", d.MatchedBlocks, forced, est(d.EstTotal), est(d.EstRestore))
+	}
+	return fmt.Sprintf("restore %d/%d blocks%s: est %s vs recompute %s", d.RestoreBlocks, d.MatchedBlocks, forced, est(d.EstTotal), est(d.EstRecompute))
+}
+
+// round3 keeps three significant digits, enough for a log line.
+func round3(d time.Duration) time.Duration {
+	unit := time.Duration(1)
+	for d/unit >= 1000 && unit < time.Hour {
+		unit *= 10
+	}
+	return d.Round(unit)
+}
+
+// Decide plans the prompt described by in. It never restores more than
+// MatchedBlocks blocks and always leaves at least one token to compute, for
+// llama.cpp state carries no logits.
+func (a *Arbiter) Decide(in Input) Decision {
+	d := Decision{MatchedBlocks: in.MatchedBlocks, Policy: a.cfg.Policy}
+	if in.PromptTokens < 1 || in.PromptTokens > MaxPromptTokens || in.BlockTokens < 1 ||
+		in.MatchedBlocks < 0 || in.KVBytesPerToken < 1 {
+		d.Reason = InvalidInput
+		return d
+	}
+	now := a.cfg.Now()
+	a.mu.Lock()
+	prefill := a.prefill.theta
+	link := a.linkVec(in.Link, now)
+	a.mu.Unlock()
+
+	c := newPlan(in.PromptTokens, in.BlockTokens, prefill, link[0], link[1]*float64(in.BlockTokens)*float64(in.KVBytesPerToken))
+	usable := min(in.MatchedBlocks, (in.PromptTokens-1)/in.BlockTokens, MaxSearchBlocks)
+	recompute := c.sequential(0)
+	restore := c.sequential(usable)
+	d.EstRecompute, d.EstRestore = seconds(recompute), seconds(restore)
+
+	switch {
+	case (in.PromptTokens-1)/in.BlockTokens == 0:
+		d.Reason, d.EstTotal = TooShort, d.EstRecompute
+	case in.MatchedBlocks == 0:
+		d.Reason, d.EstTotal = NoMatch, d.EstRecompute
+	case a.cfg.Policy == AlwaysRestore:
+		d.Reason, d.RestoreBlocks, d.EstTotal = PolicyForced, usable, d.EstRestore
+	case a.cfg.Policy == AlwaysRecompute:
+		d.Reason, d.EstTotal = PolicyForced, d.EstRecompute
+	case a.cfg.Split:
+		s, k, t := c.bestSplit(usable)
+		d.HeadComputeBlocks, d.RestoreBlocks, d.EstTotal = s, k-s, seconds(t)
+		d.Reason = reasonFor(k, s)
+	default:
+		k, t := c.bestSequential(usable)
+		d.RestoreBlocks, d.EstTotal = k, seconds(t)
+		d.Reason = reasonFor(k, 0)
+	}
+	return d
+}
+
+func reasonFor(prefix, head int) ReasonCode {
+	switch {
+	case prefix == 0:
+		return RecomputeCheaper
+	case head > 0:
+		return Split
+	}
+	return Restore
+}
+
+// plan evaluates candidate plans for one prompt, in seconds. It holds the
+// prefill model of PrefillCost expanded in blocks, so that a candidate costs
+// a few flops: with c = [c0, c1, c2] and k >= 1 blocks,
+//
+//	compute(0, kB) = c0 + c1·B·k + c2·B²/2·k²
+//	compute(kB, P) = compute(0, P) - c1·B·k - c2·B²/2·k²
+type plan struct {
+	whole    float64 // compute(0, P)
+	fixed    float64 // c0
+	linear   float64 // c1·B
+	square   float64 // c2·B²/2
+	latency  float64 // per transfer batch
+	perBlock float64 // transfer time per block, latency excluded
+}
+
+func newPlan(prompt, block int, prefill vec, latency, perBlock float64) plan {
+	b := float64(block)
+	return plan{
+		whole:    prefill.dot(prefillFeatures(0, prompt)),
+		fixed:    prefill[0],
+		linear:   prefill[1] * b,
+		square:   prefill[2] * b * b / 2,
+		latency:  latency,
+		perBlock: perBlock,
+	}
+}
+
+// head is compute(0, sB): nothing, not even c0, when s is 0.
+func (c *plan) head(s int) float64 {
+	if s == 0 {
+		return 0
+	}
+	x := float64(s)
+	return c.fixed + x*(c.linear+x*c.square)
+}
+
+// tail is compute(kB, P), for kB < P.
+func (c *plan) tail(k int) float64 {
+	x := float64(k)
+	return c.whole - x*(c.linear+x*c.square)
+}
+
+func (c *plan) restore(blocks int) float64 {
+	if blocks == 0 {
+		return 0
+	}
+	return c.latency + float64(blocks)*c.perBlock
+}
+
+// sequential is restore k blocks, then compute the rest.
+func (c *plan) sequential(k int) float64 { return c.restore(k) + c.tail(k) }
+
+// split is compute s blocks while restoring blocks [s, k), then compute the rest.
+func (c *plan) split(s, k int) float64 { return max(c.head(s), c.restore(k-s)) + c.tail(k) }
+
+// bestSequential searches every k in [0, usable]. Under this model the
+// optimum is at an end (restore cost is linear in k, the compute saved is
+// concave), but the scan costs a few nanoseconds per block and stays exact
+// whatever the calibration does. Ties go to fewer blocks.
+func (c *plan) bestSequential(usable int) (int, float64) {
+	bestK, best := 0, c.sequential(0)
+	for k := 1; k <= usable; k++ {
+		if t := c.sequential(k); t < best {
+			bestK, best = k, t
+		}
+	}
+	return bestK, best
+}
+
+// bestSplit searches every (s, k) with 0 <= s <= k <= usable in O(usable).
+// For a fixed k, compute(0, sB) grows with s and restore(k-s) shrinks, so
+// their max is least where they cross: at the first s where the head's
+// compute reaches the tail's restore, or just before it. Raising k only
+// lengthens the restore, so that crossing never moves left and one pointer
+// sweeps it for all k. Ties go to the shorter prefix, then the shorter head.
+func (c *plan) bestSplit(usable int) (head, prefix int, best float64) {
+	best = c.sequential(0)
+	s := 0
+	for k := 1; k <= usable; k++ {
+		for s < k && c.head(s) < c.restore(k-s) {
+			s++
+		}
+		for _, cand := range [2]int{s - 1, s} {
+			if cand < 0 {
+				continue
+			}
+			t := c.split(cand, k)
+			if t < best {
+				head, prefix, best = cand, k, t
+			}
+		}
+	}
+	return head, prefix, best
+}

@@ -1,0 +1,386 @@
+// Package orchestrator is the bridge's core: it registers models, answers
+// lookups from the local mirror of the directory, restores blocks layer by
+// layer into a host's KV tensors, and saves a host's new blocks into the
+// pool and publishes them.
+//
+// Lookup is side-effect free and never waits on the network. A load moves
+// every block through verification before any of its rows reach the host:
+// local blocks are checked in place while pinned, remote blocks land in
+// staging memory first. Rows of a block that fails hold either their
+// previous bytes or verified bytes of that block, never unverified ones.
+package bridge
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/mcbridge/mcbridge/internal/arbiter"
+	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/directory"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/pool"
+	"github.com/mcbridge/mcbridge/internal/residency"
+	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/transport"
+)
+
+// Deps lets a caller supply parts instead of building them from the config:
+// tests inject faulty transports and shared directories this way. Parts
+// given here stay owned by the caller.
+type Deps struct {
+	Transport transport.Transport
+	Directory directory.Directory
+	Now       func() time.Time
+}
+
+// Bridge is one process's cache endpoint. Safe for concurrent use.
+type Bridge struct {
+	cfg     config.Config
+	owner   string
+	tr      transport.Transport
+	dir     directory.Directory
+	pool    *pool.Pool
+	arb     *arbiter.Arbiter
+	now     func() time.Time
+	stats   counters
+	closers []func() error // what Open built, in build order
+
+	mu       sync.Mutex
+	resident *residency.Tree[slot] // blocks this process stores in its pool
+	segments map[string]transport.SegmentID
+	models   map[key.Fingerprint]*Model
+	parked   []parked // batches still in flight after a timeout
+	active   int      // loads and saves begun and not ended
+	closed   bool
+	poolBusy bool // a transfer outlived Close: keep the pool mapped
+	// stopReplication ends a store node's replication (Replicate).
+	stopReplication func()
+}
+
+// slot is where a resident block sits in the pool. A replica is a copy
+// of another owner's block that a store node holds unpublished until that
+// owner's entry goes. One of ours is publishing while its save's publish
+// is out, and pending when that publish went unanswered. entry is what
+// the directory was, or will be, offered.
+type slot struct {
+	fp         key.Fingerprint
+	off        int64
+	size       int64
+	gen        uint64
+	replica    bool
+	publishing bool
+	pending    bool
+	entry      directory.Entry
+}
+
+// parked holds a timed-out batch and the staging it may still write into;
+// both are released once the batch is idle.
+type parked struct {
+	batch   transport.Batch
+	staging []extent
+}
+
+type extent struct{ off, n int64 }
+
+// Open builds a bridge from cfg, with the parts deps supplies.
+func Open(cfg config.Config, deps Deps) (*Bridge, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	b := &Bridge{cfg: cfg, owner: cfg.Owner, now: deps.Now,
+		segments: map[string]transport.SegmentID{}, models: map[key.Fingerprint]*Model{}}
+	if b.now == nil {
+		b.now = time.Now
+	}
+	if b.owner == "" {
+		host, _ := os.Hostname()
+		b.owner = fmt.Sprintf("%s-%d-%x", host, os.Getpid(), uint32(time.Now().UnixNano()))
+	}
+	if err := b.build(deps); err != nil {
+		b.release()
+		return nil, err
+	}
+	return b, nil
+}
+
+func (b *Bridge) build(deps Deps) error {
+	var err error
+	if b.pool, err = pool.New(b.cfg.PoolBytes, b.evict); err != nil {
+		return err
+	}
+	b.closers = append(b.closers, b.closePool)
+	policy := residency.LRU
+	if b.cfg.Eviction == "cost" {
+		policy = residency.CostAware
+	}
+	if b.resident, err = residency.New[slot](residency.Config{BudgetBytes: b.pool.Size(), Policy: policy}); err != nil {
+		return err
+	}
+	ap, err := arbiter.ParsePolicy(b.cfg.Arbiter.Policy)
+	if err != nil {
+		return status.Wrap(status.Config, err, "arbiter policy")
+	}
+	if b.arb, err = arbiter.New(arbiter.Config{Policy: ap, Now: b.now}); err != nil {
+		return err
+	}
+	if b.tr = deps.Transport; b.tr == nil {
+		if b.tr, err = openTransport(b.cfg, b.owner, b.now); err != nil {
+			return err
+		}
+		b.closers = append(b.closers, b.tr.Close)
+	}
+	if err = b.tr.RegisterMemory(b.pool.Base(), uint64(b.pool.Size()), "cpu:0", true); err != nil {
+		return status.Wrap(status.Transfer, err, "registering the pool")
+	}
+	base := b.pool.Base()
+	b.closers = append(b.closers, func() error { return b.tr.UnregisterMemory(base) })
+	if b.dir = deps.Directory; b.dir == nil {
+		if b.dir, err = openDirectory(b.cfg); err != nil {
+			return err
+		}
+		b.closers = append(b.closers, b.dir.Close)
+	}
+	return nil
+}
+
+// release undoes build in reverse order.
+func (b *Bridge) release() error {
+	var first error
+	for i := len(b.closers) - 1; i >= 0; i-- {
+		if err := b.closers[i](); err != nil && first == nil {
+			first = err
+		}
+	}
+	b.closers = nil
+	return first
+}
+
+// Owner names this bridge in the directory.
+func (b *Bridge) Owner() string { return b.owner }
+
+// Segment is the transport segment peers read this bridge's pool through.
+func (b *Bridge) Segment() string { return b.tr.LocalSegment() }
+
+// Transport is the engine the bridge moves blocks with; tests and tools
+// reach engine-specific controls through it.
+func (b *Bridge) Transport() transport.Transport { return b.tr }
+
+// Arbiter exposes the cost model, for hosts that report prefill timings.
+func (b *Bridge) Arbiter() *arbiter.Arbiter { return b.arb }
+
+// Close unpublishes every block this bridge stores, waits for parked
+// transfers, and releases the pool, transport and directory it built.
+// Loads and saves still open are refused: the host must end them first.
+func (b *Bridge) Close() error {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return status.Errorf(status.State, "bridge closed twice")
+	}
+	if b.active > 0 {
+		n := b.active
+		b.mu.Unlock()
+		return status.Errorf(status.State, "bridge close with %d loads or saves not ended", n)
+	}
+	b.closed = true
+	models := make([]*Model, 0, len(b.models))
+	for _, m := range b.models {
+		models = append(models, m)
+	}
+	byModel := map[key.Fingerprint][]key.BlockKey{}
+	b.resident.Walk(func(e residency.Entry[slot]) bool {
+		if !e.Value.replica {
+			byModel[e.Value.fp] = append(byModel[e.Value.fp], e.Key)
+		}
+		return true
+	})
+	stopReplication := b.stopReplication
+	b.stopReplication = nil
+	parkedBatches := b.parked
+	b.parked = nil
+	b.mu.Unlock()
+
+	var first error
+	keep := func(err error) {
+		if err != nil && first == nil {
+			first = err
+		}
+	}
+	if stopReplication != nil {
+		stopReplication()
+	}
+	for fp, keys := range byModel {
+		ctx, cancel := b.opContext()
+		keep(b.dir.Unpublish(ctx, b.owner, fp, keys))
+		cancel()
+	}
+	for _, m := range models {
+		m.stop()
+	}
+	// A batch still moving bytes may write into the pool: if one stays busy
+	// past the transfer timeout, the pool is left mapped rather than freed
+	// under it.
+	deadline := b.now().Add(2 * time.Duration(b.cfg.TransferTimeoutMS) * time.Millisecond)
+	busy := 0
+	for _, p := range parkedBatches {
+		freed := p.batch.Free() == nil
+		for !freed && b.now().Before(deadline) {
+			pollAll(p.batch)
+			time.Sleep(time.Millisecond)
+			freed = p.batch.Free() == nil
+		}
+		if !freed {
+			busy++
+		}
+	}
+	if busy > 0 {
+		keep(status.Errorf(status.Timeout, "%d transfer batches still in flight at close; the pool stays mapped", busy))
+		b.poolBusy = true
+	}
+	b.mu.Lock()
+	for _, s := range b.segments {
+		keep(b.tr.CloseSegment(s))
+	}
+	b.segments = nil
+	b.mu.Unlock()
+	keep(b.release())
+	return first
+}
+
+func (b *Bridge) opContext() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), time.Duration(b.cfg.Directory.OpTimeoutMS)*time.Millisecond)
+}
+
+// begin counts an operation in; it fails once the bridge is closed.
+func (b *Bridge) begin() error {
+	b.reap()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return status.Errorf(status.State, "bridge is closed")
+	}
+	b.active++
+	return nil
+}
+
+// reap frees parked batches that have gone idle, and their staging.
+func (b *Bridge) reap() {
+	b.mu.Lock()
+	ps := b.parked
+	b.parked = nil
+	b.mu.Unlock()
+	var still []parked
+	for _, p := range ps {
+		pollAll(p.batch)
+		if p.batch.Free() != nil {
+			still = append(still, p)
+			continue
+		}
+		for _, e := range p.staging {
+			_ = b.pool.Free(e.off, e.n)
+		}
+	}
+	if len(still) > 0 {
+		b.mu.Lock()
+		b.parked = append(b.parked, still...)
+		b.mu.Unlock()
+	}
+}
+
+// pollAll asks every task of a batch for its status once, which is how an
+// engine learns that a task finished.
+func pollAll(batch transport.Batch) {
+	for i := 0; i < batch.Tasks(); i++ {
+		_, _ = batch.Status(i)
+	}
+}
+
+// closePool unmaps the pool unless a transfer may still write into it:
+// then the mapping is kept, as unmapping would let that write land in
+// whatever reuses the addresses.
+func (b *Bridge) closePool() error {
+	if b.poolBusy {
+		return nil
+	}
+	return b.pool.Close()
+}
+
+func (b *Bridge) end() {
+	b.mu.Lock()
+	b.active--
+	b.mu.Unlock()
+}
+
+// segment opens a peer's segment once and caches its id.
+func (b *Bridge) segment(name string) (transport.SegmentID, error) {
+	b.mu.Lock()
+	id, ok := b.segments[name]
+	b.mu.Unlock()
+	if ok {
+		return id, nil
+	}
+	id, err := b.tr.OpenSegment(name)
+	if err != nil {
+		return 0, status.Wrap(status.Transfer, err, "opening segment "+name)
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if have, ok := b.segments[name]; ok {
+		_ = b.tr.CloseSegment(id)
+		return have, nil
+	}
+	b.segments[name] = id
+	return id, nil
+}
+
+// evict frees at least need bytes of resident blocks for the pool: it
+// unpublishes them first, so readers stop being sent there, then stamps an
+// odd generation, so a reader that raced the unpublish fails verification.
+func (b *Bridge) evict(need int64) error {
+	b.mu.Lock()
+	have := b.resident.Bytes()
+	if have == 0 {
+		b.mu.Unlock()
+		return status.Errorf(status.PoolFull, "pool full and nothing evictable")
+	}
+	gone, err := b.resident.Evict(b.pool.Size() - have + min(need, have))
+	b.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	if len(gone) == 0 {
+		return status.Errorf(status.PoolFull, "pool full: the rest is pinned or staging")
+	}
+	byModel := map[key.Fingerprint][]key.BlockKey{}
+	for _, e := range gone {
+		if e.Value.replica {
+			continue
+		}
+		byModel[e.Value.fp] = append(byModel[e.Value.fp], e.Key)
+		b.mu.Lock()
+		m := b.models[e.Value.fp]
+		b.mu.Unlock()
+		if m != nil {
+			m.forget(e.Key, b.tr.LocalSegment())
+		}
+	}
+	for fp, keys := range byModel {
+		ctx, cancel := b.opContext()
+		if err := b.dir.Unpublish(ctx, b.owner, fp, keys); err != nil {
+			// Readers sent here by a stale entry fail on the generation.
+			b.stats.add(&b.stats.directoryErrors, 1)
+		}
+		cancel()
+	}
+	for _, e := range gone {
+		pool.BeginWrite(b.pool.Bytes(e.Value.off, e.Value.size), b.pool.NextGeneration())
+		if err := b.pool.Free(e.Value.off, e.Value.size); err != nil {
+			return err
+		}
+	}
+	b.stats.add(&b.stats.evictions, int64(len(gone)))
+	return nil
+}

@@ -1,0 +1,89 @@
+package bridge
+
+import (
+	"fmt"
+	"sync/atomic"
+	"testing"
+
+	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
+)
+
+func newHost(t testing.TB, layers, cells, krow, vrow int, vtrans bool) *kvtest.Host {
+	return kvtest.New(t, layers, cells, krow, vrow, vtrans)
+}
+
+func spec(h *kvtest.Host, blockTokens int) ModelSpec {
+	p, krow, vrow, velem := h.Model(blockTokens)
+	return ModelSpec{Params: p, KRow: krow, VRow: vrow, VElem: velem}
+}
+
+var dirSeq atomic.Int64
+
+// testConfig gives each test its own memory directory, shared by the
+// bridges the test opens.
+func testConfig(t testing.TB) config.Config {
+	c := config.Default()
+	c.PoolBytes = 8 << 20
+	c.BlockTokens = 4
+	c.Directory.Name = fmt.Sprintf("%s-%d", t.Name(), dirSeq.Add(1))
+	return c
+}
+
+func openBridge(t testing.TB, c config.Config, owner string) *Bridge {
+	c.Owner = owner
+	b, err := Open(c, Deps{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Close() })
+	return b
+}
+
+func register(t testing.TB, b *Bridge, h *kvtest.Host, blockTokens int) *Model {
+	m, err := b.RegisterModel(spec(h, blockTokens))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+func saveAll(t testing.TB, m *Model, h *kvtest.Host, scope key.Scope, tokens []int32, cells []uint32) SaveResult {
+	t.Helper()
+	sv, err := m.SaveBegin(scope, h.Layout(), tokens, cells)
+	if err != nil {
+		t.Fatalf("save begin: %v", err)
+	}
+	for l := range h.K {
+		if err := sv.SaveLayer(l); err != nil {
+			t.Fatalf("save layer %d: %v", l, err)
+		}
+	}
+	res, err := sv.End()
+	if err != nil {
+		t.Fatalf("save end: %v", err)
+	}
+	return res
+}
+
+// loadAll restores tokens layer by layer and returns the result and error.
+func loadAll(t testing.TB, m *Model, h *kvtest.Host, scope key.Scope, tokens []int32, cells []uint32) (LoadResult, error) {
+	t.Helper()
+	ld, err := m.LoadBegin(scope, h.Layout(), tokens, cells)
+	if err != nil {
+		return LoadResult{}, err
+	}
+	last := len(tokens)
+	for l := range h.K {
+		ok, err := ld.WaitLayer(l)
+		if err != nil {
+			t.Fatalf("wait layer %d: %v", l, err)
+		}
+		if ok > last {
+			t.Fatalf("layer %d: good prefix grew from %d to %d", l, last, ok)
+		}
+		last = ok
+	}
+	return ld.End()
+}

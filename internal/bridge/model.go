@@ -1,0 +1,266 @@
+package bridge
+
+import (
+	"sync"
+
+	"github.com/mcbridge/mcbridge/internal/arbiter"
+	"github.com/mcbridge/mcbridge/internal/directory"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout"
+	"github.com/mcbridge/mcbridge/internal/pool"
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// ModelSpec is what a host registers: the fingerprint inputs and the byte
+// sizes of one token's K and V rows per layer.
+type ModelSpec struct {
+	Params key.Model
+	KRow   []int // bytes of one token's K row, per layer
+	VRow   []int // bytes of one token's V row, per layer
+	VElem  []int // bytes of one V element, per layer (to transpose)
+}
+
+// Model is a registered model: its key space, block geometry, and the
+// mirror of the directory's blocks for it.
+type Model struct {
+	b     *Bridge
+	fp    key.Fingerprint
+	spec  ModelSpec
+	geo   pool.Geometry
+	shape kvlayout.Shape
+	// kvBytesPerToken is what the arbiter weighs a restore by.
+	kvBytesPerToken int64
+	refs            int // guarded by b.mu
+
+	mu     sync.RWMutex
+	mirror map[key.BlockKey]directory.Entry
+	cancel func()
+}
+
+// Fingerprint names the model's KV format.
+func (m *Model) Fingerprint() key.Fingerprint { return m.fp }
+
+// BlockTokens is the model's block size.
+func (m *Model) BlockTokens() int { return m.geo.BlockTokens }
+
+// BlockBytes is the pool size of one block.
+func (m *Model) BlockBytes() int { return m.geo.Size() }
+
+// RegisterModel registers spec, or returns the model already registered
+// under the same fingerprint. Block size 0 takes the configured default.
+func (b *Bridge) RegisterModel(spec ModelSpec) (*Model, error) {
+	if spec.Params.BlockTokens == 0 {
+		spec.Params.BlockTokens = uint32(b.cfg.BlockTokens)
+	}
+	n := int(spec.Params.NLayer)
+	switch {
+	case n == 0 || n > pool.MaxLayers:
+		return nil, status.Errorf(status.InvalidArg, "model of %d layers (1..%d)", n, pool.MaxLayers)
+	case len(spec.KRow) != n || len(spec.VRow) != n || len(spec.VElem) != n:
+		return nil, status.Errorf(status.InvalidArg, "model of %d layers with %d/%d/%d row sizes", n, len(spec.KRow), len(spec.VRow), len(spec.VElem))
+	case len(spec.Params.NEmbdKGQA) != n || len(spec.Params.NEmbdVGQA) != n:
+		return nil, status.Errorf(status.InvalidArg, "model of %d layers with %d/%d embedding sizes", n, len(spec.Params.NEmbdKGQA), len(spec.Params.NEmbdVGQA))
+	}
+	geo := pool.Geometry{BlockTokens: int(spec.Params.BlockTokens), KRow: spec.KRow, VRow: spec.VRow}
+	if err := geo.Validate(); err != nil {
+		return nil, err
+	}
+	if int64(geo.Size()) > b.pool.Size()/2 {
+		return nil, status.Errorf(status.Config, "a block of %d bytes does not fit twice in a pool of %d", geo.Size(), b.pool.Size())
+	}
+	var perToken int64
+	for l := 0; l < n; l++ {
+		if spec.VElem[l] <= 0 || spec.VRow[l]%spec.VElem[l] != 0 {
+			return nil, status.Errorf(status.InvalidArg, "layer %d: V row of %d bytes in elements of %d", l, spec.VRow[l], spec.VElem[l])
+		}
+		perToken += int64(spec.KRow[l] + spec.VRow[l])
+	}
+	fp := spec.Params.Fingerprint()
+
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return nil, status.Errorf(status.State, "bridge is closed")
+	}
+	if m, ok := b.models[fp]; ok {
+		// Row sizes follow from the types and widths in the fingerprint;
+		// a host that reports others for the same model has a bug, and
+		// its layouts would be checked against rows it never declared.
+		if m.geo.Digest() != geo.Digest() {
+			b.mu.Unlock()
+			return nil, status.Errorf(status.ModelMismatch, "model %s registered with other row sizes", fp)
+		}
+		m.refs++
+		b.mu.Unlock()
+		return m, nil
+	}
+	m := &Model{b: b, fp: fp, spec: spec, geo: geo, kvBytesPerToken: perToken, refs: 1,
+		mirror: map[key.BlockKey]directory.Entry{}}
+	m.shape = kvlayout.Shape{Geometry: &m.geo, VElem: spec.VElem}
+	b.models[fp] = m
+	b.mu.Unlock()
+
+	cancel, err := b.dir.Subscribe(fp, m.apply)
+	if err != nil {
+		b.mu.Lock()
+		delete(b.models, fp)
+		b.mu.Unlock()
+		return nil, status.Wrap(status.Directory, err, "subscribing to the directory")
+	}
+	m.mu.Lock()
+	m.cancel = cancel
+	m.mu.Unlock()
+	return m, nil
+}
+
+// UnregisterModel drops one registration; the last stops the mirror.
+func (b *Bridge) UnregisterModel(m *Model) error {
+	b.mu.Lock()
+	if b.models[m.fp] != m || m.refs == 0 {
+		b.mu.Unlock()
+		return status.Errorf(status.BadHandle, "model %s is not registered", m.fp)
+	}
+	m.refs--
+	last := m.refs == 0
+	if last {
+		delete(b.models, m.fp)
+	}
+	b.mu.Unlock()
+	if last {
+		m.stop()
+	}
+	return nil
+}
+
+func (m *Model) stop() {
+	m.mu.Lock()
+	cancel := m.cancel
+	m.cancel = nil
+	m.mu.Unlock()
+	if cancel != nil {
+		cancel()
+	}
+}
+
+// apply mirrors one directory event.
+func (m *Model) apply(ev directory.Event) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	switch ev.Kind {
+	case directory.Put:
+		m.mirror[ev.Entry.Key] = ev.Entry
+	case directory.Delete:
+		// A delete for an entry that was since republished elsewhere must
+		// not drop the new one.
+		if have, ok := m.mirror[ev.Entry.Key]; ok && (ev.Entry.Loc.Owner == "" || have.Loc.Owner == ev.Entry.Loc.Owner) {
+			delete(m.mirror, ev.Entry.Key)
+		}
+	}
+}
+
+// forget drops a block from the mirror when segment holds it: the local
+// view changes at once, before the directory's event comes back.
+func (m *Model) forget(k key.BlockKey, segment string) {
+	m.mu.Lock()
+	if e, ok := m.mirror[k]; ok && e.Loc.Segment == segment {
+		delete(m.mirror, k)
+	}
+	m.mu.Unlock()
+}
+
+// match returns the leading entries of chain present in the mirror, each
+// hanging under the previous one.
+func (m *Model) match(root key.Hash, chain []key.BlockKey) []directory.Entry {
+	var out []directory.Entry
+	m.walk(root, chain, func(e directory.Entry) { out = append(out, e) })
+	return out
+}
+
+// walk visits the leading entries of chain present in the mirror, each
+// hanging under the previous one, and returns how many there were. Where
+// the mirror ends it goes on through blocks this process sealed whose
+// publish is still out or went unanswered: they are valid here before the
+// directory shows them.
+func (m *Model) walk(root key.Hash, chain []key.BlockKey, visit func(directory.Entry)) int {
+	n, parent := m.walkMirror(root, chain, visit)
+	b := m.b
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for ; n < len(chain); n++ {
+		s, ok := b.resident.Get(chain[n])
+		if !ok || s.replica || s.fp != m.fp || !(s.publishing || s.pending) || s.entry.Parent != parent {
+			break
+		}
+		visit(s.entry)
+		parent = chain[n]
+	}
+	return n
+}
+
+func (m *Model) walkMirror(root key.Hash, chain []key.BlockKey, visit func(directory.Entry)) (int, key.Hash) {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	parent := root
+	for i, k := range chain {
+		e, ok := m.mirror[k]
+		if !ok || e.Parent != parent {
+			return i, parent
+		}
+		visit(e)
+		parent = k
+	}
+	return len(chain), parent
+}
+
+// Mirrored is the number of blocks of this model the local mirror knows.
+func (m *Model) Mirrored() int {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	return len(m.mirror)
+}
+
+// LookupResult is the answer to Lookup.
+type LookupResult struct {
+	MatchedBlocks int
+	Decision      arbiter.Decision
+	// RestoreTokens is how many leading tokens to restore: whole blocks,
+	// always leaving at least one token to compute.
+	RestoreTokens int
+}
+
+// Lookup hashes the prompt's full blocks, matches them against the mirror
+// and asks the arbiter how many to restore. It changes nothing.
+func (m *Model) Lookup(scope key.Scope, tokens []int32) (LookupResult, error) {
+	if len(tokens) == 0 {
+		return LookupResult{}, status.Errorf(status.InvalidArg, "lookup of an empty prompt")
+	}
+	b := m.b
+	B := m.geo.BlockTokens
+	// The last token is always computed, so a block ending at it is moot.
+	root := key.Root(m.fp, scope)
+	chain := key.Chain(root, tokens[:len(tokens)-1], B)
+	link := "none"
+	matched := m.walk(root, chain, func(e directory.Entry) {
+		if link == "none" {
+			link = b.linkName(e.Loc.Segment)
+		}
+	})
+	d := b.arb.Decide(arbiter.Input{
+		PromptTokens:    len(tokens),
+		BlockTokens:     B,
+		MatchedBlocks:   matched,
+		KVBytesPerToken: m.kvBytesPerToken,
+		Link:            link,
+	})
+	b.stats.lookup(d, B)
+	return LookupResult{MatchedBlocks: matched, Decision: d, RestoreTokens: d.RestoreBlocks * B}, nil
+}
+
+// linkName groups calibration by where bytes come from: this process's own
+// pool or a peer segment.
+func (b *Bridge) linkName(segment string) string {
+	if segment == b.tr.LocalSegment() {
+		return "local"
+	}
+	return segment
+}

@@ -1,0 +1,357 @@
+package bridge
+
+import (
+	"sync"
+
+	"github.com/mcbridge/mcbridge/internal/directory"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout"
+	"github.com/mcbridge/mcbridge/internal/pool"
+	"github.com/mcbridge/mcbridge/internal/residency"
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// Save copies a prompt's new full blocks out of a host's KV tensors into
+// the pool, layer by layer, and publishes them at End. Blocks the directory
+// already knows are skipped: the swarm stores each block once.
+type Save struct {
+	m      *Model
+	layout kvlayout.Layout
+
+	total int // full blocks in the tokens
+	known int // leading blocks the directory already had
+
+	mu        sync.Mutex
+	blocks    []saveBlock
+	republish []directory.Entry // held here, sealed, publish unanswered before
+	saved     []bool            // per layer
+	ended     bool
+	err       error // why the save stopped short (pool full)
+}
+
+type saveBlock struct {
+	index  int // block number in the prompt
+	key    key.BlockKey
+	parent key.Hash
+	tokens []int32
+	runs   []kvlayout.Run
+	off    int64
+	gen    uint64
+	sums   []uint64
+}
+
+// SaveResult says what a save stored.
+type SaveResult struct {
+	Blocks    int // full blocks in the tokens
+	Known     int // already in the directory, skipped
+	Written   int // copied into the pool
+	Published int // published by this save
+	Deduped   int // written, but another process published first
+}
+
+// SaveBegin prepares to save the full blocks of tokens, position i living
+// in cells[i]; a trailing partial block is ignored. The host's rows must
+// stay unchanged from each SaveLayer call until it returns.
+func (m *Model) SaveBegin(scope key.Scope, layout kvlayout.Layout, tokens []int32, cells []uint32) (*Save, error) {
+	b := m.b
+	B := m.geo.BlockTokens
+	if len(cells) != len(tokens) {
+		return nil, status.Errorf(status.InvalidArg, "save of %d tokens from %d cells", len(tokens), len(cells))
+	}
+	n := len(tokens) / B
+	if n == 0 {
+		return nil, status.Errorf(status.InvalidArg, "save of %d tokens: no full block of %d", len(tokens), B)
+	}
+	tokens, cells = tokens[:n*B], cells[:n*B]
+	if err := layout.Validate(&m.shape); err != nil {
+		return nil, err
+	}
+	if err := layout.CheckCells(cells); err != nil {
+		return nil, err
+	}
+	if err := b.begin(); err != nil {
+		return nil, err
+	}
+	sv := &Save{m: m, layout: layout, saved: make([]bool, m.geo.Layers()), total: n}
+	sv.layout.Layers = append([]kvlayout.Layer(nil), layout.Layers...)
+	root := key.Root(m.fp, scope)
+	chain := key.Chain(root, tokens, B)
+	// Known means known to the directory: blocks of ours it has not
+	// answered for are offered again below.
+	known, _ := m.walkMirror(root, chain, func(directory.Entry) {})
+	sv.known = known
+	size := int64(m.geo.Size())
+	parent := root
+	if known > 0 {
+		parent = chain[known-1]
+	}
+	for i := known; i < n; i++ {
+		// A block this pool already holds is not written twice: a sealed
+		// block whose publish went unanswered is offered to the directory
+		// again as it is, and any other one is already shared.
+		b.mu.Lock()
+		held, ok := b.resident.Get(chain[i])
+		b.mu.Unlock()
+		if ok {
+			// A block whose own publish is still out is left to it.
+			if held.pending && !held.publishing {
+				sv.republish = append(sv.republish, held.entry)
+			}
+			parent = chain[i]
+			continue
+		}
+		off, err := b.pool.Alloc(size)
+		if err != nil {
+			sv.err = err
+			break
+		}
+		gen := b.pool.NextGeneration()
+		pool.BeginWrite(b.pool.Bytes(off, size), gen)
+		sv.blocks = append(sv.blocks, saveBlock{
+			index: i, key: chain[i], parent: parent, tokens: tokens[i*B : (i+1)*B],
+			runs: kvlayout.Runs(cells[i*B : (i+1)*B]), off: off, gen: gen, sums: make([]uint64, m.geo.Layers()),
+		})
+		parent = chain[i]
+	}
+	if len(sv.blocks) == 0 && len(sv.republish) == 0 && sv.err != nil {
+		b.end()
+		return nil, sv.err
+	}
+	return sv, nil
+}
+
+// Blocks is the number of blocks this save will write.
+func (sv *Save) Blocks() int { return len(sv.blocks) }
+
+// SaveLayer copies layer il's rows of every new block into the pool and
+// sums them.
+func (sv *Save) SaveLayer(il int) error {
+	sv.mu.Lock()
+	defer sv.mu.Unlock()
+	g := &sv.m.geo
+	switch {
+	case sv.ended:
+		return status.Errorf(status.State, "save layer on an ended save")
+	case il < 0 || il >= g.Layers():
+		return status.Errorf(status.InvalidArg, "layer %d of %d", il, g.Layers())
+	case sv.saved[il]:
+		return status.Errorf(status.State, "layer %d saved twice", il)
+	}
+	off, n := g.LayerOffset(il), g.LayerSize(il)
+	for i := range sv.blocks {
+		blk := &sv.blocks[i]
+		payload := sv.m.b.pool.Bytes(blk.off+int64(off), int64(n))
+		sv.layout.Gather(&sv.m.shape, il, payload, blk.runs)
+		blk.sums[il] = pool.Sum(payload)
+	}
+	sv.saved[il] = true
+	return nil
+}
+
+// End seals the written blocks and publishes them. When a layer was never
+// saved, nothing is published and the blocks are freed.
+func (sv *Save) End() (SaveResult, error) {
+	sv.mu.Lock()
+	defer sv.mu.Unlock()
+	m := sv.m
+	b := m.b
+	if sv.ended {
+		return SaveResult{}, status.Errorf(status.State, "save ended twice")
+	}
+	sv.ended = true
+	defer b.end()
+	res := SaveResult{Blocks: sv.total, Known: sv.known, Written: len(sv.blocks)}
+	for l, ok := range sv.saved {
+		if !ok && len(sv.blocks) > 0 {
+			sv.free(sv.blocks)
+			b.stats.add(&b.stats.saveFailures, 1)
+			return SaveResult{Blocks: res.Blocks, Known: res.Known}, status.Errorf(status.State, "save ended before layer %d was saved", l)
+		}
+	}
+	g := &m.geo
+	size := int64(g.Size())
+	entries := make([]directory.Entry, len(sv.blocks))
+	for i := range sv.blocks {
+		blk := &sv.blocks[i]
+		mem := b.pool.Bytes(blk.off, size)
+		h := pool.Header{Key: blk.key, Parent: blk.parent, Model: m.fp, Tokens: blk.tokens, LayerSums: blk.sums}
+		if err := pool.EncodeHeader(mem, g, &h); err != nil {
+			sv.free(sv.blocks)
+			return res, err
+		}
+		pool.EndWrite(mem, blk.gen)
+		entries[i] = directory.Entry{Model: m.fp, Key: blk.key, Parent: blk.parent, Loc: directory.Location{
+			Segment: b.tr.LocalSegment(), Addr: uint64(b.pool.Base()) + uint64(blk.off), Length: uint64(size),
+			Checksum: pool.HeaderSum(mem), Generation: blk.gen, Owner: b.owner,
+		}}
+	}
+	// Index the blocks, pending, before any entry can name them: a load
+	// of this process that finds a block in the mirror finds it resident.
+	// Blocks another save of this process indexed first are duplicates.
+	in, err := sv.insertResident(sv.blocks, entries)
+	var blocks []saveBlock
+	var offered []directory.Entry
+	var dups []saveBlock
+	for i, next := 0, 0; i < len(sv.blocks); i++ {
+		if next < len(in) && in[next] == i {
+			blocks = append(blocks, sv.blocks[i])
+			offered = append(offered, entries[i])
+			next++
+		} else {
+			dups = append(dups, sv.blocks[i])
+		}
+	}
+	sv.free(dups)
+	res.Deduped += len(dups)
+	sv.blocks, entries = blocks, offered
+	if err != nil {
+		return res, err
+	}
+	// Pinned while the publish is out, so eviction cannot free a block
+	// that an entry is about to name.
+	sv.pin(true)
+	ctx, cancel := b.opContext()
+	won, err := b.dir.Publish(ctx, append(entries, sv.republish...))
+	cancel()
+	sv.pin(false)
+	if err != nil {
+		// The directory may still commit some of these entries after the
+		// deadline (a slow etcd, a batch cut in several transactions), so
+		// the blocks stay resident, sealed and pending: an entry that
+		// appears later names valid bytes, eviction unpublishes it, and the
+		// next save of these tokens offers the blocks again.
+		b.stats.add(&b.stats.directoryErrors, 1)
+		code := status.Of(err)
+		if code != status.Timeout {
+			code = status.Directory
+		}
+		for _, blk := range sv.blocks {
+			b.settle(blk.key, true)
+		}
+		return SaveResult{Blocks: res.Blocks, Known: res.Known, Written: res.Written}, status.Wrap(code, err, "publishing saved blocks")
+	}
+	var lost []saveBlock
+	for i, w := range won {
+		var e directory.Entry
+		switch {
+		case i >= len(sv.blocks):
+			e = sv.republish[i-len(sv.blocks)]
+		case w:
+			e = entries[i]
+		default:
+			res.Deduped++
+			lost = append(lost, sv.blocks[i])
+			continue
+		}
+		// Either way the directory now answers for the block.
+		b.settle(e.Key, false)
+		if w {
+			res.Published++
+			m.apply(directoryPut(e))
+		}
+	}
+	sv.drop(lost)
+	b.stats.save(res)
+	return res, sv.err
+}
+
+// pin pins or unpins the save's blocks in the residency.
+func (sv *Save) pin(on bool) {
+	b := sv.m.b
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, blk := range sv.blocks {
+		if on {
+			_ = b.resident.Pin(blk.key)
+		} else {
+			_ = b.resident.Unpin(blk.key)
+		}
+	}
+}
+
+// drop unindexes and frees blocks another process published first. A
+// lost block that a won one hangs under stays, pending: its key is held
+// elsewhere, and eviction will take it.
+func (sv *Save) drop(lost []saveBlock) {
+	b := sv.m.b
+	var free []saveBlock
+	for i := len(lost) - 1; i >= 0; i-- {
+		b.settle(lost[i].key, false)
+		b.mu.Lock()
+		if b.resident.Leaf(lost[i].key) {
+			if _, err := b.resident.Remove(lost[i].key); err == nil {
+				free = append(free, lost[i])
+			}
+		}
+		b.mu.Unlock()
+	}
+	sv.free(free)
+}
+
+// settle records the outcome of a resident block's publish: answered, or
+// pending, to be offered again by the next save of its tokens.
+func (b *Bridge) settle(k key.BlockKey, pending bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if s, ok := b.resident.Get(k); ok {
+		s.publishing, s.pending = false, pending
+		b.resident.Set(k, s)
+	}
+}
+
+func directoryPut(e directory.Entry) directory.Event {
+	return directory.Event{Kind: directory.Put, Entry: e}
+}
+
+// insertResident indexes sealed blocks, publishing, so eviction and loads
+// can find them; entries are what the directory is offered for each.
+//
+// It returns the positions in blocks of those it indexed. A block whose key
+// is already resident (another save of this process sealed it first) is
+// left out for the caller to free; so is everything after an error.
+func (sv *Save) insertResident(blocks []saveBlock, entries []directory.Entry) ([]int, error) {
+	b := sv.m.b
+	size := int64(sv.m.geo.Size())
+	B := sv.m.geo.BlockTokens
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var in []int
+	for i, blk := range blocks {
+		if _, held := b.resident.Get(blk.key); held {
+			continue
+		}
+		ib := residency.Block[slot]{
+			Key:   blk.key,
+			Value: slot{fp: sv.m.fp, off: blk.off, size: size, gen: blk.gen, publishing: true, entry: entries[i]},
+			Bytes: size,
+			Cost:  b.arb.PrefillTime(blk.index*B, (blk.index+1)*B).Seconds(),
+		}
+		if err := b.insertResidentLocked(blk.parent, ib); err != nil {
+			return in, err
+		}
+		in = append(in, i)
+	}
+	return in, nil
+}
+
+// insertResidentLocked indexes one block under parent. A block whose parent
+// is held elsewhere hangs under that parent's key as under a root: the
+// index only needs the shape of the chains held here. b.mu is held.
+func (b *Bridge) insertResidentLocked(parent key.Hash, ib residency.Block[slot]) error {
+	if _, ok := b.resident.Get(parent); ok {
+		_, err := b.resident.Insert(parent, ib)
+		return err
+	}
+	_, err := b.resident.InsertChain(parent, []residency.Block[slot]{ib})
+	return err
+}
+
+// free invalidates and frees blocks that no reader was ever sent to.
+func (sv *Save) free(blocks []saveBlock) {
+	b := sv.m.b
+	size := int64(sv.m.geo.Size())
+	for _, blk := range blocks {
+		pool.BeginWrite(b.pool.Bytes(blk.off, size), b.pool.NextGeneration())
+		_ = b.pool.Free(blk.off, size)
+	}
+}

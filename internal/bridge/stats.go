@@ -1,0 +1,106 @@
+package bridge
+
+import (
+	"sync/atomic"
+
+	"github.com/mcbridge/mcbridge/internal/arbiter"
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// Stats are the bridge's counters since Open.
+type Stats struct {
+	Lookups          int64
+	Hits             int64 // lookups that matched at least one block
+	Misses           int64
+	DecidedRestore   int64 // lookups the arbiter answered with a restore
+	DecidedRecompute int64 // lookups with a match that the arbiter sent to recompute
+	MatchedTokens    int64
+	Loads            int64
+	LoadFailures     int64 // loads that restored less than asked
+	RestoredTokens   int64
+	RestoredBytes    int64
+	Saves            int64
+	SaveFailures     int64
+	SavedBlocks      int64 // published by this process
+	DedupedBlocks    int64 // written, but another process published first
+	Evictions        int64
+	DirectoryErrors  int64
+	TornReads        int64
+	ParkedBatches    int64
+	Replicated       int64 // blocks a store node copied from their owners
+	TakenOver        int64 // copies a store node published when their owner let go
+	ReplicationFails int64
+	// FailuresByStatus counts load failures by the status that ended them.
+	FailuresByStatus [status.Count]int64
+}
+
+type counters struct {
+	lookups, hits, misses, decidedRestore, decidedRecompute, matchedTokens atomic.Int64
+	loads, loadFailures, restoredTokens, restoredBytes                     atomic.Int64
+	saves, saveFailures, savedBlocks, dedupedBlocks                        atomic.Int64
+	evictions, directoryErrors, tornReads, parkedBatches                   atomic.Int64
+	replicated, takenOver, replicationFailures                             atomic.Int64
+	failuresByStatus                                                       [status.Count]atomic.Int64
+}
+
+func (c *counters) add(v *atomic.Int64, n int64) { v.Add(n) }
+
+func (c *counters) lookup(d arbiter.Decision, blockTokens int) {
+	c.lookups.Add(1)
+	if d.MatchedBlocks == 0 {
+		c.misses.Add(1)
+		return
+	}
+	c.hits.Add(1)
+	c.matchedTokens.Add(int64(d.MatchedBlocks * blockTokens))
+	if d.RestoreBlocks > 0 {
+		c.decidedRestore.Add(1)
+	} else {
+		c.decidedRecompute.Add(1)
+	}
+}
+
+func (c *counters) load(r LoadResult) {
+	c.loads.Add(1)
+	c.restoredTokens.Add(int64(r.OKTokens))
+	c.restoredBytes.Add(r.Bytes)
+	if r.Err != nil {
+		c.loadFailures.Add(1)
+		c.failuresByStatus[status.Of(r.Err)].Add(1)
+	}
+}
+
+func (c *counters) save(r SaveResult) {
+	c.saves.Add(1)
+	c.savedBlocks.Add(int64(r.Published))
+	c.dedupedBlocks.Add(int64(r.Deduped))
+}
+
+// Stats returns a snapshot of the counters.
+func (b *Bridge) Stats() Stats {
+	c := &b.stats
+	s := Stats{
+		Lookups: c.lookups.Load(), Hits: c.hits.Load(), Misses: c.misses.Load(),
+		DecidedRestore: c.decidedRestore.Load(), DecidedRecompute: c.decidedRecompute.Load(),
+		MatchedTokens: c.matchedTokens.Load(),
+		Loads:         c.loads.Load(), LoadFailures: c.loadFailures.Load(),
+		RestoredTokens: c.restoredTokens.Load(), RestoredBytes: c.restoredBytes.Load(),
+		Saves: c.saves.Load(), SaveFailures: c.saveFailures.Load(),
+		SavedBlocks: c.savedBlocks.Load(), DedupedBlocks: c.dedupedBlocks.Load(),
+		Evictions: c.evictions.Load(), DirectoryErrors: c.directoryErrors.Load(),
+		TornReads: c.tornReads.Load(), ParkedBatches: c.parkedBatches.Load(),
+		Replicated: c.replicated.Load(), TakenOver: c.takenOver.Load(), ReplicationFails: c.replicationFailures.Load(),
+	}
+	for i := range c.failuresByStatus {
+		s.FailuresByStatus[i] = c.failuresByStatus[i].Load()
+	}
+	return s
+}
+
+// Resident reports the blocks and bytes this bridge holds in its pool, and
+// the pool's size.
+func (b *Bridge) Resident() (blocks int, bytes, poolBytes int64) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.resident.Len(), b.resident.Bytes(), b.pool.Size()
+}

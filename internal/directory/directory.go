@@ -1,0 +1,139 @@
+// Package directory records which process holds which block, so that every
+// process's local index can match prefixes that others computed.
+//
+// Two implementations: Memory (one process, the default) and etcd (package
+// directory/etcd: many processes and hosts, entries bound to their owner's
+// lease). Lookups never ask the directory: each process mirrors it through
+// Subscribe.
+package directory
+
+import (
+	"context"
+	"encoding/binary"
+
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// Location is where a published block can be read.
+type Location struct {
+	Segment    string // transport segment of the holder
+	Addr       uint64 // virtual address of the block in the holder's registered memory
+	Length     uint64 // bytes of the whole block: header and payload
+	Checksum   uint64 // the block's header sum, which covers every layer's sum
+	Generation uint64 // the generation the block had when published
+	Owner      string // the publishing process; its lease bounds the entry's life
+}
+
+// Entry is one published block of one model.
+type Entry struct {
+	Model  key.Fingerprint
+	Key    key.BlockKey
+	Parent key.Hash // previous block, or the scope root
+	Loc    Location
+}
+
+// EventKind says whether an entry appeared or went away.
+type EventKind int
+
+const (
+	Put EventKind = iota
+	Delete
+)
+
+// Event is one change seen by a subscriber. A Delete carries the entry as
+// it was published when the directory still knows it, else only the key.
+type Event struct {
+	Kind  EventKind
+	Entry Entry
+}
+
+// Directory is the swarm-wide map from block keys to locations.
+type Directory interface {
+	// Publish stores each entry that is not yet present and reports, per
+	// entry, whether this call stored it. An entry already held by anyone
+	// is left as it is: two processes saving the same block publish it once,
+	// and the loser frees its copy.
+	Publish(ctx context.Context, entries []Entry) ([]bool, error)
+	// Unpublish removes the given blocks of owner; blocks that another
+	// owner holds are left alone.
+	Unpublish(ctx context.Context, owner string, model key.Fingerprint, keys []key.BlockKey) error
+	// Subscribe calls fn with a Put for every current entry of model and
+	// then with every change, in order, from one goroutine at a time, until
+	// cancel is called. fn must not call back into the directory.
+	Subscribe(model key.Fingerprint, fn func(Event)) (cancel func(), err error)
+	// Close releases the directory; an etcd directory revokes its lease,
+	// which removes every entry it published.
+	Close() error
+}
+
+// Watcher is a directory that can also deliver every model's events, as
+// a store node that holds blocks of any model needs.
+type Watcher interface {
+	// SubscribeAll is Subscribe for every model at once.
+	SubscribeAll(fn func(Event)) (cancel func(), err error)
+}
+
+// Value encoding, shared by directories that store entries as bytes:
+//
+//	u8 version (1) | parent[16] | addr u64 | length u64 | checksum u64 |
+//	generation u64 | str segment | str owner     (str = u16 length + bytes)
+const valueVersion = 1
+
+// MaxNameLen bounds segment and owner names.
+const MaxNameLen = 1024
+
+// EncodeValue encodes the parts of e that are not in its key.
+func EncodeValue(e *Entry) []byte {
+	b := make([]byte, 0, 1+16+32+4+len(e.Loc.Segment)+len(e.Loc.Owner))
+	b = append(b, valueVersion)
+	b = append(b, e.Parent[:]...)
+	b = binary.LittleEndian.AppendUint64(b, e.Loc.Addr)
+	b = binary.LittleEndian.AppendUint64(b, e.Loc.Length)
+	b = binary.LittleEndian.AppendUint64(b, e.Loc.Checksum)
+	b = binary.LittleEndian.AppendUint64(b, e.Loc.Generation)
+	b = appendName(b, e.Loc.Segment)
+	return appendName(b, e.Loc.Owner)
+}
+
+func appendName(b []byte, s string) []byte {
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(s)))
+	return append(b, s...)
+}
+
+// DecodeValue parses a value from EncodeValue into e's Parent and Loc.
+func DecodeValue(b []byte, e *Entry) error {
+	const fixed = 1 + 16 + 32
+	if len(b) < fixed || b[0] != valueVersion {
+		return status.Errorf(status.Directory, "directory value: bad version or %d bytes", len(b))
+	}
+	copy(e.Parent[:], b[1:17])
+	le := binary.LittleEndian
+	e.Loc.Addr = le.Uint64(b[17:])
+	e.Loc.Length = le.Uint64(b[25:])
+	e.Loc.Checksum = le.Uint64(b[33:])
+	e.Loc.Generation = le.Uint64(b[41:])
+	rest := b[fixed:]
+	var err error
+	if e.Loc.Segment, rest, err = readName(rest); err != nil {
+		return err
+	}
+	if e.Loc.Owner, rest, err = readName(rest); err != nil {
+		return err
+	}
+	if len(rest) != 0 {
+		return status.Errorf(status.Directory, "directory value: %d trailing bytes", len(rest))
+	}
+	return nil
+}
+
+func readName(b []byte) (string, []byte, error) {
+	if len(b) < 2 {
+		return "", nil, status.Errorf(status.Directory, "directory value: truncated name")
+	}
+	n := int(binary.LittleEndian.Uint16(b))
+	if n > MaxNameLen || len(b)-2 < n {
+		return "", nil, status.Errorf(status.Directory, "directory value: name of %d bytes", n)
+	}
+	return string(b[2 : 2+n]), b[2+n:], nil
+}

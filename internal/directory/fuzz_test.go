@@ -1,0 +1,63 @@
+package directory_test
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+
+	"github.com/mcbridge/mcbridge/internal/directory"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// FuzzDecodeValue feeds arbitrary bytes to DecodeValue: it never panics,
+// every failure is a directory status, and whatever it accepts is exactly
+// what EncodeValue writes for the decoded entry (one encoding per entry).
+func FuzzDecodeValue(f *testing.F) {
+	e := entry(modelA, 7, "owner")
+	good := directory.EncodeValue(&e)
+	f.Add(good)
+	f.Add(good[:len(good)-1])
+	f.Add(append(bytes.Clone(good), 0))
+	f.Add([]byte{})
+	f.Add([]byte{2})
+	long := directory.Entry{Loc: directory.Location{Segment: strings.Repeat("s", directory.MaxNameLen), Owner: "o"}}
+	f.Add(directory.EncodeValue(&long))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var got directory.Entry
+		err := directory.DecodeValue(b, &got)
+		if err != nil {
+			if status.Of(err) != status.Directory {
+				t.Fatalf("error %v has status %v", err, status.Of(err))
+			}
+			return
+		}
+		if again := directory.EncodeValue(&got); !bytes.Equal(again, b) {
+			t.Fatalf("decoded %x as %+v, which encodes as %x", b, got, again)
+		}
+	})
+}
+
+// FuzzEncodeValue checks that every entry with names within MaxNameLen
+// survives EncodeValue then DecodeValue.
+func FuzzEncodeValue(f *testing.F) {
+	f.Add([]byte{1, 2, 3}, uint64(4096), uint64(1<<20), uint64(0xdeadbeef), uint64(3), "node-1:12345", "host-42-abc")
+	f.Add([]byte{}, uint64(0), uint64(0), uint64(0), uint64(0), "", "")
+	f.Add(bytes.Repeat([]byte{0xff}, 16), ^uint64(0), ^uint64(0), ^uint64(0), ^uint64(0), strings.Repeat("x", directory.MaxNameLen), "\x00\xff")
+	f.Fuzz(func(t *testing.T, parent []byte, addr, length, checksum, generation uint64, segment, owner string) {
+		if len(segment) > directory.MaxNameLen || len(owner) > directory.MaxNameLen {
+			return
+		}
+		in := directory.Entry{Loc: directory.Location{Segment: segment, Addr: addr, Length: length, Checksum: checksum, Generation: generation, Owner: owner}}
+		copy(in.Parent[:], parent)
+		// Model and Key live in the etcd key, not the value.
+		out := directory.Entry{Model: key.Fingerprint{1}, Key: key.BlockKey{2}}
+		if err := directory.DecodeValue(directory.EncodeValue(&in), &out); err != nil {
+			t.Fatal(err)
+		}
+		in.Model, in.Key = out.Model, out.Key
+		if out != in {
+			t.Fatalf("round trip: %+v became %+v", in, out)
+		}
+	})
+}

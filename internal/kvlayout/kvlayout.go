@@ -1,0 +1,240 @@
+// Package kvlayout describes where a host keeps its KV tensors and moves a
+// block's rows between a pool block and those tensors.
+//
+// The host names, per layer, the base address and strides of K and V; a
+// block's tokens occupy cells given per position. Cells need not be
+// contiguous (llama.cpp's find_slot wraps into holes), so rows move in one
+// copy per run of consecutive cells. When V is transposed (llama.cpp without
+// flash attention) a V tensor holds one row per embedding dimension with one
+// element per cell, and a block's V is gathered or scattered element-wise
+// through a local staging of its rows, never with per-element transfers.
+package kvlayout
+
+import (
+	"math"
+
+	"github.com/mcbridge/mcbridge/internal/mem"
+	"github.com/mcbridge/mcbridge/internal/pool"
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// Layer locates one layer's K and V tensors.
+type Layer struct {
+	K, V    uintptr
+	KStride uint64 // bytes between the K rows of consecutive cells
+	// VStride is the bytes between the V rows of consecutive cells, or,
+	// when V is transposed, between the rows of consecutive dimensions.
+	VStride uint64
+}
+
+// Layout is a host's KV memory, borrowed for one load or save.
+type Layout struct {
+	Cells    uint32 // cells in every tensor
+	VTrans   bool
+	Location string // "cpu:N" or "cuda:N"
+	Layers   []Layer
+}
+
+// Shape is what the model says about rows: bytes per token row of K and V,
+// and V's element size, needed to transpose.
+type Shape struct {
+	Geometry *pool.Geometry
+	VElem    []int // bytes per V element, per layer
+}
+
+// Validate checks that every row of every cell lies inside its tensor as
+// described and that the description fits the model, so that no later copy
+// can run outside it.
+func (lo *Layout) Validate(s *Shape) error {
+	g := s.Geometry
+	switch {
+	case len(lo.Layers) != g.Layers():
+		return status.Errorf(status.Layout, "layout has %d layers, model %d", len(lo.Layers), g.Layers())
+	case len(s.VElem) != g.Layers():
+		return status.Errorf(status.Layout, "shape has V element sizes for %d layers, model %d", len(s.VElem), g.Layers())
+	case lo.Cells == 0:
+		return status.Errorf(status.Layout, "layout has no cells")
+	case lo.Location != "" && !(len(lo.Location) > 4 && lo.Location[:4] == "cpu:"):
+		// Rows are moved by the CPU here; device memory needs a transport
+		// that reads into it, which the staging path does not have.
+		return status.Errorf(status.Unsupported, "layout location %q: host memory (cpu:N) only in this build", lo.Location)
+	}
+	for l, ly := range lo.Layers {
+		krow, vrow, elem := uint64(g.KRow[l]), uint64(g.VRow[l]), uint64(s.VElem[l])
+		if ly.K == 0 || ly.V == 0 {
+			return status.Errorf(status.Layout, "layer %d: NULL tensor", l)
+		}
+		if ly.KStride < krow {
+			return status.Errorf(status.Layout, "layer %d: K stride %d below the row size %d", l, ly.KStride, krow)
+		}
+		if !fits(ly.K, ly.KStride, uint64(lo.Cells-1), krow) {
+			return status.Errorf(status.Layout, "layer %d: K tensor reaches past user space", l)
+		}
+		if lo.VTrans {
+			if elem == 0 || vrow%elem != 0 {
+				return status.Errorf(status.Layout, "layer %d: V row of %d bytes is not whole elements of %d", l, vrow, elem)
+			}
+			if ly.VStride/elem < uint64(lo.Cells) {
+				return status.Errorf(status.Layout, "layer %d: transposed V stride %d holds fewer than %d cells", l, ly.VStride, lo.Cells)
+			}
+			if !fits(ly.V, ly.VStride, vrow/elem-1, uint64(lo.Cells)*elem) {
+				return status.Errorf(status.Layout, "layer %d: V tensor reaches past user space", l)
+			}
+			continue
+		}
+		if ly.VStride < vrow {
+			return status.Errorf(status.Layout, "layer %d: V stride %d below the row size %d", l, ly.VStride, vrow)
+		}
+		if !fits(ly.V, ly.VStride, uint64(lo.Cells-1), vrow) {
+			return status.Errorf(status.Layout, "layer %d: V tensor reaches past user space", l)
+		}
+	}
+	return nil
+}
+
+// maxAddr bounds user-space addresses on every 64-bit platform Linux
+// runs (57-bit virtual addresses with 5-level paging): a tensor said to
+// reach past it cannot be memory the host owns.
+const maxAddr = 1 << 57
+
+// fits reports whether base + n*stride + last stays within user space.
+func fits(base uintptr, stride, n, last uint64) bool {
+	if n != 0 && stride > (math.MaxUint64-last)/n {
+		return false
+	}
+	span := n*stride + last
+	return uint64(base) < maxAddr && span <= maxAddr-uint64(base)
+}
+
+// CheckCells checks that cells name distinct cells of the layout.
+func (lo *Layout) CheckCells(cells []uint32) error {
+	seen := make([]uint64, (lo.Cells+63)/64)
+	for i, c := range cells {
+		if c >= lo.Cells {
+			return status.Errorf(status.Layout, "position %d in cell %d of %d", i, c, lo.Cells)
+		}
+		if seen[c/64]&(1<<(c%64)) != 0 {
+			return status.Errorf(status.Layout, "cell %d given twice", c)
+		}
+		seen[c/64] |= 1 << (c % 64)
+	}
+	return nil
+}
+
+// Run is n consecutive positions, starting at pos in a block, that sit in
+// consecutive cells from cell.
+type Run struct {
+	Pos, N int
+	Cell   uint32
+}
+
+// Runs splits a block's cells into runs of consecutive cells.
+func Runs(cells []uint32) []Run {
+	var runs []Run
+	for i := 0; i < len(cells); {
+		j := i + 1
+		for j < len(cells) && uint64(cells[j]) == uint64(cells[j-1])+1 { // no wrap from 2^32-1 to 0
+			j++
+		}
+		runs = append(runs, Run{Pos: i, N: j - i, Cell: cells[i]})
+		i = j
+	}
+	return runs
+}
+
+// Place copies layer l of a block, as stored in payload (B K rows then B V
+// rows), into the layout's tensors at the block's cells.
+func (lo *Layout) Place(s *Shape, l int, payload []byte, runs []Run) {
+	lo.move(s, l, payload, runs, true)
+}
+
+// Gather copies layer l's rows at the block's cells into payload.
+func (lo *Layout) Gather(s *Shape, l int, payload []byte, runs []Run) {
+	lo.move(s, l, payload, runs, false)
+}
+
+func (lo *Layout) move(s *Shape, l int, payload []byte, runs []Run, place bool) {
+	g := s.Geometry
+	ly := lo.Layers[l]
+	krow, vrow := g.KRow[l], g.VRow[l]
+	kpart := payload[:g.BlockTokens*krow]
+	vpart := payload[g.BlockTokens*krow : g.BlockTokens*(krow+vrow)]
+	for _, r := range runs {
+		rows(ly.K, ly.KStride, krow, r, kpart, place)
+		if !lo.VTrans {
+			rows(ly.V, ly.VStride, vrow, r, vpart, place)
+			continue
+		}
+		transposed(ly.V, ly.VStride, vrow, s.VElem[l], r, vpart, place)
+	}
+}
+
+// rows moves a run of rows between the block and a row-major tensor.
+func rows(base uintptr, stride uint64, row int, r Run, part []byte, place bool) {
+	blk := part[r.Pos*row : (r.Pos+r.N)*row]
+	at := base + uintptr(uint64(r.Cell)*stride)
+	if stride == uint64(row) {
+		t := mem.Bytes(at, r.N*row)
+		if place {
+			copy(t, blk)
+		} else {
+			copy(blk, t)
+		}
+		return
+	}
+	for i := 0; i < r.N; i++ {
+		t := mem.Bytes(at+uintptr(uint64(i)*stride), row)
+		if place {
+			copy(t, blk[i*row:(i+1)*row])
+		} else {
+			copy(blk[i*row:(i+1)*row], t)
+		}
+	}
+}
+
+// transposed moves a run between token-major rows in the block and a
+// dimension-major V tensor: dimension d of token p sits at
+// base + d*stride + cell*elem.
+func transposed(base uintptr, stride uint64, row, elem int, r Run, part []byte, place bool) {
+	dims := row / elem
+	for d := 0; d < dims; d++ {
+		col := mem.Bytes(base+uintptr(uint64(d)*stride+uint64(r.Cell)*uint64(elem)), r.N*elem)
+		src := part[r.Pos*row+d*elem:]
+		switch elem {
+		case 2:
+			strided2(col, src, r.N, row, place)
+		case 4:
+			strided4(col, src, r.N, row, place)
+		default:
+			for i := 0; i < r.N; i++ {
+				if place {
+					copy(col[i*elem:(i+1)*elem], src[i*row:i*row+elem])
+				} else {
+					copy(src[i*row:i*row+elem], col[i*elem:(i+1)*elem])
+				}
+			}
+		}
+	}
+}
+
+func strided2(col, rows []byte, n, row int, place bool) {
+	for i := 0; i < n; i++ {
+		c, r := col[2*i:2*i+2:2*i+2], rows[i*row:i*row+2:i*row+2]
+		if place {
+			c[0], c[1] = r[0], r[1]
+		} else {
+			r[0], r[1] = c[0], c[1]
+		}
+	}
+}
+
+func strided4(col, rows []byte, n, row int, place bool) {
+	for i := 0; i < n; i++ {
+		c, r := col[4*i:4*i+4:4*i+4], rows[i*row:i*row+4:i*row+4]
+		if place {
+			copy(c, r)
+		} else {
+			copy(r, c)
+		}
+	}
+}

@@ -1,0 +1,360 @@
+package kvlayout
+
+import (
+	"math"
+	"math/rand"
+	"reflect"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mcbridge/mcbridge/internal/mem"
+	"github.com/mcbridge/mcbridge/internal/pool"
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+func shape(block int, krow, vrow, elem []int) *Shape {
+	return &Shape{Geometry: &pool.Geometry{BlockTokens: block, KRow: krow, VRow: vrow}, VElem: elem}
+}
+
+func TestValidate(t *testing.T) {
+	s := shape(4, []int{16, 16}, []int{8, 8}, []int{2, 2})
+	const a = 0x10000
+	good := func() *Layout {
+		return &Layout{Cells: 32, Location: "cpu:0", Layers: []Layer{
+			{K: a, V: a, KStride: 16, VStride: 8},
+			{K: a, V: a, KStride: 32, VStride: 8},
+		}}
+	}
+	trans := func() *Layout {
+		lo := good()
+		lo.VTrans = true
+		lo.Layers[0].VStride, lo.Layers[1].VStride = 64, 64 // 32 cells of 2 bytes
+		return lo
+	}
+	for _, lo := range []*Layout{good(), trans()} {
+		if err := lo.Validate(s); err != nil {
+			t.Fatalf("a good layout: %v", err)
+		}
+	}
+	noLoc := good()
+	noLoc.Location = ""
+	if err := noLoc.Validate(s); err != nil {
+		t.Fatalf("no location: %v", err)
+	}
+
+	top := uintptr(math.MaxUint64 - 100)
+	for _, tc := range []struct {
+		name string
+		lo   func() *Layout
+		s    *Shape
+		code status.Code
+		msg  string
+	}{
+		{"layer count", func() *Layout { lo := good(); lo.Layers = lo.Layers[:1]; return lo }, nil, status.Layout, "1 layers, model 2"},
+		{"V element sizes", good, shape(4, []int{16, 16}, []int{8, 8}, []int{2}), status.Layout, "V element sizes"},
+		{"no cells", func() *Layout { lo := good(); lo.Cells = 0; return lo }, nil, status.Layout, "no cells"},
+		{"device memory", func() *Layout { lo := good(); lo.Location = "cuda:0"; return lo }, nil, status.Unsupported, "cuda:0"},
+		{"bare cpu", func() *Layout { lo := good(); lo.Location = "cpu:"; return lo }, nil, status.Unsupported, "cpu:"},
+		{"NULL K", func() *Layout { lo := good(); lo.Layers[1].K = 0; return lo }, nil, status.Layout, "layer 1: NULL"},
+		{"NULL V", func() *Layout { lo := good(); lo.Layers[0].V = 0; return lo }, nil, status.Layout, "layer 0: NULL"},
+		{"K stride below row", func() *Layout { lo := good(); lo.Layers[0].KStride = 15; return lo }, nil, status.Layout, "K stride 15"},
+		{"V stride below row", func() *Layout { lo := good(); lo.Layers[1].VStride = 7; return lo }, nil, status.Layout, "V stride 7"},
+		{"K wraps", func() *Layout { lo := good(); lo.Layers[0].K = top; return lo }, nil, status.Layout, "K tensor reaches past user space"},
+		{"K stride overflows", func() *Layout { lo := good(); lo.Layers[0].KStride = math.MaxUint64 / 16; return lo }, nil, status.Layout, "K tensor reaches past user space"},
+		{"V wraps", func() *Layout { lo := good(); lo.Layers[1].V = top; return lo }, nil, status.Layout, "V tensor reaches past user space"},
+		{"transposed V wraps", func() *Layout { lo := trans(); lo.Layers[1].V = top; return lo }, nil, status.Layout, "V tensor reaches past user space"},
+		{"transposed V stride overflows", func() *Layout { lo := trans(); lo.Layers[0].VStride = math.MaxUint64 / 2; return lo }, nil, status.Layout, "V tensor reaches past user space"},
+		{"transposed stride too small", func() *Layout { lo := trans(); lo.Layers[1].VStride = 63; return lo }, nil, status.Layout, "fewer than 32 cells"},
+		{"V row not whole elements", trans, shape(4, []int{16, 16}, []int{8, 9}, []int{2, 2}), status.Layout, "not whole elements"},
+		{"V element of 0", trans, shape(4, []int{16, 16}, []int{8, 8}, []int{2, 0}), status.Layout, "not whole elements"},
+		{"V element larger than the row", trans, shape(4, []int{16, 16}, []int{8, 8}, []int{16, 2}), status.Layout, "not whole elements"},
+	} {
+		ss := s
+		if tc.s != nil {
+			ss = tc.s
+		}
+		err := tc.lo().Validate(ss)
+		if status.Of(err) != tc.code || !strings.Contains(err.Error(), tc.msg) {
+			t.Errorf("%s: %v, want %v mentioning %q", tc.name, err, tc.code, tc.msg)
+		}
+	}
+	// A tensor may end exactly at the top of user space (2^57); one byte
+	// further cannot be memory the host owns, though it does not wrap.
+	edge := good()
+	edge.Layers = edge.Layers[:1]
+	edge.Cells = 1
+	edge.Layers[0].K = uintptr(1<<57 - 16)
+	one := shape(4, []int{16}, []int{8}, []int{2})
+	if err := edge.Validate(one); err != nil {
+		t.Errorf("K ending at the top of user space: %v", err)
+	}
+	edge.Layers[0].K++
+	if err := edge.Validate(one); status.Of(err) != status.Layout {
+		t.Errorf("K ending past user space: %v", err)
+	}
+}
+
+func TestCheckCells(t *testing.T) {
+	lo := &Layout{Cells: 70}
+	for _, tc := range []struct {
+		cells []uint32
+		msg   string
+	}{
+		{[]uint32{0, 1, 69}, ""},
+		{nil, ""},
+		{[]uint32{3, 70}, "cell 70 of 70"},
+		{[]uint32{1 << 31}, "of 70"},
+		{[]uint32{5, 64, 5}, "cell 5 given twice"},
+		{[]uint32{69, 0, 69}, "cell 69 given twice"},
+	} {
+		err := lo.CheckCells(tc.cells)
+		if tc.msg == "" {
+			if err != nil {
+				t.Errorf("%v: %v", tc.cells, err)
+			}
+			continue
+		}
+		if status.Of(err) != status.Layout || !strings.Contains(err.Error(), tc.msg) {
+			t.Errorf("%v: %v, want Layout mentioning %q", tc.cells, err, tc.msg)
+		}
+	}
+}
+
+func TestRuns(t *testing.T) {
+	for _, tc := range []struct {
+		cells []uint32
+		want  []Run
+	}{
+		{nil, nil},
+		{[]uint32{7}, []Run{{0, 1, 7}}},
+		{[]uint32{0, 1, 2, 3}, []Run{{0, 4, 0}}},
+		{[]uint32{5, 6, 1, 2, 3, 9}, []Run{{0, 2, 5}, {2, 3, 1}, {5, 1, 9}}},
+		{[]uint32{3, 2, 1}, []Run{{0, 1, 3}, {1, 1, 2}, {2, 1, 1}}},
+		{[]uint32{math.MaxUint32, 0}, []Run{{0, 1, math.MaxUint32}, {1, 1, 0}}},
+	} {
+		if got := Runs(tc.cells); !reflect.DeepEqual(got, tc.want) {
+			t.Errorf("Runs(%v) = %v, want %v", tc.cells, got, tc.want)
+		}
+	}
+}
+
+// guarded is a tensor of n bytes that ends against an inaccessible page and
+// starts after canary bytes, so a write past its end faults and a write
+// before its start shows in the canary.
+type guarded struct {
+	mapping []byte
+	slack   []byte // canary bytes before the tensor
+	buf     []byte
+}
+
+const canary = 0xa5
+
+func newGuarded(t testing.TB, n int) *guarded {
+	t.Helper()
+	ps := unix.Getpagesize()
+	pages := (n + ps - 1) / ps
+	if pages == 0 {
+		pages = 1
+	}
+	m, err := mem.Map((pages + 2) * ps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mprotect(m[:ps], unix.PROT_NONE); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mprotect(m[len(m)-ps:], unix.PROT_NONE); err != nil {
+		t.Fatal(err)
+	}
+	data := m[ps : len(m)-ps]
+	g := &guarded{mapping: m, slack: data[:len(data)-n], buf: data[len(data)-n:]}
+	for i := range g.slack {
+		g.slack[i] = canary
+	}
+	return g
+}
+
+func (g *guarded) addr() uintptr { return mem.Addr(g.buf) }
+
+func (g *guarded) slackIntact() bool {
+	for _, c := range g.slack {
+		if c != canary {
+			return false
+		}
+	}
+	return true
+}
+
+func (g *guarded) free() { _ = mem.Unmap(g.mapping) }
+
+// tensors are one layer's K and V, sized exactly to what the layout says
+// its cells occupy.
+type tensors struct {
+	k, v *guarded
+}
+
+func kExtent(lo *Layout, krow int, ly Layer) int {
+	return int(uint64(lo.Cells-1)*ly.KStride) + krow
+}
+
+func vExtent(lo *Layout, vrow, elem int, ly Layer) int {
+	if lo.VTrans {
+		return int(uint64(vrow/elem-1)*ly.VStride) + int(lo.Cells)*elem
+	}
+	return int(uint64(lo.Cells-1)*ly.VStride) + vrow
+}
+
+// expectPlaced writes layer l's rows into kt and vt by index arithmetic, the
+// reference that Place's address arithmetic must agree with.
+func expectPlaced(lo *Layout, s *Shape, l int, payload []byte, cells []uint32, kt, vt []byte) {
+	g := s.Geometry
+	ly := lo.Layers[l]
+	krow, vrow, elem := g.KRow[l], g.VRow[l], s.VElem[l]
+	vbase := g.BlockTokens * krow
+	for p, c := range cells {
+		copy(kt[uint64(c)*ly.KStride:][:krow], payload[p*krow:(p+1)*krow])
+		vsrc := payload[vbase+p*vrow : vbase+(p+1)*vrow]
+		if !lo.VTrans {
+			copy(vt[uint64(c)*ly.VStride:][:vrow], vsrc)
+			continue
+		}
+		for d := 0; d < vrow/elem; d++ {
+			copy(vt[uint64(d)*ly.VStride+uint64(c)*uint64(elem):][:elem], vsrc[d*elem:(d+1)*elem])
+		}
+	}
+}
+
+func fillRandom(r *rand.Rand, b []byte) { _, _ = r.Read(b) }
+
+// checkPlaceGather places layer l of a random payload at cells, checks the
+// tensors against the reference byte for byte (untouched cells, stride
+// padding and canaries included), then gathers the rows back.
+func checkPlaceGather(t testing.TB, r *rand.Rand, lo *Layout, s *Shape, l int, cells []uint32, ts []tensors) {
+	t.Helper()
+	g := s.Geometry
+	n := g.LayerSize(l)
+	pl := newGuarded(t, n)
+	defer pl.free()
+	fillRandom(r, pl.buf)
+	payload := append([]byte{}, pl.buf...)
+
+	wantK := make([][]byte, len(ts))
+	wantV := make([][]byte, len(ts))
+	for i, tt := range ts {
+		fillRandom(r, tt.k.buf)
+		fillRandom(r, tt.v.buf)
+		wantK[i] = append([]byte{}, tt.k.buf...)
+		wantV[i] = append([]byte{}, tt.v.buf...)
+	}
+	expectPlaced(lo, s, l, payload, cells, wantK[l], wantV[l])
+
+	runs := Runs(cells)
+	lo.Place(s, l, pl.buf, runs)
+	for i, tt := range ts {
+		if !reflect.DeepEqual(tt.k.buf, wantK[i]) || !reflect.DeepEqual(tt.v.buf, wantV[i]) {
+			t.Fatalf("Place of layer %d: layer %d's tensors differ from the reference (cells %v, layout %+v)", l, i, cells, lo)
+		}
+		if !tt.k.slackIntact() || !tt.v.slackIntact() {
+			t.Fatalf("Place of layer %d wrote before layer %d's tensors", l, i)
+		}
+	}
+	if !reflect.DeepEqual(pl.buf, payload) || !pl.slackIntact() {
+		t.Fatalf("Place changed the payload")
+	}
+
+	clear(pl.buf)
+	lo.Gather(s, l, pl.buf, runs)
+	if !reflect.DeepEqual(pl.buf, payload) {
+		t.Fatalf("Gather of layer %d did not return the placed rows (cells %v)", l, cells)
+	}
+	if !pl.slackIntact() {
+		t.Fatalf("Gather wrote before the payload")
+	}
+	for i, tt := range ts {
+		if !reflect.DeepEqual(tt.k.buf, wantK[i]) || !reflect.DeepEqual(tt.v.buf, wantV[i]) {
+			t.Fatalf("Gather changed layer %d's tensors", i)
+		}
+	}
+}
+
+func buildLayout(t testing.TB, lo *Layout, s *Shape) []tensors {
+	t.Helper()
+	g := s.Geometry
+	ts := make([]tensors, len(lo.Layers))
+	for l := range lo.Layers {
+		ly := &lo.Layers[l]
+		ts[l].k = newGuarded(t, kExtent(lo, g.KRow[l], *ly))
+		ts[l].v = newGuarded(t, vExtent(lo, g.VRow[l], s.VElem[l], *ly))
+		ly.K, ly.V = ts[l].k.addr(), ts[l].v.addr()
+	}
+	return ts
+}
+
+func freeLayout(ts []tensors) {
+	for _, tt := range ts {
+		tt.k.free()
+		tt.v.free()
+	}
+}
+
+func TestPlaceGatherRoundTrip(t *testing.T) {
+	const block, cellCount = 16, 64
+	r := rand.New(rand.NewSource(1))
+	scattered := []uint32{40, 41, 42, 3, 4, 63, 0, 10, 11, 12, 13, 14, 50, 20, 21, 7}
+	for _, elem := range []int{1, 2, 4, 8} {
+		for _, vtrans := range []bool{false, true} {
+			// Layer 0 packs rows; layer 1 pads them, taking the per-row path.
+			krow, vrow := []int{8 * elem, 12 * elem}, []int{6 * elem, 10 * elem}
+			s := shape(block, krow, vrow, []int{elem, elem})
+			lo := &Layout{Cells: cellCount, VTrans: vtrans, Location: "cpu:0", Layers: []Layer{
+				{KStride: uint64(krow[0]), VStride: uint64(vrow[0])},
+				{KStride: uint64(krow[1] + 24), VStride: uint64(vrow[1] + 3)},
+			}}
+			if vtrans {
+				lo.Layers[0].VStride = cellCount * uint64(elem)
+				lo.Layers[1].VStride = cellCount*uint64(elem) + 5
+			}
+			ts := buildLayout(t, lo, s)
+			if err := lo.Validate(s); err != nil {
+				t.Fatal(err)
+			}
+			for _, cells := range [][]uint32{scattered, seqCells(48, block), seqCells(0, block)} {
+				if err := lo.CheckCells(cells); err != nil {
+					t.Fatal(err)
+				}
+				for l := range lo.Layers {
+					checkPlaceGather(t, r, lo, s, l, cells, ts)
+				}
+			}
+			freeLayout(ts)
+		}
+	}
+}
+
+func seqCells(from, n int) []uint32 {
+	c := make([]uint32, n)
+	for i := range c {
+		c[i] = uint32(from + i)
+	}
+	return c
+}
+
+// Place at the last cells of a tensor that ends against a guard page: an
+// off-by-one past the described extent faults instead of passing silently.
+func TestPlaceAtTensorEnd(t *testing.T) {
+	for _, vtrans := range []bool{false, true} {
+		s := shape(4, []int{6}, []int{6}, []int{2})
+		lo := &Layout{Cells: 9, VTrans: vtrans, Layers: []Layer{{KStride: 6, VStride: 6}}}
+		if vtrans {
+			lo.Layers[0].VStride = 18
+		}
+		ts := buildLayout(t, lo, s)
+		if err := lo.Validate(s); err != nil {
+			t.Fatal(err)
+		}
+		checkPlaceGather(t, rand.New(rand.NewSource(2)), lo, s, 0, []uint32{8, 5, 6, 7}, ts)
+		freeLayout(ts)
+	}
+}

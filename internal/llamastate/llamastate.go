@@ -1,0 +1,375 @@
+// Package llamastate reads and writes llama.cpp v0.5.0 sequence states: the
+// blob of llama_state_seq_get_data (magic 0xaf143cd8 and the source sequence
+// id in front) and the slot file of llama_state_seq_save_file and
+// llama-server's /slots save ("ggsq", version 3 and a token list in front).
+// Both carry, per KV stream, the sequence's cells (position, sequence ids) in
+// cell order and then, per layer, K rows and V rows or V columns
+// (llama-patches/README.md, "Sequence-state blob").
+//
+// A reverse proxy splits slot files into blocks of positions and reassembles
+// a prefix with Slice. The format is version-specific: this package keys on
+// v0.5.0 and refuses other magics and slot versions. Cell extensions (M-RoPE
+// and per-layer-embedding models) and caches with layers lacking V (MLA)
+// cannot be told apart from the plain layout without the model, so they are
+// not supported: such input fails to parse or parses to other cells.
+package llamastate
+
+import (
+	"encoding/binary"
+	"math"
+
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// Magic numbers and the slot file version of llama.cpp v0.5.0.
+const (
+	SeqMagic    = 0xaf143cd8 // io_magic, llama-context.cpp
+	SlotMagic   = 0x67677371 // LLAMA_STATE_SEQ_MAGIC, "ggsq"
+	SlotVersion = 3          // LLAMA_STATE_SEQ_VERSION
+)
+
+// Kind says which of the two framings a state has.
+type Kind int
+
+const (
+	Memory   Kind = iota // llama_state_seq_get_data: magic, seq id, streams
+	SlotFile             // llama_state_seq_save_file: magic, version, tokens, streams
+)
+
+// State is a parsed sequence state. Its byte slices alias the buffer given
+// to Parse, which must not change while the State is in use.
+type State struct {
+	Kind  Kind
+	SeqID int32 // the source sequence (Memory only)
+	// Words are the slot file's token words as written (SlotFile only):
+	// llama-server's server_tokens::serialize, or a plain token list.
+	Words   []int32
+	Streams []Stream
+}
+
+// Stream is one KV stream's section. A stream without cells of the
+// sequence has neither cells nor layers.
+type Stream struct {
+	Cells  []Cell
+	VTrans bool // V stored transposed (flash attention off)
+	Layers []Layer
+}
+
+// Cell is one KV cell of the sequence, in the blob's (cell-index) order.
+type Cell struct {
+	Pos    int32
+	SeqIDs []int32
+}
+
+// Layer is one layer's K and V. K holds one row of KRowSize bytes per cell,
+// in cell order. V holds, row-major, one row of VRowSize bytes per cell, or,
+// transposed, NEmbdV columns of one VElSize-byte element per cell.
+type Layer struct {
+	KType    int32
+	KRowSize uint64
+	K        []byte
+	KOff     int // offset of K in the parsed buffer
+	VType    int32
+	VRowSize uint64 // transposed: NEmbdV * VElSize
+	VElSize  uint32 // transposed only
+	NEmbdV   uint32 // transposed only
+	V        []byte
+	VOff     int // offset of V in the parsed buffer
+}
+
+// reader reads little-endian fields; every count read is checked against
+// the bytes left before anything is sized by it.
+type reader struct {
+	b   []byte
+	off int
+}
+
+func (r *reader) left() int { return len(r.b) - r.off }
+
+func (r *reader) u32(what string) (uint32, error) {
+	if r.left() < 4 {
+		return 0, status.Errorf(status.InvalidArg, "sequence state: truncated at %s (offset %d)", what, r.off)
+	}
+	v := binary.LittleEndian.Uint32(r.b[r.off:])
+	r.off += 4
+	return v, nil
+}
+
+func (r *reader) i32(what string) (int32, error) {
+	v, err := r.u32(what)
+	return int32(v), err
+}
+
+func (r *reader) u64(what string) (uint64, error) {
+	if r.left() < 8 {
+		return 0, status.Errorf(status.InvalidArg, "sequence state: truncated at %s (offset %d)", what, r.off)
+	}
+	v := binary.LittleEndian.Uint64(r.b[r.off:])
+	r.off += 8
+	return v, nil
+}
+
+// bytes takes n*size bytes; n and size come from the input.
+func (r *reader) bytes(n, size uint64, what string) ([]byte, int, error) {
+	if size != 0 && n > math.MaxInt64/size || n*size > uint64(r.left()) {
+		return nil, 0, status.Errorf(status.InvalidArg, "sequence state: %s of %d x %d bytes at offset %d, %d left", what, n, size, r.off, r.left())
+	}
+	off := r.off
+	r.off += int(n * size)
+	return r.b[off:r.off:r.off], off, nil
+}
+
+// Parse reads a sequence state blob or slot file. It accepts exactly one
+// state: bytes after the last stream are an error.
+func Parse(b []byte) (*State, error) {
+	r := &reader{b: b}
+	magic, err := r.u32("magic")
+	if err != nil {
+		return nil, err
+	}
+	st := &State{}
+	switch magic {
+	case SeqMagic:
+		st.Kind = Memory
+		if st.SeqID, err = r.i32("sequence id"); err != nil {
+			return nil, err
+		}
+	case SlotMagic:
+		st.Kind = SlotFile
+		version, err := r.u32("slot version")
+		if err != nil {
+			return nil, err
+		}
+		if version != SlotVersion {
+			return nil, status.Errorf(status.Unsupported, "slot file version %d (llama.cpp v0.5.0 writes %d)", version, SlotVersion)
+		}
+		n, err := r.u32("token count")
+		if err != nil {
+			return nil, err
+		}
+		words, _, err := r.bytes(uint64(n), 4, "token words")
+		if err != nil {
+			return nil, err
+		}
+		st.Words = make([]int32, n)
+		for i := range st.Words {
+			st.Words[i] = int32(binary.LittleEndian.Uint32(words[4*i:]))
+		}
+	default:
+		return nil, status.Errorf(status.Unsupported, "magic %#x: not a llama.cpp v0.5.0 sequence state or slot file", magic)
+	}
+	nStream, err := r.u32("stream count")
+	if err != nil {
+		return nil, err
+	}
+	if nStream == 0 || uint64(nStream) > uint64(r.left()/4) {
+		return nil, status.Errorf(status.InvalidArg, "sequence state: %d streams in %d bytes", nStream, r.left())
+	}
+	st.Streams = make([]Stream, nStream)
+	for s := range st.Streams {
+		if err := r.stream(&st.Streams[s]); err != nil {
+			return nil, err
+		}
+	}
+	if r.left() != 0 {
+		return nil, status.Errorf(status.InvalidArg, "sequence state: %d bytes after the last stream", r.left())
+	}
+	return st, nil
+}
+
+func (r *reader) stream(s *Stream) error {
+	n, err := r.u32("cell count")
+	if err != nil || n == 0 {
+		return err
+	}
+	// A cell takes at least 8 bytes: position and sequence id count.
+	if uint64(n) > uint64(r.left()/8) {
+		return status.Errorf(status.InvalidArg, "sequence state: %d cells in %d bytes", n, r.left())
+	}
+	s.Cells = make([]Cell, n)
+	for c := range s.Cells {
+		cell := &s.Cells[c]
+		if cell.Pos, err = r.i32("cell position"); err != nil {
+			return err
+		}
+		k, err := r.u32("cell sequence count")
+		if err != nil {
+			return err
+		}
+		ids, _, err := r.bytes(uint64(k), 4, "cell sequence ids")
+		if err != nil {
+			return err
+		}
+		cell.SeqIDs = make([]int32, k)
+		for i := range cell.SeqIDs {
+			cell.SeqIDs[i] = int32(binary.LittleEndian.Uint32(ids[4*i:]))
+		}
+	}
+	vTrans, err := r.u32("v_trans")
+	if err != nil {
+		return err
+	}
+	if vTrans > 1 {
+		return status.Errorf(status.InvalidArg, "sequence state: v_trans %d", vTrans)
+	}
+	s.VTrans = vTrans == 1
+	nLayer, err := r.u32("layer count")
+	if err != nil {
+		return err
+	}
+	// A layer takes at least a 12-byte K and a 12-byte V header.
+	if nLayer == 0 || uint64(nLayer) > uint64(r.left()/24) {
+		return status.Errorf(status.InvalidArg, "sequence state: %d layers in %d bytes", nLayer, r.left())
+	}
+	s.Layers = make([]Layer, nLayer)
+	cells := uint64(n)
+	for l := range s.Layers {
+		ly := &s.Layers[l]
+		if ly.KType, err = r.i32("K type"); err != nil {
+			return err
+		}
+		if ly.KRowSize, err = r.u64("K row size"); err != nil {
+			return err
+		}
+		if ly.KRowSize == 0 {
+			return status.Errorf(status.InvalidArg, "sequence state: layer %d: empty K rows", l)
+		}
+		if ly.K, ly.KOff, err = r.bytes(cells, ly.KRowSize, "K rows"); err != nil {
+			return err
+		}
+	}
+	for l := range s.Layers {
+		ly := &s.Layers[l]
+		if ly.VType, err = r.i32("V type"); err != nil {
+			return err
+		}
+		if s.VTrans {
+			if ly.VElSize, err = r.u32("V element size"); err != nil {
+				return err
+			}
+			if ly.NEmbdV, err = r.u32("V columns"); err != nil {
+				return err
+			}
+			ly.VRowSize = uint64(ly.VElSize) * uint64(ly.NEmbdV)
+		} else if ly.VRowSize, err = r.u64("V row size"); err != nil {
+			return err
+		}
+		if ly.VRowSize == 0 {
+			return status.Errorf(status.InvalidArg, "sequence state: layer %d: empty V rows", l)
+		}
+		if ly.V, ly.VOff, err = r.bytes(cells, ly.VRowSize, "V data"); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Size is the length of Build's output.
+func (st *State) Size() int {
+	n := 12
+	if st.Kind == SlotFile {
+		n = 16 + 4*len(st.Words)
+	}
+	for _, s := range st.Streams {
+		n += 4
+		if len(s.Cells) == 0 {
+			continue
+		}
+		for _, c := range s.Cells {
+			n += 8 + 4*len(c.SeqIDs)
+		}
+		n += 8
+		for _, l := range s.Layers {
+			n += 24 + len(l.K) + len(l.V)
+		}
+	}
+	return n
+}
+
+// Build writes the state in its Kind's framing. A State that Parse returned
+// builds to the exact bytes it was parsed from.
+func (st *State) Build() ([]byte, error) {
+	if err := st.check(); err != nil {
+		return nil, err
+	}
+	w := make([]byte, 0, st.Size())
+	le := binary.LittleEndian
+	if st.Kind == SlotFile {
+		w = le.AppendUint32(w, SlotMagic)
+		w = le.AppendUint32(w, SlotVersion)
+		w = le.AppendUint32(w, uint32(len(st.Words)))
+		for _, t := range st.Words {
+			w = le.AppendUint32(w, uint32(t))
+		}
+	} else {
+		w = le.AppendUint32(w, SeqMagic)
+		w = le.AppendUint32(w, uint32(st.SeqID))
+	}
+	w = le.AppendUint32(w, uint32(len(st.Streams)))
+	for _, s := range st.Streams {
+		w = le.AppendUint32(w, uint32(len(s.Cells)))
+		if len(s.Cells) == 0 {
+			continue
+		}
+		for _, c := range s.Cells {
+			w = le.AppendUint32(w, uint32(c.Pos))
+			w = le.AppendUint32(w, uint32(len(c.SeqIDs)))
+			for _, id := range c.SeqIDs {
+				w = le.AppendUint32(w, uint32(id))
+			}
+		}
+		vTrans := uint32(0)
+		if s.VTrans {
+			vTrans = 1
+		}
+		w = le.AppendUint32(w, vTrans)
+		w = le.AppendUint32(w, uint32(len(s.Layers)))
+		for _, l := range s.Layers {
+			w = le.AppendUint32(w, uint32(l.KType))
+			w = le.AppendUint64(w, l.KRowSize)
+			w = append(w, l.K...)
+		}
+		for _, l := range s.Layers {
+			w = le.AppendUint32(w, uint32(l.VType))
+			if s.VTrans {
+				w = le.AppendUint32(w, l.VElSize)
+				w = le.AppendUint32(w, l.NEmbdV)
+			} else {
+				w = le.AppendUint64(w, l.VRowSize)
+			}
+			w = append(w, l.V...)
+		}
+	}
+	return w, nil
+}
+
+// check verifies what Build relies on, for states assembled by hand.
+func (st *State) check() error {
+	switch {
+	case st.Kind != Memory && st.Kind != SlotFile:
+		return status.Errorf(status.InvalidArg, "state kind %d", st.Kind)
+	case len(st.Streams) == 0 || uint64(len(st.Streams)) > math.MaxUint32:
+		return status.Errorf(status.InvalidArg, "state of %d streams", len(st.Streams))
+	case uint64(len(st.Words)) > math.MaxUint32:
+		return status.Errorf(status.InvalidArg, "%d token words", len(st.Words))
+	}
+	for i, s := range st.Streams {
+		if len(s.Cells) == 0 {
+			continue
+		}
+		if len(s.Layers) == 0 || uint64(len(s.Cells)) > math.MaxUint32 || uint64(len(s.Layers)) > math.MaxUint32 {
+			return status.Errorf(status.InvalidArg, "stream %d: %d cells, %d layers", i, len(s.Cells), len(s.Layers))
+		}
+		n := uint64(len(s.Cells))
+		for l, ly := range s.Layers {
+			vRow := ly.VRowSize
+			if s.VTrans && vRow != uint64(ly.VElSize)*uint64(ly.NEmbdV) {
+				return status.Errorf(status.InvalidArg, "stream %d layer %d: V row of %d bytes is not %d x %d", i, l, vRow, ly.NEmbdV, ly.VElSize)
+			}
+			if ly.KRowSize == 0 || vRow == 0 || uint64(len(ly.K)) != n*ly.KRowSize || uint64(len(ly.V)) != n*vRow {
+				return status.Errorf(status.InvalidArg, "stream %d layer %d: %d/%d bytes of K/V for %d cells", i, l, len(ly.K), len(ly.V), n)
+			}
+		}
+	}
+	return nil
+}

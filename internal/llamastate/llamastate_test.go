@@ -1,0 +1,329 @@
+package llamastate
+
+import (
+	"bytes"
+	"encoding/binary"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// The files in testdata were written by llama.cpp v0.5.0 (stock build) on the
+// tiny preset of bridge/gguf (2 layers, 2 KV heads of 16) by
+// `scripts/stage1/test.sh testdata`: 24 prompt tokens, and each state's
+// first 16 tokens computed alone (-prefix16).
+func readTestdata(t testing.TB, name string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("testdata", name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// The prompt the testdata were computed over: (i*7 + 3) % 256.
+func promptTokens(n int) []int32 {
+	t := make([]int32, n)
+	for i := range t {
+		t[i] = int32((i*7 + 3) % 256)
+	}
+	return t
+}
+
+const (
+	ggmlF32 = 0
+	ggmlF16 = 1
+)
+
+func TestParseRealStates(t *testing.T) {
+	tests := []struct {
+		file      string
+		kind      Kind
+		nStream   int
+		stream    int
+		cells     int
+		vTrans    bool
+		kType     int32
+		kRow      uint64
+		scattered bool // cells out of position order
+	}{
+		{"seq-fa-on.bin", Memory, 1, 0, 24, false, ggmlF16, 64, false},
+		{"seq-fa-on-prefix16.bin", Memory, 1, 0, 16, false, ggmlF16, 64, false},
+		{"seq-fa-off.bin", Memory, 1, 0, 24, true, ggmlF16, 64, false},
+		{"seq-f32k.bin", Memory, 1, 0, 24, false, ggmlF32, 128, false},
+		{"seq-two-streams-fa-off.bin", Memory, 2, 1, 24, true, ggmlF16, 64, false},
+		{"seq-scattered-fa-off.bin", Memory, 1, 0, 24, true, ggmlF16, 64, true},
+		{"slot-fa-on.bin", SlotFile, 1, 0, 24, false, ggmlF16, 64, false},
+		{"slot-plain-fa-off.bin", SlotFile, 1, 0, 24, true, ggmlF16, 64, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.file, func(t *testing.T) {
+			b := readTestdata(t, tc.file)
+			st, err := Parse(b)
+			if err != nil {
+				t.Fatal(err)
+			}
+			si, err := st.Sequence()
+			if err != nil {
+				t.Fatal(err)
+			}
+			s := st.Streams[si]
+			if st.Kind != tc.kind || len(st.Streams) != tc.nStream || si != tc.stream || len(s.Cells) != tc.cells || s.VTrans != tc.vTrans {
+				t.Fatalf("kind %d, %d streams, cells in stream %d: %d, v_trans %v", st.Kind, len(st.Streams), si, len(s.Cells), s.VTrans)
+			}
+			if st.Kind == Memory && st.SeqID != int32(tc.stream) {
+				t.Errorf("seq id %d", st.SeqID)
+			}
+			if len(s.Layers) != 2 {
+				t.Fatalf("%d layers", len(s.Layers))
+			}
+			for l, ly := range s.Layers {
+				if ly.KType != tc.kType || ly.KRowSize != tc.kRow || ly.VType != ggmlF16 || ly.VRowSize != 64 {
+					t.Errorf("layer %d: K %d/%d V %d/%d", l, ly.KType, ly.KRowSize, ly.VType, ly.VRowSize)
+				}
+				if tc.vTrans && (ly.VElSize != 2 || ly.NEmbdV != 32) {
+					t.Errorf("layer %d: transposed V of %d x %d", l, ly.NEmbdV, ly.VElSize)
+				}
+				if !bytes.Equal(b[ly.KOff:ly.KOff+len(ly.K)], ly.K) || !bytes.Equal(b[ly.VOff:ly.VOff+len(ly.V)], ly.V) {
+					t.Errorf("layer %d: offsets do not locate the rows", l)
+				}
+			}
+			if got := s.Cells[0].Pos != 0; got != tc.scattered {
+				t.Errorf("first cell at position %d", s.Cells[0].Pos)
+			}
+			if _, err := st.PositionCells(tc.cells); err != nil {
+				t.Error(err)
+			}
+			if st.Kind == SlotFile {
+				toks, err := st.PromptTokens()
+				if err != nil || !slices.Equal(toks, promptTokens(24)) {
+					t.Errorf("tokens %v, %v", toks, err)
+				}
+			}
+			out, err := st.Build()
+			if err != nil || !bytes.Equal(out, b) || st.Size() != len(b) {
+				t.Errorf("Build: %d bytes (size %d) of %d, equal %v, %v", len(out), st.Size(), len(b), bytes.Equal(out, b), err)
+			}
+		})
+	}
+}
+
+// Slicing a real state to its first 16 positions gives exactly the bytes
+// llama.cpp writes for those 16 tokens computed alone, scattered cells and
+// a second stream included.
+func TestSliceMatchesLlama(t *testing.T) {
+	for _, name := range []string{"fa-on", "fa-off", "f32k", "two-streams-fa-off", "scattered-fa-off"} {
+		t.Run(name, func(t *testing.T) {
+			st, err := Parse(readTestdata(t, "seq-"+name+".bin"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			s16, err := st.Slice(16)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := s16.Build()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := readTestdata(t, "seq-"+name+"-prefix16.bin"); !bytes.Equal(got, want) {
+				t.Fatalf("Slice(16) differs from llama.cpp's 16-token state (%d vs %d bytes)", len(got), len(want))
+			}
+		})
+	}
+}
+
+// kvAt is a position's K row and V bytes (V gathered from its column when
+// transposed), found by a plain search: the reference for Slice.
+func kvAt(s *Stream, l int, pos int32) (k, v []byte) {
+	ly := s.Layers[l]
+	for c, cell := range s.Cells {
+		if cell.Pos != pos {
+			continue
+		}
+		k = ly.K[uint64(c)*ly.KRowSize:][:ly.KRowSize]
+		if !s.VTrans {
+			return k, ly.V[uint64(c)*ly.VRowSize:][:ly.VRowSize]
+		}
+		el := int(ly.VElSize)
+		for j := 0; j < int(ly.NEmbdV); j++ {
+			v = append(v, ly.V[(j*len(s.Cells)+c)*el:][:el]...)
+		}
+		return k, v
+	}
+	return nil, nil
+}
+
+func TestSliceKeepsEveryRow(t *testing.T) {
+	files := []string{"seq-fa-on.bin", "seq-fa-off.bin", "seq-scattered-fa-off.bin", "seq-two-streams-fa-off.bin", "slot-fa-on.bin", "slot-plain-fa-off.bin"}
+	for _, file := range files {
+		st, err := Parse(readTestdata(t, file))
+		if err != nil {
+			t.Fatal(err)
+		}
+		si, _ := st.Sequence()
+		for _, n := range []int{1, 7, 16, 24} {
+			sl, err := st.Slice(n)
+			if err != nil {
+				t.Fatalf("%s: Slice(%d): %v", file, n, err)
+			}
+			src, dst := &st.Streams[si], &sl.Streams[si]
+			if len(dst.Cells) != n || sl.Kind != st.Kind || sl.SeqID != st.SeqID || len(sl.Streams) != len(st.Streams) {
+				t.Fatalf("%s: Slice(%d) has %d cells, kind %d, seq %d", file, n, len(dst.Cells), sl.Kind, sl.SeqID)
+			}
+			for p := 0; p < n; p++ {
+				if dst.Cells[p].Pos != int32(p) || !slices.Equal(dst.Cells[p].SeqIDs, src.Cells[0].SeqIDs) {
+					t.Fatalf("%s: cell %d: %+v", file, p, dst.Cells[p])
+				}
+				for l := range src.Layers {
+					wk, wv := kvAt(src, l, int32(p))
+					gk, gv := kvAt(dst, l, int32(p))
+					if !bytes.Equal(wk, gk) || !bytes.Equal(wv, gv) {
+						t.Fatalf("%s: Slice(%d): layer %d position %d differs", file, n, l, p)
+					}
+				}
+			}
+			if st.Kind == SlotFile {
+				toks, err := sl.PromptTokens()
+				if err != nil || !slices.Equal(toks, promptTokens(n)) {
+					t.Fatalf("%s: Slice(%d) tokens %v, %v", file, n, toks, err)
+				}
+				if (st.Words[0] == -1) != (sl.Words[0] == -1) {
+					t.Fatalf("%s: Slice changed the token format", file)
+				}
+			}
+		}
+	}
+}
+
+// A slot file and the in-memory blob of the same computation differ only
+// in their framing.
+func TestSlotFileIsFramedBlob(t *testing.T) {
+	slot, err := Parse(readTestdata(t, "slot-fa-on.bin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem, err := Parse(readTestdata(t, "seq-fa-on.bin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	slot.Kind, slot.Words, slot.SeqID = Memory, nil, mem.SeqID
+	got, _ := slot.Build()
+	if want := readTestdata(t, "seq-fa-on.bin"); !bytes.Equal(got, want) {
+		t.Fatal("the slot file's streams differ from the blob's")
+	}
+}
+
+// put32 overwrites a little-endian u32 in a copy of b.
+func put32(b []byte, off int, v uint32) []byte {
+	c := bytes.Clone(b)
+	binary.LittleEndian.PutUint32(c[off:], v)
+	return c
+}
+
+func TestParseRefuses(t *testing.T) {
+	good := readTestdata(t, "seq-fa-on.bin")
+	slot := readTestdata(t, "slot-fa-on.bin")
+	const cell0 = 16 // magic, seq, n_stream, cell count
+	dataAt := cell0 + 24*12
+	tests := []struct {
+		name string
+		b    []byte
+		code status.Code
+	}{
+		{"empty", nil, status.InvalidArg},
+		{"other magic", put32(good, 0, 0x12345678), status.Unsupported},
+		{"slot version 2", put32(slot, 4, 2), status.Unsupported},
+		{"slot token count past the end", put32(slot, 8, 1<<30), status.InvalidArg},
+		{"no streams", put32(good, 8, 0), status.InvalidArg},
+		{"a billion streams", put32(good, 8, 1<<30), status.InvalidArg},
+		{"4 billion cells", put32(good, 12, 0xffffffff), status.InvalidArg},
+		{"a billion sequence ids", put32(good, cell0+4, 1<<30), status.InvalidArg},
+		{"v_trans 2", put32(good, dataAt, 2), status.InvalidArg},
+		{"no layers", put32(good, dataAt+4, 0), status.InvalidArg},
+		{"4 billion layers", put32(good, dataAt+4, 0xffffffff), status.InvalidArg},
+		{"K rows of 4 GiB", put32(good, dataAt+12, 0xffffffff), status.InvalidArg},
+		{"empty K rows", put32(good, dataAt+12, 0), status.InvalidArg},
+		{"trailing byte", append(bytes.Clone(good), 0), status.InvalidArg},
+	}
+	for _, tc := range tests {
+		if _, err := Parse(tc.b); status.Of(err) != tc.code {
+			t.Errorf("%s: %v, want %v", tc.name, err, tc.code)
+		}
+	}
+	for cut := 0; cut < len(good); cut++ {
+		if _, err := Parse(good[:cut]); err == nil {
+			t.Fatalf("a blob cut at %d of %d bytes parsed", cut, len(good))
+		}
+	}
+}
+
+func TestSliceRefuses(t *testing.T) {
+	good := readTestdata(t, "seq-fa-off.bin")
+	const cell0 = 16
+	twoStreams := func() []byte {
+		// The same section twice: cells of the sequence in two streams.
+		b := put32(good, 8, 2)
+		return append(b, good[12:]...)
+	}
+	emptyStream := func() []byte {
+		b := binary.LittleEndian.AppendUint32(nil, SeqMagic)
+		b = binary.LittleEndian.AppendUint32(b, 0)
+		b = binary.LittleEndian.AppendUint32(b, 1)
+		return binary.LittleEndian.AppendUint32(b, 0)
+	}
+	media := func() []byte {
+		st, err := Parse(readTestdata(t, "slot-fa-on.bin"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		st.Words[len(st.Words)-1] = 1 // one media chunk announced
+		b, _ := st.Build()
+		return b
+	}
+	tests := []struct {
+		name string
+		b    []byte
+		n    int
+		code status.Code
+	}{
+		{"zero positions", good, 0, status.InvalidArg},
+		{"more positions than cells", good, 25, status.InvalidArg},
+		{"no cells", emptyStream(), 1, status.NotFound},
+		{"cells in two streams", twoStreams(), 1, status.Unsupported},
+		{"position 0 twice", put32(good, cell0+12, 0), 2, status.Unsupported},
+		{"position 1 missing", put32(good, cell0+12, 99), 2, status.Unsupported},
+		{"slot file with media", media(), 4, status.Unsupported},
+	}
+	for _, tc := range tests {
+		st, err := Parse(tc.b)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if _, err := st.Slice(tc.n); status.Of(err) != tc.code {
+			t.Errorf("%s: %v, want %v", tc.name, err, tc.code)
+		}
+	}
+	// A position missing beyond n does not matter.
+	st, _ := Parse(put32(good, cell0+12*20, 99))
+	if _, err := st.Slice(16); err != nil {
+		t.Errorf("position 20 moved away: Slice(16): %v", err)
+	}
+}
+
+func TestBuildRefusesInconsistentStates(t *testing.T) {
+	st, err := Parse(readTestdata(t, "seq-fa-off.bin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.Streams[0].Layers[1].V = st.Streams[0].Layers[1].V[1:]
+	if _, err := st.Build(); status.Of(err) != status.InvalidArg {
+		t.Errorf("short V: %v", err)
+	}
+	if _, err := (&State{Kind: Memory}).Build(); status.Of(err) != status.InvalidArg {
+		t.Errorf("no streams: %v", err)
+	}
+}

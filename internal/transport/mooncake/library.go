@@ -1,0 +1,220 @@
+//go:build linux && (amd64 || arm64)
+
+package mooncake
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+
+	"github.com/ebitengine/purego"
+
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// EnvLibrary names the environment variable that gives the Transfer Engine
+// library's path when none is passed.
+const EnvLibrary = "MCB_MOONCAKE_LIB"
+
+// Library is a loaded Transfer Engine shared library (libtransfer_engine.so
+// or the mock). Load returns the same *Library for every path that names the
+// same file. A library is never unloaded: its threads and exit handlers would
+// outlive the unmapped code.
+type Library struct {
+	path   string
+	handle uintptr
+	needed []string // sonames of the DT_NEEDED closure
+	sym    symbols
+}
+
+// symbols holds the C functions the binding calls; 0 marks an optional one
+// that the library does not export.
+type symbols struct {
+	createTransferEngine       uintptr
+	destroyTransferEngine      uintptr
+	installTransport           uintptr
+	openSegment                uintptr
+	closeSegment               uintptr
+	syncSegmentCache           uintptr
+	registerLocalMemory        uintptr
+	unregisterLocalMemory      uintptr
+	registerLocalMemoryBatch   uintptr
+	unregisterLocalMemoryBatch uintptr
+	allocateBatchID            uintptr
+	submitTransfer             uintptr
+	getTransferStatus          uintptr
+	freeBatchID                uintptr
+
+	getLocalIPAndPort        uintptr
+	submitTransferWithNotify uintptr
+	getNotifsFromEngine      uintptr
+	freeNotifsMsgBuf         uintptr
+	genNotifyInEngine        uintptr
+	showLinks                uintptr
+
+	mockSetFault uintptr
+	mockSetPath  uintptr
+	mockGetStats uintptr
+}
+
+// symbolTable lists every symbol with whether the binding needs it. The
+// required set is what releases since early 2025 export; the rest appeared
+// later (notifications, getLocalIpAndPort, diagnostics) or only in the mock.
+var symbolTable = []struct {
+	name     string
+	required bool
+	slot     func(*symbols) *uintptr
+}{
+	{"createTransferEngine", true, func(s *symbols) *uintptr { return &s.createTransferEngine }},
+	{"destroyTransferEngine", true, func(s *symbols) *uintptr { return &s.destroyTransferEngine }},
+	{"installTransport", true, func(s *symbols) *uintptr { return &s.installTransport }},
+	{"openSegment", true, func(s *symbols) *uintptr { return &s.openSegment }},
+	{"closeSegment", true, func(s *symbols) *uintptr { return &s.closeSegment }},
+	{"syncSegmentCache", true, func(s *symbols) *uintptr { return &s.syncSegmentCache }},
+	{"registerLocalMemory", true, func(s *symbols) *uintptr { return &s.registerLocalMemory }},
+	{"unregisterLocalMemory", true, func(s *symbols) *uintptr { return &s.unregisterLocalMemory }},
+	{"registerLocalMemoryBatch", true, func(s *symbols) *uintptr { return &s.registerLocalMemoryBatch }},
+	{"unregisterLocalMemoryBatch", true, func(s *symbols) *uintptr { return &s.unregisterLocalMemoryBatch }},
+	{"allocateBatchID", true, func(s *symbols) *uintptr { return &s.allocateBatchID }},
+	{"submitTransfer", true, func(s *symbols) *uintptr { return &s.submitTransfer }},
+	{"getTransferStatus", true, func(s *symbols) *uintptr { return &s.getTransferStatus }},
+	{"freeBatchID", true, func(s *symbols) *uintptr { return &s.freeBatchID }},
+	{"getLocalIpAndPort", false, func(s *symbols) *uintptr { return &s.getLocalIPAndPort }},
+	{"submitTransferWithNotify", false, func(s *symbols) *uintptr { return &s.submitTransferWithNotify }},
+	{"getNotifsFromEngine", false, func(s *symbols) *uintptr { return &s.getNotifsFromEngine }},
+	{"freeNotifsMsgBuf", false, func(s *symbols) *uintptr { return &s.freeNotifsMsgBuf }},
+	{"genNotifyInEngine", false, func(s *symbols) *uintptr { return &s.genNotifyInEngine }},
+	{"showLinks", false, func(s *symbols) *uintptr { return &s.showLinks }},
+	{"mock_te_set_fault", false, func(s *symbols) *uintptr { return &s.mockSetFault }},
+	{"mock_te_set_path", false, func(s *symbols) *uintptr { return &s.mockSetPath }},
+	{"mock_te_get_stats", false, func(s *symbols) *uintptr { return &s.mockGetStats }},
+}
+
+var libraries struct {
+	sync.Mutex
+	byPath map[string]*Library
+}
+
+// Load opens the Transfer Engine library at path, or at $MCB_MOONCAKE_LIB
+// when path is empty, once per file. A failed load is not remembered, so a
+// fixed file can be loaded by a later call.
+func Load(path string) (*Library, error) {
+	if path == "" {
+		path = os.Getenv(EnvLibrary)
+	}
+	if path == "" {
+		return nil, status.Errorf(status.Config, "no Transfer Engine library: pass its path or set %s", EnvLibrary)
+	}
+	canon, err := canonicalPath(path)
+	if err != nil {
+		return nil, status.Wrap(status.Config, err, "Transfer Engine library "+path)
+	}
+	libraries.Lock()
+	defer libraries.Unlock()
+	if lib := libraries.byPath[canon]; lib != nil {
+		return lib, nil
+	}
+	lib, err := open(canon)
+	if err != nil {
+		return nil, err
+	}
+	if libraries.byPath == nil {
+		libraries.byPath = make(map[string]*Library)
+	}
+	libraries.byPath[canon] = lib
+	return lib, nil
+}
+
+// canonicalPath names a file by its resolved absolute path, so that links
+// and relative spellings share one Library. A bare file name is looked up
+// where the dynamic loader would look.
+func canonicalPath(path string) (string, error) {
+	if !strings.Contains(path, "/") {
+		found := resolveNeeded(path, "", elfInfo{})
+		if found == "" {
+			return "", fmt.Errorf("%s not found in the library search path", path)
+		}
+		path = found
+	}
+	abs, err := filepath.Abs(path)
+	if err != nil {
+		return "", err
+	}
+	return filepath.EvalSymlinks(abs)
+}
+
+func open(path string) (*Library, error) {
+	needed, err := checkSingleGoRuntime(path)
+	if err != nil {
+		return nil, err
+	}
+	handle, err := purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_LOCAL)
+	if err != nil {
+		return nil, status.Wrap(status.Config, err, "dlopen "+path)
+	}
+	lib := &Library{path: path, handle: handle, needed: needed}
+	var missing []string
+	for _, s := range symbolTable {
+		addr, err := purego.Dlsym(handle, s.name)
+		if err != nil {
+			addr = 0
+		}
+		*s.slot(&lib.sym) = addr
+		if addr == 0 && s.required {
+			missing = append(missing, s.name)
+		}
+	}
+	if len(missing) > 0 {
+		// The handle stays open: dlclose of a C++ library whose constructors
+		// already ran can leave exit handlers pointing at unmapped code.
+		return nil, status.Errorf(status.Unsupported, "%s is not a usable Transfer Engine library: missing %s", path, strings.Join(missing, ", "))
+	}
+	return lib, nil
+}
+
+// Path is the resolved file the library was loaded from.
+func (l *Library) Path() string { return l.path }
+
+// Has reports whether the library exports the named C function.
+func (l *Library) Has(name string) bool {
+	for _, s := range symbolTable {
+		if s.name == name {
+			return *s.slot(&l.sym) != 0
+		}
+	}
+	return false
+}
+
+// needs reports whether a library whose soname starts with prefix is in the
+// DT_NEEDED closure.
+func (l *Library) needs(prefix string) bool {
+	for _, n := range l.needed {
+		if strings.HasPrefix(filepath.Base(n), prefix) {
+			return true
+		}
+	}
+	return false
+}
+
+// call is the single gate through which every C function is called. It
+// refuses a symbol the library lacks instead of jumping to address 0, and
+// turns a failed result into a bridge error by the function's convention.
+// The result is returned in full; callers narrow it to the C return type.
+//
+// go:uintptrescapes keeps the objects behind pointer arguments converted to
+// uintptr at the call site alive, and on the heap, until call returns.
+//
+//go:uintptrescapes
+func (l *Library) call(name string, fn uintptr, conv convention, args ...uintptr) (uintptr, error) {
+	if fn == 0 {
+		return 0, status.Errorf(status.Unsupported, "%s is not exported by %s", name, l.path)
+	}
+	r1, _, _ := purego.SyscallN(fn, args...)
+	switch code := int32(r1); {
+	case conv == statusCode && code != 0, conv == negativeCode && code < 0:
+		return r1, codeError(name, conv, code)
+	}
+	return r1, nil
+}

@@ -1,0 +1,303 @@
+//go:build linux && (amd64 || arm64)
+
+package mooncake
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"unsafe"
+
+	"github.com/ebitengine/purego"
+
+	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/transport"
+)
+
+// cc compiles C source into a shared library in dir.
+func cc(t *testing.T, dir, name, src string, flags ...string) string {
+	t.Helper()
+	c := filepath.Join(dir, name+".c")
+	if err := os.WriteFile(c, []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(dir, name+".so")
+	args := append([]string{"-shared", "-fPIC", "-o", out, c}, flags...)
+	if msg, err := exec.Command("cc", args...).CombinedOutput(); err != nil {
+		t.Fatalf("cc %s: %v\n%s", name, err, msg)
+	}
+	return out
+}
+
+func TestLoadRefusesSecondGoRuntime(t *testing.T) {
+	dir := t.TempDir()
+	cc(t, dir, "libetcd_wrapper", "int EtcdStoreWrapper(void) { return 0; }\n")
+	byName := cc(t, dir, "libte_etcd", "int createTransferEngine(void) { return 0; }\n", "-L"+dir, "-Wl,--no-as-needed", "-l:libetcd_wrapper.so", "-Wl,-rpath,"+dir)
+	bySymbol := cc(t, dir, "libgo_symbol", "void crosscall2(void) {}\n")
+	bySection := cc(t, dir, "libgo_section", `__attribute__((section(".go.buildinfo"), used)) static const char info[32] = "\xff Go buildinf:";`+"\n")
+	// The Go library is found the way the loader finds it: through $ORIGIN.
+	transitive := cc(t, dir, "libte_indirect", "int createTransferEngine(void) { return 0; }\n",
+		"-L"+dir, "-Wl,--no-as-needed", "-l:libgo_symbol.so", "-Wl,--enable-new-dtags,-rpath,$ORIGIN")
+	for _, c := range []struct {
+		name, path, says string
+	}{
+		{"needs libetcd_wrapper", byName, "libetcd_wrapper"},
+		{"exports cgo entry points", bySymbol, "crosscall2"},
+		{"has a Go section", bySection, ".go.buildinfo"},
+		{"needs a Go library", transitive, "needed by"},
+	} {
+		_, err := Load(c.path)
+		if status.Of(err) != status.Unsupported || !strings.Contains(err.Error(), c.says) || !strings.Contains(err.Error(), "Go") {
+			t.Errorf("%s: %v; want an Unsupported error naming %q", c.name, err, c.says)
+		}
+	}
+}
+
+// TestLoadRefusesGoCShared builds a real Go c-shared library, the kind a
+// USE_ETCD build of Mooncake links, and a stripped copy of it.
+func TestLoadRefusesGoCShared(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds a Go c-shared library")
+	}
+	dir := t.TempDir()
+	src := "package main\n\nimport \"C\"\n\n//export EtcdStoreWrapper\nfunc EtcdStoreWrapper() C.int { return 0 }\n\nfunc main() {}\n"
+	if err := os.WriteFile(filepath.Join(dir, "main.go"), []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "go.mod"), []byte("module wrapper\n\ngo 1.26\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	lib := filepath.Join(dir, "libgo_wrapper.so")
+	build := exec.Command("go", "build", "-buildmode=c-shared", "-o", lib, ".")
+	build.Dir = dir
+	if msg, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, msg)
+	}
+	paths := []string{lib}
+	if strip, err := exec.LookPath("strip"); err == nil {
+		stripped := filepath.Join(dir, "libgo_stripped.so")
+		if msg, err := exec.Command(strip, "--strip-all", "-o", stripped, lib).CombinedOutput(); err != nil {
+			t.Fatalf("strip: %v\n%s", err, msg)
+		}
+		paths = append(paths, stripped)
+	}
+	for _, p := range paths {
+		if _, err := Load(p); status.Of(err) != status.Unsupported || !strings.Contains(err.Error(), "second Go runtime") {
+			t.Errorf("%s: %v; want it refused", filepath.Base(p), err)
+		}
+	}
+}
+
+func TestLoadErrors(t *testing.T) {
+	dir := t.TempDir()
+	notELF := filepath.Join(dir, "notelf.so")
+	if err := os.WriteFile(notELF, []byte("just text"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	partial := cc(t, dir, "libpartial", "int createTransferEngine(void) { return 0; }\nint openSegment(void) { return 0; }\n")
+	t.Setenv(EnvLibrary, "")
+	for _, c := range []struct {
+		name, path string
+		code       status.Code
+		says       string
+	}{
+		{"no path", "", status.Config, EnvLibrary},
+		{"missing file", filepath.Join(dir, "absent.so"), status.Config, "absent.so"},
+		{"not ELF", notELF, status.Config, "notelf.so"},
+		{"missing symbols", partial, status.Unsupported, "missing destroyTransferEngine"},
+	} {
+		_, err := Load(c.path)
+		if status.Of(err) != c.code || !strings.Contains(err.Error(), c.says) {
+			t.Errorf("%s: %v; want code %v saying %q", c.name, err, c.code, c.says)
+		}
+	}
+	if strings.Contains(func() string { _, err := Load(partial); return err.Error() }(), "openSegment") {
+		t.Errorf("a symbol the library has is reported missing")
+	}
+}
+
+func TestLoadOncePerFile(t *testing.T) {
+	lib, err := Load(mockLib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(t.TempDir(), "libte_link.so")
+	if err := os.Symlink(mockLib, link); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv(EnvLibrary, link)
+	for _, p := range []string{link, ""} {
+		again, err := Load(p)
+		if err != nil || again != lib {
+			t.Fatalf("Load(%q) = %p, %v; want the library already loaded (%p)", p, again, err, lib)
+		}
+	}
+	for _, name := range []string{"createTransferEngine", "getLocalIpAndPort", "mock_te_set_fault"} {
+		if !lib.Has(name) {
+			t.Errorf("the mock lacks %s", name)
+		}
+	}
+	if lib.Has("enableGracefulShutdown") {
+		t.Errorf("the binding resolves enableGracefulShutdown, which it must never call")
+	}
+}
+
+// TestMockExportsHeader checks that the mock exports every function that
+// mooncake-capi/include/transfer_engine_c.h declares.
+func TestMockExportsHeader(t *testing.T) {
+	header, err := os.ReadFile("../../../mooncake-capi/include/transfer_engine_c.h")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lib, err := Load(mockLib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	decl := regexp.MustCompile(`(?m)^[a-z_]+[ *]+([A-Za-z]+)\(`)
+	names := decl.FindAllSubmatch(header, -1)
+	if len(names) < 20 {
+		t.Fatalf("found only %d declarations in the header", len(names))
+	}
+	for _, m := range names {
+		if sym, err := purego.Dlsym(lib.handle, string(m[1])); err != nil || sym == 0 {
+			t.Errorf("the mock does not export %s", m[1])
+		}
+	}
+}
+
+func TestOpenRefusesMetadata(t *testing.T) {
+	for _, c := range []struct {
+		meta, says string
+	}{
+		{"zookeeper://h:2181", "unknown scheme"},
+		{"P2PHANDSHAKE ", "unknown scheme"},
+		{"redis://h:6379", "libhiredis"},
+		{"etcd://h:2379", "libetcd-cpp-api"},
+		{"http://h:8080/metadata", "libcurl"},
+	} {
+		_, err := Open(Config{Library: mockLib, Metadata: c.meta})
+		if status.Of(err) != status.Config || !strings.Contains(err.Error(), c.says) {
+			t.Errorf("metadata %q: %v; want a Config error saying %q", c.meta, err, c.says)
+		}
+	}
+	if _, err := Open(Config{Library: mockLib, Protocol: "carrier-pigeon"}); status.Of(err) != status.Config {
+		t.Errorf("unknown protocol: %v", err)
+	}
+}
+
+// TestMockRefusesUnknownMetadata checks the mock's own answer below the
+// binding: where the real engine aborts, the mock returns NULL.
+func TestMockRefusesUnknownMetadata(t *testing.T) {
+	lib, err := Load(mockLib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, meta := range []string{"zookeeper://h", "etcd://127.0.0.1:2379", ""} {
+		m, _ := cString(meta)
+		local, _ := cString("127.0.0.1")
+		h, _ := lib.call("createTransferEngine", lib.sym.createTransferEngine, plain,
+			uintptr(unsafe.Pointer(&m[0])), uintptr(unsafe.Pointer(&local[0])), uintptr(unsafe.Pointer(&local[0])), 0, 0)
+		if h != 0 {
+			_, _ = lib.call("destroyTransferEngine", lib.sym.destroyTransferEngine, plain, h)
+			t.Errorf("metadata %q: the mock created an engine", meta)
+		}
+	}
+}
+
+func TestOpenListensWhereConfigured(t *testing.T) {
+	e, err := Open(Config{Library: mockLib, LocalServerName: "127.0.0.2:1234"})
+	if err != nil {
+		t.Skipf("127.0.0.2 is not usable here: %v", err)
+	}
+	defer e.Close()
+	if !strings.HasPrefix(e.LocalSegment(), "127.0.0.2:") {
+		t.Fatalf("segment %q, want it on 127.0.0.2", e.LocalSegment())
+	}
+	other := openEngine(t, mockLib)
+	if !strings.HasPrefix(other.LocalSegment(), "127.0.0.1:") {
+		t.Fatalf("default segment %q, want loopback", other.LocalSegment())
+	}
+	if _, err := other.OpenSegment(e.LocalSegment()); err != nil {
+		t.Fatalf("open a segment on 127.0.0.2: %v", err)
+	}
+}
+
+func TestCodeError(t *testing.T) {
+	for _, c := range []struct {
+		conv convention
+		raw  int32
+		want status.Code
+		says string
+	}{
+		{negativeCode, -7, status.InvalidArg, "overlaps"},
+		{negativeCode, -1, status.InvalidArg, "invalid argument"},
+		{negativeCode, -303, status.Unsupported, "not implemented"},
+		{negativeCode, -200, status.Transfer, "metadata"},
+		{negativeCode, -55, status.Transfer, "code -55"},
+		{statusCode, 2, status.InvalidArg, "capacity"},
+		{statusCode, 3, status.InvalidArg, "not registered"},
+		{statusCode, 4, status.State, "busy"},
+		{statusCode, 8, status.Unsupported, "transport"},
+		{statusCode, 102, status.Transfer, "socket"},
+		{statusCode, 999, status.Unsupported, "not implemented"},
+	} {
+		err := codeError("op", c.conv, c.raw)
+		if status.Of(err) != c.want || !strings.Contains(err.Error(), c.says) || !strings.HasPrefix(err.Error(), c.want.String()+": op") {
+			t.Errorf("code %d: %v; want %v saying %q", c.raw, err, c.want, c.says)
+		}
+	}
+}
+
+// TestMockEnvironment checks that the mock reads its faults from the
+// environment at engine creation, and refuses malformed values.
+func TestMockEnvironment(t *testing.T) {
+	for _, bad := range [][2]string{{"MOCK_TE_PATH", "carrier"}, {"MOCK_TE_WORKERS", "0"}, {"MOCK_TE_DELAY_US", "12x"}} {
+		t.Run(bad[0], func(t *testing.T) {
+			t.Setenv(bad[0], bad[1])
+			if e, err := Open(Config{Library: mockLib}); err == nil {
+				e.Close()
+				t.Fatalf("%s=%s accepted", bad[0], bad[1])
+			}
+		})
+	}
+	t.Setenv("MOCK_TE_PATH", "tcp")
+	t.Setenv("MOCK_TE_CORRUPT", "1")
+	p := newPair(t, mockLib, 4096)
+	st := transfer(t, p.a, read(p.seg, p.local, p.peer))
+	stats, err := p.a.MockStats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st[0].State != transport.Completed || countMismatches(p.local, 1) != 1 || stats.TCPBytes != 4096 || stats.VMBytes != 0 {
+		t.Fatalf("with MOCK_TE_PATH=tcp MOCK_TE_CORRUPT=1: %+v, %d bytes differ, stats %+v", st[0], countMismatches(p.local, 1), stats)
+	}
+}
+
+func TestOpenProtocols(t *testing.T) {
+	for _, cfg := range []Config{
+		{Library: mockLib, Protocol: "rdma", ProtocolArgs: []string{`{"cpu:0": [["mlx5_0"], []]}`}},
+		{Library: mockLib, AutoDiscover: true},
+	} {
+		e, err := Open(cfg)
+		if err != nil {
+			t.Fatalf("%+v: %v", cfg, err)
+		}
+		local := newBuffer(t, 4096)
+		if err := e.RegisterMemory(local.addr(), 4096, "cpu:0", true); err != nil {
+			t.Fatal(err)
+		}
+		st := transfer(t, e, transport.Request{Op: transport.Write, Local: local.addr(), Segment: 0, Remote: uint64(local.addr()) + 2048, Length: 1024})
+		if st[0].State != transport.Completed {
+			t.Fatalf("%+v: loopback write %+v", cfg, st[0])
+		}
+		if err := e.UnregisterMemory(local.addr()); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

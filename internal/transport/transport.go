@@ -1,0 +1,175 @@
+// Package transport moves KV bytes between registered memory regions, in this
+// process or in another one, with the semantics of Mooncake Transfer Engine:
+// memory is registered before use, peers are named segments addressed by
+// virtual address, requests go out in batches and complete only by polling.
+//
+// Two implementations sit behind Transport: the Mooncake binding (package
+// mooncake, loading libtransfer_engine.so or the mock TE through purego) and
+// Loopback, an in-process engine with link shaping and fault injection for
+// tests and benchmarks.
+package transport
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+	"time"
+
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// Op is a transfer direction, numbered as Mooncake's opcodes.
+type Op int32
+
+const (
+	Read  Op = 0 // remote -> local
+	Write Op = 1 // local -> remote
+)
+
+// SegmentID is an opened peer segment, as returned by OpenSegment.
+type SegmentID int32
+
+// Request moves Length bytes between local registered memory at Local and
+// the target segment's memory at virtual address Remote.
+type Request struct {
+	Op      Op
+	Local   uintptr
+	Segment SegmentID
+	Remote  uint64
+	Length  uint64
+}
+
+// State is a task's progress, numbered as Mooncake's TransferStatusEnum.
+type State int32
+
+const (
+	Waiting   State = 0
+	Pending   State = 1
+	Invalid   State = 2
+	Canceled  State = 3
+	Completed State = 4
+	TimedOut  State = 5
+	Failed    State = 6
+)
+
+func (s State) String() string {
+	switch s {
+	case Waiting:
+		return "waiting"
+	case Pending:
+		return "pending"
+	case Invalid:
+		return "invalid"
+	case Canceled:
+		return "canceled"
+	case Completed:
+		return "completed"
+	case TimedOut:
+		return "timeout"
+	case Failed:
+		return "failed"
+	}
+	return fmt.Sprintf("state(%d)", int32(s))
+}
+
+// Done reports whether a task in state s will not change any more.
+func (s State) Done() bool { return s >= Invalid }
+
+// TaskStatus is one request's progress.
+type TaskStatus struct {
+	State       State
+	Transferred uint64
+}
+
+// Transport is a transfer engine. Implementations are safe for concurrent use.
+type Transport interface {
+	// LocalSegment is the name peers open to reach this engine's memory.
+	LocalSegment() string
+	// RegisterMemory makes [addr, addr+length) usable as a local buffer and,
+	// when remoteAccessible, readable and writable by peers. location is
+	// "cpu:N", "cuda:N" or "*". Overlapping an existing region is refused.
+	RegisterMemory(addr uintptr, length uint64, location string, remoteAccessible bool) error
+	// UnregisterMemory removes the region that starts at addr.
+	UnregisterMemory(addr uintptr) error
+	// OpenSegment resolves a peer's segment name.
+	OpenSegment(name string) (SegmentID, error)
+	// CloseSegment forgets an opened segment.
+	CloseSegment(id SegmentID) error
+	// AllocateBatch returns a batch that holds at most capacity requests.
+	AllocateBatch(capacity int) (Batch, error)
+	// Close releases the engine; batches and registrations must be gone.
+	Close() error
+}
+
+// Batch is a set of requests submitted together and polled per task. A Batch
+// owns the engine's batch id: it can be freed once, never used after free.
+type Batch interface {
+	// Submit appends requests; their task numbers continue from earlier ones.
+	Submit(reqs []Request) error
+	// Status reports one task's state.
+	Status(task int) (TaskStatus, error)
+	// Tasks is the number of requests submitted so far.
+	Tasks() int
+	// Free releases the batch. It fails while a task is still in flight.
+	Free() error
+}
+
+// Backoff is the polling schedule of Wait: Spins polls that only yield the
+// processor, then sleeps that start at Min and double to Max.
+type Backoff struct {
+	Spins    int
+	Min, Max time.Duration
+}
+
+// DefaultBackoff spins before sleeping: most host transfers finish within
+// microseconds, and the shortest sleep a timer gives (tens of microseconds)
+// would dominate their latency if every poll paid it.
+var DefaultBackoff = Backoff{Spins: 256, Min: time.Microsecond, Max: 200 * time.Microsecond}
+
+// Wait polls tasks [first, first+n) of b until each is done or ctx ends, and
+// returns their final statuses. A task still running when ctx ends is
+// reported as TimedOut; the batch cannot be freed until it finishes, which
+// the caller must then wait out with WaitIdle.
+func Wait(ctx context.Context, b Batch, first, n int, bo Backoff) ([]TaskStatus, error) {
+	out := make([]TaskStatus, n)
+	pending := n
+	delay := bo.Min
+	for round := 0; ; round++ {
+		for i := range out {
+			if out[i].State.Done() {
+				continue
+			}
+			st, err := b.Status(first + i)
+			if err != nil {
+				return out, err
+			}
+			out[i] = st
+			if st.State.Done() {
+				pending--
+			}
+		}
+		if pending == 0 {
+			return out, nil
+		}
+		if err := ctx.Err(); err != nil {
+			for i := range out {
+				if !out[i].State.Done() {
+					out[i].State = TimedOut
+				}
+			}
+			return out, status.Wrap(status.Timeout, err, "waiting for transfers")
+		}
+		if round < bo.Spins {
+			runtime.Gosched()
+			continue
+		}
+		time.Sleep(delay)
+		delay = min(max(2*delay, time.Microsecond), bo.Max)
+	}
+}
+
+// WaitIdle polls every task of b until none is in flight, ignoring ctx: a
+// batch whose requests still target memory must not be freed or reused.
+func WaitIdle(b Batch, bo Backoff) {
+	_, _ = Wait(context.Background(), b, 0, b.Tasks(), bo)
+}
