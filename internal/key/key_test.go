@@ -7,6 +7,8 @@ import (
 	"reflect"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	"github.com/zeebo/xxh3"
 )
 
@@ -71,23 +73,18 @@ func TestFingerprintCoversEveryField(t *testing.T) {
 		m := baseModel()
 		before := reflect.ValueOf(m).FieldByName(mu.field).Interface()
 		mu.mutate(&m)
-		if reflect.DeepEqual(before, reflect.ValueOf(m).FieldByName(mu.field).Interface()) {
-			t.Fatalf("mutation of %s left it unchanged", mu.field)
-		}
-		if m.Fingerprint() == fp {
-			t.Errorf("changing %s does not change the fingerprint", mu.field)
-		}
+		require.NotEqual(t, before, reflect.ValueOf(m).FieldByName(mu.field).Interface(), "mutation of %s left it unchanged", mu.field)
+		assert.NotEqual(t, fp, m.Fingerprint(), "changing %s does not change the fingerprint", mu.field)
 	}
 	typ := reflect.TypeOf(Model{})
 	for i := 0; i < typ.NumField(); i++ {
-		if f := typ.Field(i); f.IsExported() && !covered[f.Name] {
-			t.Errorf("field Model.%s has no mutation: add one so the fingerprint is proven to cover it", f.Name)
+		if f := typ.Field(i); f.IsExported() {
+			assert.True(t, covered[f.Name], "field Model.%s has no mutation: add one so the fingerprint is proven to cover it", f.Name)
 		}
 	}
 	for name := range covered {
-		if _, ok := typ.FieldByName(name); !ok {
-			t.Errorf("mutation names %s, which Model does not have", name)
-		}
+		_, ok := typ.FieldByName(name)
+		assert.True(t, ok, "mutation names %s, which Model does not have", name)
 	}
 }
 
@@ -104,25 +101,17 @@ func TestFingerprintFramesFields(t *testing.T) {
 		ma, mb := baseModel(), baseModel()
 		tc.a(&ma)
 		tc.b(&mb)
-		if ma.Fingerprint() == mb.Fingerprint() {
-			t.Errorf("%s: shifting a value across a field boundary keeps the fingerprint", tc.name)
-		}
+		assert.NotEqual(t, ma.Fingerprint(), mb.Fingerprint(), "%s: shifting a value across a field boundary keeps the fingerprint", tc.name)
 	}
 }
 
 func TestFingerprintFormat(t *testing.T) {
 	m := baseModel()
 	enc := m.Encode()
-	if string(enc[:len(fingerprintMagic)]) != "MCBFP\x01" {
-		t.Fatalf("encoding starts with %q", enc[:6])
-	}
-	if m.Fingerprint() != canonical128(xxh3.Hash128(enc)) {
-		t.Fatalf("fingerprint is not XXH3-128 of the encoding in canonical byte order")
-	}
+	require.Equal(t, "MCBFP\x01", string(enc[:len(fingerprintMagic)]), "encoding magic")
+	require.Equal(t, canonical128(xxh3.Hash128(enc)), m.Fingerprint(), "fingerprint is not XXH3-128 of the encoding in canonical byte order")
 	m2 := baseModel()
-	if m.Fingerprint() != m2.Fingerprint() {
-		t.Fatalf("equal models, different fingerprints")
-	}
+	require.Equal(t, m.Fingerprint(), m2.Fingerprint(), "equal models, different fingerprints")
 }
 
 // canonical128 writes a 128-bit digest as XXH128's canonical form: the high
@@ -151,24 +140,17 @@ func TestRoot(t *testing.T) {
 		"salt+adapters": Root(fp, Scope{TenantSalt: []byte("ab")}),
 		"adapters only": Root(fp, Scope{Adapters: "ab"}),
 	} {
-		if prev, dup := distinct[h]; dup {
-			t.Errorf("root of %q equals root of %q", name, prev)
-		}
+		prev, dup := distinct[h]
+		assert.False(t, dup, "root of %q equals root of %q", name, prev)
 		distinct[h] = name
 	}
-	if Root(fp, Scope{TenantSalt: []byte{}}) != base {
-		t.Errorf("an empty salt and no salt differ")
-	}
-	if base == fp {
-		t.Errorf("the root equals the fingerprint")
-	}
+	assert.Equal(t, base, Root(fp, Scope{TenantSalt: []byte{}}), "an empty salt and no salt differ")
+	assert.NotEqual(t, fp, base, "the root equals the fingerprint")
 	// The documented preimage: magic, fingerprint, then framed salt and adapters.
 	s := Scope{TenantSalt: []byte("salt"), Adapters: "ad"}
 	pre := append([]byte("MCBRT\x01"), fp[:]...)
 	pre = append(pre, 4, 0, 0, 0, 's', 'a', 'l', 't', 2, 0, 0, 0, 'a', 'd')
-	if Root(fp, s) != canonical128(xxh3.Hash128(pre)) {
-		t.Errorf("root does not follow the documented format")
-	}
+	assert.Equal(t, canonical128(xxh3.Hash128(pre)), Root(fp, s), "root does not follow the documented format")
 }
 
 func seqTokens(n int, seed int64) []int32 {
@@ -195,9 +177,7 @@ func TestChainBlocks(t *testing.T) {
 		{12, -4, 0},
 	} {
 		got := Chain(root, seqTokens(tc.tokens, 1), tc.block)
-		if len(got) != tc.want {
-			t.Errorf("Chain of %d tokens in blocks of %d: %d keys, want %d", tc.tokens, tc.block, len(got), tc.want)
-		}
+		assert.Len(t, got, tc.want, "Chain of %d tokens in blocks of %d", tc.tokens, tc.block)
 	}
 }
 
@@ -207,34 +187,24 @@ func TestChainLinksParents(t *testing.T) {
 	keys := Chain(root, tokens, 8)
 	parent := root
 	for i, k := range keys {
-		if want := BlockHash(parent, tokens[i*8:(i+1)*8], nil); k != want {
-			t.Fatalf("key %d is not the hash of its parent and its tokens", i)
-		}
+		require.Equal(t, BlockHash(parent, tokens[i*8:(i+1)*8], nil), k, "key %d is not the hash of its parent and its tokens", i)
 		// Documented preimage: parent || tokens as LE int32.
-		if want := canonical128(xxh3.Hash128(append(parent[:], TokenBytes(tokens[i*8:(i+1)*8])...))); k != want {
-			t.Fatalf("key %d does not follow the documented format", i)
-		}
+		require.Equal(t, canonical128(xxh3.Hash128(append(parent[:], TokenBytes(tokens[i*8:(i+1)*8])...))), k, "key %d does not follow the documented format", i)
 		parent = k
 	}
 
 	// The same block under different parents has different keys.
 	same := append(append([]int32{}, tokens[:8]...), tokens[:8]...)
 	two := Chain(root, same, 8)
-	if two[0] == two[1] {
-		t.Fatalf("equal block tokens at depth 0 and 1 share a key")
-	}
-	if Chain(Hash{2}, tokens, 8)[0] == keys[0] {
-		t.Fatalf("another root gives the same first key")
-	}
+	require.NotEqual(t, two[0], two[1], "equal block tokens at depth 0 and 1 share a key")
+	require.NotEqual(t, keys[0], Chain(Hash{2}, tokens, 8)[0], "another root gives the same first key")
 
 	// A change in block j changes keys j.. and nothing before.
 	changed := append([]int32{}, tokens...)
 	changed[2*8+3]++
 	ck := Chain(root, changed, 8)
 	for i := range keys {
-		if (ck[i] == keys[i]) != (i < 2) {
-			t.Fatalf("after changing block 2, key %d equal=%v", i, ck[i] == keys[i])
-		}
+		require.Equal(t, i < 2, ck[i] == keys[i], "after changing block 2, key %d equal", i)
 	}
 }
 
@@ -244,13 +214,9 @@ func TestChainPrefixOfLongerPrompt(t *testing.T) {
 	lk := Chain(root, long, 16)
 	for _, n := range []int{16, 17, 500, 511, 512} {
 		sk := Chain(root, long[:n], 16)
-		if len(sk) != n/16 {
-			t.Fatalf("%d tokens: %d keys", n, len(sk))
-		}
+		require.Len(t, sk, n/16, "%d tokens", n)
 		for i := range sk {
-			if sk[i] != lk[i] {
-				t.Fatalf("prompt of %d tokens: key %d differs from the longer prompt's", n, i)
-			}
+			require.Equal(t, lk[i], sk[i], "prompt of %d tokens: key %d differs from the longer prompt's", n, i)
 		}
 	}
 }
@@ -263,11 +229,10 @@ func TestAppendChainEqualsChain(t *testing.T) {
 		want := Chain(root, tokens, block)
 		prefix := []BlockKey{{0xee}}
 		got := AppendChain(prefix, root, tokens, block)
-		if got[0] != (BlockKey{0xee}) || !reflect.DeepEqual(got[1:], want) {
-			t.Errorf("block %d: AppendChain differs from Chain or clobbers dst", block)
-		}
-		if n := testing.AllocsPerRun(5, func() { got = AppendChain(got[:0], root, tokens, block) }); block <= 1024 && n != 0 {
-			t.Errorf("block %d: AppendChain into a long enough dst allocates %v times", block, n)
+		assert.Equal(t, BlockKey{0xee}, got[0], "block %d: AppendChain clobbers dst", block)
+		assert.Equal(t, want, got[1:], "block %d: AppendChain differs from Chain", block)
+		if n := testing.AllocsPerRun(5, func() { got = AppendChain(got[:0], root, tokens, block) }); block <= 1024 {
+			assert.Zero(t, n, "block %d: AppendChain into a long enough dst allocates", block)
 		}
 	}
 }
@@ -298,13 +263,9 @@ func TestChainGolden(t *testing.T) {
 
 func checkGolden(t *testing.T, got []BlockKey, want []string) {
 	t.Helper()
-	if len(got) != len(want) {
-		t.Fatalf("%d keys, want %d", len(got), len(want))
-	}
+	require.Len(t, got, len(want))
 	for i := range want {
-		if got[i].String() != want[i] {
-			t.Errorf("key %d = %s, want %s", i, got[i], want[i])
-		}
+		assert.Equal(t, want[i], got[i].String(), "key %d", i)
 	}
 }
 
@@ -319,19 +280,14 @@ func goldenLongTokens(n int) []int32 {
 func TestTokenBytes(t *testing.T) {
 	got := TokenBytes([]int32{1, -1, 0x01020304})
 	want := []byte{1, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 4, 3, 2, 1}
-	if !reflect.DeepEqual(got, want) {
-		t.Fatalf("TokenBytes = %x, want %x", got, want)
-	}
+	require.Equal(t, want, got, "TokenBytes")
 }
 
 func TestHashString(t *testing.T) {
 	h := Hash{0x01, 0xab}
-	if h.String() != "01ab"+hex.EncodeToString(make([]byte, 14)) {
-		t.Fatalf("String = %s", h)
-	}
-	if h.IsZero() || !(Hash{}).IsZero() {
-		t.Fatalf("IsZero wrong")
-	}
+	require.Equal(t, "01ab"+hex.EncodeToString(make([]byte, 14)), h.String())
+	require.False(t, h.IsZero(), "IsZero of a non-zero hash")
+	require.True(t, (Hash{}).IsZero(), "IsZero of the zero hash")
 }
 
 // mooncakeReference follows the conductor-indexer spec literally:
@@ -367,18 +323,13 @@ func TestMooncakeHashesMatchSpec(t *testing.T) {
 		tokens := seqTokens(tc.n, int64(tc.n))
 		got := MooncakeHashes(tokens, tc.block, tc.seed)
 		want := mooncakeReference(tokens, tc.block, tc.seed)
-		if len(got) != len(want) || len(got) != tc.n/tc.block {
-			t.Fatalf("%+v: %d hashes, reference %d", tc, len(got), len(want))
-		}
+		require.Len(t, got, len(want), "%+v: hashes against the reference", tc)
+		require.Len(t, got, tc.n/tc.block, "%+v", tc)
 		for i := range want {
-			if got[i] != want[i] {
-				t.Fatalf("%+v: hash %d = %#x, reference %#x", tc, i, got[i], want[i])
-			}
+			require.Equal(t, want[i], got[i], "%+v: hash %d against the reference", tc, i)
 		}
 	}
-	if MooncakeHashes(seqTokens(8, 1), 0, 0) != nil {
-		t.Fatalf("block size 0 gives hashes")
-	}
+	require.Nil(t, MooncakeHashes(seqTokens(8, 1), 0, 0), "block size 0 gives hashes")
 }
 
 // Golden values from the C xxHash library (python3-xxhash).
@@ -394,9 +345,7 @@ func TestMooncakeHashesGolden(t *testing.T) {
 		{0, tokens, 4, []uint64{0x6fc1ebd4f4d6ea31, 0x24f053a1fb9a501e, 0x4827805690609694}},
 		{7, goldenLongTokens(3*256 + 5), 256, []uint64{0x66d410f05e64b0c9, 0x47134437bfe15d3d, 0x5ed4f6718960220a}},
 	} {
-		if got := MooncakeHashes(tc.tokens, tc.block, tc.seed); !reflect.DeepEqual(got, tc.want) {
-			t.Errorf("seed %#x: %#x, want %#x", tc.seed, got, tc.want)
-		}
+		assert.Equal(t, tc.want, MooncakeHashes(tc.tokens, tc.block, tc.seed), "seed %#x", tc.seed)
 	}
 }
 
@@ -410,9 +359,7 @@ func BenchmarkChain128k(b *testing.B) {
 	for b.Loop() {
 		keys = Chain(root, tokens, block)
 	}
-	if len(keys) != n/block {
-		b.Fatalf("%d keys", len(keys))
-	}
+	require.Len(b, keys, n/block)
 }
 
 func BenchmarkMooncakeHashes128k(b *testing.B) {
