@@ -2,10 +2,10 @@ package pool
 
 import (
 	"encoding/binary"
-	"reflect"
-	"strings"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	"github.com/zeebo/xxh3"
 
 	"github.com/mcbridge/mcbridge/internal/key"
@@ -29,31 +29,29 @@ func fuzzGeometries() []*Geometry {
 func TestGeometrySizes(t *testing.T) {
 	g := smallGeometry()
 	// 128 fixed + 4*4 tokens + 8*2 sums + 8*2 row sizes = 176, aligned to 192.
-	if g.HeaderSize() != 192 || g.LayerSize(0) != 64 || g.LayerSize(1) != 96 ||
-		g.LayerOffset(0) != 192 || g.LayerOffset(1) != 256 || g.PayloadSize() != 160 || g.Size() != 384 {
-		t.Fatalf("header %d, layers %d/%d at %d/%d, payload %d, size %d",
-			g.HeaderSize(), g.LayerSize(0), g.LayerSize(1), g.LayerOffset(0), g.LayerOffset(1), g.PayloadSize(), g.Size())
-	}
+	require.Equal(t, 192, g.HeaderSize(), "header size")
+	require.Equal(t, 64, g.LayerSize(0), "layer 0 size")
+	require.Equal(t, 96, g.LayerSize(1), "layer 1 size")
+	require.Equal(t, 192, g.LayerOffset(0), "layer 0 offset")
+	require.Equal(t, 256, g.LayerOffset(1), "layer 1 offset")
+	require.Equal(t, 160, g.PayloadSize(), "payload size")
+	require.Equal(t, 384, g.Size(), "block size")
 	for _, g := range append(fuzzGeometries(), &Geometry{BlockTokens: 256, KRow: repeat(32, 1024), VRow: repeat(32, 1024)}) {
-		if err := g.Validate(); err != nil {
-			t.Fatal(err)
-		}
-		if h := g.HeaderSize(); h%align != 0 || h < fixedHeader+4*g.BlockTokens+16*g.Layers() { // tokens, layer sums, row sizes
-			t.Errorf("%+v: header size %d", g, h)
-		}
+		require.NoError(t, g.Validate())
+		h := g.HeaderSize()
+		assert.Zero(t, h%align, "%+v: header size %d is not aligned", g, h)
+		assert.GreaterOrEqual(t, h, fixedHeader+4*g.BlockTokens+16*g.Layers(), "%+v: header size", g) // tokens, layer sums, row sizes
 		sum := 0
 		for l := 0; l < g.Layers(); l++ {
-			if g.LayerOffset(l+1) != g.LayerOffset(l)+g.LayerSize(l) || g.LayerSize(l) <= 0 {
-				t.Errorf("%+v: layer %d at %d of %d bytes, next at %d", g, l, g.LayerOffset(l), g.LayerSize(l), g.LayerOffset(l+1))
-			}
+			assert.Equal(t, g.LayerOffset(l)+g.LayerSize(l), g.LayerOffset(l+1), "%+v: layer %d at %d of %d bytes, next", g, l, g.LayerOffset(l), g.LayerSize(l))
+			assert.Positive(t, g.LayerSize(l), "%+v: layer %d size", g, l)
 			sum += g.LayerSize(l)
 		}
-		if g.PayloadSize() != sum {
-			t.Errorf("payload %d, layers sum to %d", g.PayloadSize(), sum)
-		}
-		if s := g.Size(); s%align != 0 || s < g.HeaderSize()+sum || s >= g.HeaderSize()+sum+align {
-			t.Errorf("size %d for header %d + payload %d", s, g.HeaderSize(), sum)
-		}
+		assert.Equal(t, sum, g.PayloadSize(), "payload against the layers' sum")
+		s := g.Size()
+		assert.Zero(t, s%align, "size %d is not aligned", s)
+		assert.GreaterOrEqual(t, s, g.HeaderSize()+sum, "size for header %d + payload %d", g.HeaderSize(), sum)
+		assert.Less(t, s, g.HeaderSize()+sum+align, "size for header %d + payload %d", g.HeaderSize(), sum)
 	}
 }
 
@@ -82,14 +80,11 @@ func TestGeometryValidate(t *testing.T) {
 		{"V row too long", Geometry{BlockTokens: 1, KRow: []int{1}, VRow: []int{MaxRowBytes + 1}}, "layer 0"},
 	} {
 		err := tc.g.Validate()
-		if status.Of(err) != status.InvalidArg || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%s: %v, want InvalidArg mentioning %q", tc.name, err, tc.want)
-		}
+		assert.Equal(t, status.InvalidArg, status.Of(err), "%s: %v", tc.name, err)
+		assert.ErrorContains(t, err, tc.want, tc.name)
 	}
 	edge := Geometry{BlockTokens: MaxBlockTokens, KRow: []int{MaxRowBytes}, VRow: []int{1}}
-	if err := edge.Validate(); err != nil {
-		t.Errorf("largest allowed geometry: %v", err)
-	}
+	assert.NoError(t, edge.Validate(), "largest allowed geometry")
 }
 
 func TestGeometryDigest(t *testing.T) {
@@ -101,9 +96,7 @@ func TestGeometryDigest(t *testing.T) {
 		"K<->V":  {BlockTokens: 4, KRow: []int{8, 8}, VRow: []int{8, 16}},
 		"layers": {BlockTokens: 4, KRow: []int{8, 16, 8}, VRow: []int{8, 8, 8}},
 	} {
-		if g.Digest() == base {
-			t.Errorf("geometry with another %s has the same digest", name)
-		}
+		assert.NotEqual(t, base, g.Digest(), "geometry with another %s has the same digest", name)
 	}
 }
 
@@ -130,9 +123,7 @@ func encodedBlock(t testing.TB, g *Geometry, h *Header, gen uint64) []byte {
 	t.Helper()
 	words := make([]uint64, g.Size()/8)
 	b := unsafeBytes(words)
-	if err := EncodeHeader(b, g, h); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, EncodeHeader(b, g, h))
 	EndWrite(b, gen)
 	return b
 }
@@ -142,44 +133,34 @@ func TestHeaderRoundTrip(t *testing.T) {
 		h := sampleHeader(g)
 		b := encodedBlock(t, g, h, 42)
 		got, err := DecodeHeader(b, g)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		h.Generation = 42
-		if !reflect.DeepEqual(&got, h) {
-			t.Fatalf("decoded %+v, encoded %+v", got, *h)
-		}
-		if HeaderSum(b) != xxh3.Hash(b[sumFrom:g.HeaderSize()]) {
-			t.Fatalf("HeaderSum is not the sum of bytes [24, header size)")
-		}
-		if binary.LittleEndian.Uint32(b) != 0x4b42434d || string(b[:4]) != "MCBK" {
-			t.Fatalf("magic %q", b[:4])
-		}
+		require.Equal(t, h, &got, "decoded against encoded")
+		require.Equal(t, xxh3.Hash(b[sumFrom:g.HeaderSize()]), HeaderSum(b), "HeaderSum is not the sum of bytes [24, header size)")
+		require.Equal(t, uint32(0x4b42434d), binary.LittleEndian.Uint32(b), "magic %q", b[:4])
+		require.Equal(t, "MCBK", string(b[:4]), "magic")
 		// The generation is outside the sum: a seqlock bump keeps the header valid.
 		BeginWrite(b, 44)
 		EndWrite(b, 44)
-		if got, err := DecodeHeader(b, g); err != nil || got.Generation != 44 {
-			t.Fatalf("after a rewrite: %+v, %v", got, err)
-		}
+		got, err = DecodeHeader(b, g)
+		require.NoError(t, err, "after a rewrite")
+		require.Equal(t, uint64(44), got.Generation, "after a rewrite: %+v", got)
 	}
 }
 
 func TestEncodeHeaderRefusesMisfits(t *testing.T) {
 	g := smallGeometry()
 	h := sampleHeader(g)
-	if err := EncodeHeader(make([]byte, g.HeaderSize()-1), g, h); status.Of(err) != status.Internal {
-		t.Errorf("short buffer: %v", err)
-	}
+	err := EncodeHeader(make([]byte, g.HeaderSize()-1), g, h)
+	assert.Equal(t, status.Internal, status.Of(err), "short buffer: %v", err)
 	short := *h
 	short.Tokens = short.Tokens[:3]
-	if err := EncodeHeader(make([]byte, g.HeaderSize()), g, &short); status.Of(err) != status.Internal {
-		t.Errorf("3 tokens for a 4-token block: %v", err)
-	}
+	err = EncodeHeader(make([]byte, g.HeaderSize()), g, &short)
+	assert.Equal(t, status.Internal, status.Of(err), "3 tokens for a 4-token block: %v", err)
 	sums := *h
 	sums.LayerSums = append(sums.LayerSums, 0)
-	if err := EncodeHeader(make([]byte, g.HeaderSize()), g, &sums); status.Of(err) != status.Internal {
-		t.Errorf("3 sums for 2 layers: %v", err)
-	}
+	err = EncodeHeader(make([]byte, g.HeaderSize()), g, &sums)
+	assert.Equal(t, status.Internal, status.Of(err), "3 sums for 2 layers: %v", err)
 }
 
 func TestVerifyHeader(t *testing.T) {
@@ -188,9 +169,8 @@ func TestVerifyHeader(t *testing.T) {
 	expect := func() *Expect {
 		return &Expect{Key: h.Key, Parent: h.Parent, Model: h.Model, Tokens: append([]int32{}, h.Tokens...), Generation: 8}
 	}
-	if _, err := VerifyHeader(encodedBlock(t, g, h, 8), g, expect()); err != nil {
-		t.Fatalf("a matching block fails: %v", err)
-	}
+	_, err := VerifyHeader(encodedBlock(t, g, h, 8), g, expect())
+	require.NoError(t, err, "a matching block fails")
 	resum := func(b []byte) { binary.LittleEndian.PutUint64(b[sumOffset:], xxh3.Hash(b[sumFrom:g.HeaderSize()])) }
 	for _, tc := range []struct {
 		name  string
@@ -236,56 +216,37 @@ func TestVerifyHeader(t *testing.T) {
 			geo = tc.geo
 		}
 		_, err := VerifyHeader(b, geo, e)
-		if status.Of(err) != status.Corrupt || !strings.Contains(err.Error(), tc.msg) {
-			t.Errorf("%s: %v, want Corrupt mentioning %q", tc.name, err, tc.msg)
-		}
+		assert.Equal(t, status.Corrupt, status.Of(err), "%s: %v", tc.name, err)
+		assert.ErrorContains(t, err, tc.msg, tc.name)
 	}
 }
 
 func TestSeqlockGeneration(t *testing.T) {
 	b := unsafeBytes(make([]uint64, 8))
-	if Generation(b) != 0 {
-		t.Fatalf("fresh block at generation %d", Generation(b))
-	}
+	require.Zero(t, Generation(b), "fresh block's generation")
 	BeginWrite(b, 6)
-	if Generation(b) != 7 {
-		t.Fatalf("BeginWrite(6) left %d, want odd 7", Generation(b))
-	}
+	require.Equal(t, uint64(7), Generation(b), "BeginWrite(6) must leave an odd generation")
 	EndWrite(b, 6)
-	if Generation(b) != 6 {
-		t.Fatalf("EndWrite(6) left %d", Generation(b))
-	}
+	require.Equal(t, uint64(6), Generation(b), "EndWrite(6)")
 	EndWrite(b, 9)
-	if Generation(b) != 8 {
-		t.Fatalf("EndWrite of an odd generation published %d, want even 8", Generation(b))
-	}
-	defer func() {
-		if recover() == nil {
-			t.Fatalf("a misaligned generation word did not panic")
-		}
-	}()
-	Generation(b[1:])
+	require.Equal(t, uint64(8), Generation(b), "EndWrite of an odd generation must publish an even one")
+	require.Panics(t, func() { Generation(b[1:]) }, "a misaligned generation word did not panic")
 }
 
 func TestSum(t *testing.T) {
 	p := []byte("layer payload")
-	if Sum(p) != xxh3.Hash(p) {
-		t.Fatalf("Sum is not XXH3-64")
-	}
+	require.Equal(t, xxh3.Hash(p), Sum(p), "Sum is not XXH3-64")
 	q := append([]byte{}, p...)
 	q[3] ^= 1
-	if Sum(p) == Sum(q) {
-		t.Fatalf("one flipped bit keeps the sum")
-	}
+	require.NotEqual(t, Sum(p), Sum(q), "one flipped bit keeps the sum")
 }
 
 func TestParseGeometry(t *testing.T) {
 	for _, g := range fuzzGeometries() {
 		b := encodedBlock(t, g, sampleHeader(g), 2)
 		got, err := ParseGeometry(b[:g.HeaderSize()])
-		if err != nil || !reflect.DeepEqual(&got, g) {
-			t.Fatalf("ParseGeometry = %+v, %v; want %+v", got, err, g)
-		}
+		require.NoError(t, err, "ParseGeometry")
+		require.Equal(t, g, &got, "ParseGeometry")
 	}
 	g := smallGeometry()
 	rows := fixedHeader + 4*g.BlockTokens + 8*g.Layers() // the row-size table
@@ -305,8 +266,7 @@ func TestParseGeometry(t *testing.T) {
 	} {
 		b := encodedBlock(t, g, sampleHeader(g), 2)[:g.HeaderSize()]
 		_, err := ParseGeometry(tc.block(b))
-		if status.Of(err) != status.Corrupt || !strings.Contains(err.Error(), tc.msg) {
-			t.Errorf("%s: %v, want Corrupt mentioning %q", tc.name, err, tc.msg)
-		}
+		assert.Equal(t, status.Corrupt, status.Of(err), "%s: %v", tc.name, err)
+		assert.ErrorContains(t, err, tc.msg, tc.name)
 	}
 }

@@ -1,12 +1,11 @@
 package pool
 
 import (
-	"bytes"
 	"encoding/binary"
-	"reflect"
 	"testing"
 	"unsafe"
 
+	"github.com/stretchr/testify/require"
 	"github.com/zeebo/xxh3"
 
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -48,37 +47,26 @@ func FuzzDecodeHeader(f *testing.F) {
 		}
 		// A self-described geometry must be one the header decodes under.
 		pg, perr := ParseGeometry(src)
-		if perr != nil && status.Of(perr) != status.Corrupt {
-			t.Fatalf("ParseGeometry refused with %v, want status.Corrupt", perr)
+		if perr != nil {
+			require.Equal(t, status.Corrupt, status.Of(perr), "ParseGeometry refused with %v", perr)
 		}
 		if perr == nil {
-			if err := pg.Validate(); err != nil {
-				t.Fatalf("ParseGeometry returned an invalid geometry: %v", err)
-			}
-			if _, err := DecodeHeader(src, &pg); err != nil {
-				t.Fatalf("ParseGeometry accepted a header that does not decode under its geometry: %v", err)
-			}
+			require.NoError(t, pg.Validate(), "ParseGeometry returned an invalid geometry")
+			_, err := DecodeHeader(src, &pg)
+			require.NoError(t, err, "ParseGeometry accepted a header that does not decode under its geometry")
 		}
 		h, err := DecodeHeader(src, g)
 		if err != nil {
-			if status.Of(err) != status.Corrupt {
-				t.Fatalf("refused with %v, want status.Corrupt", err)
-			}
+			require.Equal(t, status.Corrupt, status.Of(err), "refused with %v", err)
 			return
 		}
-		if perr != nil || !reflect.DeepEqual(&pg, g) {
-			t.Fatalf("header decodes under %+v but describes %+v (%v)", g, pg, perr)
-		}
-		if len(h.Tokens) != g.BlockTokens || len(h.LayerSums) != g.Layers() {
-			t.Fatalf("accepted %d tokens and %d sums for %+v", len(h.Tokens), len(h.LayerSums), g)
-		}
+		require.NoError(t, perr, "header decodes under %+v but does not describe a geometry", g)
+		require.Equal(t, g, &pg, "header decodes under one geometry but describes another")
+		require.Len(t, h.Tokens, g.BlockTokens, "accepted tokens for %+v", g)
+		require.Len(t, h.LayerSums, g.Layers(), "accepted sums for %+v", g)
 		again := make([]byte, n)
 		binary.LittleEndian.PutUint64(again[genOffset:], h.Generation)
-		if err := EncodeHeader(again, g, &h); err != nil {
-			t.Fatalf("re-encoding an accepted header: %v", err)
-		}
-		if !bytes.Equal(again, src[:n]) {
-			t.Fatalf("accepted header re-encodes differently:\n got %x\nwant %x", again, src[:n])
-		}
+		require.NoError(t, EncodeHeader(again, g, &h), "re-encoding an accepted header")
+		require.Equal(t, src[:n], again, "accepted header re-encodes differently")
 	})
 }

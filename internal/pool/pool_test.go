@@ -4,9 +4,11 @@ import (
 	"errors"
 	"math"
 	"math/rand"
-	"reflect"
 	"sync"
 	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/status"
 )
@@ -14,9 +16,7 @@ import (
 func newPool(t *testing.T, size int64, evict Evictor) *Pool {
 	t.Helper()
 	p, err := New(size, evict)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { _ = p.Close() })
 	return p
 }
@@ -24,17 +24,13 @@ func newPool(t *testing.T, size int64, evict Evictor) *Pool {
 func mustAlloc(t *testing.T, p *Pool, n int64) int64 {
 	t.Helper()
 	off, err := p.Alloc(n)
-	if err != nil {
-		t.Fatalf("Alloc(%d): %v", n, err)
-	}
+	require.NoError(t, err, "Alloc(%d)", n)
 	return off
 }
 
 func mustFree(t *testing.T, p *Pool, off, n int64) {
 	t.Helper()
-	if err := p.Free(off, n); err != nil {
-		t.Fatalf("Free(%d, %d): %v", off, n, err)
-	}
+	require.NoError(t, p.Free(off, n), "Free(%d, %d)", off, n)
 }
 
 func (p *Pool) freeList() []extent {
@@ -45,25 +41,18 @@ func (p *Pool) freeList() []extent {
 
 func TestNew(t *testing.T) {
 	for _, size := range []int64{0, -64, math.MaxInt64} {
-		if _, err := New(size, nil); status.Of(err) != status.Config {
-			t.Errorf("New(%d): %v, want Config", size, err)
-		}
+		_, err := New(size, nil)
+		assert.Equal(t, status.Config, status.Of(err), "New(%d): %v", size, err)
 	}
 	p := newPool(t, 100, nil)
-	if p.Size() != 128 {
-		t.Fatalf("a 100-byte pool has %d bytes, want 128 (aligned)", p.Size())
-	}
-	if p.Base() == 0 || p.Base()%4096 != 0 {
-		t.Fatalf("base %#x is not a mapped page", p.Base())
-	}
+	require.Equal(t, int64(128), p.Size(), "a 100-byte pool must be aligned up")
+	require.NotZero(t, p.Base(), "base is not a mapped page")
+	require.Zero(t, p.Base()%4096, "base %#x is not a mapped page", p.Base())
 	b := p.Bytes(64, 64)
-	if len(b) != 64 || cap(b) != 64 {
-		t.Fatalf("Bytes(64, 64): len %d cap %d", len(b), cap(b))
-	}
+	require.Len(t, b, 64, "Bytes(64, 64)")
+	require.Equal(t, 64, cap(b), "Bytes(64, 64) cap")
 	b[0] = 1
-	if p.Bytes(0, 128)[64] != 1 {
-		t.Fatalf("Bytes does not view the region")
-	}
+	require.Equal(t, byte(1), p.Bytes(0, 128)[64], "Bytes does not view the region")
 }
 
 func TestAllocFirstFitAndCoalesce(t *testing.T) {
@@ -71,31 +60,21 @@ func TestAllocFirstFitAndCoalesce(t *testing.T) {
 	a := mustAlloc(t, p, 1) // rounded to 64
 	b := mustAlloc(t, p, 100)
 	c := mustAlloc(t, p, 64)
-	if a != 0 || b != 64 || c != 192 || p.Used() != 256 {
-		t.Fatalf("offsets %d %d %d, used %d; want 0 64 192, 256", a, b, c, p.Used())
-	}
+	require.Equal(t, []int64{0, 64, 192}, []int64{a, b, c}, "offsets")
+	require.Equal(t, int64(256), p.Used(), "used")
 	mustFree(t, p, b, 100)
 	// First fit: a small block goes into the hole, a large one past it.
-	if d := mustAlloc(t, p, 200); d != 256 {
-		t.Fatalf("200 bytes at %d, want 256 past the 128-byte hole", d)
-	}
-	if e := mustAlloc(t, p, 64); e != 64 {
-		t.Fatalf("64 bytes at %d, want the first hole at 64", e)
-	}
-	if f := mustAlloc(t, p, 64); f != 128 {
-		t.Fatalf("64 bytes at %d, want the rest of the hole at 128", f)
-	}
+	require.Equal(t, int64(256), mustAlloc(t, p, 200), "200 bytes must go past the 128-byte hole")
+	require.Equal(t, int64(64), mustAlloc(t, p, 64), "64 bytes must go into the first hole")
+	require.Equal(t, int64(128), mustAlloc(t, p, 64), "64 bytes must go into the rest of the hole")
 	mustFree(t, p, 0, 64)
 	mustFree(t, p, 128, 64)
 	mustFree(t, p, 256, 200)
 	mustFree(t, p, 64, 64) // joins the extents on both sides
 	mustFree(t, p, 192, 64)
-	if got := p.freeList(); !reflect.DeepEqual(got, []extent{{0, 1024}}) || p.Used() != 0 {
-		t.Fatalf("after freeing everything: free list %v, used %d", got, p.Used())
-	}
-	if off := mustAlloc(t, p, 1024); off != 0 {
-		t.Fatalf("whole pool at %d", off)
-	}
+	require.Equal(t, []extent{{0, 1024}}, p.freeList(), "free list after freeing everything")
+	require.Zero(t, p.Used(), "used after freeing everything")
+	require.Zero(t, mustAlloc(t, p, 1024), "whole pool's offset")
 }
 
 func TestFreeRefusesBadExtents(t *testing.T) {
@@ -119,30 +98,23 @@ func TestFreeRefusesBadExtents(t *testing.T) {
 		{"unaligned", b + 1, 64},
 	} {
 		before := p.freeList()
-		if err := p.Free(tc.off, tc.n); status.Of(err) != status.Internal {
-			t.Errorf("%s: Free(%d, %d) = %v, want Internal", tc.name, tc.off, tc.n, err)
-		}
-		if got := p.freeList(); !reflect.DeepEqual(got, before) {
-			t.Errorf("%s: a refused free changed the free list %v -> %v", tc.name, before, got)
-		}
+		err := p.Free(tc.off, tc.n)
+		assert.Equal(t, status.Internal, status.Of(err), "%s: Free(%d, %d) = %v", tc.name, tc.off, tc.n, err)
+		assert.Equal(t, before, p.freeList(), "%s: a refused free changed the free list", tc.name)
 	}
-	if p.Used() != 128 {
-		t.Fatalf("used %d after refused frees", p.Used())
-	}
+	require.Equal(t, int64(128), p.Used(), "used after refused frees")
 }
 
 func TestAllocFullWithoutEvictor(t *testing.T) {
 	p := newPool(t, 256, nil)
 	for _, n := range []int64{0, -1, 257} {
-		if _, err := p.Alloc(n); status.Of(err) != status.PoolFull {
-			t.Errorf("Alloc(%d): %v, want PoolFull", n, err)
-		}
+		_, err := p.Alloc(n)
+		assert.Equal(t, status.PoolFull, status.Of(err), "Alloc(%d): %v", n, err)
 	}
 	mustAlloc(t, p, 64)
 	mustAlloc(t, p, 128)
-	if _, err := p.Alloc(65); status.Of(err) != status.PoolFull {
-		t.Fatalf("Alloc past the free space: %v", err)
-	}
+	_, err := p.Alloc(65)
+	require.Equal(t, status.PoolFull, status.Of(err), "Alloc past the free space: %v", err)
 	mustAlloc(t, p, 64)
 }
 
@@ -171,12 +143,11 @@ func TestAllocEvicts(t *testing.T) {
 		live = append(live, blk{mustAlloc(t, p, 128), 128})
 	}
 	off := mustAlloc(t, p, 200)
-	if !reflect.DeepEqual(asked, []int64{256}) || off != 0 || len(live) != 2 {
-		t.Fatalf("evictor asked for %v, block at %d, %d left; want [256], 0, 2", asked, off, len(live))
-	}
-	if _, err := p.Alloc(512); status.Of(err) != status.PoolFull {
-		t.Fatalf("allocating more than eviction can free: %v", err)
-	}
+	require.Equal(t, []int64{256}, asked, "what the evictor was asked for")
+	require.Zero(t, off, "block offset")
+	require.Len(t, live, 2, "blocks left")
+	_, err := p.Alloc(512)
+	require.Equal(t, status.PoolFull, status.Of(err), "allocating more than eviction can free: %v", err)
 }
 
 func TestAllocReturnsEvictorError(t *testing.T) {
@@ -184,21 +155,22 @@ func TestAllocReturnsEvictorError(t *testing.T) {
 	calls := 0
 	p := newPool(t, 128, func(int64) error { calls++; return boom })
 	mustAlloc(t, p, 128)
-	if _, err := p.Alloc(64); !errors.Is(err, boom) || calls != 1 {
-		t.Fatalf("Alloc = %v after %d evictions, want the evictor's error after 1", err, calls)
-	}
+	_, err := p.Alloc(64)
+	require.ErrorIs(t, err, boom, "Alloc must return the evictor's error")
+	require.Equal(t, 1, calls, "evictions")
 
 	// An evictor that frees nothing cannot loop forever.
 	calls = 0
 	p.SetEvictor(func(int64) error { calls++; return nil })
-	if _, err := p.Alloc(64); status.Of(err) != status.PoolFull || calls == 0 || calls > 16 {
-		t.Fatalf("Alloc = %v after %d evictions", err, calls)
-	}
+	_, err = p.Alloc(64)
+	require.Equal(t, status.PoolFull, status.Of(err), "Alloc = %v after %d evictions", err, calls)
+	require.Positive(t, calls, "evictions")
+	require.LessOrEqual(t, calls, 16, "evictions")
 	p.SetEvictor(nil)
 	calls = 0
-	if _, err := p.Alloc(64); status.Of(err) != status.PoolFull || calls != 0 {
-		t.Fatalf("without an evictor: %v, %d calls", err, calls)
-	}
+	_, err = p.Alloc(64)
+	require.Equal(t, status.PoolFull, status.Of(err), "without an evictor: %v", err)
+	require.Zero(t, calls, "evictions without an evictor")
 }
 
 // Concurrent owners write their own pattern into their extents; an extent
@@ -257,11 +229,10 @@ func TestAllocConcurrent(t *testing.T) {
 	wg.Wait()
 	close(errs)
 	for err := range errs {
-		t.Error(err)
+		assert.NoError(t, err)
 	}
-	if got := p.freeList(); p.Used() != 0 || !reflect.DeepEqual(got, []extent{{0, p.Size()}}) {
-		t.Fatalf("after all frees: used %d, free list %v", p.Used(), got)
-	}
+	require.Zero(t, p.Used(), "used after all frees")
+	require.Equal(t, []extent{{0, p.Size()}}, p.freeList(), "free list after all frees")
 }
 
 func TestNextGeneration(t *testing.T) {
@@ -281,28 +252,20 @@ func TestNextGeneration(t *testing.T) {
 			mu.Lock()
 			defer mu.Unlock()
 			for _, g := range got {
-				if g == 0 || g%2 != 0 || seen[g] {
-					t.Errorf("generation %d: zero, odd or repeated", g)
-				}
+				assert.NotZero(t, g, "generation")
+				assert.Zero(t, g%2, "generation %d is odd", g)
+				assert.False(t, seen[g], "generation %d repeated", g)
 				seen[g] = true
 			}
 		}()
 	}
 	wg.Wait()
-	if len(seen) != workers*each {
-		t.Fatalf("%d distinct generations of %d", len(seen), workers*each)
-	}
+	require.Len(t, seen, workers*each, "distinct generations")
 }
 
 func TestClose(t *testing.T) {
 	p, err := New(4096, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := p.Close(); err != nil {
-		t.Fatal(err)
-	}
-	if err := p.Close(); err != nil {
-		t.Fatalf("second Close: %v", err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, p.Close())
+	require.NoError(t, p.Close(), "second Close")
 }
