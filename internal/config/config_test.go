@@ -4,9 +4,11 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
-	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/status"
 )
@@ -14,33 +16,23 @@ import (
 func TestParseEmptyGivesDefaults(t *testing.T) {
 	for _, doc := range []string{"", "  \n\t", "{}", " { } "} {
 		c, err := Parse([]byte(doc))
-		if err != nil {
-			t.Fatalf("%q: %v", doc, err)
-		}
-		if !reflect.DeepEqual(c, Default()) {
-			t.Fatalf("%q: %+v, want the defaults", doc, c)
-		}
+		require.NoError(t, err, "%q", doc)
+		require.Equal(t, Default(), c, "%q must give the defaults", doc)
 	}
 	d := Default()
-	if err := d.Validate(); err != nil {
-		t.Fatalf("the defaults do not validate: %v", err)
-	}
+	require.NoError(t, d.Validate(), "the defaults do not validate")
 }
 
 func TestParseOverridesOnlyGivenFields(t *testing.T) {
 	c, err := Parse([]byte(`{"pool_bytes": 4194304, "transport": {"kind": "mooncake", "lib": "/opt/te.so"},
 		"directory": {"kind": "etcd", "endpoints": ["127.0.0.1:2379"]}, "arbiter": {"policy": "always-restore"}}`))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	want := Default()
 	want.PoolBytes = 4 << 20
 	want.Transport.Kind, want.Transport.Lib = "mooncake", "/opt/te.so"
 	want.Directory.Kind, want.Directory.Endpoints = "etcd", []string{"127.0.0.1:2379"}
 	want.Arbiter.Policy = "always-restore"
-	if !reflect.DeepEqual(c, want) {
-		t.Fatalf("got %+v\nwant %+v", c, want)
-	}
+	require.Equal(t, want, c)
 }
 
 func TestParseRejects(t *testing.T) {
@@ -59,9 +51,8 @@ func TestParseRejects(t *testing.T) {
 		{"too large", `{"owner": "` + strings.Repeat("a", MaxSize) + `"}`, "max"},
 	} {
 		_, err := Parse([]byte(tc.doc))
-		if status.Of(err) != status.Config || !strings.Contains(err.Error(), tc.msg) {
-			t.Errorf("%s: %v, want Config mentioning %q", tc.name, err, tc.msg)
-		}
+		assert.Equal(t, status.Config, status.Of(err), "%s: %v", tc.name, err)
+		assert.ErrorContains(t, err, tc.msg, tc.name)
 	}
 }
 
@@ -88,14 +79,13 @@ func TestValidate(t *testing.T) {
 		c := Default()
 		tc.mutate(&c)
 		err := c.Validate()
-		if status.Of(err) != status.Config || !strings.Contains(err.Error(), tc.msg) {
-			t.Errorf("%s: %v, want Config mentioning %q", tc.name, err, tc.msg)
-		}
+		assert.Equal(t, status.Config, status.Of(err), "%s: %v", tc.name, err)
+		assert.ErrorContains(t, err, tc.msg, tc.name)
 		// Parse reports the same error for the same document.
 		doc, _ := json.Marshal(c)
-		if _, err := Parse(doc); status.Of(err) != status.Config || !strings.Contains(err.Error(), tc.msg) {
-			t.Errorf("%s: Parse gives %v", tc.name, err)
-		}
+		_, err = Parse(doc)
+		assert.Equal(t, status.Config, status.Of(err), "%s: Parse gives %v", tc.name, err)
+		assert.ErrorContains(t, err, tc.msg, "%s: Parse", tc.name)
 	}
 	for _, ok := range []func(c *Config){
 		func(c *Config) { c.PoolBytes = 1 << 20 },
@@ -106,50 +96,44 @@ func TestValidate(t *testing.T) {
 	} {
 		c := Default()
 		ok(&c)
-		if err := c.Validate(); err != nil {
-			t.Errorf("%+v: %v", c, err)
-		}
+		assert.NoError(t, c.Validate(), "%+v", c)
 	}
 }
 
 func TestLoad(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "mcb.json")
-	if err := os.WriteFile(path, []byte(`{"owner": "from-file", "block_tokens": 64}`), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, os.WriteFile(path, []byte(`{"owner": "from-file", "block_tokens": 64}`), 0o600))
 
 	t.Setenv("MCB_CONFIG", "")
-	if c, err := Load(""); err != nil || !reflect.DeepEqual(c, Default()) {
-		t.Fatalf("no config anywhere: %+v, %v", c, err)
-	}
+	c, err := Load("")
+	require.NoError(t, err, "no config anywhere")
+	require.Equal(t, Default(), c, "no config anywhere")
 
 	t.Setenv("MCB_CONFIG", ` {"owner": "from-env"} `)
-	if c, err := Load(""); err != nil || c.Owner != "from-env" {
-		t.Fatalf("inline MCB_CONFIG: %+v, %v", c, err)
-	}
-	if c, err := Load(`{"owner": "from-arg"}`); err != nil || c.Owner != "from-arg" {
-		t.Fatalf("an argument must win over MCB_CONFIG: %+v, %v", c, err)
-	}
+	c, err = Load("")
+	require.NoError(t, err, "inline MCB_CONFIG")
+	require.Equal(t, "from-env", c.Owner, "inline MCB_CONFIG")
+	c, err = Load(`{"owner": "from-arg"}`)
+	require.NoError(t, err, "an argument must win over MCB_CONFIG")
+	require.Equal(t, "from-arg", c.Owner, "an argument must win over MCB_CONFIG")
 
 	t.Setenv("MCB_CONFIG", path+"\n")
-	if c, err := Load("  "); err != nil || c.Owner != "from-file" || c.BlockTokens != 64 {
-		t.Fatalf("MCB_CONFIG file: %+v, %v", c, err)
-	}
-	if c, err := Load(path); err != nil || c.Owner != "from-file" {
-		t.Fatalf("file argument: %+v, %v", c, err)
-	}
+	c, err = Load("  ")
+	require.NoError(t, err, "MCB_CONFIG file")
+	require.Equal(t, "from-file", c.Owner, "MCB_CONFIG file")
+	require.Equal(t, 64, c.BlockTokens, "MCB_CONFIG file")
+	c, err = Load(path)
+	require.NoError(t, err, "file argument")
+	require.Equal(t, "from-file", c.Owner, "file argument")
 
-	if _, err := Load(filepath.Join(dir, "missing.json")); status.Of(err) != status.Config {
-		t.Fatalf("missing file: %v", err)
-	}
+	_, err = Load(filepath.Join(dir, "missing.json"))
+	require.Equal(t, status.Config, status.Of(err), "missing file: %v", err)
 	bad := filepath.Join(dir, "bad.json")
-	if err := os.WriteFile(bad, []byte(`{"eviction": "never"}`), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := Load(bad); status.Of(err) != status.Config || !strings.Contains(err.Error(), "eviction") {
-		t.Fatalf("invalid file: %v", err)
-	}
+	require.NoError(t, os.WriteFile(bad, []byte(`{"eviction": "never"}`), 0o600))
+	_, err = Load(bad)
+	require.Equal(t, status.Config, status.Of(err), "invalid file: %v", err)
+	require.ErrorContains(t, err, "eviction", "invalid file")
 }
 
 // FuzzParse: any document either fails with status.Config or yields a
@@ -167,21 +151,14 @@ func FuzzParse(f *testing.F) {
 	f.Fuzz(func(t *testing.T, doc []byte) {
 		c, err := Parse(doc)
 		if err != nil {
-			if status.Of(err) != status.Config {
-				t.Fatalf("Parse(%q) = %v, want status.Config", doc, err)
-			}
+			require.Equal(t, status.Config, status.Of(err), "Parse(%q) = %v", doc, err)
 			return
 		}
-		if err := c.Validate(); err != nil {
-			t.Fatalf("Parse(%q) accepted a config that does not validate: %v", doc, err)
-		}
+		require.NoError(t, c.Validate(), "Parse(%q) accepted a config that does not validate", doc)
 		again, err := json.Marshal(c)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		c2, err := Parse(again)
-		if err != nil || !reflect.DeepEqual(c, c2) {
-			t.Fatalf("round trip of %q: %+v, %v; want %+v", doc, c2, err, c)
-		}
+		require.NoError(t, err, "round trip of %q", doc)
+		require.Equal(t, c, c2, "round trip of %q", doc)
 	})
 }

@@ -7,6 +7,9 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -46,14 +49,12 @@ func TestMemoryPublishDedupes(t *testing.T) {
 	a, b := open(t), open(t)
 	ctx := context.Background()
 	got, err := a.Publish(ctx, entries(modelA, 0, 3, "a"))
-	if err != nil || !slices.Equal(got, []bool{true, true, true}) {
-		t.Fatalf("first publisher: %v, %v", got, err)
-	}
+	require.NoError(t, err, "first publisher")
+	require.Equal(t, []bool{true, true, true}, got, "first publisher")
 	both := append(entries(modelA, 1, 5, "b"), entry(modelA, 4, "b2"), entry(modelB, 1, "b"))
 	got, err = b.Publish(ctx, both)
-	if want := []bool{false, false, true, true, false, true}; err != nil || !slices.Equal(got, want) {
-		t.Fatalf("second publisher: %v, %v; want %v", got, err, want)
-	}
+	require.NoError(t, err, "second publisher")
+	require.Equal(t, []bool{false, false, true, true, false, true}, got, "second publisher")
 }
 
 func TestMemoryPublishConcurrentStoresOnce(t *testing.T) {
@@ -61,13 +62,10 @@ func TestMemoryPublishConcurrentStoresOnce(t *testing.T) {
 	m := open(t)
 	var puts sync.Map
 	cancel, err := m.Subscribe(modelA, func(ev directory.Event) {
-		if _, dup := puts.LoadOrStore(ev.Entry.Key, ev.Entry.Loc.Owner); dup {
-			t.Errorf("second Put of %s", ev.Entry.Key)
-		}
+		_, dup := puts.LoadOrStore(ev.Entry.Key, ev.Entry.Loc.Owner)
+		assert.False(t, dup, "second Put of %s", ev.Entry.Key)
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer cancel()
 	results := make([][]bool, publishers)
 	var wg sync.WaitGroup
@@ -83,23 +81,19 @@ func TestMemoryPublishConcurrentStoresOnce(t *testing.T) {
 		for p := range publishers {
 			if results[p][i] {
 				winners++
-				if owner, _ := puts.Load(key.BlockKey{15: byte(i) + 1}); owner != fmt.Sprint("p", p) {
-					t.Errorf("block %d: publisher p%d won, subscriber saw %v", i, p, owner)
-				}
+				owner, _ := puts.Load(key.BlockKey{15: byte(i) + 1})
+				assert.Equal(t, fmt.Sprint("p", p), owner, "block %d: publisher p%d won, subscriber saw another", i, p)
 			}
 		}
-		if winners != 1 {
-			t.Errorf("block %d stored %d times", i, winners)
-		}
+		assert.Equal(t, 1, winners, "block %d stored more or less than once", i)
 	}
 }
 
 func TestMemoryUnpublishOnlyOwnEntries(t *testing.T) {
 	m := open(t)
 	ctx := context.Background()
-	if _, err := m.Publish(ctx, append(entries(modelA, 0, 3, "a"), entries(modelA, 3, 5, "b")...)); err != nil {
-		t.Fatal(err)
-	}
+	_, err := m.Publish(ctx, append(entries(modelA, 0, 3, "a"), entries(modelA, 3, 5, "b")...))
+	require.NoError(t, err)
 	all := []key.BlockKey{}
 	for _, e := range entries(modelA, 0, 5, "") {
 		all = append(all, e.Key)
@@ -116,14 +110,10 @@ func TestMemoryUnpublishOnlyOwnEntries(t *testing.T) {
 		{"b", modelA, all, []bool{false, false, true, false, false}},
 	}
 	for si, s := range steps {
-		if err := m.Unpublish(ctx, s.owner, s.model, s.keys); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, m.Unpublish(ctx, s.owner, s.model, s.keys))
 		// A publish succeeds exactly where the block is gone; undo it.
 		got, err := m.Publish(ctx, entries(modelA, 0, 5, "probe"))
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		var left []bool
 		var probes []key.BlockKey
 		for i, stored := range got {
@@ -132,21 +122,16 @@ func TestMemoryUnpublishOnlyOwnEntries(t *testing.T) {
 				probes = append(probes, all[i])
 			}
 		}
-		if !slices.Equal(left, s.left) {
-			t.Fatalf("step %d: held %v, want %v", si, left, s.left)
-		}
-		if err := m.Unpublish(ctx, "probe", modelA, probes); err != nil {
-			t.Fatal(err)
-		}
+		require.Equal(t, s.left, left, "step %d: blocks held", si)
+		require.NoError(t, m.Unpublish(ctx, "probe", modelA, probes))
 	}
 }
 
 func TestMemorySubscribeSnapshotThenEvents(t *testing.T) {
 	a, b := open(t), open(t)
 	ctx := context.Background()
-	if _, err := a.Publish(ctx, entries(modelA, 0, 2, "a")); err != nil {
-		t.Fatal(err)
-	}
+	_, err := a.Publish(ctx, entries(modelA, 0, 2, "a"))
+	require.NoError(t, err)
 	var mu sync.Mutex
 	var got []directory.Event
 	cancel, err := b.Subscribe(modelA, func(ev directory.Event) {
@@ -154,18 +139,14 @@ func TestMemorySubscribeSnapshotThenEvents(t *testing.T) {
 		got = append(got, ev)
 		mu.Unlock()
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	// The snapshot is delivered before Subscribe returns, in no set order.
 	mu.Lock()
 	snap := slices.Clone(got)
 	mu.Unlock()
 	slices.SortFunc(snap, func(x, y directory.Event) int { return int(x.Entry.Key[15]) - int(y.Entry.Key[15]) })
 	want := []directory.Event{{Kind: directory.Put, Entry: entry(modelA, 0, "a")}, {Kind: directory.Put, Entry: entry(modelA, 1, "a")}}
-	if !slices.Equal(snap, want) {
-		t.Fatalf("snapshot %v, want %v", snap, want)
-	}
+	require.Equal(t, want, snap, "snapshot")
 	steps := []func() error{
 		func() error { _, err := a.Publish(ctx, entries(modelA, 2, 4, "a")); return err },
 		func() error { _, err := a.Publish(ctx, entries(modelB, 0, 1, "a")); return err },
@@ -173,9 +154,7 @@ func TestMemorySubscribeSnapshotThenEvents(t *testing.T) {
 		func() error { _, err := b.Publish(ctx, entries(modelA, 0, 1, "b")); return err },
 	}
 	for _, step := range steps {
-		if err := step(); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, step())
 	}
 	want = append(want,
 		directory.Event{Kind: directory.Put, Entry: entry(modelA, 2, "a")},
@@ -185,14 +164,11 @@ func TestMemorySubscribeSnapshotThenEvents(t *testing.T) {
 	)
 	cancel()
 	cancel()
-	if _, err := a.Publish(ctx, entries(modelA, 9, 10, "a")); err != nil {
-		t.Fatal(err)
-	}
+	_, err = a.Publish(ctx, entries(modelA, 9, 10, "a"))
+	require.NoError(t, err)
 	mu.Lock()
 	defer mu.Unlock()
-	if !slices.Equal(got[2:], want[2:]) {
-		t.Fatalf("events %v, want %v", got[2:], want[2:])
-	}
+	require.Equal(t, want[2:], got[2:], "events")
 }
 
 func TestMemoryLifecycle(t *testing.T) {
@@ -201,43 +177,31 @@ func TestMemoryLifecycle(t *testing.T) {
 	b := directory.OpenMemory(t.Name())
 	other := directory.OpenMemory(t.Name() + "/other")
 	defer other.Close()
-	if _, err := a.Publish(ctx, entries(modelA, 0, 1, "a")); err != nil {
-		t.Fatal(err)
-	}
-	if got, _ := other.Publish(ctx, entries(modelA, 0, 1, "o")); !got[0] {
-		t.Fatal("directories of different names share entries")
-	}
-	if err := a.Close(); err != nil {
-		t.Fatal(err)
-	}
+	_, err := a.Publish(ctx, entries(modelA, 0, 1, "a"))
+	require.NoError(t, err)
+	got, _ := other.Publish(ctx, entries(modelA, 0, 1, "o"))
+	require.True(t, got[0], "directories of different names share entries")
+	require.NoError(t, a.Close())
 	for _, err := range []error{
 		a.Close(),
 		a.Unpublish(ctx, "a", modelA, nil),
 		func() error { _, err := a.Publish(ctx, nil); return err }(),
 		func() error { _, err := a.Subscribe(modelA, func(directory.Event) {}); return err }(),
 	} {
-		if status.Of(err) != status.State {
-			t.Errorf("after Close: %v, want %v", err, status.State)
-		}
+		assert.Equal(t, status.State, status.Of(err), "after Close: %v", err)
 	}
 	// b still holds the name: the entry lives.
-	if got, _ := b.Publish(ctx, entries(modelA, 0, 1, "b")); got[0] {
-		t.Fatal("entry gone while a handle remains")
-	}
-	if err := b.Close(); err != nil {
-		t.Fatal(err)
-	}
+	got, _ = b.Publish(ctx, entries(modelA, 0, 1, "b"))
+	require.False(t, got[0], "entry gone while a handle remains")
+	require.NoError(t, b.Close())
 	// The last close forgot everything.
 	c := open(t)
-	if got, _ := c.Publish(ctx, entries(modelA, 0, 1, "c")); !got[0] {
-		t.Fatal("entry outlived every handle")
-	}
+	got, _ = c.Publish(ctx, entries(modelA, 0, 1, "c"))
+	require.True(t, got[0], "entry outlived every handle")
 	done, cancel := context.WithCancel(ctx)
 	cancel()
-	if _, err := c.Publish(done, entries(modelA, 1, 2, "c")); status.Of(err) != status.Timeout {
-		t.Errorf("Publish with a done context: %v", err)
-	}
-	if err := c.Unpublish(done, "c", modelA, nil); status.Of(err) != status.Timeout {
-		t.Errorf("Unpublish with a done context: %v", err)
-	}
+	_, err = c.Publish(done, entries(modelA, 1, 2, "c"))
+	assert.Equal(t, status.Timeout, status.Of(err), "Publish with a done context: %v", err)
+	err = c.Unpublish(done, "c", modelA, nil)
+	assert.Equal(t, status.Timeout, status.Of(err), "Unpublish with a done context: %v", err)
 }

@@ -5,6 +5,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -27,14 +29,10 @@ func FuzzDecodeValue(f *testing.F) {
 		var got directory.Entry
 		err := directory.DecodeValue(b, &got)
 		if err != nil {
-			if status.Of(err) != status.Directory {
-				t.Fatalf("error %v has status %v", err, status.Of(err))
-			}
+			require.Equal(t, status.Directory, status.Of(err), "error %v", err)
 			return
 		}
-		if again := directory.EncodeValue(&got); !bytes.Equal(again, b) {
-			t.Fatalf("decoded %x as %+v, which encodes as %x", b, got, again)
-		}
+		require.Equal(t, b, directory.EncodeValue(&got), "decoded as %+v, which encodes otherwise", got)
 	})
 }
 
@@ -52,12 +50,8 @@ func FuzzEncodeValue(f *testing.F) {
 		copy(in.Parent[:], parent)
 		// Model and Key live in the etcd key, not the value.
 		out := directory.Entry{Model: key.Fingerprint{1}, Key: key.BlockKey{2}}
-		if err := directory.DecodeValue(directory.EncodeValue(&in), &out); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, directory.DecodeValue(directory.EncodeValue(&in), &out))
 		in.Model, in.Key = out.Model, out.Key
-		if out != in {
-			t.Fatalf("round trip: %+v became %+v", in, out)
-		}
+		require.Equal(t, in, out, "round trip")
 	})
 }
