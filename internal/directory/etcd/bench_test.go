@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
 )
@@ -19,9 +21,8 @@ func benchBlocks(b *testing.B) int {
 		return 10000
 	}
 	f, err := strconv.ParseFloat(s, 64)
-	if err != nil || f < 1 {
-		b.Fatalf("MCB_ETCD_BENCH_BLOCKS=%q: want a count such as 1e5", s)
-	}
+	require.NoError(b, err, "MCB_ETCD_BENCH_BLOCKS=%q: want a count such as 1e5", s)
+	require.GreaterOrEqual(b, f, 1.0, "MCB_ETCD_BENCH_BLOCKS=%q: want a count such as 1e5", s)
 	return int(f)
 }
 
@@ -46,9 +47,7 @@ func BenchmarkSubscribeCatchUp(b *testing.B) {
 				close(done)
 			}
 		})
-		if err != nil {
-			b.Fatal(err)
-		}
+		require.NoError(b, err)
 		<-done
 		cancel()
 	}
@@ -65,9 +64,8 @@ func BenchmarkPublish(b *testing.B) {
 			next := 0
 			for b.Loop() {
 				got, err := d.Publish(context.Background(), testEntries(modelA, next, next+batch, "pub"))
-				if err != nil || count(got) != batch {
-					b.Fatalf("publish: %d of %d stored, %v", count(got), batch, err)
-				}
+				require.NoError(b, err, "publish")
+				require.Equal(b, batch, count(got), "publish: blocks stored")
 				next += batch
 			}
 			b.ReportMetric(float64(next)/b.Elapsed().Seconds(), "blocks/s")

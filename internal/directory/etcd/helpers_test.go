@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/mcbridge/mcbridge/internal/directory"
@@ -33,9 +34,7 @@ func openDir(tb testing.TB, srv *etcdtest.Server, mod func(*Config)) *Directory 
 		mod(&cfg)
 	}
 	d, err := New(cfg)
-	if err != nil {
-		tb.Fatalf("New: %v", err)
-	}
+	require.NoError(tb, err, "New")
 	tb.Cleanup(func() { _ = d.Close() })
 	return d
 }
@@ -87,9 +86,7 @@ func keysOf(entries []directory.Entry) []key.BlockKey {
 func publish(tb testing.TB, d *Directory, entries []directory.Entry) []bool {
 	tb.Helper()
 	got, err := d.Publish(context.Background(), entries)
-	if err != nil {
-		tb.Fatalf("Publish: %v", err)
-	}
+	require.NoError(tb, err, "Publish")
 	return got
 }
 
@@ -101,9 +98,7 @@ func publishAll(tb testing.TB, d *Directory, entries []directory.Entry) {
 	for i := 0; i < len(entries); i += chunk {
 		got := publish(tb, d, entries[i:min(i+chunk, len(entries))])
 		for j, ok := range got {
-			if !ok {
-				tb.Fatalf("entry %d not stored", i+j)
-			}
+			require.True(tb, ok, "entry %d not stored", i+j)
 		}
 	}
 }
@@ -115,19 +110,13 @@ func stored(tb testing.TB, srv *etcdtest.Server, model key.Fingerprint) map[key.
 	ctx, cancel := context.WithTimeout(context.Background(), patience)
 	defer cancel()
 	resp, err := srv.Client().Get(ctx, prefix, clientv3.WithPrefix())
-	if err != nil {
-		tb.Fatalf("reading etcd: %v", err)
-	}
+	require.NoError(tb, err, "reading etcd")
 	out := map[key.BlockKey]storedEntry{}
 	for _, kv := range resp.Kvs {
 		k, err := parseBlockKey(prefix, kv.Key)
-		if err != nil {
-			tb.Fatal(err)
-		}
+		require.NoError(tb, err)
 		e := directory.Entry{Model: model, Key: k}
-		if err := directory.DecodeValue(kv.Value, &e); err != nil {
-			tb.Fatal(err)
-		}
+		require.NoError(tb, directory.DecodeValue(kv.Value, &e))
 		out[k] = storedEntry{Entry: e, lease: clientv3.LeaseID(kv.Lease)}
 	}
 	return out
@@ -172,7 +161,7 @@ func (c *collector) waitFor(tb testing.TB, n int) []directory.Event {
 		select {
 		case <-c.changed:
 		case <-deadline:
-			tb.Fatalf("waited %v for %d events, have %d", patience, n, len(evs))
+			require.FailNowf(tb, "timed out", "waited %v for %d events, have %d", patience, n, len(evs))
 		}
 	}
 }
@@ -187,9 +176,7 @@ func subscribe(tb testing.TB, d *Directory, model key.Fingerprint) *collector {
 	tb.Helper()
 	c := newCollector()
 	cancel, err := d.Subscribe(model, c.add)
-	if err != nil {
-		tb.Fatalf("Subscribe: %v", err)
-	}
+	require.NoError(tb, err, "Subscribe")
 	tb.Cleanup(cancel)
 	return c
 }
@@ -212,7 +199,7 @@ func (l leaseLog) waitState(tb testing.TB, state LeaseState) LeaseReport {
 				return r
 			}
 		case <-deadline:
-			tb.Fatalf("waited %v for lease state %v", patience, state)
+			require.FailNowf(tb, "timed out", "waited %v for lease state %v", patience, state)
 		}
 	}
 }

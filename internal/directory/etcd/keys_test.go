@@ -4,6 +4,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
@@ -13,9 +15,7 @@ func TestBlockKeyLayout(t *testing.T) {
 	k := key.BlockKey{0: 0xff, 15: 0x10}
 	got := blockKey("/mcbridge", model, k)
 	want := "/mcbridge/ab000000000000000000000000000001/b/ff000000000000000000000000000010"
-	if got != want {
-		t.Fatalf("blockKey = %q, want %q", got, want)
-	}
+	require.Equal(t, want, got, "blockKey")
 	prefix := modelPrefix("/mcbridge", model)
 	cases := []struct {
 		name string
@@ -33,11 +33,14 @@ func TestBlockKeyLayout(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			got, err := parseBlockKey(prefix, []byte(tc.in))
-			if tc.ok != (err == nil) || (tc.ok && got != k) {
-				t.Fatalf("parseBlockKey(%q) = %s, %v", tc.in, got, err)
+			if tc.ok {
+				require.NoError(t, err, "parseBlockKey(%q)", tc.in)
+				require.Equal(t, k, got, "parseBlockKey(%q)", tc.in)
+			} else {
+				require.Error(t, err, "parseBlockKey(%q) = %s", tc.in, got)
 			}
-			if err != nil && status.Of(err) != status.Directory {
-				t.Fatalf("error %v has status %v", err, status.Of(err))
+			if err != nil {
+				require.Equal(t, status.Directory, status.Of(err), "error %v", err)
 			}
 		})
 	}
@@ -55,13 +58,9 @@ func FuzzParseBlockKey(f *testing.F) {
 	f.Fuzz(func(t *testing.T, s string) {
 		k, err := parseBlockKey(prefix, []byte(s))
 		if err != nil {
-			if status.Of(err) != status.Directory {
-				t.Fatalf("error %v has status %v", err, status.Of(err))
-			}
+			require.Equal(t, status.Directory, status.Of(err), "error %v", err)
 			return
 		}
-		if again := blockKey(DefaultPrefix, model, k); again != s {
-			t.Fatalf("accepted %q, which names %s, written %q", s, k, again)
-		}
+		require.Equal(t, s, blockKey(DefaultPrefix, model, k), "accepted %q, which names %s, written otherwise", s, k)
 	})
 }

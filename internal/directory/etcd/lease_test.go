@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/mcbridge/mcbridge/internal/directory"
@@ -28,12 +30,9 @@ func TestOwnerProcess(t *testing.T) {
 		t.Skip("helper process of TestDeadOwnerEntriesExpire")
 	}
 	d, err := New(Config{Endpoints: []string{ep}, LeaseTTL: 2 * time.Second, OpTimeout: 30 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := d.Publish(context.Background(), testEntries(modelA, 0, 5, "child")); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	_, err = d.Publish(context.Background(), testEntries(modelA, 0, 5, "child"))
+	require.NoError(t, err)
 	fmt.Println("published")
 	time.Sleep(time.Hour)
 }
@@ -48,39 +47,27 @@ func TestDeadOwnerEntriesExpire(t *testing.T) {
 	child := exec.Command(os.Args[0], "-test.run=^TestOwnerProcess$")
 	child.Env = append(os.Environ(), ownerEndpointEnv+"="+srv.Endpoint())
 	out, err := child.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	child.Stderr = os.Stderr
-	if err := child.Start(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, child.Start())
 	line, err := bufio.NewReader(out).ReadString('\n')
 	if err != nil || strings.TrimSpace(line) != "published" {
 		_ = child.Process.Kill()
-		t.Fatalf("owner process said %q, %v", line, err)
+		require.FailNowf(t, "owner process did not publish", "owner process said %q, %v", line, err)
 	}
 	c.waitFor(t, 5)
-	if err := child.Process.Kill(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, child.Process.Kill())
 	_ = child.Wait()
 
 	deleted := map[directory.Entry]bool{}
 	for _, ev := range c.waitFor(t, 10)[5:] {
-		if ev.Kind != directory.Delete {
-			t.Fatalf("after the owner died got %s", eventString(ev))
-		}
+		require.Equal(t, directory.Delete, ev.Kind, "after the owner died got %s", eventString(ev))
 		deleted[ev.Entry] = true
 	}
 	for i, e := range testEntries(modelA, 0, 5, "child") {
-		if !deleted[e] {
-			t.Errorf("no Delete of the dead owner's block %d", i)
-		}
+		assert.True(t, deleted[e], "no Delete of the dead owner's block %d", i)
 	}
-	if held := stored(t, srv, modelA); len(held) != 0 {
-		t.Fatalf("etcd still holds %d of the dead owner's blocks", len(held))
-	}
+	require.Empty(t, stored(t, srv, modelA), "etcd still holds the dead owner's blocks")
 }
 
 // Close revokes the lease: every entry this process published goes, and
@@ -93,31 +80,22 @@ func TestCloseRevokesLease(t *testing.T) {
 	publish(t, b, testEntries(modelA, 3, 4, "b"))
 	c := subscribe(t, b, modelA)
 	c.waitFor(t, 4)
-	if err := a.Close(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, a.Close())
 	got := c.waitFor(t, 7)[4:]
 	for _, ev := range got {
-		if ev.Kind != directory.Delete || ev.Entry.Loc.Owner != "a" {
-			t.Fatalf("after close got %s", eventString(ev))
-		}
+		require.Equal(t, directory.Delete, ev.Kind, "after close got %s", eventString(ev))
+		require.Equal(t, "a", ev.Entry.Loc.Owner, "after close got %s", eventString(ev))
 	}
-	if held := stored(t, srv, modelA); len(held) != 1 {
-		t.Fatalf("etcd holds %d blocks, want b's one", len(held))
-	}
+	require.Len(t, stored(t, srv, modelA), 1, "etcd must hold b's block only")
 	ctx := context.Background()
-	if err := a.Close(); status.Of(err) != status.State {
-		t.Errorf("second Close: %v", err)
-	}
-	if _, err := a.Publish(ctx, testEntries(modelA, 5, 6, "a")); status.Of(err) != status.State {
-		t.Errorf("Publish after Close: %v", err)
-	}
-	if err := a.Unpublish(ctx, "a", modelA, nil); status.Of(err) != status.State {
-		t.Errorf("Unpublish after Close: %v", err)
-	}
-	if _, err := a.Subscribe(modelA, func(directory.Event) {}); status.Of(err) != status.State {
-		t.Errorf("Subscribe after Close: %v", err)
-	}
+	err := a.Close()
+	assert.Equal(t, status.State, status.Of(err), "second Close: %v", err)
+	_, err = a.Publish(ctx, testEntries(modelA, 5, 6, "a"))
+	assert.Equal(t, status.State, status.Of(err), "Publish after Close: %v", err)
+	err = a.Unpublish(ctx, "a", modelA, nil)
+	assert.Equal(t, status.State, status.Of(err), "Unpublish after Close: %v", err)
+	_, err = a.Subscribe(modelA, func(directory.Event) {})
+	assert.Equal(t, status.State, status.Of(err), "Subscribe after Close: %v", err)
 }
 
 // When etcd drops the lease (here: revoked by someone else, as when it
@@ -128,30 +106,25 @@ func TestLeaseLossRepublishes(t *testing.T) {
 	leases := make(leaseLog, 256)
 	a := openDir(t, srv, leases.hook)
 	publish(t, a, testEntries(modelA, 0, 6, "a"))
-	if err := a.Unpublish(context.Background(), "a", modelA, keysOf(testEntries(modelA, 5, 6, ""))); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, a.Unpublish(context.Background(), "a", modelA, keysOf(testEntries(modelA, 5, 6, ""))))
 	old := stored(t, srv, modelA)[testEntry(modelA, 0, "").Key].lease
 	watcher := openDir(t, srv, nil)
 	c := subscribe(t, watcher, modelA)
 	c.waitFor(t, 5)
 
-	if _, err := srv.Client().Revoke(context.Background(), old); err != nil {
-		t.Fatal(err)
-	}
+	_, err := srv.Client().Revoke(context.Background(), old)
+	require.NoError(t, err)
 	leases.waitState(t, LeaseLost)
 	r := leases.waitState(t, LeaseRepublished)
-	if r.Republished != 5 || r.Taken != 0 || r.Err != nil {
-		t.Fatalf("report %+v, want 5 republished", r)
-	}
+	require.Equal(t, 5, r.Republished, "report %+v", r)
+	require.Zero(t, r.Taken, "report %+v", r)
+	require.NoError(t, r.Err, "report %+v", r)
 	held := stored(t, srv, modelA)
-	if len(held) != 5 {
-		t.Fatalf("etcd holds %d blocks, want 5", len(held))
-	}
+	require.Len(t, held, 5, "blocks etcd holds")
 	for i, e := range testEntries(modelA, 0, 5, "a") {
-		if held[e.Key].Entry != e || held[e.Key].lease != clientv3.LeaseID(r.Lease) || r.Lease == int64(old) {
-			t.Fatalf("block %d stored as %+v, want it under new lease %x", i, held[e.Key], r.Lease)
-		}
+		require.Equal(t, e, held[e.Key].Entry, "block %d stored as %+v", i, held[e.Key])
+		require.Equal(t, clientv3.LeaseID(r.Lease), held[e.Key].lease, "block %d must be under the new lease", i)
+		require.NotEqual(t, int64(old), r.Lease, "the new lease is the old one")
 	}
 	// Subscribers saw the entries go and come back.
 	got := c.waitFor(t, 15)[5:]
@@ -160,14 +133,11 @@ func TestLeaseLossRepublishes(t *testing.T) {
 		if i >= 5 {
 			wantKind = directory.Put
 		}
-		if ev.Kind != wantKind || ev.Entry.Loc.Owner != "a" {
-			t.Fatalf("event %d: %s", i, eventString(ev))
-		}
+		require.Equal(t, wantKind, ev.Kind, "event %d: %s", i, eventString(ev))
+		require.Equal(t, "a", ev.Entry.Loc.Owner, "event %d: %s", i, eventString(ev))
 	}
 	// Publishing goes on under the new lease.
-	if got := publish(t, a, testEntries(modelA, 6, 7, "a")); !got[0] {
-		t.Fatal("publish after re-grant refused")
-	}
+	require.True(t, publish(t, a, testEntries(modelA, 6, 7, "a"))[0], "publish after re-grant refused")
 }
 
 // Entries that another process published while ours were gone are no
@@ -193,31 +163,23 @@ func TestLeaseLossTakenByOthers(t *testing.T) {
 	publish(t, a, testEntries(modelA, 0, 4, "a"))
 	old := stored(t, srv, modelA)[testEntry(modelA, 0, "").Key].lease
 	ctx := context.Background()
-	if _, err := srv.Client().Revoke(ctx, old); err != nil {
-		t.Fatal(err)
-	}
+	_, err := srv.Client().Revoke(ctx, old)
+	require.NoError(t, err)
 	leases.waitState(t, LeaseLost)
-	if got := publish(t, b, testEntries(modelA, 0, 2, "b")); !got[0] || !got[1] {
-		t.Fatalf("b's publish into the gap: %v", got)
-	}
+	got := publish(t, b, testEntries(modelA, 0, 2, "b"))
+	require.True(t, got[0], "b's publish into the gap: %v", got)
+	require.True(t, got[1], "b's publish into the gap: %v", got)
 	release()
 	r := leases.waitState(t, LeaseRepublished)
-	if r.Republished != 2 || r.Taken != 2 {
-		t.Fatalf("report %+v, want 2 republished and 2 taken", r)
-	}
+	require.Equal(t, 2, r.Republished, "report %+v", r)
+	require.Equal(t, 2, r.Taken, "report %+v", r)
 	held := stored(t, srv, modelA)
 	for i, owner := range []string{"b", "b", "a", "a"} {
-		if got := held[testEntry(modelA, i, "").Key].Loc.Owner; got != owner {
-			t.Fatalf("block %d owned by %q, want %q", i, got, owner)
-		}
+		require.Equal(t, owner, held[testEntry(modelA, i, "").Key].Loc.Owner, "block %d owner", i)
 	}
 	// Taken entries are not a's to unpublish any more.
-	if err := a.Unpublish(ctx, "a", modelA, keysOf(testEntries(modelA, 0, 4, ""))); err != nil {
-		t.Fatal(err)
-	}
-	if held := stored(t, srv, modelA); len(held) != 2 {
-		t.Fatalf("etcd holds %d blocks, want b's 2", len(held))
-	}
+	require.NoError(t, a.Unpublish(ctx, "a", modelA, keysOf(testEntries(modelA, 0, 4, ""))))
+	require.Len(t, stored(t, srv, modelA), 2, "etcd must hold b's 2 blocks")
 }
 
 // With etcd down, Publish and Unpublish fail with a clear status within
@@ -247,28 +209,22 @@ func TestEtcdDownAndBack(t *testing.T) {
 			})
 			publish(t, a, testEntries(modelA, 0, 3, "a"))
 			cancelSub, err := a.Subscribe(modelA, func(directory.Event) {})
-			if err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err)
 			defer cancelSub()
 
 			srv.Stop()
 			ctx := context.Background()
 			_, err = a.Publish(ctx, testEntries(modelA, 3, 4, "a"))
-			if status.Of(err) != status.Directory || !strings.Contains(err.Error(), "unreachable") {
-				t.Fatalf("Publish with etcd down: %v, want directory unavailable, unreachable", err)
-			}
+			require.Equal(t, status.Directory, status.Of(err), "Publish with etcd down: %v", err)
+			require.ErrorContains(t, err, "unreachable", "Publish with etcd down")
 			t.Logf("Publish with etcd down: %v", err)
 			err = a.Unpublish(ctx, "a", modelA, keysOf(testEntries(modelA, 0, 1, "")))
-			if status.Of(err) != status.Directory {
-				t.Fatalf("Unpublish with etcd down: %v", err)
-			}
+			require.Equal(t, status.Directory, status.Of(err), "Unpublish with etcd down: %v", err)
 			// Past the TTL the lease is lost; publishing waits for a new one.
 			leases.waitState(t, LeaseLost)
 			_, err = a.Publish(ctx, testEntries(modelA, 3, 4, "a"))
-			if status.Of(err) != status.Directory || !strings.Contains(err.Error(), "lease lost") {
-				t.Fatalf("Publish with the lease lost: %v", err)
-			}
+			require.Equal(t, status.Directory, status.Of(err), "Publish with the lease lost: %v", err)
+			require.ErrorContains(t, err, "lease lost", "Publish with the lease lost")
 			t.Logf("Publish with the lease lost: %v", err)
 
 			if tc.wipe {
@@ -276,9 +232,9 @@ func TestEtcdDownAndBack(t *testing.T) {
 			}
 			srv.Restart()
 			r := leases.waitState(t, tc.wantState)
-			if tc.wipe && r.Republished != 2 {
+			if tc.wipe {
 				// Block 0 was unpublished: forgotten even though etcd never heard.
-				t.Fatalf("report %+v, want 2 republished", r)
+				require.Equal(t, 2, r.Republished, "report %+v", r)
 			}
 			deadline := time.Now().Add(patience)
 			for {
@@ -287,15 +243,13 @@ func TestEtcdDownAndBack(t *testing.T) {
 					break
 				}
 				if time.Now().After(deadline) {
-					t.Fatalf("Publish after restart still fails: %v", err)
+					require.NoError(t, err, "Publish after restart still fails")
 				}
 				t.Logf("Publish right after restart: %v", err)
 			}
 			held := stored(t, srv, modelA)
 			for i := 1; i < 4; i++ {
-				if _, ok := held[testEntry(modelA, i, "").Key]; !ok {
-					t.Errorf("block %d missing after etcd came back", i)
-				}
+				assert.Contains(t, held, testEntry(modelA, i, "").Key, "block %d missing after etcd came back", i)
 			}
 		})
 	}
@@ -323,15 +277,13 @@ func TestConfigValidation(t *testing.T) {
 			cfg := ok
 			tc.mod(&cfg)
 			d, err := New(cfg)
-			if got := status.Of(err); got != tc.want {
-				t.Fatalf("New: %v, want %v", err, tc.want)
-			}
+			require.Equal(t, tc.want, status.Of(err), "New: %v", err)
 			if err == nil {
-				if d.cfg.Prefix != DefaultPrefix || d.cfg.LeaseTTL != DefaultLeaseTTL || d.cfg.MaxTxnOps != DefaultMaxTxnOps {
-					t.Errorf("defaults not applied: %+v", d.cfg)
-				}
-				if err := d.Close(); err != nil && status.Of(err) != status.Directory {
-					t.Errorf("Close: %v", err)
+				assert.Equal(t, DefaultPrefix, d.cfg.Prefix, "defaults not applied: %+v", d.cfg)
+				assert.Equal(t, DefaultLeaseTTL, d.cfg.LeaseTTL, "defaults not applied: %+v", d.cfg)
+				assert.Equal(t, DefaultMaxTxnOps, d.cfg.MaxTxnOps, "defaults not applied: %+v", d.cfg)
+				if err := d.Close(); err != nil {
+					assert.Equal(t, status.Directory, status.Of(err), "Close: %v", err)
 				}
 			}
 		})

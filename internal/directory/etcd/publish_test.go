@@ -3,9 +3,11 @@ package etcd
 import (
 	"context"
 	"fmt"
-	"slices"
 	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
@@ -20,34 +22,22 @@ func TestPublishDedupesAcrossClients(t *testing.T) {
 	a := openDir(t, srv, nil)
 	b := openDir(t, srv, nil)
 
-	if got := publish(t, a, testEntries(modelA, 0, 6, "a")); slices.Contains(got, false) {
-		t.Fatalf("first publisher: %v, want all stored", got)
-	}
+	require.NotContains(t, publish(t, a, testEntries(modelA, 0, 6, "a")), false, "first publisher: want all stored")
 	got := publish(t, b, testEntries(modelA, 0, 10, "b"))
 	want := []bool{false, false, false, false, false, false, true, true, true, true}
-	if !slices.Equal(got, want) {
-		t.Fatalf("second publisher: %v, want %v", got, want)
-	}
+	require.Equal(t, want, got, "second publisher")
 	held := stored(t, srv, modelA)
-	if len(held) != 10 {
-		t.Fatalf("etcd holds %d blocks, want 10", len(held))
-	}
+	require.Len(t, held, 10, "blocks etcd holds")
 	for i, e := range testEntries(modelA, 0, 10, "") {
 		wantOwner := "a"
 		if i >= 6 {
 			wantOwner = "b"
 		}
-		if got := held[e.Key].Loc.Owner; got != wantOwner {
-			t.Errorf("block %d owned by %q, want %q", i, got, wantOwner)
-		}
-		if held[e.Key].Entry != testEntry(modelA, i, wantOwner) {
-			t.Errorf("block %d stored as %+v", i, held[e.Key].Entry)
-		}
+		assert.Equal(t, wantOwner, held[e.Key].Loc.Owner, "block %d owner", i)
+		assert.Equal(t, testEntry(modelA, i, wantOwner), held[e.Key].Entry, "block %d stored", i)
 	}
 	// Another model's key space is separate.
-	if got := publish(t, b, testEntries(modelB, 0, 2, "b")); !slices.Equal(got, []bool{true, true}) {
-		t.Fatalf("other model: %v", got)
-	}
+	require.Equal(t, []bool{true, true}, publish(t, b, testEntries(modelB, 0, 2, "b")), "other model")
 }
 
 func TestPublishConcurrentSameBlocksStoresEachOnce(t *testing.T) {
@@ -64,9 +54,7 @@ func TestPublishConcurrentSameBlocksStoresEachOnce(t *testing.T) {
 		}()
 	}
 	for range dirs {
-		if err := <-errs; err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, <-errs)
 	}
 	held := stored(t, srv, modelA)
 	for j, e := range testEntries(modelA, 0, n, "") {
@@ -74,14 +62,10 @@ func TestPublishConcurrentSameBlocksStoresEachOnce(t *testing.T) {
 		for i := range dirs {
 			if results[i][j] {
 				winners++
-				if owner := fmt.Sprint("p", i); held[e.Key].Loc.Owner != owner {
-					t.Errorf("block %d: publisher %s won but etcd names %q", j, owner, held[e.Key].Loc.Owner)
-				}
+				assert.Equal(t, fmt.Sprint("p", i), held[e.Key].Loc.Owner, "block %d: the publisher that won is not the one etcd names", j)
 			}
 		}
-		if winners != 1 {
-			t.Errorf("block %d stored by %d publishers", j, winners)
-		}
+		assert.Equal(t, 1, winners, "block %d: publishers that stored it", j)
 	}
 }
 
@@ -92,21 +76,17 @@ func TestPublishDuplicateInOneCall(t *testing.T) {
 	other := e0
 	other.Loc.Addr = 1 << 40
 	got := publish(t, d, []directory.Entry{e0, e1, other})
-	if !slices.Equal(got, []bool{true, true, false}) {
-		t.Fatalf("got %v, want the first copy stored", got)
-	}
-	if held := stored(t, srv, modelA); held[e0.Key].Loc.Addr != e0.Loc.Addr {
-		t.Fatalf("stored %+v, want the first copy", held[e0.Key])
-	}
+	require.Equal(t, []bool{true, true, false}, got, "want the first copy stored")
+	held := stored(t, srv, modelA)
+	require.Equal(t, e0.Loc.Addr, held[e0.Key].Loc.Addr, "stored %+v, want the first copy", held[e0.Key])
 }
 
 func TestPublishRejectsLongNames(t *testing.T) {
 	srv := etcdtest.Start(t)
 	d := openDir(t, srv, nil)
 	e := testEntry(modelA, 0, strings.Repeat("o", directory.MaxNameLen+1))
-	if _, err := d.Publish(context.Background(), []directory.Entry{e}); status.Of(err) != status.InvalidArg {
-		t.Fatalf("got %v, want invalid argument", err)
-	}
+	_, err := d.Publish(context.Background(), []directory.Entry{e})
+	require.Equal(t, status.InvalidArg, status.Of(err), "got %v", err)
 }
 
 // Unpublish removes only the entries that name the given owner, whoever
@@ -136,9 +116,7 @@ func TestUnpublishOnlyOwnEntries(t *testing.T) {
 		{"removing again is a no-op", a, "a", modelA, all[:3], []int{3}},
 	}
 	for _, s := range steps {
-		if err := s.d.Unpublish(ctx, s.owner, s.model, s.keys); err != nil {
-			t.Fatalf("%s: %v", s.name, err)
-		}
+		require.NoError(t, s.d.Unpublish(ctx, s.owner, s.model, s.keys), "%s", s.name)
 		held := stored(t, srv, modelA)
 		var left []int
 		for i, k := range all {
@@ -146,14 +124,10 @@ func TestUnpublishOnlyOwnEntries(t *testing.T) {
 				left = append(left, i)
 			}
 		}
-		if !slices.Equal(left, s.left) {
-			t.Fatalf("%s: etcd holds blocks %v, want %v", s.name, left, s.left)
-		}
+		require.Equal(t, s.left, left, "%s: blocks etcd holds", s.name)
 	}
 	// A block a unpublished can be published again, by anyone.
-	if got := publish(t, b, testEntries(modelA, 0, 1, "b")); !got[0] {
-		t.Fatal("republishing an unpublished block was refused")
-	}
+	require.True(t, publish(t, b, testEntries(modelA, 0, 1, "b"))[0], "republishing an unpublished block was refused")
 }
 
 // Batches over etcd's per-transaction limits are split; a server whose
@@ -196,27 +170,16 @@ func TestPublishLargeBatches(t *testing.T) {
 			}
 			got, err := d.Publish(context.Background(), entries)
 			if tc.wantErr != "" {
-				if status.Of(err) != status.Directory || !strings.Contains(err.Error(), tc.wantErr) {
-					t.Fatalf("got %v, want a directory error naming %s", err, tc.wantErr)
-				}
+				require.Equal(t, status.Directory, status.Of(err), "got %v", err)
+				require.ErrorContains(t, err, tc.wantErr)
 				return
 			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			if slices.Contains(got, false) {
-				t.Fatalf("%d of %d not stored", len(got)-count(got), len(got))
-			}
-			if held := stored(t, srv, modelA); len(held) != tc.n {
-				t.Fatalf("etcd holds %d blocks, want %d", len(held), tc.n)
-			}
+			require.NoError(t, err)
+			require.NotContains(t, got, false, "%d of %d not stored", len(got)-count(got), len(got))
+			require.Len(t, stored(t, srv, modelA), tc.n, "blocks etcd holds")
 			// Unpublish splits the same way.
-			if err := d.Unpublish(context.Background(), "a", modelA, keysOf(entries)); err != nil {
-				t.Fatal(err)
-			}
-			if held := stored(t, srv, modelA); len(held) != 0 {
-				t.Fatalf("etcd holds %d blocks after unpublishing all", len(held))
-			}
+			require.NoError(t, d.Unpublish(context.Background(), "a", modelA, keysOf(entries)))
+			require.Empty(t, stored(t, srv, modelA), "etcd holds blocks after unpublishing all")
 		})
 	}
 }
@@ -240,27 +203,20 @@ func TestBatchesRespectLimits(t *testing.T) {
 	batches := d.batches(ops)
 	var joined []op
 	for _, b := range batches {
-		if len(b) == 0 || len(b) > d.cfg.MaxTxnOps-1 {
-			t.Fatalf("batch of %d ops", len(b))
-		}
+		require.NotEmpty(t, b, "empty batch")
+		require.LessOrEqual(t, len(b), d.cfg.MaxTxnOps-1, "ops in a batch")
 		bytes := 0
 		for _, o := range b {
 			bytes += 3*len(o.key) + len(o.value) + opOverhead
 		}
-		if len(b) > 1 && bytes > d.cfg.MaxRequestBytes-minRequestBytes/2 {
-			t.Fatalf("batch of %d bytes", bytes)
+		if len(b) > 1 {
+			require.LessOrEqual(t, bytes, d.cfg.MaxRequestBytes-minRequestBytes/2, "bytes in a batch")
 		}
 		joined = append(joined, b...)
 	}
-	if len(joined) != len(ops) {
-		t.Fatalf("batches hold %d ops, want %d", len(joined), len(ops))
-	}
+	require.Len(t, joined, len(ops), "ops the batches hold")
 	for i := range ops {
-		if joined[i].key != ops[i].key {
-			t.Fatalf("op %d reordered", i)
-		}
+		require.Equal(t, ops[i].key, joined[i].key, "op %d reordered", i)
 	}
-	if got := d.batches(nil); len(got) != 0 {
-		t.Fatalf("no ops gave %d batches", len(got))
-	}
+	require.Empty(t, d.batches(nil), "batches of no ops")
 }

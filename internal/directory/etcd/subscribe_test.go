@@ -6,6 +6,8 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/mcbridge/mcbridge/internal/directory"
@@ -30,15 +32,11 @@ func TestSubscribeSnapshotThenEventsInOrder(t *testing.T) {
 	}
 	// The snapshot comes in key order.
 	slices.SortFunc(want, func(x, y directory.Event) int { return bytes.Compare(x.Entry.Key[:], y.Entry.Key[:]) })
-	if !slices.Equal(snap, want) {
-		t.Fatalf("snapshot:\n%v\nwant\n%v", snap, want)
-	}
+	require.Equal(t, want, snap, "snapshot")
 
 	ctx := context.Background()
 	publish(t, a, testEntries(modelA, 5, 8, "a"))
-	if err := a.Unpublish(ctx, "a", modelA, keysOf(testEntries(modelA, 1, 3, ""))); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, a.Unpublish(ctx, "a", modelA, keysOf(testEntries(modelA, 1, 3, ""))))
 	publish(t, b, testEntries(modelA, 1, 2, "b"))
 	publish(t, a, testEntries(modelB, 3, 6, "a")) // another model: not delivered
 	for _, e := range testEntries(modelA, 5, 8, "a") {
@@ -53,16 +51,15 @@ func TestSubscribeSnapshotThenEventsInOrder(t *testing.T) {
 		for i := range got {
 			t.Logf("%d: %s", i, eventString(got[i]))
 		}
-		t.Fatalf("got %d events, want %d as listed in the test", len(got), len(want))
 	}
+	require.Equal(t, want, got, "events as listed in the test")
 	// A publish that changes nothing delivers nothing: the next event seen
 	// is the one after it.
 	publish(t, b, testEntries(modelA, 0, 1, "b"))
 	publish(t, b, testEntries(modelA, 9, 10, "b"))
 	got = c.waitFor(t, len(want)+1)
-	if len(got) != len(want)+1 || got[len(want)].Entry != testEntry(modelA, 9, "b") {
-		t.Fatalf("after a refused publish got %s", eventString(got[len(got)-1]))
-	}
+	require.Len(t, got, len(want)+1, "after a refused publish got %s", eventString(got[len(got)-1]))
+	require.Equal(t, testEntry(modelA, 9, "b"), got[len(want)].Entry, "after a refused publish")
 }
 
 // A snapshot larger than a page arrives whole and consistent.
@@ -76,21 +73,17 @@ func TestSubscribeLargeSnapshot(t *testing.T) {
 	got := c.waitFor(t, n)
 	seen := make(map[key.BlockKey]bool, n)
 	for _, ev := range got {
-		if ev.Kind != directory.Put || seen[ev.Entry.Key] {
-			t.Fatalf("unexpected %s", eventString(ev))
-		}
+		require.Equal(t, directory.Put, ev.Kind, "unexpected %s", eventString(ev))
+		require.False(t, seen[ev.Entry.Key], "unexpected %s", eventString(ev))
 		seen[ev.Entry.Key] = true
 	}
 	for i, e := range testEntries(modelA, 0, n, "a") {
-		if !seen[e.Key] {
-			t.Fatalf("block %d missing from the snapshot", i)
-		}
+		require.True(t, seen[e.Key], "block %d missing from the snapshot", i)
 	}
 	// Live events follow the snapshot.
 	publish(t, a, testEntries(modelA, n, n+1, "a"))
-	if got := c.waitFor(t, n+1); got[n].Entry != testEntry(modelA, n, "a") {
-		t.Fatalf("after the snapshot got %s", eventString(got[n]))
-	}
+	got = c.waitFor(t, n+1)
+	require.Equal(t, testEntry(modelA, n, "a"), got[n].Entry, "after the snapshot got %s", eventString(got[n]))
 }
 
 // A watch whose revision was compacted away re-reads the snapshot and
@@ -106,25 +99,16 @@ func TestSubscribeResyncsAfterCompaction(t *testing.T) {
 	s := b.newSubscription(modelA, c.add)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	if err := s.sync(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if c.len() != 10 {
-		t.Fatalf("snapshot of %d events, want 10", c.len())
-	}
+	require.NoError(t, s.sync(ctx))
+	require.Equal(t, 10, c.len(), "snapshot events")
 	// While the subscription is not watching: changes, then compaction past
 	// them, so that the watch cannot replay them.
 	publish(t, a, testEntries(modelA, 10, 15, "a"))
-	if err := a.Unpublish(ctx, "a", modelA, keysOf(testEntries(modelA, 0, 3, ""))); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, a.Unpublish(ctx, "a", modelA, keysOf(testEntries(modelA, 0, 3, ""))))
 	resp, err := srv.Client().Get(ctx, "any")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := srv.Client().Compact(ctx, resp.Header.Revision); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	_, err = srv.Client().Compact(ctx, resp.Header.Revision)
+	require.NoError(t, err)
 	go s.run(ctx)
 	defer func() { cancel(); <-s.done }()
 
@@ -138,23 +122,17 @@ func TestSubscribeResyncsAfterCompaction(t *testing.T) {
 		}
 	}
 	for _, e := range testEntries(modelA, 10, 15, "a") {
-		if puts[e.Key] != e {
-			t.Errorf("resync: no Put of %s", e.Key)
-		}
+		assert.Equal(t, e, puts[e.Key], "resync: no Put of %s", e.Key)
 	}
 	for _, e := range testEntries(modelA, 0, 3, "a") {
-		if !deletes[e.Key] {
-			t.Errorf("resync: no Delete of %s", e.Key)
-		}
+		assert.True(t, deletes[e.Key], "resync: no Delete of %s", e.Key)
 	}
-	if len(puts) != 5 || len(deletes) != 3 {
-		t.Fatalf("resync delivered %d Puts and %d Deletes, want 5 and 3", len(puts), len(deletes))
-	}
+	require.Len(t, puts, 5, "Puts the resync delivered")
+	require.Len(t, deletes, 3, "Deletes the resync delivered")
 	// The watch resumes after the resync.
 	publish(t, a, testEntries(modelA, 20, 21, "a"))
-	if got := c.waitFor(t, 19); got[18].Entry != testEntry(modelA, 20, "a") {
-		t.Fatalf("after resync got %s", eventString(got[18]))
-	}
+	got = c.waitFor(t, 19)
+	require.Equal(t, testEntry(modelA, 20, "a"), got[18].Entry, "after resync got %s", eventString(got[18]))
 }
 
 // A subscription outlives an etcd restart and sees what is published after.
@@ -168,9 +146,8 @@ func TestSubscribeSurvivesRestart(t *testing.T) {
 	srv.Stop()
 	srv.Restart()
 	publish(t, a, testEntries(modelA, 2, 3, "a"))
-	if got := c.waitFor(t, 3); got[2].Entry != testEntry(modelA, 2, "a") {
-		t.Fatalf("after restart got %s", eventString(got[2]))
-	}
+	got := c.waitFor(t, 3)
+	require.Equal(t, testEntry(modelA, 2, "a"), got[2].Entry, "after restart got %s", eventString(got[2]))
 }
 
 func TestSubscribeCancelStopsDelivery(t *testing.T) {
@@ -179,9 +156,7 @@ func TestSubscribeCancelStopsDelivery(t *testing.T) {
 	b := openDir(t, srv, nil)
 	c := newCollector()
 	cancel, err := b.Subscribe(modelA, c.add)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	publish(t, a, testEntries(modelA, 0, 1, "a"))
 	c.waitFor(t, 1)
 	cancel()
@@ -190,9 +165,7 @@ func TestSubscribeCancelStopsDelivery(t *testing.T) {
 	// does see them, bounds the wait.
 	publish(t, a, testEntries(modelA, 1, 2, "a"))
 	subscribe(t, b, modelA).waitFor(t, 2)
-	if n := c.len(); n != 1 {
-		t.Fatalf("%d events after cancel, want 1", n)
-	}
+	require.Equal(t, 1, c.len(), "events after cancel")
 }
 
 func TestBucketRangesCoverInOrder(t *testing.T) {
@@ -213,15 +186,13 @@ func TestBucketRangesCoverInOrder(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			got := bucketRanges(prefix, tc.from, end, tc.n)
-			if len(got) != tc.buckets {
-				t.Fatalf("%d ranges, want %d", len(got), tc.buckets)
-			}
-			if got[0][0] != tc.from || got[len(got)-1][1] != end {
-				t.Fatalf("ranges span [%q, %q), want [%q, %q)", got[0][0], got[len(got)-1][1], tc.from, end)
-			}
+			require.Len(t, got, tc.buckets, "ranges")
+			require.Equal(t, tc.from, got[0][0], "start of the ranges' span")
+			require.Equal(t, end, got[len(got)-1][1], "end of the ranges' span")
 			for i, r := range got {
-				if r[0] >= r[1] || (i > 0 && got[i-1][1] != r[0]) {
-					t.Fatalf("range %d [%q, %q) does not follow [%q, %q)", i, r[0], r[1], got[max(i-1, 0)][0], got[max(i-1, 0)][1])
+				require.Less(t, r[0], r[1], "range %d is empty", i)
+				if i > 0 {
+					require.Equal(t, got[i-1][1], r[0], "range %d does not follow the one before", i)
 				}
 			}
 		})
@@ -238,25 +209,19 @@ func TestSubscribeAll(t *testing.T) {
 	publishAll(t, pub, []directory.Entry{e1, e2})
 	c := newCollector()
 	cancel, err := openDir(t, srv, nil).SubscribeAll(c.add)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer cancel()
 	snap := c.waitFor(t, 2)
 	seen := map[key.Fingerprint]key.BlockKey{}
 	for _, ev := range snap {
-		if ev.Kind != directory.Put {
-			t.Fatalf("snapshot event %s", eventString(ev))
-		}
+		require.Equal(t, directory.Put, ev.Kind, "snapshot event %s", eventString(ev))
 		seen[ev.Entry.Model] = ev.Entry.Key
 	}
-	if seen[m1] != e1.Key || seen[m2] != e2.Key {
-		t.Fatalf("snapshot named the wrong models: %v", seen)
-	}
-	if err := pub.Unpublish(context.Background(), "a", m2, []key.BlockKey{e2.Key}); err != nil {
-		t.Fatal(err)
-	}
-	if ev := c.waitFor(t, 3)[2]; ev.Kind != directory.Delete || ev.Entry.Model != m2 || ev.Entry.Key != e2.Key {
-		t.Fatalf("delete event %s", eventString(ev))
-	}
+	require.Equal(t, e1.Key, seen[m1], "snapshot named the wrong models: %v", seen)
+	require.Equal(t, e2.Key, seen[m2], "snapshot named the wrong models: %v", seen)
+	require.NoError(t, pub.Unpublish(context.Background(), "a", m2, []key.BlockKey{e2.Key}))
+	ev := c.waitFor(t, 3)[2]
+	require.Equal(t, directory.Delete, ev.Kind, "delete event %s", eventString(ev))
+	require.Equal(t, m2, ev.Entry.Model, "delete event %s", eventString(ev))
+	require.Equal(t, e2.Key, ev.Entry.Key, "delete event %s", eventString(ev))
 }

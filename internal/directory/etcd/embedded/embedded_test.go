@@ -7,6 +7,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/directory/etcd"
 	"github.com/mcbridge/mcbridge/internal/key"
@@ -18,37 +21,34 @@ import (
 func TestEmbeddedServesDirectoryAcrossRestart(t *testing.T) {
 	dir := t.TempDir()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	clientURL := "http://" + l.Addr().String()
 	l.Close()
 
 	stop, err := Start(dir, clientURL, Options{MaxTxnOps: 256})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	d, err := etcd.New(etcd.Config{Endpoints: []string{clientURL}, MaxTxnOps: 256, LeaseTTL: 30 * time.Second})
 	if err != nil {
 		stop()
-		t.Fatal(err)
 	}
+	require.NoError(t, err)
 	model := key.Fingerprint{1}
 	entries := make([]directory.Entry, 300) // over etcd's default 128 ops: the raised limit is in force
 	for i := range entries {
 		entries[i] = directory.Entry{Model: model, Key: key.BlockKey{0: byte(i >> 8), 1: byte(i), 2: 1}, Loc: directory.Location{Segment: "s", Owner: "o"}}
 	}
 	ctx := context.Background()
-	if got, err := d.Publish(ctx, entries); err != nil || !got[0] || !got[299] {
+	got, err := d.Publish(ctx, entries)
+	if err != nil || !got[0] || !got[299] {
 		stop()
-		t.Fatalf("Publish: %v", err)
 	}
+	require.NoError(t, err, "Publish")
+	require.True(t, got[0], "Publish")
+	require.True(t, got[299], "Publish")
 	stop()
 
 	stop, err = Start(dir, clientURL, Options{MaxTxnOps: 256})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer stop()
 	// The entries are still held: publishing them again stores none.
 	deadline := time.Now().Add(time.Minute)
@@ -56,39 +56,29 @@ func TestEmbeddedServesDirectoryAcrossRestart(t *testing.T) {
 		got, err := d.Publish(ctx, entries)
 		if err == nil {
 			for i, stored := range got {
-				if stored {
-					t.Fatalf("entry %d was lost in the restart", i)
-				}
+				require.False(t, stored, "entry %d was lost in the restart", i)
 			}
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("Publish after restart: %v", err)
+			require.NoError(t, err, "Publish after restart")
 		}
 	}
-	if err := d.Close(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, d.Close())
 }
 
 // The quota applies to publishes (puts inside nested transactions, which
 // etcd 3.7 counts) and a full store refuses them with NOSPACE.
 func TestEmbeddedQuota(t *testing.T) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	clientURL := "http://" + l.Addr().String()
 	l.Close()
 	stop, err := Start(t.TempDir(), clientURL, Options{QuotaBytes: 1 << 20})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer stop()
 	d, err := etcd.New(etcd.Config{Endpoints: []string{clientURL}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer d.Close()
 	segment := strings.Repeat("s", directory.MaxNameLen)
 	const batch, limit = 100, 10000
@@ -101,12 +91,11 @@ func TestEmbeddedQuota(t *testing.T) {
 		if err == nil {
 			continue
 		}
-		if status.Of(err) != status.Directory || !strings.Contains(err.Error(), "NOSPACE") {
-			t.Fatalf("publish into a full etcd: %v", err)
-		}
+		require.Equal(t, status.Directory, status.Of(err), "publish into a full etcd: %v", err)
+		require.ErrorContains(t, err, "NOSPACE", "publish into a full etcd")
 		return
 	}
-	t.Fatalf("a 1 MiB quota took %d blocks of 1 KiB", limit)
+	require.FailNowf(t, "quota not enforced", "a 1 MiB quota took %d blocks of 1 KiB", limit)
 }
 
 func TestEmbeddedRejectsBadURLs(t *testing.T) {
@@ -114,8 +103,7 @@ func TestEmbeddedRejectsBadURLs(t *testing.T) {
 		{"127.0.0.1:2379", ""},
 		{"http://127.0.0.1:1", "::bad"},
 	} {
-		if _, err := Start(t.TempDir(), tc.client, Options{PeerURL: tc.peer}); status.Of(err) != status.Config {
-			t.Errorf("Start(%q, peer %q): %v, want a config error", tc.client, tc.peer, err)
-		}
+		_, err := Start(t.TempDir(), tc.client, Options{PeerURL: tc.peer})
+		assert.Equal(t, status.Config, status.Of(err), "Start(%q, peer %q): %v", tc.client, tc.peer, err)
 	}
 }
