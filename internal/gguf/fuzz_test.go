@@ -3,6 +3,8 @@ package gguf
 import (
 	"bytes"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 )
 
 // FuzzRead: no input panics Read, and what Read accepts is self-consistent.
@@ -19,17 +21,16 @@ func FuzzRead(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if g.Alignment == 0 || g.Alignment&(g.Alignment-1) != 0 {
-			t.Fatalf("alignment %d", g.Alignment)
-		}
-		if len(g.Tensors) > 0 && (g.DataOffset%g.Alignment != 0 || g.DataOffset > uint64(len(data))+g.Alignment) {
-			t.Fatalf("data offset %d in a %d-byte input", g.DataOffset, len(data))
+		require.NotZero(t, g.Alignment, "alignment")
+		require.Zero(t, g.Alignment&(g.Alignment-1), "alignment %d is not a power of 2", g.Alignment)
+		if len(g.Tensors) > 0 {
+			require.Zero(t, g.DataOffset%g.Alignment, "data offset %d is unaligned", g.DataOffset)
+			require.LessOrEqual(t, g.DataOffset, uint64(len(data))+g.Alignment, "data offset in a %d-byte input", len(data))
 		}
 		keys := map[string]bool{}
 		for _, kv := range g.Metadata {
-			if kv.Key == "" || keys[kv.Key] {
-				t.Fatalf("key %q accepted twice or empty", kv.Key)
-			}
+			require.NotEmpty(t, kv.Key, "empty key accepted")
+			require.False(t, keys[kv.Key], "key %q accepted twice", kv.Key)
 			keys[kv.Key] = true
 			v := kv.Value
 			_ = v.String()
@@ -43,13 +44,11 @@ func FuzzRead(f *testing.F) {
 		}
 		var next uint64
 		for _, ti := range g.Tensors {
-			if ti.Offset != next || len(ti.Name) >= maxNameLen || len(ti.Shape) > maxDims {
-				t.Fatalf("tensor %+v accepted, expected offset %d", ti, next)
-			}
+			require.Equal(t, next, ti.Offset, "tensor %+v accepted at another offset", ti)
+			require.Less(t, len(ti.Name), maxNameLen, "tensor %+v accepted", ti)
+			require.LessOrEqual(t, len(ti.Shape), maxDims, "tensor %+v accepted", ti)
 			next += alignUp(ti.Size, g.Alignment)
 		}
-		if next != g.DataSize {
-			t.Fatalf("data size %d, tensors end at %d", g.DataSize, next)
-		}
+		require.Equal(t, next, g.DataSize, "data size against the tensors' end")
 	})
 }

@@ -11,6 +11,9 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -23,9 +26,7 @@ func tinyWith(change func(*Config)) Config {
 func write(t testing.TB, cfg Config) []byte {
 	t.Helper()
 	var buf bytes.Buffer
-	if err := Write(&buf, cfg); err != nil {
-		t.Fatalf("Write: %v", err)
-	}
+	require.NoError(t, Write(&buf, cfg), "Write")
 	return buf.Bytes()
 }
 
@@ -44,30 +45,24 @@ func TestRoundTrip(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			data := write(t, tt.cfg)
 			f, err := Read(bytes.NewReader(data))
-			if err != nil {
-				t.Fatalf("Read: %v", err)
-			}
+			require.NoError(t, err, "Read")
 			want := tt.cfg.metadata(newVocab(tt.cfg.VocabSize))
-			if len(f.Metadata) != len(want) {
-				t.Fatalf("%d keys, want %d", len(f.Metadata), len(want))
-			}
+			require.Equal(t, len(want), len(f.Metadata), "metadata keys")
 			for i, kv := range f.Metadata {
-				if kv.Key != want[i].Key || !kv.Value.Equal(want[i].Value) {
-					t.Errorf("key %d: %s = %v, want %s = %v", i, kv.Key, kv.Value, want[i].Key, want[i].Value)
-				}
+				assert.Equal(t, want[i].Key, kv.Key, "key %d", i)
+				assert.True(t, kv.Value.Equal(want[i].Value), "key %d: %s = %v, want %v", i, kv.Key, kv.Value, want[i].Value)
 			}
 			ts := tt.cfg.tensors()
-			if len(f.Tensors) != len(ts) || len(ts) != 3+9*tt.cfg.BlockCount {
-				t.Fatalf("%d tensors, want %d", len(f.Tensors), len(ts))
-			}
-			if f.DataOffset%DefaultAlignment != 0 || f.DataOffset+f.DataSize != uint64(len(data)) {
-				t.Fatalf("data at %d size %d, file %d bytes", f.DataOffset, f.DataSize, len(data))
-			}
+			require.Len(t, f.Tensors, len(ts), "tensors")
+			require.Len(t, ts, 3+9*tt.cfg.BlockCount, "tensors")
+			require.Zero(t, f.DataOffset%DefaultAlignment, "data at %d is unaligned", f.DataOffset)
+			require.Equal(t, uint64(len(data)), f.DataOffset+f.DataSize, "data at %d size %d against the file's size", f.DataOffset, f.DataSize)
 			for i, got := range f.Tensors {
 				w := ts[i]
-				if got.Name != w.name || got.Type != w.typ || !equalU64(got.Shape, w.shape) || got.Size != w.size() {
-					t.Errorf("tensor %d: %+v, want %s %s %v", i, got, w.name, w.typ, w.shape)
-				}
+				assert.Equal(t, w.name, got.Name, "tensor %d name", i)
+				assert.Equal(t, w.typ, got.Type, "tensor %d type", i)
+				assert.True(t, equalU64(got.Shape, w.shape), "tensor %d shape %v, want %v", i, got.Shape, w.shape)
+				assert.Equal(t, w.size(), got.Size, "tensor %d size", i)
 				checkWeights(t, got, data[f.DataOffset+got.Offset:][:got.Size])
 			}
 		})
@@ -90,9 +85,8 @@ func checkWeights(t *testing.T, ti TensorInfo, data []byte) {
 	switch ti.Type {
 	case TensorF32:
 		for i := 0; i < len(data); i += 4 {
-			if v := math.Float32frombits(binary.LittleEndian.Uint32(data[i:])); v != 1 {
-				t.Fatalf("%s[%d] = %g, want 1", ti.Name, i/4, v)
-			}
+			v := math.Float32frombits(binary.LittleEndian.Uint32(data[i:]))
+			require.True(t, v == 1, "%s[%d] = %g, want 1", ti.Name, i/4, v)
 		}
 	case TensorF16:
 		bound := float32(math.Sqrt(3/float64(ti.Shape[0]))) * (1 + 1.0/1024)
@@ -101,55 +95,39 @@ func checkWeights(t *testing.T, ti TensorInfo, data []byte) {
 		for i := 0; i < len(data); i += 2 {
 			h := binary.LittleEndian.Uint16(data[i:])
 			v := f16ToF32(h)
-			if v != v || v > bound || v < -bound {
-				t.Fatalf("%s[%d] = %g, bound %g", ti.Name, i/2, v, bound)
-			}
+			require.False(t, v != v || v > bound || v < -bound, "%s[%d] = %g, bound %g", ti.Name, i/2, v, bound)
 			constant = constant && h == first
 		}
-		if constant {
-			t.Fatalf("%s is constant", ti.Name)
-		}
+		require.False(t, constant, "%s is constant", ti.Name)
 	default:
-		t.Fatalf("%s has type %s", ti.Name, ti.Type)
+		require.FailNowf(t, "unexpected tensor type", "%s has type %s", ti.Name, ti.Type)
 	}
 }
 
 func TestDeterminism(t *testing.T) {
 	base := write(t, Presets["tiny"])
-	if again := write(t, Presets["tiny"]); !bytes.Equal(base, again) {
-		t.Fatal("same config wrote different bytes")
-	}
+	require.True(t, bytes.Equal(base, write(t, Presets["tiny"])), "same config wrote different bytes")
 	f, err := Read(bytes.NewReader(base))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	header := base[:f.DataOffset]
 
 	reseeded := write(t, tinyWith(func(c *Config) { c.Seed = 2 }))
-	if !bytes.Equal(reseeded[:f.DataOffset], header) {
-		t.Error("another seed changed the header")
-	}
+	assert.True(t, bytes.Equal(reseeded[:f.DataOffset], header), "another seed changed the header")
 	// Every matrix differs, not just some bytes: the streams are per tensor.
 	g, _ := Read(bytes.NewReader(reseeded))
 	for _, ti := range g.Tensors {
 		a := base[f.DataOffset+ti.Offset:][:ti.Size]
 		b := reseeded[f.DataOffset+ti.Offset:][:ti.Size]
-		if bytes.Equal(a, b) != (ti.Type == TensorF32) {
-			t.Errorf("%s: equal=%v across seeds", ti.Name, bytes.Equal(a, b))
-		}
+		assert.Equal(t, ti.Type == TensorF32, bytes.Equal(a, b), "%s: equal across seeds", ti.Name)
 	}
 
 	deeper := write(t, tinyWith(func(c *Config) { c.BlockCount = 3 }))
-	if sha256.Sum256(deeper) == sha256.Sum256(base) {
-		t.Error("another layer count wrote the same bytes")
-	}
+	assert.NotEqual(t, sha256.Sum256(base), sha256.Sum256(deeper), "another layer count wrote the same bytes")
 	h, err := Read(bytes.NewReader(deeper))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if v, _ := h.Lookup("llama.block_count"); func() uint64 { n, _ := v.Uint(); return n }() != 3 {
-		t.Errorf("block_count = %v, want 3", v)
-	}
+	require.NoError(t, err)
+	v, _ := h.Lookup("llama.block_count")
+	n, _ := v.Uint()
+	assert.Equal(t, uint64(3), n, "block_count = %v", v)
 }
 
 // The bench model is 170 MB: read its header through a pipe and stop the writer there.
@@ -160,22 +138,16 @@ func TestBenchHeader(t *testing.T) {
 	go func() { done <- Write(pw, cfg) }()
 	f, err := Read(pr)
 	pr.CloseWithError(errors.New("header read"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if werr := <-done; werr == nil {
-		t.Fatal("Write finished into a closed pipe")
-	}
+	require.NoError(t, err)
+	require.Error(t, <-done, "Write finished into a closed pipe")
 	var size uint64
 	for _, ti := range f.Tensors {
 		size += ti.Size
 	}
-	if len(f.Tensors) != 3+9*12 || size < 160e6 || size > 170e6 {
-		t.Errorf("%d tensors, %d bytes", len(f.Tensors), size)
-	}
-	if got := cfg.KVBytesPerToken(); got != 12<<10 {
-		t.Errorf("KV bytes per token %d, want 12 KiB (DESIGN.md section 5)", got)
-	}
+	assert.Len(t, f.Tensors, 3+9*12, "tensors")
+	assert.GreaterOrEqual(t, size, uint64(160e6), "bytes of tensors")
+	assert.LessOrEqual(t, size, uint64(170e6), "bytes of tensors")
+	assert.Equal(t, 12<<10, cfg.KVBytesPerToken(), "KV bytes per token, want 12 KiB (DESIGN.md section 5)")
 }
 
 func TestValidate(t *testing.T) {
@@ -200,44 +172,28 @@ func TestValidate(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			cfg := tinyWith(tt.change)
-			if err := cfg.Validate(); status.Of(err) != status.InvalidArg {
-				t.Fatalf("Validate = %v, want InvalidArg", err)
-			}
-			if err := Write(io.Discard, cfg); status.Of(err) != status.InvalidArg {
-				t.Fatalf("Write = %v, want InvalidArg", err)
-			}
+			err := cfg.Validate()
+			require.Equal(t, status.InvalidArg, status.Of(err), "Validate = %v", err)
+			err = Write(io.Discard, cfg)
+			require.Equal(t, status.InvalidArg, status.Of(err), "Write = %v", err)
 		})
 	}
 	for name, cfg := range Presets {
-		if err := cfg.Validate(); err != nil {
-			t.Errorf("preset %s: %v", name, err)
-		}
+		assert.NoError(t, cfg.Validate(), "preset %s", name)
 	}
 }
 
 func TestWriteFile(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "tiny.gguf")
-	if err := WriteFile(path, Presets["tiny"]); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, WriteFile(path, Presets["tiny"]))
 	got, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(got, write(t, Presets["tiny"])) {
-		t.Error("file differs from Write's output")
-	}
-	if err := WriteFile(filepath.Join(dir, "bad.gguf"), tinyWith(func(c *Config) { c.BlockCount = 0 })); err == nil {
-		t.Error("WriteFile accepted an invalid config")
-	}
-	if err := WriteFile(filepath.Join(dir, "missing", "x.gguf"), Presets["tiny"]); err == nil {
-		t.Error("WriteFile into a missing directory succeeded")
-	}
+	require.NoError(t, err)
+	assert.True(t, bytes.Equal(got, write(t, Presets["tiny"])), "file differs from Write's output")
+	assert.Error(t, WriteFile(filepath.Join(dir, "bad.gguf"), tinyWith(func(c *Config) { c.BlockCount = 0 })), "WriteFile accepted an invalid config")
+	assert.Error(t, WriteFile(filepath.Join(dir, "missing", "x.gguf"), Presets["tiny"]), "WriteFile into a missing directory succeeded")
 	entries, _ := os.ReadDir(dir)
-	if len(entries) != 1 {
-		t.Errorf("directory holds %d entries, want only tiny.gguf", len(entries))
-	}
+	assert.Len(t, entries, 1, "the directory must hold only tiny.gguf")
 }
 
 type failWriter struct{ left int }
@@ -256,9 +212,7 @@ func TestWriteError(t *testing.T) {
 	size := len(write(t, Presets["tiny"]))
 	for _, at := range []int{0, 100, size / 2, size - 1} {
 		err := Write(&failWriter{left: at}, Presets["tiny"])
-		if err == nil || err.Error() != "disk full" {
-			t.Errorf("fail at %d: err %v", at, err)
-		}
+		assert.EqualError(t, err, "disk full", "fail at %d", at)
 	}
 }
 
@@ -267,15 +221,11 @@ func BenchmarkWrite(b *testing.B) {
 		b.Run(name, func(b *testing.B) {
 			cfg := Presets[name]
 			var n countWriter
-			if err := Write(&n, cfg); err != nil {
-				b.Fatal(err)
-			}
+			require.NoError(b, Write(&n, cfg))
 			b.SetBytes(int64(n))
 			b.ResetTimer()
 			for b.Loop() {
-				if err := Write(io.Discard, cfg); err != nil {
-					b.Fatal(err)
-				}
+				require.NoError(b, Write(io.Discard, cfg))
 			}
 		})
 	}

@@ -7,6 +7,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -43,34 +46,27 @@ func TestValueAccessors(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			f, err := Read(bytes.NewReader(tt.file))
-			if err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err)
 			v, ok := f.Lookup("k")
-			if !ok {
-				t.Fatal("key missing")
-			}
-			if u, ok := v.Uint(); u != tt.uint || ok != tt.uintOK {
-				t.Errorf("Uint = %d, %v", u, ok)
-			}
-			if i, ok := v.Int(); i != tt.int || ok != tt.intOK {
-				t.Errorf("Int = %d, %v", i, ok)
-			}
-			if x, ok := v.Float(); x != tt.float || ok != tt.floatOK {
-				t.Errorf("Float = %g, %v", x, ok)
-			}
-			if s, ok := v.Str(); s != tt.str || ok != (tt.str != "") {
-				t.Errorf("Str = %q, %v", s, ok)
-			}
-			if _, ok := v.Strings(); ok {
-				t.Error("a scalar passed as a string array")
-			}
-			if _, ok := v.Ints(); ok {
-				t.Error("a scalar passed as an integer array")
-			}
-			if v.String() != tt.text || v.Len() != 1 {
-				t.Errorf("String = %s, Len = %d", v, v.Len())
-			}
+			require.True(t, ok, "key missing")
+			u, ok := v.Uint()
+			assert.Equal(t, tt.uint, u, "Uint")
+			assert.Equal(t, tt.uintOK, ok, "Uint ok")
+			i, ok := v.Int()
+			assert.Equal(t, tt.int, i, "Int")
+			assert.Equal(t, tt.intOK, ok, "Int ok")
+			x, ok := v.Float()
+			assert.Equal(t, tt.float, x, "Float")
+			assert.Equal(t, tt.floatOK, ok, "Float ok")
+			s, ok := v.Str()
+			assert.Equal(t, tt.str, s, "Str")
+			assert.Equal(t, tt.str != "", ok, "Str ok")
+			_, ok = v.Strings()
+			assert.False(t, ok, "a scalar passed as a string array")
+			_, ok = v.Ints()
+			assert.False(t, ok, "a scalar passed as an integer array")
+			assert.Equal(t, tt.text, v.String(), "String")
+			assert.Equal(t, uint64(1), v.Len(), "Len")
 		})
 	}
 }
@@ -81,34 +77,29 @@ func TestArrays(t *testing.T) {
 		str("i16").u32(uint32(TypeArray)).u32(uint32(TypeInt16)).u64(2).raw(0xff, 0xff, 1, 0).
 		str("u64").u32(uint32(TypeArray)).u32(uint32(TypeUint64)).u64(1).u64(math.MaxUint64).
 		str("empty").u32(uint32(TypeArray)).u32(uint32(TypeFloat32)).u64(0).b))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	strs, _ := f.Lookup("strs")
-	if s, ok := strs.Strings(); !ok || strings.Join(s, ",") != "a,,c,d,e" || strs.Len() != 5 || strs.Elem() != TypeString {
-		t.Errorf("strings %v %v", s, ok)
-	}
-	if got := strs.String(); got != `[str x 5: "a" "" "c" "d" ...]` {
-		t.Errorf("String = %s", got)
-	}
+	s, ok := strs.Strings()
+	assert.True(t, ok, "Strings ok")
+	assert.Equal(t, "a,,c,d,e", strings.Join(s, ","), "Strings")
+	assert.Equal(t, uint64(5), strs.Len(), "Len")
+	assert.Equal(t, TypeString, strs.Elem(), "Elem")
+	assert.Equal(t, `[str x 5: "a" "" "c" "d" ...]`, strs.String(), "String")
 	i16, _ := f.Lookup("i16")
-	if v, ok := i16.Ints(); !ok || len(v) != 2 || v[0] != -1 || v[1] != 1 {
-		t.Errorf("Ints = %v, %v", v, ok)
-	}
-	if _, ok := i16.Uint(); ok {
-		t.Error("an array passed as a scalar")
-	}
+	v, ok := i16.Ints()
+	assert.True(t, ok, "Ints ok")
+	assert.Equal(t, []int64{-1, 1}, v, "Ints")
+	_, ok = i16.Uint()
+	assert.False(t, ok, "an array passed as a scalar")
 	u64, _ := f.Lookup("u64")
-	if _, ok := u64.Ints(); ok {
-		t.Error("u64 above MaxInt64 passed as int64")
-	}
+	_, ok = u64.Ints()
+	assert.False(t, ok, "u64 above MaxInt64 passed as int64")
 	empty, _ := f.Lookup("empty")
-	if empty.Len() != 0 || empty.Type() != TypeArray || empty.String() != "[f32 x 0:]" {
-		t.Errorf("empty array: %s", empty)
-	}
-	if !Int32s(nil).Equal(Value{typ: TypeArray, elem: TypeInt32}) || Int32s([]int32{1}).Equal(Int32s([]int32{2})) {
-		t.Error("Equal")
-	}
+	assert.Zero(t, empty.Len(), "empty array: %s", empty)
+	assert.Equal(t, TypeArray, empty.Type(), "empty array: %s", empty)
+	assert.Equal(t, "[f32 x 0:]", empty.String(), "empty array")
+	assert.True(t, Int32s(nil).Equal(Value{typ: TypeArray, elem: TypeInt32}), "Equal of empty int32 arrays")
+	assert.False(t, Int32s([]int32{1}).Equal(Int32s([]int32{2})), "Equal of different int32 arrays")
 }
 
 func TestReadTensors(t *testing.T) {
@@ -117,29 +108,30 @@ func TestReadTensors(t *testing.T) {
 		tensorInfo("a", 2, 0, 64, 2).
 		tensorInfo("b", TensorF32, 96, 3).b
 	f, err := Read(bytes.NewReader(file))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if f.DataOffset != alignUp(uint64(len(file)), 32) || f.DataSize != 96+32 {
-		t.Errorf("data at %d size %d", f.DataOffset, f.DataSize)
-	}
-	if a := f.Tensors[0]; a.Size != 72 || a.Type.String() != "q4_0" || len(a.Shape) != 2 {
-		t.Errorf("tensor a: %+v", a)
-	}
-	if TensorType(4).String() != "ggml_type(4)" || Type(99).String() != "type(99)" {
-		t.Error("names of unknown types")
-	}
+	require.NoError(t, err)
+	assert.Equal(t, alignUp(uint64(len(file)), 32), f.DataOffset, "data offset")
+	assert.Equal(t, uint64(96+32), f.DataSize, "data size")
+	a := f.Tensors[0]
+	assert.Equal(t, uint64(72), a.Size, "tensor a: %+v", a)
+	assert.Equal(t, "q4_0", a.Type.String(), "tensor a: %+v", a)
+	assert.Len(t, a.Shape, 2, "tensor a: %+v", a)
+	assert.Equal(t, "ggml_type(4)", TensorType(4).String(), "names of unknown types")
+	assert.Equal(t, "type(99)", Type(99).String(), "names of unknown types")
 	// Alignment 64 moves both the data section and the second offset.
 	file = header(3, 2, 1).kvU32("general.alignment", 64).
 		tensorInfo("a", 2, 0, 64, 2).
 		tensorInfo("b", TensorF32, 128, 3).b
-	if f, err = Read(bytes.NewReader(file)); err != nil || f.DataOffset%64 != 0 || f.Alignment != 64 || f.DataSize != 128+64 {
-		t.Errorf("alignment 64: %v %+v", err, f)
+	f, err = Read(bytes.NewReader(file))
+	if assert.NoError(t, err, "alignment 64") {
+		assert.Zero(t, f.DataOffset%64, "alignment 64: %+v", f)
+		assert.Equal(t, uint64(64), f.Alignment, "alignment 64: %+v", f)
+		assert.Equal(t, uint64(128+64), f.DataSize, "alignment 64: %+v", f)
 	}
 	// Zero-element tensors are legal, whatever their other dimensions.
 	file = header(3, 1, 0).tensorInfo("z", TensorF16, 0, 0, 1<<62, 1<<62).b
-	if f, err = Read(bytes.NewReader(file)); err != nil || f.Tensors[0].Size != 0 {
-		t.Errorf("empty tensor: %v", err)
+	f, err = Read(bytes.NewReader(file))
+	if assert.NoError(t, err, "empty tensor") {
+		assert.Zero(t, f.Tensors[0].Size, "empty tensor")
 	}
 }
 
@@ -184,9 +176,8 @@ func TestReadRejects(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			_, err := Read(bytes.NewReader(tt.file))
-			if status.Of(err) != status.InvalidArg || !strings.Contains(err.Error(), tt.want) {
-				t.Fatalf("err = %v, want InvalidArg containing %q", err, tt.want)
-			}
+			require.Equal(t, status.InvalidArg, status.Of(err), "err = %v", err)
+			require.ErrorContains(t, err, tt.want)
 		})
 	}
 }
@@ -202,13 +193,11 @@ func TestReadTruncated(t *testing.T) {
 		tensorInfo("output_norm.weight", TensorF32, 32, 4).b
 	data = append(data, make([]byte, alignUp(uint64(len(data)), 32)-uint64(len(data)))...)
 	f, err := Read(bytes.NewReader(data))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	for n := range int(f.DataOffset) {
 		// Read stops after the tensor directory: only the padding after it may be cut.
-		if _, err := Read(bytes.NewReader(data[:n])); err == nil && !allZero(data[n:f.DataOffset]) {
-			t.Fatalf("prefix of %d bytes parsed", n)
+		if _, err := Read(bytes.NewReader(data[:n])); err == nil {
+			require.True(t, allZero(data[n:f.DataOffset]), "prefix of %d bytes parsed", n)
 		}
 	}
 }
@@ -224,9 +213,8 @@ func TestHeaderLimit(t *testing.T) {
 		bytes.NewReader((&craft{}).str("b").u32(uint32(TypeString)).u64(1000).b),
 		zeros{})
 	_, err := Read(r)
-	if status.Of(err) != status.InvalidArg || !strings.Contains(err.Error(), "header longer") {
-		t.Fatalf("err = %v", err)
-	}
+	require.Equal(t, status.InvalidArg, status.Of(err), "err = %v", err)
+	require.ErrorContains(t, err, "header longer")
 }
 
 type zeros struct{}

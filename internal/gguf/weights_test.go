@@ -3,6 +3,9 @@ package gguf
 import (
 	"math"
 	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 func TestF32ToF16(t *testing.T) {
@@ -32,9 +35,8 @@ func TestF32ToF16(t *testing.T) {
 		{-1.5e-5, 0x80fc},            // negative subnormal: -252 * 2^-24
 	}
 	for _, tt := range tests {
-		if got := f32ToF16(tt.in); got != tt.want {
-			t.Errorf("f32ToF16(%g) = %#04x, want %#04x", tt.in, got, tt.want)
-		}
+		got := f32ToF16(tt.in)
+		assert.Equal(t, tt.want, got, "f32ToF16(%g) = %#04x, want %#04x", tt.in, got, tt.want)
 	}
 }
 
@@ -44,14 +46,11 @@ func TestF16RoundTrip(t *testing.T) {
 		f := f16ToF32(uint16(h))
 		got := f32ToF16(f)
 		if f != f { // NaN payloads are canonicalised
-			if got&0x7c00 != 0x7c00 || got&0x3ff == 0 {
-				t.Fatalf("NaN %#04x became %#04x", h, got)
-			}
+			require.Equal(t, uint16(0x7c00), got&0x7c00, "NaN %#04x became %#04x", h, got)
+			require.NotZero(t, got&0x3ff, "NaN %#04x became %#04x", h, got)
 			continue
 		}
-		if got != uint16(h) {
-			t.Fatalf("%#04x -> %g -> %#04x", h, f, got)
-		}
+		require.Equal(t, uint16(h), got, "%#04x -> %g -> %#04x", h, f, got)
 	}
 }
 
@@ -62,15 +61,11 @@ func TestUniformRange(t *testing.T) {
 	const n = 100000
 	for range n {
 		v := rng.uniform(scale)
-		if v < -scale || v >= scale {
-			t.Fatalf("uniform(%g) = %g", float32(scale), v)
-		}
+		require.False(t, v < -scale || v >= scale, "uniform(%g) = %g", float32(scale), v)
 		sum += float64(v)
 	}
 	// The mean of n uniform draws has standard deviation scale/sqrt(3n) ~ 4.6e-4.
-	if mean := sum / n; math.Abs(mean) > 5e-3 {
-		t.Errorf("mean %g, want about 0", mean)
-	}
+	assert.InDelta(t, 0, sum/n, 5e-3, "mean of uniform draws")
 }
 
 func TestTensorRandStreams(t *testing.T) {
@@ -78,11 +73,8 @@ func TestTensorRandStreams(t *testing.T) {
 	d := tensorRand(2, "a")
 	for range 4 {
 		x := a.next()
-		if y := b.next(); x != y {
-			t.Fatalf("same seed and name: %x != %x", x, y)
-		}
-		if x == c.next() || x == d.next() {
-			t.Fatal("different name or seed gave the same stream")
-		}
+		require.Equal(t, x, b.next(), "same seed and name")
+		require.NotEqual(t, x, c.next(), "different name gave the same stream")
+		require.NotEqual(t, x, d.next(), "different seed gave the same stream")
 	}
 }
