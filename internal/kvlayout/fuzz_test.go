@@ -6,6 +6,8 @@ import (
 	"sort"
 	"testing"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/pool"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
@@ -38,9 +40,7 @@ func FuzzLayout(f *testing.F) {
 		// Validate sees placeholder addresses first: tensors are mapped
 		// only for layouts it accepts, and only when they are small.
 		if err := lo.Validate(s); err != nil {
-			if status.Of(err) != status.Layout {
-				t.Fatalf("Validate: %v, want status.Layout", err)
-			}
+			require.Equal(t, status.Layout, status.Of(err), "Validate: %v", err)
 			return
 		}
 		const maxTensor = 4 << 20
@@ -65,17 +65,13 @@ func FuzzLayout(f *testing.F) {
 			}
 		}
 		if err := lo.CheckCells(cells); err != nil {
-			if status.Of(err) != status.Layout {
-				t.Fatalf("CheckCells: %v, want status.Layout", err)
-			}
+			require.Equal(t, status.Layout, status.Of(err), "CheckCells: %v", err)
 			return
 		}
 
 		ts := buildLayout(t, lo, s)
 		defer freeLayout(ts)
-		if err := lo.Validate(s); err != nil {
-			t.Fatalf("Validate refuses the mapped layout: %v", err)
-		}
+		require.NoError(t, lo.Validate(s), "Validate refuses the mapped layout")
 		defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 		checkPlaceGather(t, r, lo, s, 0, cells, ts)
 	})

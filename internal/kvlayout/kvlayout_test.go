@@ -1,12 +1,13 @@
 package kvlayout
 
 import (
+	"bytes"
 	"math"
 	"math/rand"
-	"reflect"
-	"strings"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
 	"github.com/mcbridge/mcbridge/internal/mem"
@@ -34,15 +35,11 @@ func TestValidate(t *testing.T) {
 		return lo
 	}
 	for _, lo := range []*Layout{good(), trans()} {
-		if err := lo.Validate(s); err != nil {
-			t.Fatalf("a good layout: %v", err)
-		}
+		require.NoError(t, lo.Validate(s), "a good layout")
 	}
 	noLoc := good()
 	noLoc.Location = ""
-	if err := noLoc.Validate(s); err != nil {
-		t.Fatalf("no location: %v", err)
-	}
+	require.NoError(t, noLoc.Validate(s), "no location")
 
 	top := uintptr(math.MaxUint64 - 100)
 	for _, tc := range []struct {
@@ -76,9 +73,8 @@ func TestValidate(t *testing.T) {
 			ss = tc.s
 		}
 		err := tc.lo().Validate(ss)
-		if status.Of(err) != tc.code || !strings.Contains(err.Error(), tc.msg) {
-			t.Errorf("%s: %v, want %v mentioning %q", tc.name, err, tc.code, tc.msg)
-		}
+		assert.Equal(t, tc.code, status.Of(err), "%s: %v", tc.name, err)
+		assert.ErrorContains(t, err, tc.msg, tc.name)
 	}
 	// A tensor may end exactly at the top of user space (2^57); one byte
 	// further cannot be memory the host owns, though it does not wrap.
@@ -87,13 +83,10 @@ func TestValidate(t *testing.T) {
 	edge.Cells = 1
 	edge.Layers[0].K = uintptr(1<<57 - 16)
 	one := shape(4, []int{16}, []int{8}, []int{2})
-	if err := edge.Validate(one); err != nil {
-		t.Errorf("K ending at the top of user space: %v", err)
-	}
+	assert.NoError(t, edge.Validate(one), "K ending at the top of user space")
 	edge.Layers[0].K++
-	if err := edge.Validate(one); status.Of(err) != status.Layout {
-		t.Errorf("K ending past user space: %v", err)
-	}
+	err := edge.Validate(one)
+	assert.Equal(t, status.Layout, status.Of(err), "K ending past user space: %v", err)
 }
 
 func TestCheckCells(t *testing.T) {
@@ -111,14 +104,11 @@ func TestCheckCells(t *testing.T) {
 	} {
 		err := lo.CheckCells(tc.cells)
 		if tc.msg == "" {
-			if err != nil {
-				t.Errorf("%v: %v", tc.cells, err)
-			}
+			assert.NoError(t, err, "%v", tc.cells)
 			continue
 		}
-		if status.Of(err) != status.Layout || !strings.Contains(err.Error(), tc.msg) {
-			t.Errorf("%v: %v, want Layout mentioning %q", tc.cells, err, tc.msg)
-		}
+		assert.Equal(t, status.Layout, status.Of(err), "%v: %v", tc.cells, err)
+		assert.ErrorContains(t, err, tc.msg, "%v", tc.cells)
 	}
 }
 
@@ -134,9 +124,7 @@ func TestRuns(t *testing.T) {
 		{[]uint32{3, 2, 1}, []Run{{0, 1, 3}, {1, 1, 2}, {2, 1, 1}}},
 		{[]uint32{math.MaxUint32, 0}, []Run{{0, 1, math.MaxUint32}, {1, 1, 0}}},
 	} {
-		if got := Runs(tc.cells); !reflect.DeepEqual(got, tc.want) {
-			t.Errorf("Runs(%v) = %v, want %v", tc.cells, got, tc.want)
-		}
+		assert.Equal(t, tc.want, Runs(tc.cells), "Runs(%v)", tc.cells)
 	}
 }
 
@@ -159,15 +147,9 @@ func newGuarded(t testing.TB, n int) *guarded {
 		pages = 1
 	}
 	m, err := mem.Map((pages + 2) * ps)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Mprotect(m[:ps], unix.PROT_NONE); err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Mprotect(m[len(m)-ps:], unix.PROT_NONE); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, unix.Mprotect(m[:ps], unix.PROT_NONE))
+	require.NoError(t, unix.Mprotect(m[len(m)-ps:], unix.PROT_NONE))
 	data := m[ps : len(m)-ps]
 	g := &guarded{mapping: m, slack: data[:len(data)-n], buf: data[len(data)-n:]}
 	for i := range g.slack {
@@ -253,29 +235,21 @@ func checkPlaceGather(t testing.TB, r *rand.Rand, lo *Layout, s *Shape, l int, c
 	runs := Runs(cells)
 	lo.Place(s, l, pl.buf, runs)
 	for i, tt := range ts {
-		if !reflect.DeepEqual(tt.k.buf, wantK[i]) || !reflect.DeepEqual(tt.v.buf, wantV[i]) {
-			t.Fatalf("Place of layer %d: layer %d's tensors differ from the reference (cells %v, layout %+v)", l, i, cells, lo)
-		}
-		if !tt.k.slackIntact() || !tt.v.slackIntact() {
-			t.Fatalf("Place of layer %d wrote before layer %d's tensors", l, i)
-		}
+		require.True(t, bytes.Equal(tt.k.buf, wantK[i]), "Place of layer %d: layer %d's K tensor differs from the reference (cells %v, layout %+v)", l, i, cells, lo)
+		require.True(t, bytes.Equal(tt.v.buf, wantV[i]), "Place of layer %d: layer %d's V tensor differs from the reference (cells %v, layout %+v)", l, i, cells, lo)
+		require.True(t, tt.k.slackIntact(), "Place of layer %d wrote before layer %d's K tensor", l, i)
+		require.True(t, tt.v.slackIntact(), "Place of layer %d wrote before layer %d's V tensor", l, i)
 	}
-	if !reflect.DeepEqual(pl.buf, payload) || !pl.slackIntact() {
-		t.Fatalf("Place changed the payload")
-	}
+	require.True(t, bytes.Equal(pl.buf, payload), "Place changed the payload")
+	require.True(t, pl.slackIntact(), "Place wrote before the payload")
 
 	clear(pl.buf)
 	lo.Gather(s, l, pl.buf, runs)
-	if !reflect.DeepEqual(pl.buf, payload) {
-		t.Fatalf("Gather of layer %d did not return the placed rows (cells %v)", l, cells)
-	}
-	if !pl.slackIntact() {
-		t.Fatalf("Gather wrote before the payload")
-	}
+	require.True(t, bytes.Equal(pl.buf, payload), "Gather of layer %d did not return the placed rows (cells %v)", l, cells)
+	require.True(t, pl.slackIntact(), "Gather wrote before the payload")
 	for i, tt := range ts {
-		if !reflect.DeepEqual(tt.k.buf, wantK[i]) || !reflect.DeepEqual(tt.v.buf, wantV[i]) {
-			t.Fatalf("Gather changed layer %d's tensors", i)
-		}
+		require.True(t, bytes.Equal(tt.k.buf, wantK[i]), "Gather changed layer %d's K tensor", i)
+		require.True(t, bytes.Equal(tt.v.buf, wantV[i]), "Gather changed layer %d's V tensor", i)
 	}
 }
 
@@ -317,13 +291,9 @@ func TestPlaceGatherRoundTrip(t *testing.T) {
 				lo.Layers[1].VStride = cellCount*uint64(elem) + 5
 			}
 			ts := buildLayout(t, lo, s)
-			if err := lo.Validate(s); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, lo.Validate(s))
 			for _, cells := range [][]uint32{scattered, seqCells(48, block), seqCells(0, block)} {
-				if err := lo.CheckCells(cells); err != nil {
-					t.Fatal(err)
-				}
+				require.NoError(t, lo.CheckCells(cells))
 				for l := range lo.Layers {
 					checkPlaceGather(t, r, lo, s, l, cells, ts)
 				}
@@ -351,9 +321,7 @@ func TestPlaceAtTensorEnd(t *testing.T) {
 			lo.Layers[0].VStride = 18
 		}
 		ts := buildLayout(t, lo, s)
-		if err := lo.Validate(s); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, lo.Validate(s))
 		checkPlaceGather(t, rand.New(rand.NewSource(2)), lo, s, 0, []uint32{8, 5, 6, 7}, ts)
 		freeLayout(ts)
 	}

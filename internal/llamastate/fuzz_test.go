@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"runtime"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 )
 
 // FuzzParse: Parse never panics, allocates in proportion to its input,
@@ -13,28 +15,19 @@ import (
 // accepts is a state of exactly positions 0..n-1 that slices to itself.
 func FuzzParse(f *testing.F) {
 	files, err := filepath.Glob(filepath.Join("testdata", "*.bin"))
-	if err != nil || len(files) == 0 {
-		f.Fatalf("no seeds in testdata: %v", err)
-	}
+	require.NoError(f, err, "no seeds in testdata")
+	require.NotEmpty(f, files, "no seeds in testdata")
 	// The real states cut to two positions: every framing and layout, in
 	// a few hundred bytes, so that minimizing an interesting input is quick.
 	for _, name := range files {
 		b, err := os.ReadFile(name)
-		if err != nil {
-			f.Fatal(err)
-		}
+		require.NoError(f, err)
 		st, err := Parse(b)
-		if err != nil {
-			f.Fatal(err)
-		}
+		require.NoError(f, err)
 		small, err := st.Slice(2)
-		if err != nil {
-			f.Fatal(err)
-		}
+		require.NoError(f, err)
 		seed, err := small.Build()
-		if err != nil {
-			f.Fatal(err)
-		}
+		require.NoError(f, err)
 		f.Add(seed)
 	}
 	f.Add([]byte{})
@@ -44,16 +37,14 @@ func FuzzParse(f *testing.F) {
 		st, err := Parse(b)
 		runtime.ReadMemStats(&after)
 		// The worst case is a stream list: 4 input bytes per 56-byte Stream.
-		if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 16*uint64(len(b))+64<<10 {
-			t.Fatalf("Parse of %d bytes allocated %d", len(b), alloc)
-		}
+		require.LessOrEqual(t, after.TotalAlloc-before.TotalAlloc, 16*uint64(len(b))+64<<10, "bytes Parse of %d bytes allocated", len(b))
 		if err != nil {
 			return
 		}
 		out, err := st.Build()
-		if err != nil || !bytes.Equal(out, b) || st.Size() != len(b) {
-			t.Fatalf("accepted %d bytes but built %d (size %d): %v", len(b), len(out), st.Size(), err)
-		}
+		require.NoError(t, err, "accepted %d bytes but does not build", len(b))
+		require.True(t, bytes.Equal(out, b), "accepted %d bytes but built %d", len(b), len(out))
+		require.Equal(t, len(b), st.Size(), "size of an accepted state")
 		si, err := st.Sequence()
 		if err != nil {
 			return
@@ -65,23 +56,17 @@ func FuzzParse(f *testing.F) {
 				continue
 			}
 			s := sl.Streams[si]
-			if len(s.Cells) != n || len(sl.Streams) != len(st.Streams) {
-				t.Fatalf("Slice(%d): %d cells in %d streams", n, len(s.Cells), len(sl.Streams))
-			}
+			require.Len(t, s.Cells, n, "Slice(%d): cells", n)
+			require.Len(t, sl.Streams, len(st.Streams), "Slice(%d): streams", n)
 			for p, c := range s.Cells {
-				if c.Pos != int32(p) || len(c.SeqIDs) != 1 {
-					t.Fatalf("Slice(%d): cell %d: %+v", n, p, c)
-				}
+				require.Equal(t, int32(p), c.Pos, "Slice(%d): cell %d: %+v", n, p, c)
+				require.Len(t, c.SeqIDs, 1, "Slice(%d): cell %d: %+v", n, p, c)
 			}
 			again, err := sl.Slice(n)
-			if err != nil {
-				t.Fatalf("Slice(%d) of a slice: %v", n, err)
-			}
+			require.NoError(t, err, "Slice(%d) of a slice", n)
 			b1, _ := sl.Build()
 			b2, _ := again.Build()
-			if !bytes.Equal(b1, b2) {
-				t.Fatalf("Slice(%d) is not idempotent", n)
-			}
+			require.True(t, bytes.Equal(b1, b2), "Slice(%d) is not idempotent", n)
 		}
 	})
 }

@@ -8,6 +8,9 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -18,9 +21,7 @@ import (
 func readTestdata(t testing.TB, name string) []byte {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join("testdata", name))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return b
 }
 
@@ -63,50 +64,43 @@ func TestParseRealStates(t *testing.T) {
 		t.Run(tc.file, func(t *testing.T) {
 			b := readTestdata(t, tc.file)
 			st, err := Parse(b)
-			if err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err)
 			si, err := st.Sequence()
-			if err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err)
 			s := st.Streams[si]
-			if st.Kind != tc.kind || len(st.Streams) != tc.nStream || si != tc.stream || len(s.Cells) != tc.cells || s.VTrans != tc.vTrans {
-				t.Fatalf("kind %d, %d streams, cells in stream %d: %d, v_trans %v", st.Kind, len(st.Streams), si, len(s.Cells), s.VTrans)
+			require.Equal(t, tc.kind, st.Kind, "kind")
+			require.Len(t, st.Streams, tc.nStream, "streams")
+			require.Equal(t, tc.stream, si, "stream of the sequence")
+			require.Len(t, s.Cells, tc.cells, "cells in stream %d", si)
+			require.Equal(t, tc.vTrans, s.VTrans, "v_trans")
+			if st.Kind == Memory {
+				assert.Equal(t, int32(tc.stream), st.SeqID, "seq id")
 			}
-			if st.Kind == Memory && st.SeqID != int32(tc.stream) {
-				t.Errorf("seq id %d", st.SeqID)
-			}
-			if len(s.Layers) != 2 {
-				t.Fatalf("%d layers", len(s.Layers))
-			}
+			require.Len(t, s.Layers, 2, "layers")
 			for l, ly := range s.Layers {
-				if ly.KType != tc.kType || ly.KRowSize != tc.kRow || ly.VType != ggmlF16 || ly.VRowSize != 64 {
-					t.Errorf("layer %d: K %d/%d V %d/%d", l, ly.KType, ly.KRowSize, ly.VType, ly.VRowSize)
+				assert.Equal(t, tc.kType, ly.KType, "layer %d: K type", l)
+				assert.Equal(t, tc.kRow, ly.KRowSize, "layer %d: K row size", l)
+				assert.Equal(t, int32(ggmlF16), ly.VType, "layer %d: V type", l)
+				assert.Equal(t, uint64(64), ly.VRowSize, "layer %d: V row size", l)
+				if tc.vTrans {
+					assert.Equal(t, uint32(2), ly.VElSize, "layer %d: transposed V element size", l)
+					assert.Equal(t, uint32(32), ly.NEmbdV, "layer %d: transposed V elements", l)
 				}
-				if tc.vTrans && (ly.VElSize != 2 || ly.NEmbdV != 32) {
-					t.Errorf("layer %d: transposed V of %d x %d", l, ly.NEmbdV, ly.VElSize)
-				}
-				if !bytes.Equal(b[ly.KOff:ly.KOff+len(ly.K)], ly.K) || !bytes.Equal(b[ly.VOff:ly.VOff+len(ly.V)], ly.V) {
-					t.Errorf("layer %d: offsets do not locate the rows", l)
-				}
+				assert.True(t, bytes.Equal(b[ly.KOff:ly.KOff+len(ly.K)], ly.K), "layer %d: the offset does not locate the K rows", l)
+				assert.True(t, bytes.Equal(b[ly.VOff:ly.VOff+len(ly.V)], ly.V), "layer %d: the offset does not locate the V rows", l)
 			}
-			if got := s.Cells[0].Pos != 0; got != tc.scattered {
-				t.Errorf("first cell at position %d", s.Cells[0].Pos)
-			}
-			if _, err := st.PositionCells(tc.cells); err != nil {
-				t.Error(err)
-			}
+			assert.Equal(t, tc.scattered, s.Cells[0].Pos != 0, "first cell at position %d", s.Cells[0].Pos)
+			_, err = st.PositionCells(tc.cells)
+			assert.NoError(t, err)
 			if st.Kind == SlotFile {
 				toks, err := st.PromptTokens()
-				if err != nil || !slices.Equal(toks, promptTokens(24)) {
-					t.Errorf("tokens %v, %v", toks, err)
-				}
+				assert.NoError(t, err, "tokens")
+				assert.Equal(t, promptTokens(24), toks, "tokens")
 			}
 			out, err := st.Build()
-			if err != nil || !bytes.Equal(out, b) || st.Size() != len(b) {
-				t.Errorf("Build: %d bytes (size %d) of %d, equal %v, %v", len(out), st.Size(), len(b), bytes.Equal(out, b), err)
-			}
+			assert.NoError(t, err, "Build")
+			assert.True(t, bytes.Equal(out, b), "Build: %d bytes of %d, not the parsed ones", len(out), len(b))
+			assert.Equal(t, len(b), st.Size(), "Size")
 		})
 	}
 }
@@ -118,20 +112,13 @@ func TestSliceMatchesLlama(t *testing.T) {
 	for _, name := range []string{"fa-on", "fa-off", "f32k", "two-streams-fa-off", "scattered-fa-off"} {
 		t.Run(name, func(t *testing.T) {
 			st, err := Parse(readTestdata(t, "seq-"+name+".bin"))
-			if err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err)
 			s16, err := st.Slice(16)
-			if err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err)
 			got, err := s16.Build()
-			if err != nil {
-				t.Fatal(err)
-			}
-			if want := readTestdata(t, "seq-"+name+"-prefix16.bin"); !bytes.Equal(got, want) {
-				t.Fatalf("Slice(16) differs from llama.cpp's 16-token state (%d vs %d bytes)", len(got), len(want))
-			}
+			require.NoError(t, err)
+			want := readTestdata(t, "seq-"+name+"-prefix16.bin")
+			require.True(t, bytes.Equal(got, want), "Slice(16) differs from llama.cpp's 16-token state (%d vs %d bytes)", len(got), len(want))
 		})
 	}
 }
@@ -161,39 +148,31 @@ func TestSliceKeepsEveryRow(t *testing.T) {
 	files := []string{"seq-fa-on.bin", "seq-fa-off.bin", "seq-scattered-fa-off.bin", "seq-two-streams-fa-off.bin", "slot-fa-on.bin", "slot-plain-fa-off.bin"}
 	for _, file := range files {
 		st, err := Parse(readTestdata(t, file))
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		si, _ := st.Sequence()
 		for _, n := range []int{1, 7, 16, 24} {
 			sl, err := st.Slice(n)
-			if err != nil {
-				t.Fatalf("%s: Slice(%d): %v", file, n, err)
-			}
+			require.NoError(t, err, "%s: Slice(%d)", file, n)
 			src, dst := &st.Streams[si], &sl.Streams[si]
-			if len(dst.Cells) != n || sl.Kind != st.Kind || sl.SeqID != st.SeqID || len(sl.Streams) != len(st.Streams) {
-				t.Fatalf("%s: Slice(%d) has %d cells, kind %d, seq %d", file, n, len(dst.Cells), sl.Kind, sl.SeqID)
-			}
+			require.Len(t, dst.Cells, n, "%s: Slice(%d): cells", file, n)
+			require.Equal(t, st.Kind, sl.Kind, "%s: Slice(%d): kind", file, n)
+			require.Equal(t, st.SeqID, sl.SeqID, "%s: Slice(%d): seq", file, n)
+			require.Len(t, sl.Streams, len(st.Streams), "%s: Slice(%d): streams", file, n)
 			for p := 0; p < n; p++ {
-				if dst.Cells[p].Pos != int32(p) || !slices.Equal(dst.Cells[p].SeqIDs, src.Cells[0].SeqIDs) {
-					t.Fatalf("%s: cell %d: %+v", file, p, dst.Cells[p])
-				}
+				require.Equal(t, int32(p), dst.Cells[p].Pos, "%s: cell %d: %+v", file, p, dst.Cells[p])
+				require.True(t, slices.Equal(dst.Cells[p].SeqIDs, src.Cells[0].SeqIDs), "%s: cell %d: %+v", file, p, dst.Cells[p])
 				for l := range src.Layers {
 					wk, wv := kvAt(src, l, int32(p))
 					gk, gv := kvAt(dst, l, int32(p))
-					if !bytes.Equal(wk, gk) || !bytes.Equal(wv, gv) {
-						t.Fatalf("%s: Slice(%d): layer %d position %d differs", file, n, l, p)
-					}
+					require.True(t, bytes.Equal(wk, gk), "%s: Slice(%d): layer %d position %d: K differs", file, n, l, p)
+					require.True(t, bytes.Equal(wv, gv), "%s: Slice(%d): layer %d position %d: V differs", file, n, l, p)
 				}
 			}
 			if st.Kind == SlotFile {
 				toks, err := sl.PromptTokens()
-				if err != nil || !slices.Equal(toks, promptTokens(n)) {
-					t.Fatalf("%s: Slice(%d) tokens %v, %v", file, n, toks, err)
-				}
-				if (st.Words[0] == -1) != (sl.Words[0] == -1) {
-					t.Fatalf("%s: Slice changed the token format", file)
-				}
+				require.NoError(t, err, "%s: Slice(%d) tokens", file, n)
+				require.Equal(t, promptTokens(n), toks, "%s: Slice(%d) tokens", file, n)
+				require.Equal(t, st.Words[0] == -1, sl.Words[0] == -1, "%s: Slice changed the token format", file)
 			}
 		}
 	}
@@ -203,18 +182,12 @@ func TestSliceKeepsEveryRow(t *testing.T) {
 // in their framing.
 func TestSlotFileIsFramedBlob(t *testing.T) {
 	slot, err := Parse(readTestdata(t, "slot-fa-on.bin"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	mem, err := Parse(readTestdata(t, "seq-fa-on.bin"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	slot.Kind, slot.Words, slot.SeqID = Memory, nil, mem.SeqID
 	got, _ := slot.Build()
-	if want := readTestdata(t, "seq-fa-on.bin"); !bytes.Equal(got, want) {
-		t.Fatal("the slot file's streams differ from the blob's")
-	}
+	require.True(t, bytes.Equal(got, readTestdata(t, "seq-fa-on.bin")), "the slot file's streams differ from the blob's")
 }
 
 // put32 overwrites a little-endian u32 in a copy of b.
@@ -250,14 +223,12 @@ func TestParseRefuses(t *testing.T) {
 		{"trailing byte", append(bytes.Clone(good), 0), status.InvalidArg},
 	}
 	for _, tc := range tests {
-		if _, err := Parse(tc.b); status.Of(err) != tc.code {
-			t.Errorf("%s: %v, want %v", tc.name, err, tc.code)
-		}
+		_, err := Parse(tc.b)
+		assert.Equal(t, tc.code, status.Of(err), "%s: %v", tc.name, err)
 	}
 	for cut := 0; cut < len(good); cut++ {
-		if _, err := Parse(good[:cut]); err == nil {
-			t.Fatalf("a blob cut at %d of %d bytes parsed", cut, len(good))
-		}
+		_, err := Parse(good[:cut])
+		require.Error(t, err, "a blob cut at %d of %d bytes parsed", cut, len(good))
 	}
 }
 
@@ -277,9 +248,7 @@ func TestSliceRefuses(t *testing.T) {
 	}
 	media := func() []byte {
 		st, err := Parse(readTestdata(t, "slot-fa-on.bin"))
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		st.Words[len(st.Words)-1] = 1 // one media chunk announced
 		b, _ := st.Build()
 		return b
@@ -300,30 +269,22 @@ func TestSliceRefuses(t *testing.T) {
 	}
 	for _, tc := range tests {
 		st, err := Parse(tc.b)
-		if err != nil {
-			t.Fatalf("%s: %v", tc.name, err)
-		}
-		if _, err := st.Slice(tc.n); status.Of(err) != tc.code {
-			t.Errorf("%s: %v, want %v", tc.name, err, tc.code)
-		}
+		require.NoError(t, err, "%s", tc.name)
+		_, err = st.Slice(tc.n)
+		assert.Equal(t, tc.code, status.Of(err), "%s: %v", tc.name, err)
 	}
 	// A position missing beyond n does not matter.
 	st, _ := Parse(put32(good, cell0+12*20, 99))
-	if _, err := st.Slice(16); err != nil {
-		t.Errorf("position 20 moved away: Slice(16): %v", err)
-	}
+	_, err := st.Slice(16)
+	assert.NoError(t, err, "position 20 moved away: Slice(16)")
 }
 
 func TestBuildRefusesInconsistentStates(t *testing.T) {
 	st, err := Parse(readTestdata(t, "seq-fa-off.bin"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	st.Streams[0].Layers[1].V = st.Streams[0].Layers[1].V[1:]
-	if _, err := st.Build(); status.Of(err) != status.InvalidArg {
-		t.Errorf("short V: %v", err)
-	}
-	if _, err := (&State{Kind: Memory}).Build(); status.Of(err) != status.InvalidArg {
-		t.Errorf("no streams: %v", err)
-	}
+	_, err = st.Build()
+	assert.Equal(t, status.InvalidArg, status.Of(err), "short V: %v", err)
+	_, err = (&State{Kind: Memory}).Build()
+	assert.Equal(t, status.InvalidArg, status.Of(err), "no streams: %v", err)
 }
