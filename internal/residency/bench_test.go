@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/key"
 )
 
@@ -43,18 +45,15 @@ func (c *benchChains) chain(n int) (key.Hash, []Block[int]) {
 func (c *benchChains) fill(b *testing.B, tr *Tree[int], blocks, chainLen int) {
 	for blocks > 0 {
 		root, bs := c.chain(min(chainLen, blocks))
-		if _, err := tr.InsertChain(root, bs); err != nil {
-			b.Fatal(err)
-		}
+		_, err := tr.InsertChain(root, bs)
+		require.NoError(b, err)
 		blocks -= len(bs)
 	}
 }
 
 func benchTree(b *testing.B, cfg Config) *Tree[int] {
 	tr, err := New[int](cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
+	require.NoError(b, err)
 	return tr
 }
 
@@ -74,9 +73,8 @@ func BenchmarkInsert(b *testing.B) {
 			b.ResetTimer()
 			for range b.N {
 				root, bs := c.chain(chainLen)
-				if _, err := tr.InsertChain(root, bs); err != nil {
-					b.Fatal(err)
-				}
+				_, err := tr.InsertChain(root, bs)
+				require.NoError(b, err)
 			}
 			reportPerBlock(b, chainLen)
 		})
@@ -92,9 +90,8 @@ func BenchmarkMatch(b *testing.B) {
 			var c benchChains
 			tr := benchTree(b, Config{})
 			root, bs := c.chain(chainLen)
-			if _, err := tr.InsertChain(root, bs); err != nil {
-				b.Fatal(err)
-			}
+			_, err := tr.InsertChain(root, bs)
+			require.NoError(b, err)
 			chain := make([]key.BlockKey, len(bs))
 			for i := range bs {
 				chain[i] = bs[i].Key
@@ -102,9 +99,7 @@ func BenchmarkMatch(b *testing.B) {
 			c.fill(b, tr, size-chainLen, chainLen)
 			b.ResetTimer()
 			for range b.N {
-				if n := tr.Match(root, chain); n != chainLen {
-					b.Fatalf("Match = %d, want %d", n, chainLen)
-				}
+				require.Equal(b, chainLen, tr.Match(root, chain), "Match")
 			}
 			reportPerBlock(b, chainLen)
 		})
@@ -124,9 +119,8 @@ func BenchmarkEvict(b *testing.B) {
 				b.ResetTimer()
 				for range b.N {
 					es, err := tr.Evict(chainLen * benchBlockBytes)
-					if err != nil || len(es) != chainLen {
-						b.Fatalf("Evict = %d entries, %v", len(es), err)
-					}
+					require.NoError(b, err, "Evict")
+					require.Len(b, es, chainLen, "Evict")
 					b.StopTimer()
 					c.fill(b, tr, chainLen, chainLen)
 					b.StartTimer()

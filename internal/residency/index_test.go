@@ -3,8 +3,10 @@ package residency
 import (
 	"math"
 	"slices"
-	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -38,25 +40,20 @@ func cat(parts ...[]key.BlockKey) []key.BlockKey { return slices.Concat(parts...
 func newTree(t *testing.T, cfg Config) *Tree[int] {
 	t.Helper()
 	tr, err := New[int](cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return tr
 }
 
 func mustInsert(t *testing.T, tr *Tree[int], root key.Hash, bs []Block[int]) {
 	t.Helper()
-	if _, err := tr.InsertChain(root, bs); err != nil {
-		t.Fatal(err)
-	}
+	_, err := tr.InsertChain(root, bs)
+	require.NoError(t, err)
 }
 
 func mustPin(t *testing.T, tr *Tree[int], ks ...key.BlockKey) {
 	t.Helper()
 	for _, k := range ks {
-		if err := tr.Pin(k); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, tr.Pin(k))
 	}
 }
 
@@ -72,9 +69,7 @@ func snapshot(tr *Tree[int]) []Entry[int] {
 func evictedKeys(t *testing.T, tr *Tree[int], need int64) []key.BlockKey {
 	t.Helper()
 	es, err := tr.Evict(need)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return entryKeys(es)
 }
 
@@ -91,11 +86,10 @@ func TestNew(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			tr, err := New[int](tc.cfg)
-			if got := status.Of(err); got != tc.want {
-				t.Fatalf("New(%+v) = %v, want %s", tc.cfg, err, tc.want)
-			}
-			if err == nil && (tr.Len() != 0 || tr.Bytes() != 0) {
-				t.Fatalf("new tree holds %d blocks, %d bytes", tr.Len(), tr.Bytes())
+			require.Equal(t, tc.want, status.Of(err), "New(%+v) = %v", tc.cfg, err)
+			if err == nil {
+				require.Zero(t, tr.Len(), "blocks in a new tree")
+				require.Zero(t, tr.Bytes(), "bytes in a new tree")
 			}
 		})
 	}
@@ -150,18 +144,14 @@ func TestInsertChain(t *testing.T) {
 			}
 			before := snapshot(tr)
 			added, err := tr.InsertChain(tc.root, tc.bs)
-			if added != tc.wantAdded || status.Of(err) != tc.wantCode {
-				t.Fatalf("InsertChain = %d, %v; want %d, %s", added, err, tc.wantAdded, tc.wantCode)
+			require.Equal(t, tc.wantCode, status.Of(err), "InsertChain: %v", err)
+			require.Equal(t, tc.wantAdded, added, "blocks InsertChain added")
+			require.Equal(t, tc.wantLen, tr.Len(), "blocks after")
+			require.Equal(t, tc.wantBytes, tr.Bytes(), "bytes after")
+			if err != nil {
+				require.Equal(t, before, snapshot(tr), "failed InsertChain changed the tree")
 			}
-			if tr.Len() != tc.wantLen || tr.Bytes() != tc.wantBytes {
-				t.Fatalf("after: %d blocks, %d bytes; want %d, %d", tr.Len(), tr.Bytes(), tc.wantLen, tc.wantBytes)
-			}
-			if err != nil && !slices.Equal(snapshot(tr), before) {
-				t.Fatalf("failed InsertChain changed the tree")
-			}
-			if err := tr.check(); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, tr.check())
 		})
 	}
 }
@@ -173,9 +163,9 @@ func TestInsertChainKeepsExistingPayload(t *testing.T) {
 	again := blocks(a, 8)
 	again[1].Value = 99
 	mustInsert(t, tr, rootA, again)
-	if v, ok := tr.Get(a[1]); !ok || v != 1 {
-		t.Fatalf("Get = %d, %v; want the first insert's value 1", v, ok)
-	}
+	v, ok := tr.Get(a[1])
+	require.True(t, ok, "Get")
+	require.Equal(t, 1, v, "Get must return the first insert's value")
 }
 
 func TestInsert(t *testing.T) {
@@ -202,15 +192,14 @@ func TestInsert(t *testing.T) {
 			mustInsert(t, tr, rootA, blocks(a, 4))
 			before := snapshot(tr)
 			added, err := tr.Insert(tc.parent, tc.b)
-			if added != tc.wantAdded || status.Of(err) != tc.wantCode {
-				t.Fatalf("Insert = %v, %v; want %v, %s", added, err, tc.wantAdded, tc.wantCode)
-			}
+			require.Equal(t, tc.wantCode, status.Of(err), "Insert: %v", err)
+			require.Equal(t, tc.wantAdded, added, "Insert added")
 			if added {
-				if n := tr.Match(rootA, cat(a[:slices.Index(a, tc.parent)+1], []key.BlockKey{tc.b.Key})); tr.Len() != 4 || n != slices.Index(a, tc.parent)+2 {
-					t.Fatalf("after Insert: %d blocks, new block matched at depth %d", tr.Len(), n)
-				}
-			} else if !slices.Equal(snapshot(tr), before) {
-				t.Fatalf("Insert that added nothing changed the tree")
+				n := tr.Match(rootA, cat(a[:slices.Index(a, tc.parent)+1], []key.BlockKey{tc.b.Key}))
+				require.Equal(t, 4, tr.Len(), "blocks after Insert")
+				require.Equal(t, slices.Index(a, tc.parent)+2, n, "depth the new block matched at")
+			} else {
+				require.Equal(t, before, snapshot(tr), "Insert that added nothing changed the tree")
 			}
 		})
 	}
@@ -241,9 +230,7 @@ func TestMatch(t *testing.T) {
 		{"empty", rootA, nil, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := tr.Match(tc.root, tc.chain); got != tc.want {
-				t.Fatalf("Match = %d, want %d", got, tc.want)
-			}
+			require.Equal(t, tc.want, tr.Match(tc.root, tc.chain), "Match")
 		})
 	}
 }
@@ -270,9 +257,7 @@ func TestRecency(t *testing.T) {
 			mustInsert(t, tr, rootA, blocks(a, 4))
 			mustInsert(t, tr, rootB, blocks(b, 4))
 			tc.use(tr)
-			if got := evictedKeys(t, tr, 4); !slices.Equal(got, []key.BlockKey{tc.want}) {
-				t.Fatalf("evicted %v, want %v", got, tc.want)
-			}
+			require.Equal(t, []key.BlockKey{tc.want}, evictedKeys(t, tr, 4), "evicted")
 		})
 	}
 }
@@ -282,12 +267,8 @@ func TestTouch(t *testing.T) {
 	tr := newTree(t, Config{BudgetBytes: 12})
 	mustInsert(t, tr, rootA, blocks(a[:2], 4))
 	mustInsert(t, tr, rootA, blocks(cat(a[:1], a[2:]), 4))
-	if got := tr.Touch(a[1], keys('z', 1)[0], a[1]); got != 2 {
-		t.Fatalf("Touch = %d, want 2 (absent keys skipped)", got)
-	}
-	if got, want := evictedKeys(t, tr, 4), a[2:]; !slices.Equal(got, want) {
-		t.Fatalf("evicted %v, want %v", got, want)
-	}
+	require.Equal(t, 2, tr.Touch(a[1], keys('z', 1)[0], a[1]), "Touch must skip absent keys")
+	require.Equal(t, a[2:], evictedKeys(t, tr, 4), "evicted")
 }
 
 func TestGet(t *testing.T) {
@@ -299,9 +280,9 @@ func TestGet(t *testing.T) {
 		want   int
 		wantOK bool
 	}{{a[0], 0, true}, {a[1], 1, true}, {keys('z', 1)[0], 0, false}} {
-		if v, ok := tr.Get(tc.k); v != tc.want || ok != tc.wantOK {
-			t.Errorf("Get(%s) = %d, %v; want %d, %v", tc.k, v, ok, tc.want, tc.wantOK)
-		}
+		v, ok := tr.Get(tc.k)
+		assert.Equal(t, tc.want, v, "Get(%s)", tc.k)
+		assert.Equal(t, tc.wantOK, ok, "Get(%s) ok", tc.k)
 	}
 }
 
@@ -334,17 +315,12 @@ func TestPinUnpin(t *testing.T) {
 				if c.unpin {
 					f, name = tr.Unpin, "Unpin"
 				}
-				if err := f(c.k); status.Of(err) != c.want {
-					t.Fatalf("call %d: %s(%s) = %v, want %s", i, name, c.k, err, c.want)
-				}
+				err := f(c.k)
+				require.Equal(t, c.want, status.Of(err), "call %d: %s(%s) = %v", i, name, c.k, err)
 			}
-			if err := tr.check(); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, tr.check())
 			_, err := tr.Evict(8)
-			if pinned := status.Of(err) == status.PoolFull; pinned != tc.pinned {
-				t.Fatalf("Evict(8) = %v; want a[1] pinned: %v", err, tc.pinned)
-			}
+			require.Equal(t, tc.pinned, status.Of(err) == status.PoolFull, "Evict(8) = %v; whether a[1] is pinned", err)
 		})
 	}
 }
@@ -377,44 +353,34 @@ func TestRemove(t *testing.T) {
 			mustPin(t, tr, tc.pin...)
 			before := snapshot(tr)
 			got, err := tr.Remove(tc.k)
-			if status.Of(err) != tc.wantCode {
-				t.Fatalf("Remove = %v, want %s", err, tc.wantCode)
-			}
+			require.Equal(t, tc.wantCode, status.Of(err), "Remove = %v", err)
 			if err != nil {
-				if tc.wantCode == status.State && !strings.Contains(err.Error(), tc.wantNamed.String()) {
-					t.Fatalf("error %q does not name pinned block %s", err, tc.wantNamed)
+				if tc.wantCode == status.State {
+					require.ErrorContains(t, err, tc.wantNamed.String(), "the error must name the pinned block")
 				}
-				if !slices.Equal(snapshot(tr), before) {
-					t.Fatalf("failed Remove changed the tree")
-				}
+				require.Equal(t, before, snapshot(tr), "failed Remove changed the tree")
 				return
 			}
 			gone := entryKeys(got)
 			pos := map[key.BlockKey]int{}
 			for i, e := range got {
 				pos[e.Key] = i
-				if _, ok := tr.Get(e.Key); ok {
-					t.Fatalf("%s still indexed", e.Key)
-				}
+				_, ok := tr.Get(e.Key)
+				require.False(t, ok, "%s still indexed", e.Key)
 			}
 			for i, e := range got {
-				if j, ok := pos[e.Parent]; ok && j < i {
-					t.Fatalf("removed %s before its child %s", e.Parent, e.Key)
+				if j, ok := pos[e.Parent]; ok {
+					require.GreaterOrEqual(t, j, i, "removed %s before its child %s", e.Parent, e.Key)
 				}
 			}
 			slices.SortFunc(gone, compareKeys)
 			want := slices.SortedFunc(slices.Values(tc.wantGone), compareKeys)
-			if !slices.Equal(gone, want) {
-				t.Fatalf("removed %v, want %v", gone, want)
-			}
-			if tr.Len() != len(before)-len(want) || tr.Bytes() != 4*int64(tr.Len()) {
-				t.Fatalf("after: %d blocks, %d bytes", tr.Len(), tr.Bytes())
-			}
-			if err := tr.check(); err != nil {
-				t.Fatal(err)
-			}
-			if tc.wantLeafOf != (key.BlockKey{}) && tr.nodes[tr.ids[tc.wantLeafOf]].heapPos < 0 {
-				t.Fatalf("%s is a leaf now but not an eviction candidate", tc.wantLeafOf)
+			require.Equal(t, want, gone, "removed")
+			require.Equal(t, len(before)-len(want), tr.Len(), "blocks after")
+			require.Equal(t, 4*int64(tr.Len()), tr.Bytes(), "bytes after")
+			require.NoError(t, tr.check())
+			if tc.wantLeafOf != (key.BlockKey{}) {
+				require.GreaterOrEqual(t, tr.nodes[tr.ids[tc.wantLeafOf]].heapPos, int32(0), "%s is a leaf now but not an eviction candidate", tc.wantLeafOf)
 			}
 		})
 	}
@@ -457,18 +423,15 @@ func TestEvict(t *testing.T) {
 			mustPin(t, tr, tc.pin...)
 			before := snapshot(tr)
 			got, err := tr.Evict(tc.need)
-			if status.Of(err) != tc.wantCode || !slices.Equal(entryKeys(got), tc.want) {
-				t.Fatalf("Evict(%d) = %v, %v; want %v, %s", tc.need, entryKeys(got), err, tc.want, tc.wantCode)
+			require.Equal(t, tc.wantCode, status.Of(err), "Evict(%d) = %v", tc.need, err)
+			require.Equal(t, tc.want, entryKeys(got), "Evict(%d)", tc.need)
+			if err != nil {
+				require.Equal(t, before, snapshot(tr), "failed Evict changed the tree")
 			}
-			if err != nil && !slices.Equal(snapshot(tr), before) {
-				t.Fatalf("failed Evict changed the tree")
+			if tc.cfg.BudgetBytes > 0 && err == nil {
+				require.LessOrEqual(t, tr.Bytes()+tc.need, tc.cfg.BudgetBytes, "after Evict(%d): bytes plus need in the budget", tc.need)
 			}
-			if tc.cfg.BudgetBytes > 0 && err == nil && tr.Bytes()+tc.need > tc.cfg.BudgetBytes {
-				t.Fatalf("after Evict(%d): %d bytes in a budget of %d", tc.need, tr.Bytes(), tc.cfg.BudgetBytes)
-			}
-			if err := tr.check(); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, tr.check())
 		})
 	}
 }
@@ -490,13 +453,11 @@ func TestCostAwareAging(t *testing.T) {
 				mustInsert(t, tr, rootB, []Block[int]{{Key: testKey('y', uint32(round)), Bytes: 1, Cost: 1}})
 				es := evictedKeys(t, tr, 1)
 				if slices.Contains(es, old) {
-					if round != tc.rounds {
-						t.Fatalf("expensive block evicted in round %d, want %d", round, tc.rounds)
-					}
+					require.Equal(t, tc.rounds, round, "round the expensive block was evicted in")
 					return
 				}
 			}
-			t.Fatalf("expensive block never evicted")
+			require.FailNow(t, "expensive block never evicted")
 		})
 	}
 }
@@ -509,28 +470,20 @@ func TestWalk(t *testing.T) {
 	mustInsert(t, tr, rootB, blocks(c, 4))
 	seen := map[key.Hash]bool{rootA: true, rootB: true}
 	for _, e := range snapshot(tr) {
-		if !seen[e.Parent] {
-			t.Fatalf("%s visited before its parent %s", e.Key, e.Parent)
-		}
+		require.True(t, seen[e.Parent], "%s visited before its parent %s", e.Key, e.Parent)
 		seen[e.Key] = true
 	}
-	if len(seen) != 2+tr.Len() {
-		t.Fatalf("Walk visited %d blocks of %d", len(seen)-2, tr.Len())
-	}
+	require.Equal(t, 2+tr.Len(), len(seen), "roots and blocks Walk visited")
 	visits := 0
 	tr.Walk(func(Entry[int]) bool {
 		visits++
 		return visits < 3
 	})
-	if visits != 3 {
-		t.Fatalf("Walk went on for %d visits after fn returned false at 3", visits)
-	}
+	require.Equal(t, 3, visits, "Walk must stop when fn returns false at 3")
 }
 
 func TestPolicyString(t *testing.T) {
 	for p, want := range map[Policy]string{LRU: "lru", CostAware: "cost-aware", 9: "policy(9)"} {
-		if got := p.String(); got != want {
-			t.Errorf("%d.String() = %q, want %q", p, got, want)
-		}
+		assert.Equal(t, want, p.String(), "%d.String()", p)
 	}
 }

@@ -8,6 +8,8 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
@@ -297,9 +299,7 @@ const maxKnownChains = 48
 
 func newHarness(t testing.TB, cfg Config, src source) *harness {
 	tr, err := New[int](cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	h := &harness{t: t, src: src, tree: tr, ref: newRef(cfg)}
 	for i := range 3 {
 		h.roots = append(h.roots, testKey('r', uint32(i)))
@@ -309,7 +309,7 @@ func newHarness(t testing.TB, cfg Config, src source) *harness {
 
 func (h *harness) fail(format string, args ...any) {
 	h.t.Helper()
-	h.t.Fatalf("step %d (%s, budget %d): %s", h.step, h.ref.cfg.Policy, h.ref.cfg.BudgetBytes, fmt.Sprintf(format, args...))
+	require.FailNowf(h.t, "tree differs from the reference", "step %d (%s, budget %d): %s", h.step, h.ref.cfg.Policy, h.ref.cfg.BudgetBytes, fmt.Sprintf(format, args...))
 }
 
 func (h *harness) freshKey() key.BlockKey {
