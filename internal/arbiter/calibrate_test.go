@@ -7,6 +7,9 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // fakeClock is an injected clock that tests move by hand.
@@ -74,9 +77,8 @@ func TestPrefillCalibrationConverges(t *testing.T) {
 				}
 				for _, sp := range spans {
 					got, want := a.PrefillTime(sp[0], sp[1]), truth.Time(sp[0], sp[1])
-					if e := relErr(got, want); e > 0.05 {
-						t.Errorf("PrefillTime%v = %v, truth %v (%.1f%% off); fitted %+v", sp, got, want, 100*e, a.Prefill())
-					}
+					e := relErr(got, want)
+					assert.LessOrEqual(t, e, 0.05, "PrefillTime%v = %v, truth %v (%.1f%% off); fitted %+v", sp, got, want, 100*e, a.Prefill())
 				}
 			})
 		}
@@ -102,13 +104,10 @@ func TestTransferCalibrationConverges(t *testing.T) {
 				}
 				for _, n := range sizes {
 					got, want := a.TransferTime(name, n), truth.Time(n)
-					if e := relErr(got, want); e > 0.05 {
-						t.Errorf("TransferTime(%d) = %v, truth %v (%.1f%% off); fitted %+v", n, got, want, 100*e, a.Link(name))
-					}
+					e := relErr(got, want)
+					assert.LessOrEqual(t, e, 0.05, "TransferTime(%d) = %v, truth %v (%.1f%% off); fitted %+v", n, got, want, 100*e, a.Link(name))
 				}
-				if got := a.TransferTime("other", 4<<20); got != DefaultLink.Time(4<<20) {
-					t.Errorf("calibrating %q moved another link: %v", name, got)
-				}
+				assert.Equal(t, DefaultLink.Time(4<<20), a.TransferTime("other", 4<<20), "calibrating %q moved another link", name)
 			})
 		}
 	}
@@ -121,9 +120,7 @@ func TestOneObservationRescalesTheModel(t *testing.T) {
 	a.ObservePrefill(0, 4096, DefaultPrefill.Time(0, 4096)/100)
 	for _, sp := range [][2]int{{0, 256}, {0, 4096}, {0, 32768}, {8192, 8200}} {
 		got, want := a.PrefillTime(sp[0], sp[1]), DefaultPrefill.Time(sp[0], sp[1])/100
-		if e := relErr(got, want); e > 1e-6 {
-			t.Errorf("PrefillTime%v = %v, want %v", sp, got, want)
-		}
+		assert.LessOrEqual(t, relErr(got, want), 1e-6, "PrefillTime%v = %v, want %v", sp, got, want)
 	}
 }
 
@@ -147,15 +144,9 @@ func TestCalibrationIgnoresGarbage(t *testing.T) {
 	a.ObserveTransfer("l", MaxTransferBytes+1, time.Hour)
 	a.ObserveTransfer("garbage-only", 0, time.Millisecond)
 
-	if got := a.Prefill(); got != prefill {
-		t.Errorf("prefill moved on garbage: %+v -> %+v", prefill, got)
-	}
-	if got := a.Link("l"); got != link {
-		t.Errorf("link moved on garbage: %+v -> %+v", link, got)
-	}
-	if got := a.Link("garbage-only"); got != DefaultLink {
-		t.Errorf("garbage created link state: %+v", got)
-	}
+	assert.Equal(t, prefill, a.Prefill(), "prefill moved on garbage")
+	assert.Equal(t, link, a.Link("l"), "link moved on garbage")
+	assert.Equal(t, DefaultLink, a.Link("garbage-only"), "garbage created link state")
 
 	// Absurd but well-formed observations (a stalled clock, a mislabelled
 	// call) are kept, with a pull the Huber threshold bounds.
@@ -168,12 +159,10 @@ func TestCalibrationIgnoresGarbage(t *testing.T) {
 	a.ObservePrefill(0, 1000, math.MaxInt64)
 	a.ObserveTransfer("l", 1<<20, time.Nanosecond)
 	a.ObserveTransfer("l", 1<<20, math.MaxInt64)
-	if e := relErr(a.PrefillTime(0, 1000), prefillBefore); e > 0.01 {
-		t.Errorf("two absurd prefills moved the estimate %.1f%%", 100*e)
-	}
-	if e := relErr(a.TransferTime("l", 1<<20), linkBefore); e > 0.01 {
-		t.Errorf("two absurd transfers moved the estimate %.1f%%", 100*e)
-	}
+	e := relErr(a.PrefillTime(0, 1000), prefillBefore)
+	assert.LessOrEqual(t, e, 0.01, "two absurd prefills moved the estimate %.1f%%", 100*e)
+	e = relErr(a.TransferTime("l", 1<<20), linkBefore)
+	assert.LessOrEqual(t, e, 0.01, "two absurd transfers moved the estimate %.1f%%", 100*e)
 }
 
 // Whatever is observed, coefficients stay finite and nonnegative and
@@ -198,13 +187,11 @@ func TestCalibrationNeverNaN(t *testing.T) {
 
 		p, l := a.Prefill(), a.Link("l")
 		for _, v := range []float64{p.Fixed, p.PerToken, p.PerContext, l.Latency.Seconds(), 1 / l.Bandwidth} {
-			if !(v >= 0) || math.IsInf(v, 0) {
-				t.Fatalf("after %d observations: prefill %+v, link %+v", i, p, l)
-			}
+			require.GreaterOrEqual(t, v, 0.0, "after %d observations: prefill %+v, link %+v", i, p, l)
+			require.False(t, math.IsInf(v, 0), "after %d observations: prefill %+v, link %+v", i, p, l)
 		}
-		if a.PrefillTime(0, 4096) < 0 || a.TransferTime("l", 1<<20) < 0 {
-			t.Fatalf("negative estimate: prefill %+v, link %+v", p, l)
-		}
+		require.GreaterOrEqual(t, a.PrefillTime(0, 4096), time.Duration(0), "negative estimate: prefill %+v", p)
+		require.GreaterOrEqual(t, a.TransferTime("l", 1<<20), time.Duration(0), "negative estimate: link %+v", l)
 	}
 }
 
@@ -219,31 +206,24 @@ func TestLinkCalibrationExpires(t *testing.T) {
 		a.ObserveTransfer("peer", 64<<20, congested.Time(64<<20))
 	}
 	in := Input{PromptTokens: 1024 + 64, BlockTokens: 256, MatchedBlocks: 4, KVBytesPerToken: 1 << 20, Link: "peer"}
-	if d := a.Decide(in); d.RestoreBlocks != 0 {
-		t.Fatalf("congested link: %v", d)
-	}
-	if e := relErr(a.TransferTime("peer", 64<<20), congested.Time(64<<20)); e > 0.01 {
-		t.Fatalf("congested estimate %.1f%% off", 100*e)
-	}
+	d := a.Decide(in)
+	require.Zero(t, d.RestoreBlocks, "congested link: %v", d)
+	e := relErr(a.TransferTime("peer", 64<<20), congested.Time(64<<20))
+	require.LessOrEqual(t, e, 0.01, "congested estimate %.1f%% off", 100*e)
 
 	clock.Advance(time.Minute)
-	if e := relErr(a.TransferTime("peer", 64<<20), congested.Time(64<<20)); e > 0.01 {
-		t.Fatalf("expired early: %v", a.TransferTime("peer", 64<<20))
-	}
+	est := a.TransferTime("peer", 64<<20)
+	require.LessOrEqual(t, relErr(est, congested.Time(64<<20)), 0.01, "expired early: %v", est)
 	clock.Advance(time.Second)
-	if got := a.Link("peer"); got != nominal {
-		t.Fatalf("after expiry: %+v, want the configured %+v", got, nominal)
-	}
-	if d := a.Decide(in); d.RestoreBlocks != 4 {
-		t.Fatalf("expired link not tried again: %v", d)
-	}
+	require.Equal(t, nominal, a.Link("peer"), "after expiry: want the configured link")
+	d = a.Decide(in)
+	require.Equal(t, 4, d.RestoreBlocks, "expired link not tried again: %v", d)
 
 	// The first measurement after expiry rescales the configured curve to it.
 	recovered := Link{Bandwidth: 5e9, Latency: 20 * time.Microsecond}
 	a.ObserveTransfer("peer", 64<<20, recovered.Time(64<<20))
-	if e := relErr(a.TransferTime("peer", 64<<20), recovered.Time(64<<20)); e > 1e-6 {
-		t.Fatalf("first measurement after expiry: %v, want %v", a.TransferTime("peer", 64<<20), recovered.Time(64<<20))
-	}
+	est = a.TransferTime("peer", 64<<20)
+	require.LessOrEqual(t, relErr(est, recovered.Time(64<<20)), 1e-6, "first measurement after expiry: %v, want %v", est, recovered.Time(64<<20))
 }
 
 // A lasting change (a link that became 3x slower, a machine that became
@@ -278,9 +258,9 @@ func TestCalibrationFollowsChangeNotBursts(t *testing.T) {
 				n := size()
 				a.ObserveTransfer("l", n, noisy(rng, truth.Time(n), 0.05, 0))
 				if i >= max(tc.within, tc.burst) {
-					if e := relErr(a.TransferTime("l", 1<<30), truth.Time(1<<30)); e > 0.05 {
-						t.Fatalf("observation %d: estimate %v, truth %v (%.1f%% off)", i, a.TransferTime("l", 1<<30), truth.Time(1<<30), 100*e)
-					}
+					est := a.TransferTime("l", 1<<30)
+					e := relErr(est, truth.Time(1<<30))
+					require.LessOrEqual(t, e, 0.05, "observation %d: estimate %v, truth %v (%.1f%% off)", i, est, truth.Time(1<<30), 100*e)
 				}
 			}
 		})
@@ -300,16 +280,10 @@ func TestLinkTableForgetsLeastRecentlyMeasured(t *testing.T) {
 		a.ObserveTransfer(fmt.Sprintf("peer-%d", i), 1<<20, slow.Time(1<<20))
 		clock.Advance(time.Millisecond)
 	}
-	if n := len(a.links); n != maxLinks {
-		t.Fatalf("%d links held, want %d", n, maxLinks)
-	}
-	if _, ok := a.links["peer-1"]; ok {
-		t.Fatalf("peer-1, the least recently measured, was kept")
-	}
+	require.Len(t, a.links, maxLinks, "links held")
+	require.NotContains(t, a.links, "peer-1", "peer-1, the least recently measured, was kept")
 	for _, name := range []string{"peer-0", "peer-2", fmt.Sprintf("peer-%d", maxLinks)} {
-		if e := relErr(a.TransferTime(name, 1<<20), slow.Time(1<<20)); e > 0.01 {
-			t.Errorf("%s lost its calibration", name)
-		}
+		assert.LessOrEqual(t, relErr(a.TransferTime(name, 1<<20), slow.Time(1<<20)), 0.01, "%s lost its calibration", name)
 	}
 }
 
@@ -346,16 +320,14 @@ func TestNonnegativeSolveIsOptimal(t *testing.T) {
 			got = objective(u)
 		}
 		for _, v := range u {
-			if v < 0 {
-				t.Fatalf("negative coefficient %v", u)
-			}
+			require.GreaterOrEqual(t, v, 0.0, "negative coefficient %v", u)
 		}
 		const step = 0.1
 		for g0 := 0.0; g0 <= 4; g0 += step {
 			for g1 := 0.0; g1 <= 4; g1 += step {
 				for g2 := 0.0; g2 <= 4; g2 += step {
 					if o := objective(vec{g0, g1, g2}); o < got-1e-9 {
-						t.Fatalf("problem %d: solve gave %v (objective %g, ok %v) but %v reaches %g", i, u, got, ok, vec{g0, g1, g2}, o)
+						require.FailNowf(t, "solve is not optimal", "problem %d: solve gave %v (objective %g, ok %v) but %v reaches %g", i, u, got, ok, vec{g0, g1, g2}, o)
 					}
 				}
 			}

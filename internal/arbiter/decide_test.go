@@ -8,6 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -17,9 +20,7 @@ const benchKV = 12 << 10
 func mustNew(t testing.TB, cfg Config) *Arbiter {
 	t.Helper()
 	a, err := New(cfg)
-	if err != nil {
-		t.Fatalf("New(%+v): %v", cfg, err)
-	}
+	require.NoError(t, err, "New(%+v)", cfg)
 	return a
 }
 
@@ -43,14 +44,11 @@ func TestNewRejectsBadConfig(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := New(tc.cfg)
-			if status.Of(err) != status.Config {
-				t.Fatalf("New: got %v, want a %v error", err, status.Config)
-			}
+			require.Equal(t, status.Config, status.Of(err), "New: got %v", err)
 		})
 	}
-	if _, err := New(Config{}); err != nil {
-		t.Fatalf("zero Config: %v", err)
-	}
+	_, err := New(Config{})
+	require.NoError(t, err, "zero Config")
 }
 
 func TestDecide(t *testing.T) {
@@ -88,15 +86,12 @@ func TestDecide(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			a := mustNew(t, Config{Policy: tc.policy, Links: links})
 			d := a.Decide(tc.in)
-			if d.RestoreBlocks != tc.restore || d.Reason != tc.reason || d.HeadComputeBlocks != 0 {
-				t.Fatalf("Decide(%+v) = %v (restore %d, head %d, %v), want restore %d, %v",
-					tc.in, d, d.RestoreBlocks, d.HeadComputeBlocks, d.Reason, tc.restore, tc.reason)
-			}
-			if (d.EstTotal > 0) != tc.wantEstimate {
-				t.Fatalf("EstTotal = %v, want an estimate: %v", d.EstTotal, tc.wantEstimate)
-			}
-			if tc.wantEstimate && d.EstTotal > max(d.EstRestore, d.EstRecompute) {
-				t.Fatalf("EstTotal %v above both endpoints (%v, %v)", d.EstTotal, d.EstRestore, d.EstRecompute)
+			require.Equal(t, tc.restore, d.RestoreBlocks, "Decide(%+v) = %v: restored blocks", tc.in, d)
+			require.Equal(t, tc.reason, d.Reason, "Decide(%+v) = %v: reason", tc.in, d)
+			require.Zero(t, d.HeadComputeBlocks, "Decide(%+v) = %v: head blocks", tc.in, d)
+			require.Equal(t, tc.wantEstimate, d.EstTotal > 0, "EstTotal = %v: whether there is an estimate", d.EstTotal)
+			if tc.wantEstimate {
+				require.LessOrEqual(t, d.EstTotal, max(d.EstRestore, d.EstRecompute), "EstTotal above both endpoints (%v, %v)", d.EstRestore, d.EstRecompute)
 			}
 		})
 	}
@@ -110,10 +105,9 @@ func TestDecisionEstimatesMatchEstimateFunctions(t *testing.T) {
 	d := a.Decide(in)
 	wantRecompute := a.PrefillTime(0, 4160)
 	wantRestore := a.TransferTime("local", 16*256*benchKV) + a.PrefillTime(16*256, 4160)
-	near := func(x, y time.Duration) bool { return (x - y).Abs() <= 2 }
-	if !near(d.EstRecompute, wantRecompute) || !near(d.EstRestore, wantRestore) || d.EstTotal != d.EstRestore {
-		t.Fatalf("decision %+v, want recompute %v, restore %v", d, wantRecompute, wantRestore)
-	}
+	require.InDelta(t, wantRecompute, d.EstRecompute, 2, "decision %+v: recompute estimate", d)
+	require.InDelta(t, wantRestore, d.EstRestore, 2, "decision %+v: restore estimate", d)
+	require.Equal(t, d.EstRestore, d.EstTotal, "decision %+v: total estimate", d)
 }
 
 func TestSplitOnlyWhenEnabled(t *testing.T) {
@@ -124,20 +118,17 @@ func TestSplitOnlyWhenEnabled(t *testing.T) {
 	links := map[string]Link{"l": link}
 
 	d := mustNew(t, Config{Links: links}).Decide(in)
-	if d.HeadComputeBlocks != 0 || d.Reason == Split {
-		t.Fatalf("split disabled but got %v", d)
-	}
+	require.Zero(t, d.HeadComputeBlocks, "split disabled but got %v", d)
+	require.NotEqual(t, Split, d.Reason, "split disabled but got %v", d)
 	sd := mustNew(t, Config{Links: links, Split: true}).Decide(in)
-	if sd.Reason != Split || sd.HeadComputeBlocks == 0 || sd.RestoreBlocks == 0 {
-		t.Fatalf("split enabled: got %v (%+v)", sd, sd)
-	}
-	if sd.EstTotal >= d.EstTotal || sd.PrefixBlocks() > 32 {
-		t.Fatalf("split plan %v not better than sequential %v", sd, d)
-	}
+	require.Equal(t, Split, sd.Reason, "split enabled: got %v (%+v)", sd, sd)
+	require.NotZero(t, sd.HeadComputeBlocks, "split enabled: got %v (%+v)", sd, sd)
+	require.NotZero(t, sd.RestoreBlocks, "split enabled: got %v (%+v)", sd, sd)
+	require.Less(t, sd.EstTotal, d.EstTotal, "split plan %v not better than sequential %v", sd, d)
+	require.LessOrEqual(t, sd.PrefixBlocks(), 32, "split plan %v", sd)
 	forced := mustNew(t, Config{Links: links, Split: true, Policy: AlwaysRestore}).Decide(in)
-	if forced.HeadComputeBlocks != 0 || forced.RestoreBlocks != 32 {
-		t.Fatalf("always-restore must not split: %v", forced)
-	}
+	require.Zero(t, forced.HeadComputeBlocks, "always-restore must not split: %v", forced)
+	require.Equal(t, 32, forced.RestoreBlocks, "always-restore: %v", forced)
 }
 
 // bestSplit's one-pointer sweep must find the optimum that trying every
@@ -160,9 +151,10 @@ func TestBestSplitMatchesExhaustiveSearch(t *testing.T) {
 				want = min(want, c.split(s, k))
 			}
 		}
-		if got != want || c.split(gotS, gotK) != got || gotS > gotK || gotK > usable {
-			t.Fatalf("plan %+v usable %d: bestSplit = (%d, %d, %g), exhaustive min %g", c, usable, gotS, gotK, got, want)
-		}
+		require.Equal(t, want, got, "plan %+v usable %d: bestSplit = (%d, %d, %g) against the exhaustive min", c, usable, gotS, gotK, got)
+		require.Equal(t, got, c.split(gotS, gotK), "plan %+v usable %d: bestSplit = (%d, %d, %g) does not time its own split", c, usable, gotS, gotK, got)
+		require.LessOrEqual(t, gotS, gotK, "plan %+v usable %d: bestSplit = (%d, %d, %g)", c, usable, gotS, gotK, got)
+		require.LessOrEqual(t, gotK, usable, "plan %+v usable %d: bestSplit = (%d, %d, %g)", c, usable, gotS, gotK, got)
 	}
 }
 
@@ -184,9 +176,7 @@ func TestPlanMatchesPrefillModel(t *testing.T) {
 			{c.tail(k), k * block, prompt},
 		} {
 			want := cost.vec().dot(prefillFeatures(tc.start, tc.end))
-			if math.Abs(tc.got-want) > 1e-9*max(want, 1e-3) {
-				t.Fatalf("%+v, block %d, prompt %d: plan times [%d, %d) at %g, the model at %g", cost, block, prompt, tc.start, tc.end, tc.got, want)
-			}
+			require.InDelta(t, want, tc.got, 1e-9*max(want, 1e-3), "%+v, block %d, prompt %d: plan times [%d, %d) unlike the model", cost, block, prompt, tc.start, tc.end)
 		}
 	}
 }
@@ -211,29 +201,21 @@ func TestDecisionString(t *testing.T) {
 		{Decision{MatchedBlocks: 1, Reason: TooShort, EstTotal: 1500 * time.Nanosecond}, "recompute 0/1 blocks: no whole block before the last token: est 1.5µs"},
 		{Decision{Reason: InvalidInput}, "recompute: invalid input"},
 	} {
-		if got := tc.d.String(); got != tc.want {
-			t.Errorf("String() = %q, want %q", got, tc.want)
-		}
+		assert.Equal(t, tc.want, tc.d.String(), "String()")
 	}
 }
 
 func TestEnumStrings(t *testing.T) {
 	for p := CostModel; p <= AlwaysRecompute; p++ {
 		got, err := ParsePolicy(p.String())
-		if err != nil || got != p {
-			t.Errorf("ParsePolicy(%q) = %v, %v", p.String(), got, err)
-		}
+		assert.NoError(t, err, "ParsePolicy(%q)", p.String())
+		assert.Equal(t, p, got, "ParsePolicy(%q)", p.String())
 	}
-	if _, err := ParsePolicy("arbiter"); status.Of(err) != status.Config {
-		t.Errorf("ParsePolicy(unknown): %v", err)
-	}
-	if s := Policy(9).String(); s != "policy(9)" {
-		t.Errorf("Policy(9) = %q", s)
-	}
+	_, err := ParsePolicy("arbiter")
+	assert.Equal(t, status.Config, status.Of(err), "ParsePolicy(unknown): %v", err)
+	assert.Equal(t, "policy(9)", Policy(9).String(), "Policy(9)")
 	for r := NoMatch; r <= InvalidInput; r++ {
-		if s := r.String(); strings.HasPrefix(s, "reason(") {
-			t.Errorf("reason %d has no name", int(r))
-		}
+		assert.False(t, strings.HasPrefix(r.String(), "reason("), "reason %d has no name", int(r))
 	}
 }
 
@@ -249,8 +231,7 @@ func TestConcurrentUse(t *testing.T) {
 				a.ObservePrefill(0, 256+i, time.Duration(256+i)*time.Millisecond)
 				a.ObserveTransfer("local", int64(1+i)<<20, time.Duration(1+i)*100*time.Microsecond)
 				d := a.Decide(Input{PromptTokens: 4096 + g, BlockTokens: 256, MatchedBlocks: 16, KVBytesPerToken: benchKV, Link: "local"})
-				if d.PrefixBlocks()*256 > 4096+g-1 {
-					t.Errorf("prefix %d leaves no token", d.PrefixBlocks())
+				if !assert.LessOrEqual(t, d.PrefixBlocks()*256, 4096+g-1, "prefix %d leaves no token", d.PrefixBlocks()) {
 					return
 				}
 				_ = a.Prefill()

@@ -3,6 +3,8 @@ package arbiter
 import (
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/require"
 )
 
 // FuzzDecide feeds arbitrary prompts, after arbitrary observations, to every
@@ -24,21 +26,22 @@ func FuzzDecide(f *testing.F) {
 		}
 		in := Input{PromptTokens: prompt, BlockTokens: block, MatchedBlocks: matched, KVBytesPerToken: kv, Link: link}
 		d := a.Decide(in)
-		if d.RestoreBlocks < 0 || d.HeadComputeBlocks < 0 || d.PrefixBlocks() > max(matched, 0) {
-			t.Fatalf("Decide(%+v) = %+v: plan outside [0, %d]", in, d, matched)
+		require.GreaterOrEqual(t, d.RestoreBlocks, 0, "Decide(%+v) = %+v: plan outside [0, %d]", in, d, matched)
+		require.GreaterOrEqual(t, d.HeadComputeBlocks, 0, "Decide(%+v) = %+v: plan outside [0, %d]", in, d, matched)
+		require.LessOrEqual(t, d.PrefixBlocks(), max(matched, 0), "Decide(%+v) = %+v: plan outside [0, %d]", in, d, matched)
+		if d.PrefixBlocks() > 0 {
+			require.GreaterOrEqual(t, prompt, 1, "Decide(%+v) = %+v: leaves no token to compute", in, d)
+			require.GreaterOrEqual(t, block, 1, "Decide(%+v) = %+v: leaves no token to compute", in, d)
+			require.LessOrEqual(t, d.PrefixBlocks(), (prompt-1)/block, "Decide(%+v) = %+v: leaves no token to compute", in, d)
 		}
-		if d.PrefixBlocks() > 0 && (prompt < 1 || block < 1 || d.PrefixBlocks() > (prompt-1)/block) {
-			t.Fatalf("Decide(%+v) = %+v: leaves no token to compute", in, d)
+		if d.HeadComputeBlocks > 0 {
+			require.True(t, split, "Decide(%+v) = %+v: split without the cost model's split plans", in, d)
+			require.Equal(t, CostModel, a.Policy(), "Decide(%+v) = %+v: split without the cost model's split plans", in, d)
 		}
-		if d.HeadComputeBlocks > 0 && (!split || a.Policy() != CostModel) {
-			t.Fatalf("Decide(%+v) = %+v: split without the cost model's split plans", in, d)
-		}
-		if d.EstRestore < 0 || d.EstRecompute < 0 || d.EstTotal < 0 {
-			t.Fatalf("Decide(%+v) = %+v: negative estimate", in, d)
-		}
-		if d.String() == "" {
-			t.Fatalf("empty log line")
-		}
+		require.GreaterOrEqual(t, d.EstRestore, time.Duration(0), "Decide(%+v) = %+v: negative estimate", in, d)
+		require.GreaterOrEqual(t, d.EstRecompute, time.Duration(0), "Decide(%+v) = %+v: negative estimate", in, d)
+		require.GreaterOrEqual(t, d.EstTotal, time.Duration(0), "Decide(%+v) = %+v: negative estimate", in, d)
+		require.NotEmpty(t, d.String(), "empty log line")
 	})
 }
 
@@ -50,8 +53,8 @@ func FuzzParsePolicy(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, s string) {
 		p, err := ParsePolicy(s)
-		if err == nil && p.String() != s {
-			t.Fatalf("ParsePolicy(%q) = %v", s, p)
+		if err == nil {
+			require.Equal(t, s, p.String(), "ParsePolicy(%q) = %v", s, p)
 		}
 	})
 }
