@@ -5,6 +5,8 @@ import (
 	"math/rand"
 	"testing"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
@@ -47,9 +49,8 @@ func BenchmarkLookup(b *testing.B) {
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
 				res, err := m.Lookup(key.Scope{}, tokens)
-				if err != nil || res.MatchedBlocks != 511 {
-					b.Fatalf("lookup: %+v, %v", res, err)
-				}
+				require.NoError(b, err, "lookup")
+				require.Equal(b, 511, res.MatchedBlocks, "lookup: %+v", res)
 			}
 		})
 	}

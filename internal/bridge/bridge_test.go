@@ -7,6 +7,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
@@ -45,32 +48,25 @@ func TestRestoreRoundTrip(t *testing.T) {
 			}
 			src.Fill(tokens, cells)
 			res := saveAll(t, ma, src, key.Scope{}, tokens, cells)
-			if res.Published != 5 || res.Written != 5 || res.Known != 0 {
-				t.Fatalf("save: %+v", res)
-			}
+			require.Equal(t, 5, res.Published, "save: %+v", res)
+			require.Equal(t, 5, res.Written, "save: %+v", res)
+			require.Zero(t, res.Known, "save: %+v", res)
 
 			lk, err := mb.Lookup(key.Scope{}, tokens)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if lk.MatchedBlocks != 5 {
-				t.Fatalf("lookup matched %d blocks, want 5", lk.MatchedBlocks)
-			}
+			require.NoError(t, err)
+			require.Equal(t, 5, lk.MatchedBlocks, "lookup matched blocks")
 			dst.Scribble()
 			dcells := kvtest.SeqCells(20)
 			if tc.scattered {
 				dcells = kvtest.ScatteredCells(rand.New(rand.NewSource(2)), 20, 64)
 			}
 			got, err := loadAll(t, mb, dst, key.Scope{}, tokens[:20], dcells)
-			if err != nil || got.OKTokens != 20 {
-				t.Fatalf("load: %+v, %v", got, err)
-			}
-			if err := dst.Check(tokens[:20], dcells, 20); err != nil {
-				t.Fatal(err)
-			}
-			if st := b.Stats(); st.RestoredTokens != 20 || st.Hits != 1 {
-				t.Fatalf("stats: %+v", st)
-			}
+			require.NoError(t, err, "load")
+			require.Equal(t, 20, got.OKTokens, "load: %+v", got)
+			require.NoError(t, dst.Check(tokens[:20], dcells, 20))
+			st := b.Stats()
+			require.Equal(t, int64(20), st.RestoredTokens, "stats: %+v", st)
+			require.Equal(t, int64(1), st.Hits, "stats: %+v", st)
 		})
 	}
 }
@@ -82,47 +78,33 @@ func TestSaveDedupe(t *testing.T) {
 	ma, mb := register(t, a, h, 4), register(t, b, h, 4)
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(3)), 16)
 	h.Fill(tokens, kvtest.SeqCells(16))
-	if res := saveAll(t, ma, h, key.Scope{}, tokens[:8], kvtest.SeqCells(8)); res.Published != 2 {
-		t.Fatalf("a: %+v", res)
-	}
+	res := saveAll(t, ma, h, key.Scope{}, tokens[:8], kvtest.SeqCells(8))
+	require.Equal(t, 2, res.Published, "a: %+v", res)
 	// b knows a's two blocks and writes only the two after them.
-	res := saveAll(t, mb, h, key.Scope{}, tokens, kvtest.SeqCells(16))
-	if res.Known != 2 || res.Written != 2 || res.Published != 2 {
-		t.Fatalf("b: %+v", res)
-	}
+	res = saveAll(t, mb, h, key.Scope{}, tokens, kvtest.SeqCells(16))
+	require.Equal(t, 2, res.Known, "b: %+v", res)
+	require.Equal(t, 2, res.Written, "b: %+v", res)
+	require.Equal(t, 2, res.Published, "b: %+v", res)
 	// Two saves racing past the lookup: the directory keeps one copy.
 	tok2 := kvtest.Tokens(rand.New(rand.NewSource(4)), 8)
 	h.Fill(tok2, kvtest.SeqCells(8))
 	sa, err := ma.SaveBegin(key.Scope{}, h.Layout(), tok2, kvtest.SeqCells(8))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	sb, err := mb.SaveBegin(key.Scope{}, h.Layout(), tok2, kvtest.SeqCells(8))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	for l := 0; l < 2; l++ {
-		if err := sa.SaveLayer(l); err != nil {
-			t.Fatal(err)
-		}
-		if err := sb.SaveLayer(l); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, sa.SaveLayer(l))
+		require.NoError(t, sb.SaveLayer(l))
 	}
 	ra, err := sa.End()
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	rb, err := sb.End()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if ra.Published != 2 || rb.Published != 0 || rb.Deduped != 2 {
-		t.Fatalf("race: a %+v, b %+v", ra, rb)
-	}
-	if n, _, _ := b.Resident(); n != 2 {
-		t.Fatalf("b holds %d blocks, want only its 2 unique ones", n)
-	}
+	require.NoError(t, err)
+	require.Equal(t, 2, ra.Published, "race: a %+v, b %+v", ra, rb)
+	require.Zero(t, rb.Published, "race: a %+v, b %+v", ra, rb)
+	require.Equal(t, 2, rb.Deduped, "race: a %+v, b %+v", ra, rb)
+	n, _, _ := b.Resident()
+	require.Equal(t, 2, n, "b must hold only its 2 unique blocks")
 }
 
 func TestRestoreFaults(t *testing.T) {
@@ -156,30 +138,20 @@ func TestRestoreFaults(t *testing.T) {
 			a.tr.(*transport.Loopback).SetFault(tc.fault(ma))
 			dst.Scribble()
 			res, err := loadAll(t, mb, dst, key.Scope{}, tokens, cells)
-			if status.Of(err) != tc.code {
-				t.Fatalf("load error %v (status %v), want %v", err, status.Of(err), tc.code)
-			}
-			if res.OKTokens == len(tokens) {
-				t.Fatalf("load reported every token good under a fault")
-			}
+			require.Equal(t, tc.code, status.Of(err), "load error %v", err)
+			require.NotEqual(t, len(tokens), res.OKTokens, "load reported every token good under a fault")
 			if tc.strict {
-				if err := dst.Check(tokens, cells, res.OKTokens); err != nil {
-					t.Fatal(err)
-				}
-			} else if err := dst.CheckNoWrong(tokens, cells); err != nil {
-				t.Fatal(err)
+				require.NoError(t, dst.Check(tokens, cells, res.OKTokens))
+			} else {
+				require.NoError(t, dst.CheckNoWrong(tokens, cells))
 			}
-			if got := b.Stats().FailuresByStatus[tc.code]; got != 1 {
-				t.Fatalf("failures counted under %v: %d", tc.code, got)
-			}
+			require.Equal(t, int64(1), b.Stats().FailuresByStatus[tc.code], "failures counted under %v", tc.code)
 			// Once the fault clears, the same restore succeeds in full.
 			a.tr.(*transport.Loopback).SetFault(transport.Fault{})
-			if res, err := loadAll(t, mb, dst, key.Scope{}, tokens, cells); err != nil || res.OKTokens != 16 {
-				t.Fatalf("after the fault: %+v, %v", res, err)
-			}
-			if err := dst.Check(tokens, cells, 16); err != nil {
-				t.Fatal(err)
-			}
+			res, err = loadAll(t, mb, dst, key.Scope{}, tokens, cells)
+			require.NoError(t, err, "after the fault")
+			require.Equal(t, 16, res.OKTokens, "after the fault: %+v", res)
+			require.NoError(t, dst.Check(tokens, cells, 16))
 		})
 	}
 }
@@ -197,9 +169,7 @@ func TestEvictedDuringRead(t *testing.T) {
 	h.Fill(tokens, kvtest.SeqCells(16))
 	saveAll(t, ma, h, key.Scope{}, tokens, kvtest.SeqCells(16))
 	stale := mb.match(key.Root(mb.fp, key.Scope{}), key.Chain(key.Root(mb.fp, key.Scope{}), tokens, 16))
-	if len(stale) != 1 {
-		t.Fatalf("b sees %d blocks", len(stale))
-	}
+	require.Len(t, stale, 1, "blocks b sees")
 	// Fill a's pool until the first block is evicted and its memory reused.
 	for i := 0; ; i++ {
 		other := kvtest.Tokens(r, 16)
@@ -208,27 +178,19 @@ func TestEvictedDuringRead(t *testing.T) {
 		if _, ok := a.resident.Get(stale[0].Key); !ok {
 			break
 		}
-		if i > 100 {
-			t.Fatal("block never evicted")
-		}
+		require.LessOrEqual(t, i, 100, "block never evicted")
 	}
-	if mb.Mirrored() == 0 || len(mb.match(key.Root(mb.fp, key.Scope{}), []key.BlockKey{stale[0].Key})) != 0 {
-		t.Fatal("b's mirror still lists the evicted block")
-	}
+	require.NotZero(t, mb.Mirrored(), "b's mirror is empty")
+	require.Empty(t, mb.match(key.Root(mb.fp, key.Scope{}), []key.BlockKey{stale[0].Key}), "b's mirror still lists the evicted block")
 	// Replay the stale entry as a lagging directory would.
 	mb.apply(directory.Event{Kind: directory.Put, Entry: stale[0]})
 	dst := newHost(t, 2, 4096, 1024, 1024, false)
 	dst.Scribble()
 	res, err := loadAll(t, mb, dst, key.Scope{}, tokens, kvtest.SeqCells(16))
-	if status.Of(err) != status.Corrupt || res.OKTokens != 0 {
-		t.Fatalf("stale read: %+v, %v", res, err)
-	}
-	if err := dst.Check(tokens, kvtest.SeqCells(16), 0); err != nil {
-		t.Fatal(err)
-	}
-	if a.Stats().Evictions == 0 {
-		t.Fatal("no eviction counted")
-	}
+	require.Equal(t, status.Corrupt, status.Of(err), "stale read: %v", err)
+	require.Zero(t, res.OKTokens, "stale read: %+v", res)
+	require.NoError(t, dst.Check(tokens, kvtest.SeqCells(16), 0))
+	require.NotZero(t, a.Stats().Evictions, "no eviction counted")
 }
 
 func TestIsolation(t *testing.T) {
@@ -244,9 +206,7 @@ func TestIsolation(t *testing.T) {
 	other.KRow, other.VRow, other.VElem = other.KRow[:1], other.VRow[:1], other.VElem[:1]
 	other.Params.NEmbdKGQA, other.Params.NEmbdVGQA = other.Params.NEmbdKGQA[:1], other.Params.NEmbdVGQA[:1]
 	m2, err := a.RegisterModel(other)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	for _, tc := range []struct {
 		name  string
 		m     *Model
@@ -260,9 +220,8 @@ func TestIsolation(t *testing.T) {
 		{"other model", m2, key.Scope{TenantSalt: []byte("alice")}, 0},
 	} {
 		lk, err := tc.m.Lookup(tc.scope, tokens)
-		if err != nil || lk.MatchedBlocks != tc.want {
-			t.Errorf("%s: matched %d, %v; want %d", tc.name, lk.MatchedBlocks, err, tc.want)
-		}
+		assert.NoError(t, err, tc.name)
+		assert.Equal(t, tc.want, lk.MatchedBlocks, "%s: matched blocks", tc.name)
 	}
 }
 
@@ -292,57 +251,37 @@ func TestMisuse(t *testing.T) {
 		{"cell twice", tokens, append(kvtest.SeqCells(7), 3), status.Layout},
 		{"empty", nil, nil, status.InvalidArg},
 	} {
-		if _, err := m.LoadBegin(key.Scope{}, lo, tc.tokens, tc.cells); status.Of(err) != tc.code {
-			t.Errorf("%s: %v, want %v", tc.name, err, tc.code)
-		}
+		_, err := m.LoadBegin(key.Scope{}, lo, tc.tokens, tc.cells)
+		assert.Equal(t, tc.code, status.Of(err), "%s: %v", tc.name, err)
 	}
-	if _, err := m.LoadBegin(key.Scope{}, bad, tokens, kvtest.SeqCells(8)); status.Of(err) != status.Layout {
-		t.Errorf("bad stride: %v", err)
-	}
-	if _, err := m.LoadBegin(key.Scope{}, short, tokens, kvtest.SeqCells(8)); status.Of(err) != status.Layout {
-		t.Errorf("missing layer: %v", err)
-	}
-	if _, err := m.LoadBegin(key.Scope{}, lo, kvtest.Tokens(rand.New(rand.NewSource(9)), 8), kvtest.SeqCells(8)); status.Of(err) != status.NotFound {
-		t.Errorf("unknown tokens: %v", err)
-	}
+	_, err := m.LoadBegin(key.Scope{}, bad, tokens, kvtest.SeqCells(8))
+	assert.Equal(t, status.Layout, status.Of(err), "bad stride: %v", err)
+	_, err = m.LoadBegin(key.Scope{}, short, tokens, kvtest.SeqCells(8))
+	assert.Equal(t, status.Layout, status.Of(err), "missing layer: %v", err)
+	_, err = m.LoadBegin(key.Scope{}, lo, kvtest.Tokens(rand.New(rand.NewSource(9)), 8), kvtest.SeqCells(8))
+	assert.Equal(t, status.NotFound, status.Of(err), "unknown tokens: %v", err)
 	ld, err := m.LoadBegin(key.Scope{}, lo, tokens, kvtest.SeqCells(8))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := a.Close(); status.Of(err) != status.State {
-		t.Errorf("close with an open load: %v", err)
-	}
-	if _, err := ld.WaitLayer(5); status.Of(err) != status.InvalidArg {
-		t.Errorf("wait on layer 5: %v", err)
-	}
-	if _, err := ld.End(); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ld.End(); status.Of(err) != status.State {
-		t.Errorf("end twice: %v", err)
-	}
-	if _, err := ld.WaitLayer(0); status.Of(err) != status.State {
-		t.Errorf("wait after end: %v", err)
-	}
+	require.NoError(t, err)
+	err = a.Close()
+	assert.Equal(t, status.State, status.Of(err), "close with an open load: %v", err)
+	_, err = ld.WaitLayer(5)
+	assert.Equal(t, status.InvalidArg, status.Of(err), "wait on layer 5: %v", err)
+	_, err = ld.End()
+	require.NoError(t, err)
+	_, err = ld.End()
+	assert.Equal(t, status.State, status.Of(err), "end twice: %v", err)
+	_, err = ld.WaitLayer(0)
+	assert.Equal(t, status.State, status.Of(err), "wait after end: %v", err)
 	sv, err := m.SaveBegin(key.Scope{}, lo, kvtest.Tokens(rand.New(rand.NewSource(10)), 4), kvtest.SeqCells(4))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := sv.SaveLayer(0); err != nil {
-		t.Fatal(err)
-	}
-	if err := sv.SaveLayer(0); status.Of(err) != status.State {
-		t.Errorf("layer saved twice: %v", err)
-	}
-	if _, err := sv.End(); status.Of(err) != status.State {
-		t.Errorf("end with a layer missing: %v", err)
-	}
-	if n, _, _ := a.Resident(); n != 2 {
-		t.Errorf("an incomplete save left %d blocks resident, want 2", n)
-	}
-	if got := a.pool.Used(); got != 2*int64(m.geo.Size()) {
-		t.Errorf("pool holds %d bytes, want two blocks' %d", got, 2*m.geo.Size())
-	}
+	require.NoError(t, err)
+	require.NoError(t, sv.SaveLayer(0))
+	err = sv.SaveLayer(0)
+	assert.Equal(t, status.State, status.Of(err), "layer saved twice: %v", err)
+	_, err = sv.End()
+	assert.Equal(t, status.State, status.Of(err), "end with a layer missing: %v", err)
+	n, _, _ := a.Resident()
+	assert.Equal(t, 2, n, "blocks an incomplete save left resident")
+	assert.Equal(t, 2*int64(m.geo.Size()), a.pool.Used(), "pool bytes, want two blocks'")
 }
 
 // A restore counts as a use: under LRU, the prompt restored last outlives
@@ -358,18 +297,13 @@ func TestRestoreRefreshesRecency(t *testing.T) {
 		h.Fill(toks, kvtest.SeqCells(16))
 		saveAll(t, m, h, key.Scope{}, toks, kvtest.SeqCells(16))
 	}
-	if _, err := loadAll(t, m, h, key.Scope{}, first, kvtest.SeqCells(16)); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.evict(1); err != nil {
-		t.Fatal(err)
-	}
-	if lk, _ := m.Lookup(key.Scope{}, append(first, 1)); lk.MatchedBlocks != 1 {
-		t.Fatal("the block restored last was evicted first")
-	}
-	if lk, _ := m.Lookup(key.Scope{}, append(second, 1)); lk.MatchedBlocks != 0 {
-		t.Fatal("the block never used survived")
-	}
+	_, err := loadAll(t, m, h, key.Scope{}, first, kvtest.SeqCells(16))
+	require.NoError(t, err)
+	require.NoError(t, b.evict(1))
+	lk, _ := m.Lookup(key.Scope{}, append(first, 1))
+	require.Equal(t, 1, lk.MatchedBlocks, "the block restored last was evicted first")
+	lk, _ = m.Lookup(key.Scope{}, append(second, 1))
+	require.Zero(t, lk.MatchedBlocks, "the block never used survived")
 }
 
 // flakyDirectory fails Publish while down is set, committing the entries
@@ -402,54 +336,40 @@ func TestPublishTimeoutKeepsBlocks(t *testing.T) {
 			dir := &flakyDirectory{Directory: directory.OpenMemory(cfg.Directory.Name), down: true, commit: commit}
 			defer dir.Close()
 			b, err := Open(withOwner(cfg, "a"), Deps{Directory: dir})
-			if err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err)
 			defer b.Close()
 			h := newHost(t, 2, 32, 16, 16, false)
 			m := register(t, b, h, 4)
 			tokens := kvtest.Tokens(rand.New(rand.NewSource(14)), 8)
 			h.Fill(tokens, kvtest.SeqCells(8))
 			sv, err := m.SaveBegin(key.Scope{}, h.Layout(), tokens, kvtest.SeqCells(8))
-			if err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err)
 			for l := range h.K {
-				if err := sv.SaveLayer(l); err != nil {
-					t.Fatal(err)
-				}
+				require.NoError(t, sv.SaveLayer(l))
 			}
-			if _, err := sv.End(); status.Of(err) != status.Timeout {
-				t.Fatalf("save through a directory that timed out: %v", err)
-			}
-			if n, _, _ := b.Resident(); n != 2 {
-				t.Fatalf("%d blocks resident after the timeout, want 2", n)
-			}
+			_, err = sv.End()
+			require.Equal(t, status.Timeout, status.Of(err), "save through a directory that timed out: %v", err)
+			n, _, _ := b.Resident()
+			require.Equal(t, 2, n, "blocks resident after the timeout")
 			reader := openBridge(t, cfg, "reader")
 			dst := newHost(t, 2, 32, 16, 16, false)
 			mr := register(t, reader, dst, 4)
 			if commit {
 				// The entries did commit: another process restores valid bytes.
 				dst.Scribble()
-				if res, err := loadAll(t, mr, dst, key.Scope{}, tokens, kvtest.SeqCells(8)); err != nil || res.OKTokens != 8 {
-					t.Fatalf("restore of the committed entries: %+v, %v", res, err)
-				}
-				if err := dst.Check(tokens, kvtest.SeqCells(8), 8); err != nil {
-					t.Fatal(err)
-				}
+				res, err := loadAll(t, mr, dst, key.Scope{}, tokens, kvtest.SeqCells(8))
+				require.NoError(t, err, "restore of the committed entries")
+				require.Equal(t, 8, res.OKTokens, "restore of the committed entries: %+v", res)
+				require.NoError(t, dst.Check(tokens, kvtest.SeqCells(8), 8))
 			}
 			dir.down = false
 			used := b.pool.Used()
 			res := saveAll(t, m, h, key.Scope{}, tokens, kvtest.SeqCells(8))
-			if res.Written != 0 || b.pool.Used() != used {
-				t.Fatalf("second save: %+v, pool %d -> %d bytes", res, used, b.pool.Used())
-			}
-			if want := map[bool]int{true: 0, false: 2}[commit]; res.Published != want {
-				t.Fatalf("second save published %d blocks, want %d", res.Published, want)
-			}
-			if lk, _ := mr.Lookup(key.Scope{}, append(tokens, 1)); lk.MatchedBlocks != 2 {
-				t.Fatalf("the reader sees %d blocks after the second save", lk.MatchedBlocks)
-			}
+			require.Zero(t, res.Written, "second save: %+v", res)
+			require.Equal(t, used, b.pool.Used(), "pool bytes after the second save")
+			require.Equal(t, map[bool]int{true: 0, false: 2}[commit], res.Published, "blocks the second save published")
+			lk, _ := mr.Lookup(key.Scope{}, append(tokens, 1))
+			require.Equal(t, 2, lk.MatchedBlocks, "blocks the reader sees after the second save")
 		})
 	}
 }

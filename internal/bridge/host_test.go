@@ -5,6 +5,8 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
@@ -34,36 +36,26 @@ func testConfig(t testing.TB) config.Config {
 func openBridge(t testing.TB, c config.Config, owner string) *Bridge {
 	c.Owner = owner
 	b, err := Open(c, Deps{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { _ = b.Close() })
 	return b
 }
 
 func register(t testing.TB, b *Bridge, h *kvtest.Host, blockTokens int) *Model {
 	m, err := b.RegisterModel(spec(h, blockTokens))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return m
 }
 
 func saveAll(t testing.TB, m *Model, h *kvtest.Host, scope key.Scope, tokens []int32, cells []uint32) SaveResult {
 	t.Helper()
 	sv, err := m.SaveBegin(scope, h.Layout(), tokens, cells)
-	if err != nil {
-		t.Fatalf("save begin: %v", err)
-	}
+	require.NoError(t, err, "save begin")
 	for l := range h.K {
-		if err := sv.SaveLayer(l); err != nil {
-			t.Fatalf("save layer %d: %v", l, err)
-		}
+		require.NoError(t, sv.SaveLayer(l), "save layer %d", l)
 	}
 	res, err := sv.End()
-	if err != nil {
-		t.Fatalf("save end: %v", err)
-	}
+	require.NoError(t, err, "save end")
 	return res
 }
 
@@ -77,12 +69,8 @@ func loadAll(t testing.TB, m *Model, h *kvtest.Host, scope key.Scope, tokens []i
 	last := len(tokens)
 	for l := range h.K {
 		ok, err := ld.WaitLayer(l)
-		if err != nil {
-			t.Fatalf("wait layer %d: %v", l, err)
-		}
-		if ok > last {
-			t.Fatalf("layer %d: good prefix grew from %d to %d", l, last, ok)
-		}
+		require.NoError(t, err, "wait layer %d", l)
+		require.LessOrEqual(t, ok, last, "layer %d: good prefix grew", l)
 		last = ok
 	}
 	return ld.End()

@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
@@ -17,7 +19,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	deadline := time.Now().Add(10 * time.Second)
 	for !cond() {
 		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
+			require.FailNowf(t, "timed out", "timed out waiting for %s", what)
 		}
 		time.Sleep(time.Millisecond)
 	}
@@ -26,13 +28,9 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 func TestStoreOutlivesOwner(t *testing.T) {
 	cfg := testConfig(t)
 	store := openBridge(t, cfg, "store")
-	if err := store.Replicate(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, store.Replicate())
 	a, err := Open(withOwner(cfg, "a"), Deps{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { _ = a.Close() })
 	src := newHost(t, 3, 64, 32, 48, true)
 	ma := register(t, a, src, 4)
@@ -42,9 +40,7 @@ func TestStoreOutlivesOwner(t *testing.T) {
 	waitFor(t, "the store to copy 5 blocks", func() bool { return store.Stats().Replicated == 5 })
 
 	// The owner exits: it unpublishes, and the store's copies take over.
-	if err := a.Close(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, a.Close())
 	waitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 5 })
 
 	c := openBridge(t, cfg, "c")
@@ -52,12 +48,9 @@ func TestStoreOutlivesOwner(t *testing.T) {
 	mc := register(t, c, dst, 4)
 	dst.Scribble()
 	res, err := loadAll(t, mc, dst, key.Scope{}, tokens[:20], kvtest.SeqCells(20))
-	if err != nil || res.OKTokens != 20 {
-		t.Fatalf("restore from the store: %+v, %v", res, err)
-	}
-	if err := dst.Check(tokens, kvtest.SeqCells(20), 20); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err, "restore from the store")
+	require.Equal(t, 20, res.OKTokens, "restore from the store: %+v", res)
+	require.NoError(t, dst.Check(tokens, kvtest.SeqCells(20), 20))
 }
 
 func TestStoreRefusesCorruptCopies(t *testing.T) {
@@ -70,16 +63,11 @@ func TestStoreRefusesCorruptCopies(t *testing.T) {
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(12)), 8)
 	src.Fill(tokens, kvtest.SeqCells(8))
 	saveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(8))
-	if err := store.Replicate(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, store.Replicate())
 	waitFor(t, "two failed copies", func() bool { return store.Stats().ReplicationFails == 2 })
-	if n, _, _ := store.Resident(); n != 0 {
-		t.Fatalf("the store kept %d corrupt copies", n)
-	}
-	if used := store.pool.Used(); used != 0 {
-		t.Fatalf("failed copies leaked %d pool bytes", used)
-	}
+	n, _, _ := store.Resident()
+	require.Zero(t, n, "corrupt copies the store kept")
+	require.Zero(t, store.pool.Used(), "pool bytes failed copies leaked")
 }
 
 func withOwner(c config.Config, owner string) config.Config {
