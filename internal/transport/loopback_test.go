@@ -9,6 +9,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/mem"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
@@ -42,9 +45,7 @@ func newEngine(t testing.TB, opts LoopbackOptions) *Loopback {
 		opts.Name = fmt.Sprintf("%s-%d", t.Name(), engineSeq.Add(1))
 	}
 	l, err := NewLoopback(opts)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { _ = l.Close() })
 	return l
 }
@@ -52,9 +53,7 @@ func newEngine(t testing.TB, opts LoopbackOptions) *Loopback {
 func mapped(t testing.TB, n int) []byte {
 	t.Helper()
 	b, err := mem.Map(n)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { _ = mem.Unmap(b) })
 	return b
 }
@@ -81,16 +80,10 @@ func newPair(t testing.TB, size int, link Link) *pair {
 	p.b = newEngine(t, LoopbackOptions{Now: p.clock.Now})
 	p.local, p.remote = mapped(t, size), mapped(t, size)
 	pattern(p.remote, 1)
-	if err := p.a.RegisterMemory(mem.Addr(p.local), uint64(size), "cpu:0", false); err != nil {
-		t.Fatal(err)
-	}
-	if err := p.b.RegisterMemory(mem.Addr(p.remote), uint64(size), "cpu:0", true); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, p.a.RegisterMemory(mem.Addr(p.local), uint64(size), "cpu:0", false))
+	require.NoError(t, p.b.RegisterMemory(mem.Addr(p.remote), uint64(size), "cpu:0", true))
 	seg, err := p.a.OpenSegment(p.b.LocalSegment())
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	p.seg = seg
 	return p
 }
@@ -108,49 +101,32 @@ func (p *pair) write(off, n int) Request {
 func submit(t testing.TB, e *Loopback, reqs ...Request) Batch {
 	t.Helper()
 	b, err := e.AllocateBatch(len(reqs))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := b.Submit(reqs); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, b.Submit(reqs))
 	return b
 }
 
 func state(t testing.TB, b Batch, task int) TaskStatus {
 	t.Helper()
 	st, err := b.Status(task)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return st
 }
 
 func TestNewLoopbackNames(t *testing.T) {
-	if _, err := NewLoopback(LoopbackOptions{}); status.Of(err) != status.InvalidArg {
-		t.Fatalf("empty name: %v", err)
-	}
+	_, err := NewLoopback(LoopbackOptions{})
+	require.Equal(t, status.InvalidArg, status.Of(err), "empty name: %v", err)
 	name := t.Name() + "-seg"
 	l, err := NewLoopback(LoopbackOptions{Name: name})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if l.LocalSegment() != name {
-		t.Fatalf("LocalSegment = %q", l.LocalSegment())
-	}
-	if _, err := NewLoopback(LoopbackOptions{Name: name}); status.Of(err) != status.InvalidArg {
-		t.Fatalf("duplicate name: %v", err)
-	}
-	if err := l.Close(); err != nil {
-		t.Fatal(err)
-	}
-	if err := l.Close(); status.Of(err) != status.State {
-		t.Fatalf("second Close: %v", err)
-	}
+	require.NoError(t, err)
+	require.Equal(t, name, l.LocalSegment(), "LocalSegment")
+	_, err = NewLoopback(LoopbackOptions{Name: name})
+	require.Equal(t, status.InvalidArg, status.Of(err), "duplicate name: %v", err)
+	require.NoError(t, l.Close())
+	err = l.Close()
+	require.Equal(t, status.State, status.Of(err), "second Close: %v", err)
 	again, err := NewLoopback(LoopbackOptions{Name: name})
-	if err != nil {
-		t.Fatalf("the name of a closed engine is not free again: %v", err)
-	}
+	require.NoError(t, err, "the name of a closed engine is not free again")
 	_ = again.Close()
 }
 
@@ -159,12 +135,8 @@ func TestRegisterMemory(t *testing.T) {
 	buf := mapped(t, 1<<16)
 	base := mem.Addr(buf)
 	reg := func(off, n uint64) error { return e.RegisterMemory(base+uintptr(off), n, "cpu:0", true) }
-	if err := reg(0x1000, 0x1000); err != nil {
-		t.Fatal(err)
-	}
-	if err := reg(0x4000, 0x1000); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, reg(0x1000, 0x1000))
+	require.NoError(t, reg(0x4000, 0x1000))
 	for _, tc := range []struct {
 		name   string
 		off, n uint64
@@ -177,34 +149,23 @@ func TestRegisterMemory(t *testing.T) {
 		{"bridging two", 0x1fff, 0x2002},
 		{"empty", 0x8000, 0},
 	} {
-		if err := reg(tc.off, tc.n); status.Of(err) != status.InvalidArg {
-			t.Errorf("%s [%#x, +%#x): %v, want InvalidArg", tc.name, tc.off, tc.n, err)
-		}
+		err := reg(tc.off, tc.n)
+		assert.Equal(t, status.InvalidArg, status.Of(err), "%s [%#x, +%#x): %v", tc.name, tc.off, tc.n, err)
 	}
 	for _, off := range []uint64{0, 0x2000, 0x3000, 0x5000} {
-		if err := reg(off, 0x1000); err != nil {
-			t.Errorf("adjacent region at %#x: %v", off, err)
-		}
+		assert.NoError(t, reg(off, 0x1000), "adjacent region at %#x", off)
 	}
-	if err := e.RegisterMemory(0, 64, "cpu:0", true); status.Of(err) != status.InvalidArg {
-		t.Errorf("NULL address: %v", err)
-	}
-	if err := e.RegisterMemory(^uintptr(0)-10, 64, "cpu:0", true); status.Of(err) != status.InvalidArg {
-		t.Errorf("a range that wraps the address space: %v", err)
-	}
+	err := e.RegisterMemory(0, 64, "cpu:0", true)
+	assert.Equal(t, status.InvalidArg, status.Of(err), "NULL address: %v", err)
+	err = e.RegisterMemory(^uintptr(0)-10, 64, "cpu:0", true)
+	assert.Equal(t, status.InvalidArg, status.Of(err), "a range that wraps the address space: %v", err)
 
-	if err := e.UnregisterMemory(base + 0x1800); status.Of(err) != status.InvalidArg {
-		t.Errorf("unregistering the middle of a region: %v", err)
-	}
-	if err := e.UnregisterMemory(base + 0x1000); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.UnregisterMemory(base + 0x1000); status.Of(err) != status.InvalidArg {
-		t.Errorf("unregistering twice: %v", err)
-	}
-	if err := reg(0x1000, 0x1000); err != nil {
-		t.Errorf("registering a freed range again: %v", err)
-	}
+	err = e.UnregisterMemory(base + 0x1800)
+	assert.Equal(t, status.InvalidArg, status.Of(err), "unregistering the middle of a region: %v", err)
+	require.NoError(t, e.UnregisterMemory(base+0x1000))
+	err = e.UnregisterMemory(base + 0x1000)
+	assert.Equal(t, status.InvalidArg, status.Of(err), "unregistering twice: %v", err)
+	assert.NoError(t, reg(0x1000, 0x1000), "registering a freed range again")
 }
 
 func TestRegisterLocation(t *testing.T) {
@@ -220,8 +181,10 @@ func TestRegisterLocation(t *testing.T) {
 	} {
 		addr := mem.Addr(buf) + uintptr(i*64)
 		err := e.RegisterMemory(addr, 64, tc.loc, false)
-		if (err == nil) != tc.ok || err != nil && status.Of(err) != status.InvalidArg {
-			t.Errorf("location %q: %v, want ok=%v", tc.loc, err, tc.ok)
+		if tc.ok {
+			assert.NoError(t, err, "location %q", tc.loc)
+		} else {
+			assert.Equal(t, status.InvalidArg, status.Of(err), "location %q: %v", tc.loc, err)
 		}
 	}
 }
@@ -229,32 +192,23 @@ func TestRegisterLocation(t *testing.T) {
 func TestSegments(t *testing.T) {
 	a := newEngine(t, LoopbackOptions{})
 	b := newEngine(t, LoopbackOptions{})
-	if id, err := a.OpenSegment("no-such-engine"); status.Of(err) != status.Transfer || id != -1 {
-		t.Fatalf("open unknown: %d, %v", id, err)
-	}
+	id, err := a.OpenSegment("no-such-engine")
+	require.Equal(t, status.Transfer, status.Of(err), "open unknown: %v", err)
+	require.Equal(t, SegmentID(-1), id, "open unknown")
 	s1, err := a.OpenSegment(b.LocalSegment())
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	s2, err := a.OpenSegment(a.LocalSegment())
-	if err != nil || s1 == s2 {
-		t.Fatalf("open self: %d, %v (b is %d)", s2, err, s1)
-	}
-	if err := a.CloseSegment(s1); err != nil {
-		t.Fatal(err)
-	}
-	if err := a.CloseSegment(s1); status.Of(err) != status.InvalidArg {
-		t.Fatalf("close twice: %v", err)
-	}
+	require.NoError(t, err, "open self")
+	require.NotEqual(t, s1, s2, "open self: the same segment as b's")
+	require.NoError(t, a.CloseSegment(s1))
+	err = a.CloseSegment(s1)
+	require.Equal(t, status.InvalidArg, status.Of(err), "close twice: %v", err)
 	buf := mapped(t, 64)
-	if err := a.RegisterMemory(mem.Addr(buf), 64, "*", true); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, a.RegisterMemory(mem.Addr(buf), 64, "*", true))
 	batch, _ := a.AllocateBatch(1)
 	r := Request{Op: Read, Local: mem.Addr(buf), Segment: s1, Remote: uint64(mem.Addr(buf)), Length: 8}
-	if err := batch.Submit([]Request{r}); status.Of(err) != status.InvalidArg {
-		t.Fatalf("submit to a closed segment: %v", err)
-	}
+	err = batch.Submit([]Request{r})
+	require.Equal(t, status.InvalidArg, status.Of(err), "submit to a closed segment: %v", err)
 }
 
 func TestSubmitValidation(t *testing.T) {
@@ -271,23 +225,16 @@ func TestSubmitValidation(t *testing.T) {
 		{"local past the region", func() Request { return p.read(4096-32, 64) }},
 	} {
 		b, err := p.a.AllocateBatch(4)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		// A bad request refuses the whole submission: no task is added.
-		if err := b.Submit([]Request{good, tc.req()}); status.Of(err) != status.InvalidArg {
-			t.Errorf("%s: %v, want InvalidArg", tc.name, err)
-		}
-		if b.Tasks() != 0 {
-			t.Errorf("%s: a refused submit added %d tasks", tc.name, b.Tasks())
-		}
+		err = b.Submit([]Request{good, tc.req()})
+		assert.Equal(t, status.InvalidArg, status.Of(err), "%s: %v", tc.name, err)
+		assert.Zero(t, b.Tasks(), "%s: tasks a refused submit added", tc.name)
 	}
 
 	// Remote addresses are checked by the target when it serves: the task fails.
 	private := mapped(t, 4096)
-	if err := p.b.RegisterMemory(mem.Addr(private), 4096, "cpu:0", false); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, p.b.RegisterMemory(mem.Addr(private), 4096, "cpu:0", false))
 	for _, tc := range []struct {
 		name string
 		req  Request
@@ -301,89 +248,65 @@ func TestSubmitValidation(t *testing.T) {
 		}
 		clear(p.local)
 		b := submit(t, p.a, tc.req)
-		if st := state(t, b, 0); st.State != Failed || st.Transferred != 0 {
-			t.Errorf("%s: %+v, want Failed with nothing moved", tc.name, st)
-		}
-		if !bytes.Equal(p.local, make([]byte, len(p.local))) {
-			t.Errorf("%s: a failed read wrote local memory", tc.name)
-		}
+		st := state(t, b, 0)
+		assert.Equal(t, Failed, st.State, "%s: %+v", tc.name, st)
+		assert.Zero(t, st.Transferred, "%s: bytes moved", tc.name)
+		assert.True(t, bytes.Equal(p.local, make([]byte, len(p.local))), "%s: a failed read wrote local memory", tc.name)
 	}
 }
 
 func TestBatchCapacity(t *testing.T) {
 	p := newPair(t, 4096, Link{})
 	for _, n := range []int{0, -1} {
-		if _, err := p.a.AllocateBatch(n); status.Of(err) != status.InvalidArg {
-			t.Errorf("AllocateBatch(%d): %v", n, err)
-		}
+		_, err := p.a.AllocateBatch(n)
+		assert.Equal(t, status.InvalidArg, status.Of(err), "AllocateBatch(%d): %v", n, err)
 	}
 	b, err := p.a.AllocateBatch(3)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := b.Submit([]Request{p.read(0, 8), p.read(8, 8)}); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.Submit([]Request{p.read(16, 8), p.read(24, 8)}); status.Of(err) != status.InvalidArg {
-		t.Fatalf("submitting past the capacity: %v", err)
-	}
-	if err := b.Submit([]Request{p.read(16, 8)}); err != nil || b.Tasks() != 3 {
-		t.Fatalf("filling the batch: %v, %d tasks", err, b.Tasks())
-	}
+	require.NoError(t, err)
+	require.NoError(t, b.Submit([]Request{p.read(0, 8), p.read(8, 8)}))
+	err = b.Submit([]Request{p.read(16, 8), p.read(24, 8)})
+	require.Equal(t, status.InvalidArg, status.Of(err), "submitting past the capacity: %v", err)
+	require.NoError(t, b.Submit([]Request{p.read(16, 8)}), "filling the batch")
+	require.Equal(t, 3, b.Tasks(), "tasks after filling the batch")
 	// Task numbers continue across submissions.
-	if st := state(t, b, 2); st.State != Completed || !bytes.Equal(p.local[16:24], p.remote[16:24]) {
-		t.Fatalf("task 2: %+v", st)
-	}
-	if _, err := b.Status(3); status.Of(err) != status.InvalidArg {
-		t.Fatalf("status of task 3 of 3: %v", err)
-	}
-	if _, err := b.Status(-1); status.Of(err) != status.InvalidArg {
-		t.Fatalf("status of task -1: %v", err)
-	}
+	st := state(t, b, 2)
+	require.Equal(t, Completed, st.State, "task 2: %+v", st)
+	require.Equal(t, p.remote[16:24], p.local[16:24], "task 2's bytes")
+	_, err = b.Status(3)
+	require.Equal(t, status.InvalidArg, status.Of(err), "status of task 3 of 3: %v", err)
+	_, err = b.Status(-1)
+	require.Equal(t, status.InvalidArg, status.Of(err), "status of task -1: %v", err)
 }
 
 func TestReadWriteMoveTheRightBytes(t *testing.T) {
 	p := newPair(t, 8192, Link{})
 	b := submit(t, p.a, p.read(100, 1000), p.read(5000, 3))
 	for i := 0; i < 2; i++ {
-		if st := state(t, b, i); st.State != Completed {
-			t.Fatalf("read %d: %+v", i, st)
-		}
+		st := state(t, b, i)
+		require.Equal(t, Completed, st.State, "read %d: %+v", i, st)
 	}
-	if st := state(t, b, 0); st.Transferred != 1000 {
-		t.Fatalf("read 0 moved %d bytes", st.Transferred)
-	}
+	require.Equal(t, uint64(1000), state(t, b, 0).Transferred, "bytes read 0 moved")
 	want := make([]byte, len(p.local))
 	copy(want[100:1100], p.remote[100:1100])
 	copy(want[5000:5003], p.remote[5000:5003])
-	if !bytes.Equal(p.local, want) {
-		t.Fatalf("local memory after two reads differs from the expected bytes")
-	}
+	require.True(t, bytes.Equal(p.local, want), "local memory after two reads differs from the expected bytes")
 
 	pattern(p.local, 99)
 	before := append([]byte{}, p.remote...)
 	b = submit(t, p.a, p.write(4096, 4096))
-	if st := state(t, b, 0); st.State != Completed || st.Transferred != 4096 {
-		t.Fatalf("write: %+v", st)
-	}
+	require.Equal(t, TaskStatus{Completed, 4096}, state(t, b, 0), "write")
 	copy(before[4096:], p.local[4096:])
-	if !bytes.Equal(p.remote, before) {
-		t.Fatalf("remote memory after a write differs from the expected bytes")
-	}
+	require.True(t, bytes.Equal(p.remote, before), "remote memory after a write differs from the expected bytes")
 
 	// An engine reaches its own memory through its own segment.
 	self, err := p.b.OpenSegment(p.b.LocalSegment())
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	own := mapped(t, 64)
-	if err := p.b.RegisterMemory(mem.Addr(own), 64, "cpu:0", false); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, p.b.RegisterMemory(mem.Addr(own), 64, "cpu:0", false))
 	b = submit(t, p.b, Request{Op: Read, Local: mem.Addr(own), Segment: self, Remote: uint64(mem.Addr(p.remote)), Length: 64})
-	if st := state(t, b, 0); st.State != Completed || !bytes.Equal(own, p.remote[:64]) {
-		t.Fatalf("self read: %+v", st)
-	}
+	st := state(t, b, 0)
+	require.Equal(t, Completed, st.State, "self read: %+v", st)
+	require.Equal(t, p.remote[:64], own, "self read's bytes")
 }
 
 func TestShapedLink(t *testing.T) {
@@ -393,16 +316,13 @@ func TestShapedLink(t *testing.T) {
 	b := submit(t, p.a, p.read(0, mb))
 	due := time.Millisecond + lat // 1 MB at 1 GB/s, then the latency
 	p.clock.Advance(due - time.Nanosecond)
-	if st := state(t, b, 0); st.State != Pending || p.local[mb-1] != 0 {
-		t.Fatalf("1 ns before due: %+v, last byte %d", st, p.local[mb-1])
-	}
+	st := state(t, b, 0)
+	require.Equal(t, Pending, st.State, "1 ns before due: %+v", st)
+	require.Zero(t, p.local[mb-1], "last byte 1 ns before due")
 	p.clock.Advance(time.Nanosecond)
-	if st := state(t, b, 0); st.State != Completed || st.Transferred != mb || !bytes.Equal(p.local[:mb], p.remote[:mb]) {
-		t.Fatalf("at due: %+v", st)
-	}
-	if err := b.Free(); err != nil {
-		t.Fatal(err)
-	}
+	require.Equal(t, TaskStatus{Completed, mb}, state(t, b, 0), "at due")
+	require.True(t, bytes.Equal(p.local[:mb], p.remote[:mb]), "at due: the read did not deliver the bytes")
+	require.NoError(t, b.Free())
 
 	// Requests share the link one after another, across batches too.
 	start := p.clock.Now()
@@ -422,9 +342,7 @@ func TestShapedLink(t *testing.T) {
 			if at >= d*time.Millisecond+lat {
 				want = Completed
 			}
-			if st := state(t, b, task); st.State != want {
-				t.Fatalf("at %v request %d is %v, want %v", at, i, st.State, want)
-			}
+			require.Equal(t, want, state(t, b, task).State, "at %v request %d", at, i)
 		}
 	}
 	for _, at := range []time.Duration{time.Millisecond, time.Millisecond + lat, 2*time.Millisecond + lat - 1, 2*time.Millisecond + lat, 3*time.Millisecond + lat, 4*time.Millisecond + lat} {
@@ -435,15 +353,13 @@ func TestShapedLink(t *testing.T) {
 	p.clock.Advance(time.Second)
 	b3 := submit(t, p.a, p.read(0, mb))
 	p.clock.Advance(due)
-	if st := state(t, b3, 0); st.State != Completed {
-		t.Fatalf("after an idle second: %+v", st)
-	}
+	st = state(t, b3, 0)
+	require.Equal(t, Completed, st.State, "after an idle second: %+v", st)
 
 	// Unshaped, a request completes on its first poll.
 	p.a.SetLink(Link{})
-	if st := state(t, submit(t, p.a, p.read(0, mb)), 0); st.State != Completed {
-		t.Fatalf("unshaped: %+v", st)
-	}
+	st = state(t, submit(t, p.a, p.read(0, mb)), 0)
+	require.Equal(t, Completed, st.State, "unshaped: %+v", st)
 }
 
 func TestFaultFailAll(t *testing.T) {
@@ -451,17 +367,13 @@ func TestFaultFailAll(t *testing.T) {
 	p.b.SetFault(Fault{Kind: FailAll})
 	b := submit(t, p.a, p.read(0, 4096), p.write(0, 64))
 	for i := 0; i < 2; i++ {
-		if st := state(t, b, i); st.State != Failed || st.Transferred != 0 {
-			t.Fatalf("task %d: %+v", i, st)
-		}
+		require.Equal(t, TaskStatus{Failed, 0}, state(t, b, i), "task %d", i)
 	}
-	if !bytes.Equal(p.local, make([]byte, 4096)) || p.remote[0] != 1 {
-		t.Fatalf("a failed request moved bytes")
-	}
+	require.True(t, bytes.Equal(p.local, make([]byte, 4096)), "a failed read moved bytes")
+	require.Equal(t, byte(1), p.remote[0], "a failed write moved bytes")
 	p.b.SetFault(Fault{})
-	if st := state(t, submit(t, p.a, p.read(0, 4096)), 0); st.State != Completed {
-		t.Fatalf("after clearing the fault: %+v", st)
-	}
+	st := state(t, submit(t, p.a, p.read(0, 4096)), 0)
+	require.Equal(t, Completed, st.State, "after clearing the fault: %+v", st)
 }
 
 func TestFaultFailAfter(t *testing.T) {
@@ -470,19 +382,14 @@ func TestFaultFailAfter(t *testing.T) {
 	b := submit(t, p.a, p.read(0, 600), p.read(600, 600), p.read(1200, 600))
 	want := []TaskStatus{{Completed, 600}, {Failed, 400}, {Failed, 0}}
 	for i, w := range want {
-		if st := state(t, b, i); st != w {
-			t.Fatalf("task %d: %+v, want %+v", i, st, w)
-		}
+		require.Equal(t, w, state(t, b, i), "task %d", i)
 	}
 	// Exactly the reported bytes arrived.
-	if !bytes.Equal(p.local[:1000], p.remote[:1000]) || !bytes.Equal(p.local[1000:], make([]byte, 4096-1000)) {
-		t.Fatalf("bytes moved differ from the reported counts")
-	}
+	require.True(t, bytes.Equal(p.local[:1000], p.remote[:1000]), "bytes moved differ from the reported counts")
+	require.True(t, bytes.Equal(p.local[1000:], make([]byte, 4096-1000)), "bytes moved past the reported counts")
 	// Re-arming starts a fresh budget.
 	p.b.SetFault(Fault{Kind: FailAfter, Arg: 10})
-	if st := state(t, submit(t, p.a, p.write(0, 64)), 0); st != (TaskStatus{Failed, 10}) {
-		t.Fatalf("after re-arming: %+v", st)
-	}
+	require.Equal(t, TaskStatus{Failed, 10}, state(t, submit(t, p.a, p.write(0, 64)), 0), "after re-arming")
 }
 
 func TestFaultCorrupt(t *testing.T) {
@@ -497,22 +404,14 @@ func TestFaultCorrupt(t *testing.T) {
 		}
 		return n
 	}
-	if st := state(t, submit(t, p.a, p.read(0, 4096)), 0); st.State != Completed || st.Transferred != 4096 {
-		t.Fatalf("corrupt read: %+v", st)
-	}
-	if n := diff(p.local, p.remote); n != 1 {
-		t.Fatalf("corrupt read changed %d bytes, want 1", n)
-	}
+	require.Equal(t, TaskStatus{Completed, 4096}, state(t, submit(t, p.a, p.read(0, 4096)), 0), "corrupt read")
+	require.Equal(t, 1, diff(p.local, p.remote), "bytes a corrupt read changed")
 	pattern(p.local, 50)
-	if st := state(t, submit(t, p.a, p.write(10, 1)), 0); st.State != Completed {
-		t.Fatalf("corrupt write: %+v", st)
-	}
-	if p.remote[10] == p.local[10] {
-		t.Fatalf("a one-byte corrupt write arrived intact")
-	}
-	if p.remote[9] != byte(9*7+1) || p.remote[11] != byte(11*7+1) {
-		t.Fatalf("a corrupt write touched bytes outside its range")
-	}
+	st := state(t, submit(t, p.a, p.write(10, 1)), 0)
+	require.Equal(t, Completed, st.State, "corrupt write: %+v", st)
+	require.NotEqual(t, p.local[10], p.remote[10], "a one-byte corrupt write arrived intact")
+	require.Equal(t, byte(9*7+1), p.remote[9], "a corrupt write touched bytes outside its range")
+	require.Equal(t, byte(11*7+1), p.remote[11], "a corrupt write touched bytes outside its range")
 }
 
 func TestFaultDelay(t *testing.T) {
@@ -523,22 +422,21 @@ func TestFaultDelay(t *testing.T) {
 	// Polling late must not push completion later than shaped + delay.
 	p.clock.Advance(3 * time.Millisecond)
 	for i := 0; i < 2; i++ {
-		if st := state(t, b, i); st.State != Pending {
-			t.Fatalf("task %d 3 ms in: %+v", i, st)
-		}
+		st := state(t, b, i)
+		require.Equal(t, Pending, st.State, "task %d 3 ms in: %+v", i, st)
 	}
 	p.clock.Advance(delay + time.Microsecond - 3*time.Millisecond - time.Nanosecond)
-	if st0, st1 := state(t, b, 0), state(t, b, 1); st0.State != Pending || st1.State != Pending {
-		t.Fatalf("1 ns before the first delayed due: %+v %+v", st0, st1)
-	}
+	st0, st1 := state(t, b, 0), state(t, b, 1)
+	require.Equal(t, Pending, st0.State, "1 ns before the first delayed due: %+v %+v", st0, st1)
+	require.Equal(t, Pending, st1.State, "1 ns before the first delayed due: %+v %+v", st0, st1)
 	p.clock.Advance(time.Nanosecond)
-	if st0, st1 := state(t, b, 0), state(t, b, 1); st0.State != Completed || st1.State != Pending {
-		t.Fatalf("at the first delayed due: %+v %+v", st0, st1)
-	}
+	st0, st1 = state(t, b, 0), state(t, b, 1)
+	require.Equal(t, Completed, st0.State, "at the first delayed due: %+v %+v", st0, st1)
+	require.Equal(t, Pending, st1.State, "at the first delayed due: %+v %+v", st0, st1)
 	p.clock.Advance(time.Microsecond)
-	if st := state(t, b, 1); st.State != Completed || !bytes.Equal(p.local[:2000], p.remote[:2000]) {
-		t.Fatalf("at the second delayed due: %+v", st)
-	}
+	st := state(t, b, 1)
+	require.Equal(t, Completed, st.State, "at the second delayed due: %+v", st)
+	require.True(t, bytes.Equal(p.local[:2000], p.remote[:2000]), "at the second delayed due: the reads did not deliver the bytes")
 }
 
 func TestFaultDropPeer(t *testing.T) {
@@ -548,54 +446,40 @@ func TestFaultDropPeer(t *testing.T) {
 	after := submit(t, p.a, p.write(0, 64))
 	p.clock.Advance(time.Second)
 	for name, b := range map[string]Batch{"in flight": inFlight, "submitted after": after} {
-		if st := state(t, b, 0); st.State != Failed || st.Transferred != 0 {
-			t.Fatalf("%s: %+v", name, st)
-		}
+		require.Equal(t, TaskStatus{Failed, 0}, state(t, b, 0), name)
 	}
-	if !bytes.Equal(p.local, make([]byte, 4096)) || p.remote[0] != 1 {
-		t.Fatalf("a dropped peer moved bytes")
-	}
+	require.True(t, bytes.Equal(p.local, make([]byte, 4096)), "a dropped peer moved bytes")
+	require.Equal(t, byte(1), p.remote[0], "a dropped peer moved bytes")
 }
 
 func TestPeerClosedInFlight(t *testing.T) {
 	p := newPair(t, 4096, Link{Bandwidth: 1e9})
 	b := submit(t, p.a, p.read(0, 4096))
-	if err := p.b.Close(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, p.b.Close())
 	p.clock.Advance(time.Second)
-	if st := state(t, b, 0); st.State != Failed {
-		t.Fatalf("request to a closed peer: %+v", st)
-	}
-	if _, err := p.a.OpenSegment(p.b.LocalSegment()); status.Of(err) != status.Transfer {
-		t.Fatalf("opening a closed engine: %v", err)
-	}
+	st := state(t, b, 0)
+	require.Equal(t, Failed, st.State, "request to a closed peer: %+v", st)
+	_, err := p.a.OpenSegment(p.b.LocalSegment())
+	require.Equal(t, status.Transfer, status.Of(err), "opening a closed engine: %v", err)
 }
 
 func TestFree(t *testing.T) {
 	p := newPair(t, 4096, Link{Bandwidth: 1e9})
 	b := submit(t, p.a, p.read(0, 4096))
-	if err := b.Free(); status.Of(err) != status.State {
-		t.Fatalf("free with a task in flight: %v", err)
-	}
+	err := b.Free()
+	require.Equal(t, status.State, status.Of(err), "free with a task in flight: %v", err)
 	p.clock.Advance(time.Second)
 	// Due but never polled is still in flight: only Status completes it.
-	if err := b.Free(); status.Of(err) != status.State {
-		t.Fatalf("free before the task was polled: %v", err)
-	}
+	err = b.Free()
+	require.Equal(t, status.State, status.Of(err), "free before the task was polled: %v", err)
 	state(t, b, 0)
-	if err := b.Free(); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.Free(); status.Of(err) != status.State {
-		t.Fatalf("second free: %v", err)
-	}
-	if _, err := b.Status(0); status.Of(err) != status.State {
-		t.Fatalf("status after free: %v", err)
-	}
-	if err := b.Submit([]Request{p.read(0, 8)}); status.Of(err) != status.State {
-		t.Fatalf("submit after free: %v", err)
-	}
+	require.NoError(t, b.Free())
+	err = b.Free()
+	require.Equal(t, status.State, status.Of(err), "second free: %v", err)
+	_, err = b.Status(0)
+	require.Equal(t, status.State, status.Of(err), "status after free: %v", err)
+	err = b.Submit([]Request{p.read(0, 8)})
+	require.Equal(t, status.State, status.Of(err), "submit after free: %v", err)
 }
 
 func TestWait(t *testing.T) {
@@ -606,48 +490,37 @@ func TestWait(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Millisecond)
 	defer cancel()
 	st, err := Wait(ctx, b, 0, 3, Backoff{Min: time.Microsecond, Max: 50 * time.Microsecond})
-	if status.Of(err) != status.Timeout {
-		t.Fatalf("Wait past its deadline: %v, want Timeout", err)
-	}
+	require.Equal(t, status.Timeout, status.Of(err), "Wait past its deadline: %v", err)
 	for i, s := range st {
-		if s.State != TimedOut {
-			t.Fatalf("task %d after the deadline: %+v", i, s)
-		}
+		require.Equal(t, TimedOut, s.State, "task %d after the deadline: %+v", i, s)
 	}
 
 	p.clock.Advance(2 * time.Microsecond)
 	st, err = Wait(context.Background(), b, 0, 2, DefaultBackoff)
-	if err != nil || st[0] != (TaskStatus{Completed, 1000}) || st[1] != (TaskStatus{Completed, 1000}) {
-		t.Fatalf("Wait for the first two: %+v, %v", st, err)
-	}
+	require.NoError(t, err, "Wait for the first two")
+	require.Equal(t, TaskStatus{Completed, 1000}, st[0], "Wait for the first two: task 0")
+	require.Equal(t, TaskStatus{Completed, 1000}, st[1], "Wait for the first two: task 1")
 	// A finished task is reported even when the context has already ended.
 	done, cancelDone := context.WithCancel(context.Background())
 	cancelDone()
-	if st, err := Wait(done, b, 1, 1, DefaultBackoff); err != nil || st[0].State != Completed {
-		t.Fatalf("Wait on a done task with a cancelled context: %+v, %v", st, err)
-	}
-	if _, err := Wait(context.Background(), b, 2, 2, DefaultBackoff); status.Of(err) != status.InvalidArg {
-		t.Fatalf("Wait past the last task: %v", err)
-	}
+	st, err = Wait(done, b, 1, 1, DefaultBackoff)
+	require.NoError(t, err, "Wait on a done task with a cancelled context")
+	require.Equal(t, Completed, st[0].State, "Wait on a done task with a cancelled context: %+v", st)
+	_, err = Wait(context.Background(), b, 2, 2, DefaultBackoff)
+	require.Equal(t, status.InvalidArg, status.Of(err), "Wait past the last task: %v", err)
 
 	p.clock.Advance(time.Microsecond)
 	WaitIdle(b, DefaultBackoff)
-	if err := b.Free(); err != nil {
-		t.Fatalf("free after WaitIdle: %v", err)
-	}
+	require.NoError(t, b.Free(), "free after WaitIdle")
 }
 
 func TestStateString(t *testing.T) {
 	for s, want := range map[State]string{Waiting: "waiting", Pending: "pending", Invalid: "invalid", Canceled: "canceled",
 		Completed: "completed", TimedOut: "timeout", Failed: "failed", 9: "state(9)"} {
-		if s.String() != want {
-			t.Errorf("State(%d) = %q, want %q", int32(s), s.String(), want)
-		}
+		assert.Equal(t, want, s.String(), "State(%d)", int32(s))
 	}
 	for s := Waiting; s <= Failed; s++ {
-		if s.Done() != (s >= Invalid) {
-			t.Errorf("%v.Done() = %v", s, s.Done())
-		}
+		assert.Equal(t, s >= Invalid, s.Done(), "%v.Done()", s)
 	}
 }
 
@@ -663,9 +536,7 @@ func TestConcurrentBatches(t *testing.T) {
 		eng *Loopback
 		buf []byte
 	}{{a, ma}, {b, mb}} {
-		if err := e.eng.RegisterMemory(mem.Addr(e.buf), n, "cpu:0", true); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, e.eng.RegisterMemory(mem.Addr(e.buf), n, "cpu:0", true))
 	}
 	sa, _ := a.OpenSegment(b.LocalSegment())
 	sb, _ := b.OpenSegment(a.LocalSegment())
@@ -712,13 +583,12 @@ func TestConcurrentBatches(t *testing.T) {
 	wg.Wait()
 	close(errs)
 	for err := range errs {
-		t.Error(err)
+		assert.NoError(t, err)
 	}
 	for k := 0; k < 4; k++ {
 		o, half := k*n/4, n/8
-		if !bytes.Equal(ma[o:o+half], mb[o:o+half]) || !bytes.Equal(mb[o+half:o+2*half], ma[o+half:o+2*half]) {
-			t.Fatalf("slice %d: reads did not deliver the peer's bytes", k)
-		}
+		require.True(t, bytes.Equal(ma[o:o+half], mb[o:o+half]), "slice %d: reads did not deliver the peer's bytes", k)
+		require.True(t, bytes.Equal(mb[o+half:o+2*half], ma[o+half:o+2*half]), "slice %d: reads did not deliver the peer's bytes", k)
 	}
 }
 
@@ -729,18 +599,12 @@ func benchmarkRead(b *testing.B, size int) {
 	for b.Loop() {
 		t0 := time.Now()
 		bt, err := p.a.AllocateBatch(1)
-		if err != nil {
-			b.Fatal(err)
-		}
-		if err := bt.Submit([]Request{p.read(0, size)}); err != nil {
-			b.Fatal(err)
-		}
-		if st, err := Wait(context.Background(), bt, 0, 1, DefaultBackoff); err != nil || st[0].State != Completed {
-			b.Fatalf("%+v, %v", st, err)
-		}
-		if err := bt.Free(); err != nil {
-			b.Fatal(err)
-		}
+		require.NoError(b, err)
+		require.NoError(b, bt.Submit([]Request{p.read(0, size)}))
+		st, err := Wait(context.Background(), bt, 0, 1, DefaultBackoff)
+		require.NoError(b, err)
+		require.Equal(b, Completed, st[0].State, "%+v", st)
+		require.NoError(b, bt.Free())
 		t1 := time.Now()
 		// The baseline moves the same bytes between the same buffers,
 		// timed apart from StopTimer, which reads the memory statistics.
@@ -752,9 +616,7 @@ func benchmarkRead(b *testing.B, size int) {
 		loopNs += t1.Sub(t0)
 		copyNs += c1.Sub(c0)
 	}
-	if !bytes.Equal(p.local, p.remote) {
-		b.Fatal("the read did not deliver the bytes")
-	}
+	require.True(b, bytes.Equal(p.local, p.remote), "the read did not deliver the bytes")
 	b.ReportMetric(copyNs.Seconds()/loopNs.Seconds(), "x_memcpy")
 }
 
