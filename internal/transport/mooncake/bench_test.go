@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/transport"
 )
 
@@ -34,9 +36,7 @@ func benchRestore(b *testing.B, path Path, block int) {
 	const total = 64 << 20
 	n := total / block
 	p := newPair(b, mockLib, total)
-	if err := p.a.SetPath(path); err != nil {
-		b.Fatal(err)
-	}
+	require.NoError(b, p.a.SetPath(path))
 	reqs := make([]transport.Request, n)
 	for i := range reqs {
 		off := i * block
@@ -45,24 +45,14 @@ func benchRestore(b *testing.B, path Path, block int) {
 	}
 	restore := func() {
 		tb, err := p.a.AllocateBatch(n)
-		if err != nil {
-			b.Fatal(err)
-		}
-		if err := tb.Submit(reqs); err != nil {
-			b.Fatal(err)
-		}
+		require.NoError(b, err)
+		require.NoError(b, tb.Submit(reqs))
 		st, err := transport.Wait(context.Background(), tb, 0, n, transport.DefaultBackoff)
-		if err != nil {
-			b.Fatal(err)
-		}
+		require.NoError(b, err)
 		for i, s := range st {
-			if s.State != transport.Completed {
-				b.Fatalf("block %d: %+v", i, s)
-			}
+			require.Equal(b, transport.Completed, s.State, "block %d: %+v", i, s)
 		}
-		if err := tb.Free(); err != nil {
-			b.Fatal(err)
-		}
+		require.NoError(b, tb.Free())
 	}
 	restore() // connections and page tables warm
 	// Each restore is paired with a memcpy right after it, so that load from

@@ -5,9 +5,11 @@ package mooncake
 import (
 	"context"
 	"os"
-	"strings"
 	"testing"
 	"unsafe"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/status"
 	"github.com/mcbridge/mcbridge/internal/transport"
@@ -86,9 +88,7 @@ func newPair(t testing.TB, lib string, size int) *pair {
 	register(t, p.a, p.local, false)
 	register(t, p.b, p.peer, true)
 	seg, err := p.a.OpenSegment(p.b.LocalSegment())
-	if err != nil {
-		t.Fatalf("open %s: %v", p.b.LocalSegment(), err)
-	}
+	require.NoError(t, err, "open %s", p.b.LocalSegment())
 	p.seg = seg
 	return p
 }
@@ -97,9 +97,7 @@ func testRegistration(t *testing.T, lib string) {
 	e := openEngine(t, lib)
 	mem := newBuffer(t, 1<<20)
 	base := mem.addr()
-	if err := e.RegisterMemory(base+4096, 8192, "cpu:0", true); err != nil {
-		t.Fatalf("register: %v", err)
-	}
+	require.NoError(t, e.RegisterMemory(base+4096, 8192, "cpu:0", true), "register")
 	for _, c := range []struct {
 		name string
 		addr uintptr
@@ -113,37 +111,24 @@ func testRegistration(t *testing.T, lib string) {
 	} {
 		err := e.RegisterMemory(c.addr, c.len, "cpu:0", true)
 		wantCode(t, err, status.InvalidArg, "overlap "+c.name)
-		if !strings.Contains(err.Error(), "overlaps") {
-			t.Errorf("overlap %s: %v does not say why", c.name, err)
-		}
+		assert.ErrorContains(t, err, "overlaps", "overlap %s: does not say why", c.name)
 	}
 	// Adjacent ranges do not overlap.
 	for _, r := range []struct {
 		addr uintptr
 		len  uint64
 	}{{base, 4096}, {base + 12288, 4096}} {
-		if err := e.RegisterMemory(r.addr, r.len, "*", false); err != nil {
-			t.Fatalf("adjacent %#x: %v", r.addr, err)
-		}
-		if err := e.UnregisterMemory(r.addr); err != nil {
-			t.Fatalf("unregister adjacent: %v", err)
-		}
+		require.NoError(t, e.RegisterMemory(r.addr, r.len, "*", false), "adjacent %#x", r.addr)
+		require.NoError(t, e.UnregisterMemory(r.addr), "unregister adjacent")
 	}
 	wantCode(t, e.RegisterMemory(base, 0, "cpu:0", true), status.InvalidArg, "zero length")
 	wantCode(t, e.RegisterMemory(0, 10, "cpu:0", true), status.InvalidArg, "null address")
 	wantCode(t, e.RegisterMemory(base, 10, "", true), status.InvalidArg, "empty location")
-	if err := e.UnregisterMemory(base + 4096); err != nil {
-		t.Fatalf("unregister: %v", err)
-	}
-	if err := e.RegisterMemory(base, 1<<20, "cpu:0", true); err != nil {
-		t.Fatalf("register after unregister: %v", err)
-	}
-	if err := e.Close(); status.Of(err) != status.State {
-		t.Fatalf("close with a registration left: %v, want a State error", err)
-	}
-	if err := e.UnregisterMemory(base); err != nil {
-		t.Fatalf("unregister: %v", err)
-	}
+	require.NoError(t, e.UnregisterMemory(base+4096), "unregister")
+	require.NoError(t, e.RegisterMemory(base, 1<<20, "cpu:0", true), "register after unregister")
+	err := e.Close()
+	require.Equal(t, status.State, status.Of(err), "close with a registration left: %v", err)
+	require.NoError(t, e.UnregisterMemory(base), "unregister")
 	if e.IsMock() {
 		wantCode(t, e.UnregisterMemory(base), status.InvalidArg, "unregister twice")
 		wantCode(t, e.RegisterMemory(base, 10, "cuda:0", true), status.Unsupported, "device memory on the mock")
@@ -157,46 +142,32 @@ func testBatchRegistration(t *testing.T, lib string) {
 	overlapping := []Region{{base, 8192}, {base + 4096, 4096}}
 	wantCode(t, e.RegisterMemoryBatch(overlapping, "cpu:0"), status.InvalidArg, "overlapping batch")
 	regions := []Region{{base, 4096}, {base + 65536, 4096}, {base + 8192, 8192}}
-	if err := e.RegisterMemoryBatch(regions, "cpu:0"); err != nil {
-		t.Fatalf("register batch: %v", err)
-	}
+	require.NoError(t, e.RegisterMemoryBatch(regions, "cpu:0"), "register batch")
 	// All or none: one overlap refuses the whole list.
 	wantCode(t, e.RegisterMemoryBatch([]Region{{base + 200000, 10}, {base + 9000, 10}}, "cpu:0"), status.InvalidArg, "batch overlapping a region")
-	if err := e.RegisterMemory(base+200000, 10, "cpu:0", true); err != nil {
-		t.Fatalf("the refused batch left a registration behind: %v", err)
-	}
+	require.NoError(t, e.RegisterMemory(base+200000, 10, "cpu:0", true), "the refused batch left a registration behind")
 	addrs := []uintptr{base, base + 65536, base + 8192, base + 200000}
-	if err := e.UnregisterMemoryBatch(addrs); err != nil {
-		t.Fatalf("unregister batch: %v", err)
-	}
+	require.NoError(t, e.UnregisterMemoryBatch(addrs), "unregister batch")
 }
 
 func testSegments(t *testing.T, lib string) {
 	e := openEngine(t, lib)
-	if seg, err := e.OpenSegment(e.LocalSegment()); err != nil || seg != 0 {
-		t.Fatalf("own segment: %d, %v; want the local segment 0", seg, err)
-	}
+	seg, err := e.OpenSegment(e.LocalSegment())
+	require.NoError(t, err, "own segment")
+	require.Equal(t, transport.SegmentID(0), seg, "own segment: want the local segment 0")
 	other := openEngine(t, lib)
 	for _, name := range []string{"127.0.0.1:1", "no-port-given", "[::1"} {
-		if _, err := e.OpenSegment(name); status.Of(err) != status.Transfer {
-			t.Fatalf("open %q: %v, want a Transfer error", name, err)
-		}
+		_, err := e.OpenSegment(name)
+		require.Equal(t, status.Transfer, status.Of(err), "open %q: %v", name, err)
 	}
 	wantCode(t, func() error { _, err := e.OpenSegment(""); return err }(), status.InvalidArg, "empty name")
 	id, err := e.OpenSegment(other.LocalSegment())
-	if err != nil {
-		t.Fatalf("open live peer: %v", err)
-	}
+	require.NoError(t, err, "open live peer")
 	again, err := e.OpenSegment(other.LocalSegment())
-	if err != nil || again != id {
-		t.Fatalf("reopen: %d, %v; want the cached id %d", again, err, id)
-	}
-	if err := e.CloseSegment(id); err != nil {
-		t.Fatalf("close segment: %v", err)
-	}
-	if err := e.SyncSegmentCache(); err != nil {
-		t.Fatalf("sync segment cache: %v", err)
-	}
+	require.NoError(t, err, "reopen")
+	require.Equal(t, id, again, "reopen: want the cached id")
+	require.NoError(t, e.CloseSegment(id), "close segment")
+	require.NoError(t, e.SyncSegmentCache(), "sync segment cache")
 }
 
 func testReadWrite(t *testing.T, lib string) {
@@ -208,33 +179,30 @@ func testReadWrite(t *testing.T, lib string) {
 	}
 	for _, path := range paths {
 		if p.a.IsMock() {
-			if err := p.a.SetPath(path); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, p.a.SetPath(path))
 		}
 		before, _ := p.a.MockStats()
 		clear(p.local)
 		st := transfer(t, p.a, read(p.seg, p.local, p.peer))
-		if st[0].State != transport.Completed || st[0].Transferred != size {
-			t.Fatalf("path %d read: %+v", path, st[0])
-		}
-		if i := p.local.firstMismatch(1); i >= 0 {
-			t.Fatalf("path %d read: byte %d is %#x, want %#x", path, i, p.local[i], pattern(1, i))
-		}
+		require.Equal(t, transport.Completed, st[0].State, "path %d read: %+v", path, st[0])
+		require.Equal(t, uint64(size), st[0].Transferred, "path %d read: %+v", path, st[0])
+		require.Negative(t, p.local.firstMismatch(1), "path %d read: first byte off the pattern", path)
 		p.local.fill(2)
 		st = transfer(t, p.a, write(p.seg, p.local, p.peer))
-		if st[0].State != transport.Completed || st[0].Transferred != size {
-			t.Fatalf("path %d write: %+v", path, st[0])
-		}
-		if i := p.peer.firstMismatch(2); i >= 0 {
-			t.Fatalf("path %d write: byte %d is %#x, want %#x", path, i, p.peer[i], pattern(2, i))
-		}
+		require.Equal(t, transport.Completed, st[0].State, "path %d write: %+v", path, st[0])
+		require.Equal(t, uint64(size), st[0].Transferred, "path %d write: %+v", path, st[0])
+		require.Negative(t, p.peer.firstMismatch(2), "path %d write: first byte off the pattern", path)
 		p.peer.fill(1)
 		if p.a.IsMock() {
 			after, _ := p.a.MockStats()
 			vm, tcp := after.VMBytes-before.VMBytes, after.TCPBytes-before.TCPBytes
-			if (path == PathVM && (vm != 2*size || tcp != 0)) || (path == PathTCP && (tcp != 2*size || vm != 0)) {
-				t.Fatalf("path %d moved %d bytes by process_vm and %d by TCP; want %d on its own path", path, vm, tcp, 2*size)
+			if path == PathVM {
+				require.Equal(t, uint64(2*size), vm, "path %d: bytes moved by process_vm", path)
+				require.Zero(t, tcp, "path %d: bytes moved by TCP", path)
+			}
+			if path == PathTCP {
+				require.Equal(t, uint64(2*size), tcp, "path %d: bytes moved by TCP", path)
+				require.Zero(t, vm, "path %d: bytes moved by process_vm", path)
 			}
 		}
 	}
@@ -251,26 +219,17 @@ func testManyTasks(t *testing.T, lib string) {
 	}
 	b := allocate(t, p.a, n)
 	// Two submissions: task numbers continue across them.
-	if err := b.Submit(reqs[:n/2]); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.Submit(reqs[n/2:]); err != nil {
-		t.Fatal(err)
-	}
-	if b.Tasks() != n {
-		t.Fatalf("tasks = %d, want %d", b.Tasks(), n)
-	}
+	require.NoError(t, b.Submit(reqs[:n/2]))
+	require.NoError(t, b.Submit(reqs[n/2:]))
+	require.Equal(t, n, b.Tasks(), "tasks")
 	st, err := transport.Wait(context.Background(), b, 0, n, transport.DefaultBackoff)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	for i, s := range st {
-		if s.State != transport.Completed || s.Transferred != block {
-			t.Fatalf("task %d: %+v", i, s)
-		}
+		require.Equal(t, transport.Completed, s.State, "task %d: %+v", i, s)
+		require.Equal(t, uint64(block), s.Transferred, "task %d: %+v", i, s)
 		for j := 0; j < block; j++ {
 			if p.local[i*block+j] != pattern(1, (n-1-i)*block+j) {
-				t.Fatalf("task %d byte %d wrong", i, j)
+				require.FailNowf(t, "wrong byte", "task %d byte %d wrong", i, j)
 			}
 		}
 	}
@@ -278,63 +237,48 @@ func testManyTasks(t *testing.T, lib string) {
 
 func testBatchCapacity(t *testing.T, lib string) {
 	p := newPair(t, lib, 4096)
-	if _, err := p.a.AllocateBatch(0); status.Of(err) != status.InvalidArg {
-		t.Fatalf("capacity 0: %v", err)
-	}
+	_, err := p.a.AllocateBatch(0)
+	require.Equal(t, status.InvalidArg, status.Of(err), "capacity 0: %v", err)
 	b := allocate(t, p.a, 2)
 	r := read(p.seg, p.local, p.peer)
 	wantCode(t, b.Submit([]transport.Request{r, r, r}), status.InvalidArg, "three requests in a batch of two")
-	if err := b.Submit([]transport.Request{r}); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, b.Submit([]transport.Request{r}))
 	wantCode(t, b.Submit([]transport.Request{r, r}), status.InvalidArg, "capacity counts earlier submissions")
 	// The engine enforces the limit too: past the binding's own check, the
 	// raw call must fail with TooManyRequests (code 2).
 	creq := []cRequest{{opcode: 0, source: r.Local, targetID: int32(r.Segment), targetOffset: r.Remote, length: r.Length}}
 	creq = append(creq, creq[0])
-	err := p.a.use("submitTransfer", func(h uintptr) error {
+	err = p.a.use("submitTransfer", func(h uintptr) error {
 		_, err := p.a.lib.call("submitTransfer", p.a.lib.sym.submitTransfer, statusCode,
 			h, uintptr(b.id), uintptr(unsafe.Pointer(&creq[0])), uintptr(len(creq)))
 		return err
 	})
-	if err == nil || !strings.Contains(err.Error(), "code 2)") {
-		t.Fatalf("raw over-capacity submit: %v, want Transfer Engine code 2", err)
-	}
-	if _, err := transport.Wait(context.Background(), b, 0, b.Tasks(), transport.DefaultBackoff); err != nil {
-		t.Fatal(err)
-	}
+	require.ErrorContains(t, err, "code 2)", "raw over-capacity submit: want Transfer Engine code 2")
+	_, err = transport.Wait(context.Background(), b, 0, b.Tasks(), transport.DefaultBackoff)
+	require.NoError(t, err)
 }
 
 func testBatchLifecycle(t *testing.T, lib string) {
 	p := newPair(t, lib, 4096)
 	tb, err := p.a.AllocateBatch(4)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	b := tb.(*Batch)
-	if err := b.Free(); err != nil {
-		t.Fatalf("free an empty batch: %v", err)
-	}
+	require.NoError(t, b.Free(), "free an empty batch")
 	before, _ := p.a.MockStats()
 	wantCode(t, b.Free(), status.State, "double free")
 	_, err = b.Status(0)
 	wantCode(t, err, status.State, "status after free")
 	wantCode(t, b.Submit([]transport.Request{read(p.seg, p.local, p.peer)}), status.State, "submit after free")
-	if after, _ := p.a.MockStats(); after.InvalidBatchCalls != before.InvalidBatchCalls {
-		t.Fatalf("the binding passed a freed batch id to the engine %d times", after.InvalidBatchCalls-before.InvalidBatchCalls)
-	}
+	after, _ := p.a.MockStats()
+	require.Equal(t, before.InvalidBatchCalls, after.InvalidBatchCalls, "times the binding passed a freed batch id to the engine")
 	b2 := allocate(t, p.a, 1)
-	if err := p.a.Close(); status.Of(err) != status.State {
-		t.Fatalf("close with a batch allocated: %v, want a State error", err)
-	}
+	err = p.a.Close()
+	require.Equal(t, status.State, status.Of(err), "close with a batch allocated: %v", err)
 	_, err = b2.Status(0)
 	wantCode(t, err, status.InvalidArg, "status of a task never submitted")
-	if err := b2.Submit([]transport.Request{read(p.seg, p.local, p.peer)}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := b2.Status(1); status.Of(err) != status.InvalidArg {
-		t.Fatalf("status past the last task: %v", err)
-	}
+	require.NoError(t, b2.Submit([]transport.Request{read(p.seg, p.local, p.peer)}))
+	_, err = b2.Status(1)
+	require.Equal(t, status.InvalidArg, status.Of(err), "status past the last task: %v", err)
 }
 
 func testBusyFree(t *testing.T, lib string) {
@@ -342,13 +286,9 @@ func testBusyFree(t *testing.T, lib string) {
 	b := allocate(t, p.a, 1)
 	if p.a.IsMock() {
 		// Hold the transfer mid-way so that it is certainly in flight.
-		if err := p.a.SetFault(FaultStallAfter, 1<<20); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, p.a.SetFault(FaultStallAfter, 1<<20))
 	}
-	if err := b.Submit([]transport.Request{read(p.seg, p.local, p.peer)}); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, b.Submit([]transport.Request{read(p.seg, p.local, p.peer)}))
 	wantCode(t, b.Free(), status.State, "free with a task never polled")
 	if p.a.IsMock() {
 		waitTransferred(t, b, 0, 1<<20)
@@ -360,14 +300,10 @@ func testBusyFree(t *testing.T, lib string) {
 			return err
 		})
 		wantCode(t, err, status.State, "raw freeBatchID of a busy batch")
-		if err := p.a.SetFault(FaultStallAfter, -1); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, p.a.SetFault(FaultStallAfter, -1))
 	}
 	transport.WaitIdle(b, transport.DefaultBackoff)
-	if err := b.Free(); err != nil {
-		t.Fatalf("free after completion: %v", err)
-	}
+	require.NoError(t, b.Free(), "free after completion")
 }
 
 // waitTransferred polls task until it has moved at least n bytes.
@@ -375,9 +311,7 @@ func waitTransferred(t *testing.T, b *Batch, task int, n uint64) transport.TaskS
 	t.Helper()
 	for {
 		st, err := b.Status(task)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		if st.Transferred >= n || st.State.Done() {
 			return st
 		}
@@ -403,13 +337,13 @@ func testUnregisteredRanges(t *testing.T, lib string) {
 		b := allocate(t, p.a, 1)
 		err := b.Submit([]transport.Request{c.req})
 		wantCode(t, err, status.InvalidArg, c.name)
-		if p.a.IsMock() && b.Tasks() != 0 {
-			t.Fatalf("%s: the refused request left %d tasks", c.name, b.Tasks())
+		if p.a.IsMock() {
+			require.Zero(t, b.Tasks(), "%s: tasks the refused request left", c.name)
 		}
 	}
-	if p.peer.firstMismatch(1) >= 0 || !allZero(private) || !allZero(loose) {
-		t.Fatalf("a refused request touched memory")
-	}
+	require.Negative(t, p.peer.firstMismatch(1), "a refused request touched the peer's memory")
+	require.True(t, allZero(private), "a refused request touched private memory")
+	require.True(t, allZero(loose), "a refused request touched unregistered memory")
 }
 
 func allZero(b buffer) bool {
@@ -426,28 +360,18 @@ func testNotify(t *testing.T, lib string) {
 	if !p.a.Library().Has("genNotifyInEngine") || !p.a.Library().Has("freeNotifsMsgBuf") {
 		t.Skip("library predates notifications")
 	}
-	if err := p.a.SendNotify(p.seg, "hello", "world"); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, p.a.SendNotify(p.seg, "hello", "world"))
 	b := allocate(t, p.a, 1)
-	if err := b.SubmitWithNotify([]transport.Request{read(p.seg, p.local, p.peer)}, "block", "42 done"); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, b.SubmitWithNotify([]transport.Request{read(p.seg, p.local, p.peer)}, "block", "42 done"))
 	st, err := transport.Wait(context.Background(), b, 0, 1, transport.DefaultBackoff)
-	if err != nil || st[0].State != transport.Completed {
-		t.Fatalf("notified transfer: %+v %v", st, err)
-	}
+	require.NoError(t, err, "notified transfer")
+	require.Equal(t, transport.Completed, st[0].State, "notified transfer: %+v", st)
 	got, err := p.b.Notifications()
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := []Notification{{"hello", "world"}, {"block", "42 done"}}
-	if len(got) != len(want) || got[0] != want[0] || got[1] != want[1] {
-		t.Fatalf("notifications %+v, want %+v", got, want)
-	}
-	if again, err := p.b.Notifications(); err != nil || len(again) != 0 {
-		t.Fatalf("notifications are delivered once: %+v %v", again, err)
-	}
+	require.NoError(t, err)
+	require.Equal(t, []Notification{{"hello", "world"}, {"block", "42 done"}}, got, "notifications")
+	again, err := p.b.Notifications()
+	require.NoError(t, err, "notifications are delivered once")
+	require.Empty(t, again, "notifications are delivered once")
 }
 
 func testFaultFail(t *testing.T, lib string) {
@@ -455,27 +379,17 @@ func testFaultFail(t *testing.T, lib string) {
 	p := newPair(t, lib, size)
 	needMock(t, p.a)
 	for _, path := range []Path{PathVM, PathTCP} {
-		if err := p.a.SetPath(path); err != nil {
-			t.Fatal(err)
-		}
-		if err := p.a.SetFault(FaultFailAfter, 3<<20); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, p.a.SetPath(path))
+		require.NoError(t, p.a.SetFault(FaultFailAfter, 3<<20))
 		clear(p.local)
 		st := transfer(t, p.a, read(p.seg, p.local, p.peer))
-		if st[0].State != transport.Failed || st[0].Transferred != 3<<20 {
-			t.Fatalf("path %d: %+v, want failed after exactly 3 MiB", path, st[0])
-		}
+		require.Equal(t, transport.Failed, st[0].State, "path %d: %+v", path, st[0])
+		require.Equal(t, uint64(3<<20), st[0].Transferred, "path %d: want failed after exactly 3 MiB", path)
 		// Every byte reported as transferred is right.
-		if i := p.local[:st[0].Transferred].firstMismatch(1); i >= 0 {
-			t.Fatalf("path %d: byte %d of the transferred prefix is wrong", path, i)
-		}
-		if err := p.a.SetFault(FaultNone, 0); err != nil {
-			t.Fatal(err)
-		}
-		if st := transfer(t, p.a, read(p.seg, p.local, p.peer)); st[0].State != transport.Completed {
-			t.Fatalf("path %d after the fault: %+v", path, st[0])
-		}
+		require.Negative(t, p.local[:st[0].Transferred].firstMismatch(1), "path %d: first wrong byte of the transferred prefix", path)
+		require.NoError(t, p.a.SetFault(FaultNone, 0))
+		st = transfer(t, p.a, read(p.seg, p.local, p.peer))
+		require.Equal(t, transport.Completed, st[0].State, "path %d after the fault: %+v", path, st[0])
 	}
 }
 
@@ -484,36 +398,23 @@ func testFaultCorrupt(t *testing.T, lib string) {
 	p := newPair(t, lib, size)
 	needMock(t, p.a)
 	for _, path := range []Path{PathVM, PathTCP} {
-		if err := p.a.SetPath(path); err != nil {
-			t.Fatal(err)
-		}
-		if err := p.a.SetFault(FaultCorrupt, 2); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, p.a.SetPath(path))
+		require.NoError(t, p.a.SetFault(FaultCorrupt, 2))
 		// Corruption is the one fault that reports success: the bridge's
 		// checksums must catch it, so the bytes must really differ.
 		clear(p.local)
 		st := transfer(t, p.a, read(p.seg, p.local, p.peer))
-		if st[0].State != transport.Completed {
-			t.Fatalf("path %d read: %+v", path, st[0])
-		}
-		if diff := countMismatches(p.local, 1); diff != 1 {
-			t.Fatalf("path %d read: %d bytes differ, want exactly 1", path, diff)
-		}
+		require.Equal(t, transport.Completed, st[0].State, "path %d read: %+v", path, st[0])
+		require.Equal(t, 1, countMismatches(p.local, 1), "path %d read: bytes that differ", path)
 		p.local.fill(1)
 		st = transfer(t, p.a, write(p.seg, p.local, p.peer))
-		if st[0].State != transport.Completed {
-			t.Fatalf("path %d write: %+v", path, st[0])
-		}
-		if diff := countMismatches(p.peer, 1); diff != 1 {
-			t.Fatalf("path %d write: %d bytes of the peer differ, want exactly 1", path, diff)
-		}
+		require.Equal(t, transport.Completed, st[0].State, "path %d write: %+v", path, st[0])
+		require.Equal(t, 1, countMismatches(p.peer, 1), "path %d write: bytes of the peer that differ", path)
 		p.peer.fill(1)
 		// The budget was two tasks: the next one is clean.
 		st = transfer(t, p.a, read(p.seg, p.local, p.peer))
-		if st[0].State != transport.Completed || countMismatches(p.local, 1) != 0 {
-			t.Fatalf("path %d: corruption outlived its budget", path)
-		}
+		require.Equal(t, transport.Completed, st[0].State, "path %d: %+v", path, st[0])
+		require.Zero(t, countMismatches(p.local, 1), "path %d: corruption outlived its budget", path)
 	}
 }
 
@@ -532,96 +433,68 @@ func testFaultDelayTimeout(t *testing.T, lib string) {
 	p := newPair(t, lib, 12<<20) // three 4 MiB slices
 	needMock(t, p.a)
 	// Each slice waits 50 ms, past the 10 ms task deadline after the first.
-	if err := p.a.SetFault(FaultDelay, 50000); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, p.a.SetFault(FaultDelay, 50000))
 	clear(p.local)
 	st := transfer(t, p.a, read(p.seg, p.local, p.peer))
-	if st[0].State != transport.TimedOut || st[0].Transferred >= 12<<20 {
-		t.Fatalf("delayed transfer: %+v, want a timeout before the end", st[0])
-	}
-	if i := p.local[:st[0].Transferred].firstMismatch(1); i >= 0 {
-		t.Fatalf("byte %d of the reported prefix is wrong", i)
-	}
+	require.Equal(t, transport.TimedOut, st[0].State, "delayed transfer: %+v", st[0])
+	require.Less(t, st[0].Transferred, uint64(12<<20), "delayed transfer: want a timeout before the end")
+	require.Negative(t, p.local[:st[0].Transferred].firstMismatch(1), "first wrong byte of the reported prefix")
 	// Within the deadline a delay costs only time.
 	small := newPair(t, lib, 4096)
-	if err := small.a.SetFault(FaultDelay, 1000); err != nil {
-		t.Fatal(err)
-	}
-	if st := transfer(t, small.a, read(small.seg, small.local, small.peer)); st[0].State != transport.Completed || small.local.firstMismatch(1) >= 0 {
-		t.Fatalf("delayed small transfer: %+v", st[0])
-	}
+	require.NoError(t, small.a.SetFault(FaultDelay, 1000))
+	st = transfer(t, small.a, read(small.seg, small.local, small.peer))
+	require.Equal(t, transport.Completed, st[0].State, "delayed small transfer: %+v", st[0])
+	require.Negative(t, small.local.firstMismatch(1), "delayed small transfer: first byte off the pattern")
 }
 
 func testFaultDropPeer(t *testing.T, lib string) {
 	p := newPair(t, lib, 1<<20)
 	needMock(t, p.a)
-	if err := p.a.SetPath(PathTCP); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, p.a.SetPath(PathTCP))
 	// Warm a pooled connection, then have the peer drop everything.
-	if st := transfer(t, p.a, read(p.seg, p.local, p.peer)); st[0].State != transport.Completed {
-		t.Fatalf("warm-up: %+v", st[0])
-	}
-	if err := p.b.SetFault(FaultDrop, 1); err != nil {
-		t.Fatal(err)
-	}
+	st := transfer(t, p.a, read(p.seg, p.local, p.peer))
+	require.Equal(t, transport.Completed, st[0].State, "warm-up: %+v", st[0])
+	require.NoError(t, p.b.SetFault(FaultDrop, 1))
 	clear(p.local)
 	for _, r := range []transport.Request{read(p.seg, p.local, p.peer), write(p.seg, p.local, p.peer)} {
-		if st := transfer(t, p.a, r); st[0].State != transport.Failed {
-			t.Fatalf("op %d against a dropping peer: %+v", r.Op, st[0])
-		}
+		st := transfer(t, p.a, r)
+		require.Equal(t, transport.Failed, st[0].State, "op %d against a dropping peer: %+v", r.Op, st[0])
 	}
-	if p.peer.firstMismatch(1) >= 0 {
-		t.Fatalf("a dropped write reached the peer")
-	}
+	require.Negative(t, p.peer.firstMismatch(1), "a dropped write reached the peer")
 	// The initiator dropping its peers fails on every path.
-	if err := p.b.SetFault(FaultNone, 0); err != nil {
-		t.Fatal(err)
-	}
-	if err := p.a.SetFault(FaultDrop, 1); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, p.b.SetFault(FaultNone, 0))
+	require.NoError(t, p.a.SetFault(FaultDrop, 1))
 	for _, path := range []Path{PathVM, PathTCP} {
 		_ = p.a.SetPath(path)
-		if st := transfer(t, p.a, read(p.seg, p.local, p.peer)); st[0].State != transport.Failed {
-			t.Fatalf("path %d with dropped peers: %+v", path, st[0])
-		}
+		st := transfer(t, p.a, read(p.seg, p.local, p.peer))
+		require.Equal(t, transport.Failed, st[0].State, "path %d with dropped peers: %+v", path, st[0])
 	}
-	if err := p.a.SetFault(FaultNone, 0); err != nil {
-		t.Fatal(err)
-	}
-	if st := transfer(t, p.a, read(p.seg, p.local, p.peer)); st[0].State != transport.Completed || p.local.firstMismatch(1) >= 0 {
-		t.Fatalf("after the drop ended: %+v", st[0])
-	}
+	require.NoError(t, p.a.SetFault(FaultNone, 0))
+	st = transfer(t, p.a, read(p.seg, p.local, p.peer))
+	require.Equal(t, transport.Completed, st[0].State, "after the drop ended: %+v", st[0])
+	require.Negative(t, p.local.firstMismatch(1), "after the drop ended: first byte off the pattern")
 }
 
 func testEPERMFallback(t *testing.T, lib string) {
 	const size = 5 << 20
 	p := newPair(t, lib, size)
 	needMock(t, p.a)
-	if err := p.a.SetFault(FaultVMEPERM, 1); err != nil {
-		t.Fatal(err)
-	}
-	if err := p.a.SetPath(PathVM); err != nil {
-		t.Fatal(err)
-	}
-	if st := transfer(t, p.a, read(p.seg, p.local, p.peer)); st[0].State != transport.Failed || st[0].Transferred != 0 {
-		t.Fatalf("forced same-host path under EPERM: %+v, want failed", st[0])
-	}
-	if err := p.a.SetPath(PathAuto); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, p.a.SetFault(FaultVMEPERM, 1))
+	require.NoError(t, p.a.SetPath(PathVM))
+	forced := transfer(t, p.a, read(p.seg, p.local, p.peer))
+	require.Equal(t, transport.Failed, forced[0].State, "forced same-host path under EPERM: %+v", forced[0])
+	require.Zero(t, forced[0].Transferred, "forced same-host path under EPERM: %+v", forced[0])
+	require.NoError(t, p.a.SetPath(PathAuto))
 	before, _ := p.a.MockStats()
 	clear(p.local)
 	st := transfer(t, p.a, read(p.seg, p.local, p.peer))
 	after, _ := p.a.MockStats()
-	if st[0].State != transport.Completed || st[0].Transferred != size || p.local.firstMismatch(1) >= 0 {
-		t.Fatalf("fallback read: %+v", st[0])
-	}
-	if after.VMFallbacks != before.VMFallbacks+1 || after.TCPBytes-before.TCPBytes != size || after.VMBytes != before.VMBytes {
-		t.Fatalf("fallback stats %+v -> %+v: want one fallback and every byte over TCP", before, after)
-	}
+	require.Equal(t, transport.Completed, st[0].State, "fallback read: %+v", st[0])
+	require.Equal(t, uint64(size), st[0].Transferred, "fallback read: %+v", st[0])
+	require.Negative(t, p.local.firstMismatch(1), "fallback read: first byte off the pattern")
+	require.Equal(t, before.VMFallbacks+1, after.VMFallbacks, "fallback stats %+v -> %+v: want one fallback", before, after)
+	require.Equal(t, uint64(size), after.TCPBytes-before.TCPBytes, "fallback stats %+v -> %+v: want every byte over TCP", before, after)
+	require.Equal(t, before.VMBytes, after.VMBytes, "fallback stats %+v -> %+v: want no byte by process_vm", before, after)
 }
 
 func testTwoProcesses(t *testing.T, lib string) {
@@ -631,9 +504,7 @@ func testTwoProcesses(t *testing.T, lib string) {
 	local := newBuffer(t, size)
 	register(t, e, local, false)
 	seg, err := e.OpenSegment(c.segment)
-	if err != nil {
-		t.Fatalf("open the child's segment %s: %v", c.segment, err)
-	}
+	require.NoError(t, err, "open the child's segment %s", c.segment)
 	paths := []Path{PathAuto}
 	if e.IsMock() {
 		paths = []Path{PathVM, PathTCP}
@@ -644,12 +515,9 @@ func testTwoProcesses(t *testing.T, lib string) {
 		}
 		clear(local)
 		st := transfer(t, e, transport.Request{Op: transport.Read, Local: local.addr(), Segment: seg, Remote: c.addr, Length: size})
-		if st[0].State != transport.Completed || st[0].Transferred != size {
-			t.Fatalf("path %d: %+v", path, st[0])
-		}
-		if i := local.firstMismatch(childSeed); i >= 0 {
-			t.Fatalf("path %d: byte %d is %#x, want %#x", path, i, local[i], pattern(childSeed, i))
-		}
+		require.Equal(t, transport.Completed, st[0].State, "path %d: %+v", path, st[0])
+		require.Equal(t, uint64(size), st[0].Transferred, "path %d: %+v", path, st[0])
+		require.Negative(t, local.firstMismatch(childSeed), "path %d: first byte off the pattern", path)
 	}
 	c.stop(t)
 }
@@ -665,49 +533,30 @@ func testKilledPeer(t *testing.T, lib string) {
 		local := newBuffer(t, size)
 		register(t, e, local, false)
 		seg, err := e.OpenSegment(c.segment)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		// Stop the transfer at 8 MiB, kill the child there, then let it go on.
-		if err := e.SetFault(FaultStallAfter, 8<<20); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, e.SetFault(FaultStallAfter, 8<<20))
 		b := allocate(t, e, 1)
-		if err := b.Submit([]transport.Request{{Op: transport.Read, Local: local.addr(), Segment: seg, Remote: c.addr, Length: size}}); err != nil {
-			t.Fatal(err)
-		}
-		if st := waitTransferred(t, b, 0, 8<<20); st.State.Done() {
-			t.Fatalf("path %d: the transfer ended before the kill: %+v", path, st)
-		}
-		if err := c.cmd.Process.Kill(); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, b.Submit([]transport.Request{{Op: transport.Read, Local: local.addr(), Segment: seg, Remote: c.addr, Length: size}}))
+		ws := waitTransferred(t, b, 0, 8<<20)
+		require.False(t, ws.State.Done(), "path %d: the transfer ended before the kill: %+v", path, ws)
+		require.NoError(t, c.cmd.Process.Kill())
 		_ = c.cmd.Wait()
-		if err := e.SetFault(FaultStallAfter, -1); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, e.SetFault(FaultStallAfter, -1))
 		st, err := transport.Wait(context.Background(), b, 0, 1, transport.DefaultBackoff)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if st[0].State != transport.Failed || st[0].Transferred >= size {
-			t.Fatalf("path %d: read from a killed peer ended %+v, want failed", path, st[0])
-		}
-		if i := local[:st[0].Transferred].firstMismatch(childSeed); i >= 0 {
-			t.Fatalf("path %d: byte %d of the reported prefix is wrong", path, i)
-		}
-		if err := b.Free(); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
+		require.Equal(t, transport.Failed, st[0].State, "path %d: read from a killed peer ended %+v", path, st[0])
+		require.Less(t, st[0].Transferred, uint64(size), "path %d: read from a killed peer ended %+v", path, st[0])
+		require.Negative(t, local[:st[0].Transferred].firstMismatch(childSeed), "path %d: first wrong byte of the reported prefix", path)
+		require.NoError(t, b.Free())
 		// The engine carries on with a live peer.
 		p := newPair(t, lib, 1<<20)
 		_ = p.a.SetPath(path)
-		if st := transfer(t, p.a, read(p.seg, p.local, p.peer)); st[0].State != transport.Completed || p.local.firstMismatch(1) >= 0 {
-			t.Fatalf("path %d after the kill: %+v", path, st[0])
-		}
+		st = transfer(t, p.a, read(p.seg, p.local, p.peer))
+		require.Equal(t, transport.Completed, st[0].State, "path %d after the kill: %+v", path, st[0])
+		require.Negative(t, p.local.firstMismatch(1), "path %d after the kill: first byte off the pattern", path)
 		// A new request to the dead peer fails too, rather than hanging.
-		if st := transfer(t, e, transport.Request{Op: transport.Read, Local: local.addr(), Segment: seg, Remote: c.addr, Length: 4096}); st[0].State != transport.Failed {
-			t.Fatalf("path %d: read from a dead peer: %+v", path, st[0])
-		}
+		st = transfer(t, e, transport.Request{Op: transport.Read, Local: local.addr(), Segment: seg, Remote: c.addr, Length: 4096})
+		require.Equal(t, transport.Failed, st[0].State, "path %d: read from a dead peer: %+v", path, st[0])
 	}
 }

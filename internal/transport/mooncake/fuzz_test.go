@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/transport"
 )
 
@@ -63,13 +65,9 @@ func newServerFixture(t testing.TB) *serverFixture {
 	register(t, f.server, f.region, true)
 	f.copy = newBuffer(t, fixtureRegion)
 	register(t, f.client, f.copy, false)
-	if err := f.client.SetPath(PathTCP); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, f.client.SetPath(PathTCP))
 	seg, err := f.client.OpenSegment(f.server.LocalSegment())
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	f.seg = seg
 	return f
 }
@@ -77,9 +75,7 @@ func newServerFixture(t testing.TB) *serverFixture {
 // send writes raw to the server, half-closes, and drains the replies.
 func (f *serverFixture) send(t *testing.T, raw []byte) {
 	conn, err := net.Dial("tcp", f.server.LocalSegment())
-	if err != nil {
-		t.Fatalf("dial: %v", err)
-	}
+	require.NoError(t, err, "dial")
 	defer conn.Close()
 	// A reset on close leaves no TIME_WAIT behind, however long the run.
 	_ = conn.(*net.TCPConn).SetLinger(0)
@@ -88,9 +84,8 @@ func (f *serverFixture) send(t *testing.T, raw []byte) {
 	_, _ = conn.Write(raw)
 	_ = conn.(*net.TCPConn).CloseWrite()
 	if _, err := io.Copy(io.Discard, conn); err != nil {
-		if ne, ok := err.(net.Error); ok && ne.Timeout() {
-			t.Fatalf("the server neither answered nor closed within %v", hangGuard)
-		}
+		ne, ok := err.(net.Error)
+		require.False(t, ok && ne.Timeout(), "the server neither answered nor closed within %v", hangGuard)
 	}
 }
 
@@ -98,13 +93,12 @@ func (f *serverFixture) send(t *testing.T, raw []byte) {
 func (f *serverFixture) check(t *testing.T) {
 	for i, b := range f.mem {
 		if (i < fixtureRegion || i >= 2*fixtureRegion) && b != 0xee {
-			t.Fatalf("a frame wrote outside the registered region, at guard offset %d", i)
+			require.FailNowf(t, "guard overwritten", "a frame wrote outside the registered region, at guard offset %d", i)
 		}
 	}
 	st := transfer(t, f.client, transport.Request{Op: transport.Read, Local: f.copy.addr(), Segment: f.seg, Remote: uint64(f.region.addr()), Length: fixtureRegion})
-	if st[0].State != transport.Completed || !bytes.Equal(f.copy, f.region) {
-		t.Fatalf("the server stopped serving after a hostile frame: %+v", st[0])
-	}
+	require.Equal(t, transport.Completed, st[0].State, "the server stopped serving after a hostile frame: %+v", st[0])
+	require.True(t, bytes.Equal(f.copy, f.region), "the server serves other bytes after a hostile frame")
 }
 
 // FuzzServerFrame sends one request built from fields, aimed around the
@@ -195,9 +189,7 @@ func FuzzHelloReply(f *testing.F) {
 		seg, err := e.OpenSegment(peer.addr)
 		if err == nil {
 			// Forget it, so that the next input is handshaken afresh.
-			if err := e.CloseSegment(seg); err != nil {
-				t.Fatalf("close a fuzzed segment: %v", err)
-			}
+			require.NoError(t, e.CloseSegment(seg), "close a fuzzed segment")
 		}
 		<-done
 	})
@@ -213,9 +205,7 @@ type hostilePeer struct {
 
 func newHostilePeer(tb testing.TB) *hostilePeer {
 	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
-	if err != nil {
-		tb.Fatal(err)
-	}
+	require.NoError(tb, err)
 	tb.Cleanup(func() { ln.Close() })
 	return &hostilePeer{ln: ln, addr: ln.Addr().String()}
 }
@@ -253,9 +243,7 @@ func (p *hostilePeer) answer(data []byte, echoTag bool) <-chan struct{} {
 // huge allocation or an unrecovered panic there would take llama.cpp down.
 func FuzzInspectELF(f *testing.F) {
 	lib, err := os.ReadFile(mockLib)
-	if err != nil {
-		f.Fatal(err)
-	}
+	require.NoError(f, err)
 	f.Add(lib)
 	f.Add(lib[:64])
 	f.Add(lib[:len(lib)/2])
@@ -263,8 +251,8 @@ func FuzzInspectELF(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		a, errA := inspectELF(bytes.NewReader(data))
 		b, errB := inspectELF(bytes.NewReader(data))
-		if (errA == nil) != (errB == nil) || a.goRuntime != b.goRuntime || len(a.needed) != len(b.needed) {
-			t.Fatalf("two inspections disagree: %+v %v / %+v %v", a, errA, b, errB)
-		}
+		require.Equal(t, errA == nil, errB == nil, "two inspections disagree: %+v %v / %+v %v", a, errA, b, errB)
+		require.Equal(t, a.goRuntime, b.goRuntime, "two inspections disagree: %+v %v / %+v %v", a, errA, b, errB)
+		require.Equal(t, len(a.needed), len(b.needed), "two inspections disagree: %+v %v / %+v %v", a, errA, b, errB)
 	})
 }

@@ -5,6 +5,8 @@ package mooncake
 import (
 	"testing"
 	"unsafe"
+
+	"github.com/stretchr/testify/assert"
 )
 
 // The numbers are those that mooncake-capi/test/abi_test.c asserts for the C
@@ -36,8 +38,6 @@ func TestLayoutMatchesHeader(t *testing.T) {
 		{"sizeof(mock_te_stats)", unsafe.Sizeof(ms), 64},
 		{"mock_te_stats.frames_rejected", unsafe.Offsetof(ms.FramesRejected), 56},
 	} {
-		if c.got != c.want {
-			t.Errorf("%s = %d, want %d", c.name, c.got, c.want)
-		}
+		assert.Equal(t, c.want, c.got, c.name)
 	}
 }

@@ -12,6 +12,8 @@ import (
 	"unsafe"
 
 	"github.com/ebitengine/purego"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/status"
 	"github.com/mcbridge/mcbridge/internal/transport"
@@ -21,14 +23,11 @@ import (
 func cc(t *testing.T, dir, name, src string, flags ...string) string {
 	t.Helper()
 	c := filepath.Join(dir, name+".c")
-	if err := os.WriteFile(c, []byte(src), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, os.WriteFile(c, []byte(src), 0o644))
 	out := filepath.Join(dir, name+".so")
 	args := append([]string{"-shared", "-fPIC", "-o", out, c}, flags...)
-	if msg, err := exec.Command("cc", args...).CombinedOutput(); err != nil {
-		t.Fatalf("cc %s: %v\n%s", name, err, msg)
-	}
+	msg, err := exec.Command("cc", args...).CombinedOutput()
+	require.NoError(t, err, "cc %s:\n%s", name, msg)
 	return out
 }
 
@@ -50,9 +49,9 @@ func TestLoadRefusesSecondGoRuntime(t *testing.T) {
 		{"needs a Go library", transitive, "needed by"},
 	} {
 		_, err := Load(c.path)
-		if status.Of(err) != status.Unsupported || !strings.Contains(err.Error(), c.says) || !strings.Contains(err.Error(), "Go") {
-			t.Errorf("%s: %v; want an Unsupported error naming %q", c.name, err, c.says)
-		}
+		assert.Equal(t, status.Unsupported, status.Of(err), "%s: %v", c.name, err)
+		assert.ErrorContains(t, err, c.says, c.name)
+		assert.ErrorContains(t, err, "Go", c.name)
 	}
 }
 
@@ -64,39 +63,31 @@ func TestLoadRefusesGoCShared(t *testing.T) {
 	}
 	dir := t.TempDir()
 	src := "package main\n\nimport \"C\"\n\n//export EtcdStoreWrapper\nfunc EtcdStoreWrapper() C.int { return 0 }\n\nfunc main() {}\n"
-	if err := os.WriteFile(filepath.Join(dir, "main.go"), []byte(src), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(dir, "go.mod"), []byte("module wrapper\n\ngo 1.26\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "main.go"), []byte(src), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "go.mod"), []byte("module wrapper\n\ngo 1.26\n"), 0o644))
 	lib := filepath.Join(dir, "libgo_wrapper.so")
 	build := exec.Command("go", "build", "-buildmode=c-shared", "-o", lib, ".")
 	build.Dir = dir
-	if msg, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, msg)
-	}
+	msg, err := build.CombinedOutput()
+	require.NoError(t, err, "go build:\n%s", msg)
 	paths := []string{lib}
 	if strip, err := exec.LookPath("strip"); err == nil {
 		stripped := filepath.Join(dir, "libgo_stripped.so")
-		if msg, err := exec.Command(strip, "--strip-all", "-o", stripped, lib).CombinedOutput(); err != nil {
-			t.Fatalf("strip: %v\n%s", err, msg)
-		}
+		msg, err := exec.Command(strip, "--strip-all", "-o", stripped, lib).CombinedOutput()
+		require.NoError(t, err, "strip:\n%s", msg)
 		paths = append(paths, stripped)
 	}
 	for _, p := range paths {
-		if _, err := Load(p); status.Of(err) != status.Unsupported || !strings.Contains(err.Error(), "second Go runtime") {
-			t.Errorf("%s: %v; want it refused", filepath.Base(p), err)
-		}
+		_, err := Load(p)
+		assert.Equal(t, status.Unsupported, status.Of(err), "%s: %v", filepath.Base(p), err)
+		assert.ErrorContains(t, err, "second Go runtime", filepath.Base(p))
 	}
 }
 
 func TestLoadErrors(t *testing.T) {
 	dir := t.TempDir()
 	notELF := filepath.Join(dir, "notelf.so")
-	if err := os.WriteFile(notELF, []byte("just text"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, os.WriteFile(notELF, []byte("just text"), 0o644))
 	partial := cc(t, dir, "libpartial", "int createTransferEngine(void) { return 0; }\nint openSegment(void) { return 0; }\n")
 	t.Setenv(EnvLibrary, "")
 	for _, c := range []struct {
@@ -110,61 +101,43 @@ func TestLoadErrors(t *testing.T) {
 		{"missing symbols", partial, status.Unsupported, "missing destroyTransferEngine"},
 	} {
 		_, err := Load(c.path)
-		if status.Of(err) != c.code || !strings.Contains(err.Error(), c.says) {
-			t.Errorf("%s: %v; want code %v saying %q", c.name, err, c.code, c.says)
-		}
+		assert.Equal(t, c.code, status.Of(err), "%s: %v", c.name, err)
+		assert.ErrorContains(t, err, c.says, c.name)
 	}
-	if strings.Contains(func() string { _, err := Load(partial); return err.Error() }(), "openSegment") {
-		t.Errorf("a symbol the library has is reported missing")
-	}
+	assert.NotContains(t, func() string { _, err := Load(partial); return err.Error() }(), "openSegment", "a symbol the library has is reported missing")
 }
 
 func TestLoadOncePerFile(t *testing.T) {
 	lib, err := Load(mockLib)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	link := filepath.Join(t.TempDir(), "libte_link.so")
-	if err := os.Symlink(mockLib, link); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, os.Symlink(mockLib, link))
 	t.Setenv(EnvLibrary, link)
 	for _, p := range []string{link, ""} {
 		again, err := Load(p)
-		if err != nil || again != lib {
-			t.Fatalf("Load(%q) = %p, %v; want the library already loaded (%p)", p, again, err, lib)
-		}
+		require.NoError(t, err, "Load(%q)", p)
+		require.Same(t, lib, again, "Load(%q): want the library already loaded", p)
 	}
 	for _, name := range []string{"createTransferEngine", "getLocalIpAndPort", "mock_te_set_fault"} {
-		if !lib.Has(name) {
-			t.Errorf("the mock lacks %s", name)
-		}
+		assert.True(t, lib.Has(name), "the mock lacks %s", name)
 	}
-	if lib.Has("enableGracefulShutdown") {
-		t.Errorf("the binding resolves enableGracefulShutdown, which it must never call")
-	}
+	assert.False(t, lib.Has("enableGracefulShutdown"), "the binding resolves enableGracefulShutdown, which it must never call")
 }
 
 // TestMockExportsHeader checks that the mock exports every function that
 // mooncake-capi/include/transfer_engine_c.h declares.
 func TestMockExportsHeader(t *testing.T) {
 	header, err := os.ReadFile("../../../mooncake-capi/include/transfer_engine_c.h")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	lib, err := Load(mockLib)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	decl := regexp.MustCompile(`(?m)^[a-z_]+[ *]+([A-Za-z]+)\(`)
 	names := decl.FindAllSubmatch(header, -1)
-	if len(names) < 20 {
-		t.Fatalf("found only %d declarations in the header", len(names))
-	}
+	require.GreaterOrEqual(t, len(names), 20, "declarations found in the header")
 	for _, m := range names {
-		if sym, err := purego.Dlsym(lib.handle, string(m[1])); err != nil || sym == 0 {
-			t.Errorf("the mock does not export %s", m[1])
-		}
+		sym, err := purego.Dlsym(lib.handle, string(m[1]))
+		assert.NoError(t, err, "the mock does not export %s", m[1])
+		assert.NotZero(t, sym, "the mock does not export %s", m[1])
 	}
 }
 
@@ -179,22 +152,18 @@ func TestOpenRefusesMetadata(t *testing.T) {
 		{"http://h:8080/metadata", "libcurl"},
 	} {
 		_, err := Open(Config{Library: mockLib, Metadata: c.meta})
-		if status.Of(err) != status.Config || !strings.Contains(err.Error(), c.says) {
-			t.Errorf("metadata %q: %v; want a Config error saying %q", c.meta, err, c.says)
-		}
+		assert.Equal(t, status.Config, status.Of(err), "metadata %q: %v", c.meta, err)
+		assert.ErrorContains(t, err, c.says, "metadata %q", c.meta)
 	}
-	if _, err := Open(Config{Library: mockLib, Protocol: "carrier-pigeon"}); status.Of(err) != status.Config {
-		t.Errorf("unknown protocol: %v", err)
-	}
+	_, err := Open(Config{Library: mockLib, Protocol: "carrier-pigeon"})
+	assert.Equal(t, status.Config, status.Of(err), "unknown protocol: %v", err)
 }
 
 // TestMockRefusesUnknownMetadata checks the mock's own answer below the
 // binding: where the real engine aborts, the mock returns NULL.
 func TestMockRefusesUnknownMetadata(t *testing.T) {
 	lib, err := Load(mockLib)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	for _, meta := range []string{"zookeeper://h", "etcd://127.0.0.1:2379", ""} {
 		m, _ := cString(meta)
 		local, _ := cString("127.0.0.1")
@@ -202,8 +171,8 @@ func TestMockRefusesUnknownMetadata(t *testing.T) {
 			uintptr(unsafe.Pointer(&m[0])), uintptr(unsafe.Pointer(&local[0])), uintptr(unsafe.Pointer(&local[0])), 0, 0)
 		if h != 0 {
 			_, _ = lib.call("destroyTransferEngine", lib.sym.destroyTransferEngine, plain, h)
-			t.Errorf("metadata %q: the mock created an engine", meta)
 		}
+		assert.Zero(t, h, "metadata %q: the mock created an engine", meta)
 	}
 }
 
@@ -213,16 +182,11 @@ func TestOpenListensWhereConfigured(t *testing.T) {
 		t.Skipf("127.0.0.2 is not usable here: %v", err)
 	}
 	defer e.Close()
-	if !strings.HasPrefix(e.LocalSegment(), "127.0.0.2:") {
-		t.Fatalf("segment %q, want it on 127.0.0.2", e.LocalSegment())
-	}
+	require.True(t, strings.HasPrefix(e.LocalSegment(), "127.0.0.2:"), "segment %q, want it on 127.0.0.2", e.LocalSegment())
 	other := openEngine(t, mockLib)
-	if !strings.HasPrefix(other.LocalSegment(), "127.0.0.1:") {
-		t.Fatalf("default segment %q, want loopback", other.LocalSegment())
-	}
-	if _, err := other.OpenSegment(e.LocalSegment()); err != nil {
-		t.Fatalf("open a segment on 127.0.0.2: %v", err)
-	}
+	require.True(t, strings.HasPrefix(other.LocalSegment(), "127.0.0.1:"), "default segment %q, want loopback", other.LocalSegment())
+	_, err = other.OpenSegment(e.LocalSegment())
+	require.NoError(t, err, "open a segment on 127.0.0.2")
 }
 
 func TestCodeError(t *testing.T) {
@@ -245,9 +209,9 @@ func TestCodeError(t *testing.T) {
 		{statusCode, 999, status.Unsupported, "not implemented"},
 	} {
 		err := codeError("op", c.conv, c.raw)
-		if status.Of(err) != c.want || !strings.Contains(err.Error(), c.says) || !strings.HasPrefix(err.Error(), c.want.String()+": op") {
-			t.Errorf("code %d: %v; want %v saying %q", c.raw, err, c.want, c.says)
-		}
+		assert.Equal(t, c.want, status.Of(err), "code %d: %v", c.raw, err)
+		assert.ErrorContains(t, err, c.says, "code %d", c.raw)
+		assert.True(t, strings.HasPrefix(err.Error(), c.want.String()+": op"), "code %d: %v", c.raw, err)
 	}
 }
 
@@ -257,10 +221,11 @@ func TestMockEnvironment(t *testing.T) {
 	for _, bad := range [][2]string{{"MOCK_TE_PATH", "carrier"}, {"MOCK_TE_WORKERS", "0"}, {"MOCK_TE_DELAY_US", "12x"}} {
 		t.Run(bad[0], func(t *testing.T) {
 			t.Setenv(bad[0], bad[1])
-			if e, err := Open(Config{Library: mockLib}); err == nil {
+			e, err := Open(Config{Library: mockLib})
+			if err == nil {
 				e.Close()
-				t.Fatalf("%s=%s accepted", bad[0], bad[1])
 			}
+			require.Error(t, err, "%s=%s accepted", bad[0], bad[1])
 		})
 	}
 	t.Setenv("MOCK_TE_PATH", "tcp")
@@ -268,12 +233,11 @@ func TestMockEnvironment(t *testing.T) {
 	p := newPair(t, mockLib, 4096)
 	st := transfer(t, p.a, read(p.seg, p.local, p.peer))
 	stats, err := p.a.MockStats()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if st[0].State != transport.Completed || countMismatches(p.local, 1) != 1 || stats.TCPBytes != 4096 || stats.VMBytes != 0 {
-		t.Fatalf("with MOCK_TE_PATH=tcp MOCK_TE_CORRUPT=1: %+v, %d bytes differ, stats %+v", st[0], countMismatches(p.local, 1), stats)
-	}
+	require.NoError(t, err)
+	require.Equal(t, transport.Completed, st[0].State, "with MOCK_TE_PATH=tcp MOCK_TE_CORRUPT=1: %+v", st[0])
+	require.Equal(t, 1, countMismatches(p.local, 1), "with MOCK_TE_PATH=tcp MOCK_TE_CORRUPT=1: bytes that differ")
+	require.Equal(t, uint64(4096), stats.TCPBytes, "with MOCK_TE_PATH=tcp MOCK_TE_CORRUPT=1: stats %+v", stats)
+	require.Zero(t, stats.VMBytes, "with MOCK_TE_PATH=tcp MOCK_TE_CORRUPT=1: stats %+v", stats)
 }
 
 func TestOpenProtocols(t *testing.T) {
@@ -282,22 +246,12 @@ func TestOpenProtocols(t *testing.T) {
 		{Library: mockLib, AutoDiscover: true},
 	} {
 		e, err := Open(cfg)
-		if err != nil {
-			t.Fatalf("%+v: %v", cfg, err)
-		}
+		require.NoError(t, err, "%+v", cfg)
 		local := newBuffer(t, 4096)
-		if err := e.RegisterMemory(local.addr(), 4096, "cpu:0", true); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, e.RegisterMemory(local.addr(), 4096, "cpu:0", true))
 		st := transfer(t, e, transport.Request{Op: transport.Write, Local: local.addr(), Segment: 0, Remote: uint64(local.addr()) + 2048, Length: 1024})
-		if st[0].State != transport.Completed {
-			t.Fatalf("%+v: loopback write %+v", cfg, st[0])
-		}
-		if err := e.UnregisterMemory(local.addr()); err != nil {
-			t.Fatal(err)
-		}
-		if err := e.Close(); err != nil {
-			t.Fatal(err)
-		}
+		require.Equal(t, transport.Completed, st[0].State, "%+v: loopback write %+v", cfg, st[0])
+		require.NoError(t, e.UnregisterMemory(local.addr()))
+		require.NoError(t, e.Close())
 	}
 }

@@ -14,6 +14,8 @@ import (
 	"unsafe"
 
 	"github.com/ebitengine/purego"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/status"
 	"github.com/mcbridge/mcbridge/internal/transport"
@@ -65,9 +67,7 @@ type buffer []byte
 func newBuffer(t testing.TB, n int) buffer {
 	t.Helper()
 	b, err := syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
-	if err != nil {
-		t.Fatalf("mmap %d: %v", n, err)
-	}
+	require.NoError(t, err, "mmap %d", n)
 	t.Cleanup(func() { _ = syscall.Munmap(b) })
 	return b
 }
@@ -96,40 +96,30 @@ func (b buffer) firstMismatch(seed byte) int {
 func openEngine(t testing.TB, lib string) *Engine {
 	t.Helper()
 	e, err := Open(Config{Library: lib})
-	if err != nil {
-		t.Fatalf("open engine on %s: %v", lib, err)
-	}
+	require.NoError(t, err, "open engine on %s", lib)
 	t.Cleanup(func() {
-		if err := e.Close(); err != nil {
-			t.Errorf("close engine: %v", err)
-		}
+		assert.NoError(t, e.Close(), "close engine")
 	})
 	return e
 }
 
 func register(t testing.TB, e *Engine, b buffer, remote bool) {
 	t.Helper()
-	if err := e.RegisterMemory(b.addr(), uint64(len(b)), "cpu:0", remote); err != nil {
-		t.Fatalf("register %d bytes: %v", len(b), err)
-	}
+	require.NoError(t, e.RegisterMemory(b.addr(), uint64(len(b)), "cpu:0", remote), "register %d bytes", len(b))
 	t.Cleanup(func() {
-		if err := e.UnregisterMemory(b.addr()); err != nil {
-			t.Errorf("unregister: %v", err)
-		}
+		assert.NoError(t, e.UnregisterMemory(b.addr()), "unregister")
 	})
 }
 
 func allocate(t testing.TB, e *Engine, capacity int) *Batch {
 	t.Helper()
 	tb, err := e.AllocateBatch(capacity)
-	if err != nil {
-		t.Fatalf("allocate batch of %d: %v", capacity, err)
-	}
+	require.NoError(t, err, "allocate batch of %d", capacity)
 	b := tb.(*Batch)
 	t.Cleanup(func() {
 		transport.WaitIdle(b, transport.DefaultBackoff)
-		if err := b.Free(); err != nil && status.Of(err) != status.State {
-			t.Errorf("free batch: %v", err)
+		if err := b.Free(); err != nil {
+			assert.Equal(t, status.State, status.Of(err), "free batch: %v", err)
 		}
 	})
 	return b
@@ -137,25 +127,17 @@ func allocate(t testing.TB, e *Engine, capacity int) *Batch {
 
 func wantCode(t testing.TB, err error, want status.Code, what string) {
 	t.Helper()
-	if got := status.Of(err); got != want {
-		t.Fatalf("%s: got %v (code %v), want code %v", what, err, got, want)
-	}
+	require.Equal(t, want, status.Of(err), "%s: got %v", what, err)
 }
 
 // transfer submits reqs in a fresh batch and waits for every task.
 func transfer(t testing.TB, e *Engine, reqs ...transport.Request) []transport.TaskStatus {
 	t.Helper()
 	b := allocate(t, e, len(reqs))
-	if err := b.Submit(reqs); err != nil {
-		t.Fatalf("submit: %v", err)
-	}
+	require.NoError(t, b.Submit(reqs), "submit")
 	st, err := transport.Wait(context.Background(), b, 0, len(reqs), transport.DefaultBackoff)
-	if err != nil {
-		t.Fatalf("wait: %v", err)
-	}
-	if err := b.Free(); err != nil {
-		t.Fatalf("free: %v", err)
-	}
+	require.NoError(t, err, "wait")
+	require.NoError(t, b.Free(), "free")
 	return st
 }
 
@@ -220,16 +202,10 @@ func startChild(t testing.TB, lib string, size int) *child {
 	cmd.Env = append(os.Environ(), envChild+"=1", envChildLib+"="+lib, envChildSize+"="+strconv.Itoa(size))
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start child: %v", err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start(), "start child")
 	c := &child{cmd: cmd, stdin: stdin}
 	t.Cleanup(func() {
 		_ = c.stdin.Close()
@@ -238,12 +214,13 @@ func startChild(t testing.TB, lib string, size int) *child {
 	line, err := bufio.NewReader(stdout).ReadString('\n')
 	if err != nil {
 		_ = cmd.Process.Kill()
-		t.Fatalf("child did not report its segment: %v", err)
 	}
-	if _, err := fmt.Sscanf(line, "READY %s %d %d", &c.segment, &c.addr, &c.size); err != nil {
+	require.NoError(t, err, "child did not report its segment")
+	_, err = fmt.Sscanf(line, "READY %s %d %d", &c.segment, &c.addr, &c.size)
+	if err != nil {
 		_ = cmd.Process.Kill()
-		t.Fatalf("child said %q: %v", line, err)
 	}
+	require.NoError(t, err, "child said %q", line)
 	return c
 }
 
@@ -251,7 +228,5 @@ func startChild(t testing.TB, lib string, size int) *child {
 func (c *child) stop(t testing.TB) {
 	t.Helper()
 	_ = c.stdin.Close()
-	if err := c.cmd.Wait(); err != nil {
-		t.Fatalf("child exit: %v", err)
-	}
+	require.NoError(t, c.cmd.Wait(), "child exit")
 }
