@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
@@ -33,9 +35,8 @@ func newLookupRig(tb testing.TB, maxTokens, background int) *lookupRig {
 	r := &lookupRig{model: register(tb, br, h, "lookup"), tokens: promptTokens(maxTokens+1, 3)}
 	h.Compute(r.tokens, 0, maxTokens)
 	res, err := save(r.model, h, key.Scope{}, r.tokens[:maxTokens])
-	if err != nil || res.Published != maxTokens/blockTokens {
-		tb.Fatalf("saving the prompt: %+v, %v", res, err)
-	}
+	require.NoError(tb, err, "saving the prompt")
+	require.Equal(tb, maxTokens/blockTokens, res.Published, "saving the prompt: %+v", res)
 	// Background entries go straight into the directory: the mirror only
 	// needs their keys, not their bytes.
 	d := directory.OpenMemory(dir)
@@ -48,15 +49,12 @@ func newLookupRig(tb testing.TB, maxTokens, background int) *lookupRig {
 		entries = append(entries, directory.Entry{Model: r.model.Fingerprint(), Key: k, Parent: k,
 			Loc: directory.Location{Segment: "elsewhere", Owner: "elsewhere", Length: 1}})
 		if len(entries) == cap(entries) || i == background-1 {
-			if _, err := d.Publish(context.Background(), entries); err != nil {
-				tb.Fatal(err)
-			}
+			_, err := d.Publish(context.Background(), entries)
+			require.NoError(tb, err)
 			entries = entries[:0]
 		}
 	}
-	if got, want := r.model.Mirrored(), maxTokens/blockTokens+background; got != want {
-		tb.Fatalf("mirror holds %d blocks, want %d", got, want)
-	}
+	require.Equal(tb, maxTokens/blockTokens+background, r.model.Mirrored(), "blocks the mirror holds")
 	return r
 }
 
@@ -84,9 +82,7 @@ func BenchmarkKeyLookup(b *testing.B) {
 		b.Run(fmt.Sprintf("tokens=%d", n), func(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
-				if err := r.lookup(n); err != nil {
-					b.Fatal(err)
-				}
+				require.NoError(b, r.lookup(n))
 			}
 			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/1e3, "us/lookup")
 			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*n), "ns/token")

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/bench/preset"
 )
 
@@ -58,9 +60,7 @@ func BenchmarkMissOverhead(b *testing.B) {
 			r.warm(b)
 			b.SetBytes(int64(c.tokens) * c.g.bytesPerToken())
 			for b.Loop() {
-				if err := r.missAndSave(); err != nil {
-					b.Fatal(err)
-				}
+				require.NoError(b, r.missAndSave())
 			}
 			prefill := c.p.Prefill.Time(0, c.tokens)
 			b.ReportMetric(100*float64(b.Elapsed())/float64(b.N)/float64(prefill), "pct_of_prefill")

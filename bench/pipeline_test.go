@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/key"
 )
 
@@ -92,9 +94,7 @@ func BenchmarkLayerStall(b *testing.B) {
 				var path time.Duration
 				for i := range 3 {
 					s, err := r.pipelined(0)
-					if err != nil {
-						b.Fatal(err)
-					}
+					require.NoError(b, err)
 					if i == 0 || s.total < path {
 						path = s.total
 					}
@@ -106,9 +106,7 @@ func BenchmarkLayerStall(b *testing.B) {
 				least := stallRun{total: math.MaxInt64}
 				for b.Loop() {
 					s, err := r.pipelined(time.Duration(factor * float64(layer)))
-					if err != nil {
-						b.Fatal(err)
-					}
+					require.NoError(b, err)
 					sum.total += s.total
 					sum.first += s.first
 					sum.maxLater = max(sum.maxLater, s.maxLater)

@@ -7,6 +7,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/bench/kvhost"
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/config"
@@ -99,13 +102,9 @@ func openBridge(tb testing.TB, dir, owner string, g geometry, poolBlocks int64, 
 	cfg.Transport.BandwidthGBps = gbps
 	cfg.TransferTimeoutMS = 60_000
 	b, err := bridge.Open(cfg, bridge.Deps{})
-	if err != nil {
-		tb.Fatal(err)
-	}
+	require.NoError(tb, err)
 	tb.Cleanup(func() {
-		if err := b.Close(); err != nil {
-			tb.Errorf("closing %s: %v", cfg.Owner, err)
-		}
+		assert.NoError(tb, b.Close(), "closing %s", cfg.Owner)
 	})
 	return b
 }
@@ -117,9 +116,7 @@ func newDir(tb testing.TB) string {
 func newHost(tb testing.TB, g geometry, cells int) *kvhost.Host {
 	tb.Helper()
 	h, err := kvhost.New(g.layers, cells, g.row, g.row)
-	if err != nil {
-		tb.Fatal(err)
-	}
+	require.NoError(tb, err)
 	tb.Cleanup(func() { _ = h.Close() })
 	return h
 }
@@ -127,9 +124,7 @@ func newHost(tb testing.TB, g geometry, cells int) *kvhost.Host {
 func register(tb testing.TB, b *bridge.Bridge, h *kvhost.Host, name string) *bridge.Model {
 	tb.Helper()
 	m, err := b.RegisterModel(h.Spec(name, blockTokens))
-	if err != nil {
-		tb.Fatal(err)
-	}
+	require.NoError(tb, err)
 	return m
 }
 
@@ -186,9 +181,8 @@ func newRestoreRig(tb testing.TB, g geometry, blocks int, l link) *restoreRig {
 	}
 	r.src.Compute(r.tokens, 0, n)
 	res, err := save(wm, r.src, key.Scope{}, r.tokens)
-	if err != nil || res.Published != blocks {
-		tb.Fatalf("saving %d blocks: %+v, %v", blocks, res, err)
-	}
+	require.NoError(tb, err, "saving %d blocks", blocks)
+	require.Equal(tb, blocks, res.Published, "saving %d blocks: %+v", blocks, res)
 	return r
 }
 
@@ -231,9 +225,7 @@ type pairTimer struct {
 func (p *pairTimer) run(b *testing.B, op func() error, memcpy func()) {
 	b.Helper()
 	start := time.Now()
-	if err := op(); err != nil {
-		b.Fatal(err)
-	}
+	require.NoError(b, op())
 	d := time.Since(start)
 	p.op += d
 	p.minOp = minPositive(p.minOp, d)

@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/bench/kvhost"
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/key"
@@ -28,9 +30,7 @@ func BenchmarkRestore(b *testing.B) {
 		for _, l := range links() {
 			b.Run(fmt.Sprintf("block=%s/link=%s", g.name, l.name), func(b *testing.B) {
 				r := newRestoreRig(b, g, blocksFor(g), l)
-				if err := r.restore(); err != nil { // pools and tensors paged in
-					b.Fatal(err)
-				}
+				require.NoError(b, r.restore()) // pools and tensors paged in
 				var p pairTimer
 				b.SetBytes(r.payload)
 				b.ResetTimer()
@@ -56,15 +56,11 @@ func BenchmarkRestoreSlot(b *testing.B) {
 	for _, l := range []link{linkLocal, linkUnshaped} {
 		b.Run("link="+l.name, func(b *testing.B) {
 			r := newRestoreRig(b, geoBench, 4096/blockTokens, l)
-			if err := r.restore(); err != nil {
-				b.Fatal(err)
-			}
+			require.NoError(b, r.restore())
 			b.SetBytes(r.payload)
 			b.ResetTimer()
 			for range b.N {
-				if err := r.restore(); err != nil {
-					b.Fatal(err)
-				}
+				require.NoError(b, r.restore())
 			}
 			b.ReportMetric(float64(slotRestore)*float64(b.N)/float64(b.Elapsed()), "x_slot_restore")
 		})
@@ -91,9 +87,7 @@ func newSaveRig(tb testing.TB, g geometry, tokens int) *saveRig {
 	r.model = register(tb, br, r.host, g.name)
 	r.host.Compute(r.tokens, 0, tokens)
 	sink, err := mem.Map(int(int64(tokens) * g.bytesPerToken()))
-	if err != nil {
-		tb.Fatal(err)
-	}
+	require.NoError(tb, err)
 	tb.Cleanup(func() { _ = mem.Unmap(sink) })
 	r.sink = sink
 	return r
@@ -124,9 +118,7 @@ func (r *saveRig) memcpy() { r.host.CopyTo(r.sink, len(r.tokens)) }
 // saves), so that no timed save pays for faulting fresh memory in.
 func (r *saveRig) warm(tb testing.TB) {
 	for range 2 {
-		if err := r.save(); err != nil {
-			tb.Fatal(err)
-		}
+		require.NoError(tb, r.save())
 	}
 	r.memcpy()
 }

@@ -4,6 +4,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/bench/preset"
 	"github.com/mcbridge/mcbridge/internal/arbiter"
 )
@@ -15,30 +18,22 @@ import (
 // where neither fixed policy is enough on its own.
 func TestArbiterTarget(t *testing.T) {
 	points, err := Evaluate(Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if want := 2 * 6 * 8; len(points) != want {
-		t.Fatalf("%d points, want %d", len(points), want)
-	}
+	require.NoError(t, err)
+	require.Len(t, points, 2*6*8, "points")
 	sums := Summarize(points)
 	all := sums[len(sums)-1]
-	if all.Preset != "all" || all.Points != len(points) {
-		t.Fatalf("last summary %+v", all)
-	}
+	require.Equal(t, "all", all.Preset, "last summary %+v", all)
+	require.Equal(t, len(points), all.Points, "last summary %+v", all)
 	for _, s := range sums {
 		w := s.Worst
 		t.Logf("%s: worst %.3f at %g GB/s, %d tokens; fresh arbiter %.2f, restore %.2f, recompute %.2f",
 			s.Preset, w.Ratio(), w.LinkGBps, w.PrefixTokens, s.ColdWorst, s.RestoreWorst, s.RecomputeWorst)
 	}
-	if all.Over5 > 0 {
-		w := all.Worst
-		t.Errorf("%d points over 1.05; worst %.3f: %s at %g GB/s, %d cached tokens", all.Over5, w.Ratio(), w.Preset, w.LinkGBps, w.PrefixTokens)
-	}
-	if all.ColdWorst <= 1.05 || all.RestoreWorst <= 1.05 || all.RecomputeWorst <= 1.05 {
-		t.Errorf("a sweep where calibration or choice does not matter: fresh %.2f, restore %.2f, recompute %.2f",
-			all.ColdWorst, all.RestoreWorst, all.RecomputeWorst)
-	}
+	w := all.Worst
+	assert.Zero(t, all.Over5, "points over 1.05; worst %.3f: %s at %g GB/s, %d cached tokens", w.Ratio(), w.Preset, w.LinkGBps, w.PrefixTokens)
+	assert.Greater(t, all.ColdWorst, 1.05, "a sweep where calibration does not matter: fresh %.2f", all.ColdWorst)
+	assert.Greater(t, all.RestoreWorst, 1.05, "a sweep where always-restore is enough: restore %.2f", all.RestoreWorst)
+	assert.Greater(t, all.RecomputeWorst, 1.05, "a sweep where always-recompute is enough: recompute %.2f", all.RecomputeWorst)
 }
 
 func TestTruth(t *testing.T) {
@@ -53,9 +48,7 @@ func TestTruth(t *testing.T) {
 		{1, 25, (1 + 10 + 15) * time.Millisecond},
 		{2, 25, (1 + 20 + 5) * time.Millisecond},
 	} {
-		if got := tr.ttft(tc.k, tc.prompt); got != tc.want {
-			t.Errorf("ttft(%d, %d) = %v, want %v", tc.k, tc.prompt, got, tc.want)
-		}
+		assert.Equal(t, tc.want, tr.ttft(tc.k, tc.prompt), "ttft(%d, %d)", tc.k, tc.prompt)
 	}
 }
 
@@ -73,13 +66,16 @@ func TestEvaluateOptions(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pts, err := Evaluate(tc.opt)
-			if (err == nil) != tc.ok || len(pts) != tc.n {
-				t.Fatalf("%d points, %v", len(pts), err)
+			if tc.ok {
+				require.NoError(t, err)
+			} else {
+				require.Error(t, err)
 			}
+			require.Len(t, pts, tc.n, "points")
 			for _, p := range pts {
-				if p.PromptTokens != p.PrefixTokens+64 || p.Arbiter <= 0 || p.Best() > p.Recompute {
-					t.Fatalf("point %+v", p)
-				}
+				require.Equal(t, p.PrefixTokens+64, p.PromptTokens, "point %+v", p)
+				require.Positive(t, p.Arbiter, "point %+v", p)
+				require.LessOrEqual(t, p.Best(), p.Recompute, "point %+v", p)
 			}
 		})
 	}

@@ -1,12 +1,14 @@
 package replay
 
 import (
-	"math"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/bench/preset"
 	"github.com/mcbridge/mcbridge/internal/arbiter"
@@ -103,30 +105,23 @@ func TestKnownAnswers(t *testing.T) {
 			tc.opt.BlockTokens = 4
 			tc.opt.Preset = linear
 			res, err := Run(tc.trace, tc.opt)
-			if err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err)
 			var total int64
 			for _, r := range tc.trace {
 				total += int64(r.InputLength)
 			}
-			if want := float64(tc.ideal) / float64(total); math.Abs(res.IdealPrefixHitRatio-want) > 1e-12 {
-				t.Errorf("ideal %.4f, want %.4f", res.IdealPrefixHitRatio, want)
-			}
-			if res.HitTokens != tc.hit || res.RestoredTokens != tc.restored || res.Runs[0].RemoteRestoredTokens != tc.remote {
-				t.Errorf("hit %d restored %d remote %d, want %d %d %d", res.HitTokens, res.RestoredTokens, res.Runs[0].RemoteRestoredTokens, tc.hit, tc.restored, tc.remote)
-			}
-			if res.RecomputedTokens != total-tc.restored {
-				t.Errorf("recomputed %d, want %d", res.RecomputedTokens, total-tc.restored)
-			}
+			assert.InDelta(t, float64(tc.ideal)/float64(total), res.IdealPrefixHitRatio, 1e-12, "ideal prefix hit ratio")
+			assert.Equal(t, tc.hit, res.HitTokens, "hit tokens")
+			assert.Equal(t, tc.restored, res.RestoredTokens, "restored tokens")
+			assert.Equal(t, tc.remote, res.Runs[0].RemoteRestoredTokens, "tokens restored from peers")
+			assert.Equal(t, total-tc.restored, res.RecomputedTokens, "recomputed tokens")
 			got := res.TTFT[TTFTKey(tc.opt.Policies[0])]
 			mid, last := tc.ttft[(len(tc.ttft)-1)/2], tc.ttft[len(tc.ttft)-1]
-			if math.Abs(got.P50-mid) > 1e-6 || math.Abs(got.P99-last) > 1e-6 {
-				t.Errorf("ttft p50 %.6f p99 %.6f, want %.6f %.6f", got.P50, got.P99, mid, last)
-			}
-			if run := res.Runs[0]; run.LoadFailures != 0 || (tc.restored > 0) != (run.Loads > 0) {
-				t.Errorf("%d loads, %d failed", run.Loads, run.LoadFailures)
-			}
+			assert.InDelta(t, mid, got.P50, 1e-6, "ttft p50")
+			assert.InDelta(t, last, got.P99, 1e-6, "ttft p99")
+			run := res.Runs[0]
+			assert.Zero(t, run.LoadFailures, "failed loads of %d", run.Loads)
+			assert.Equal(t, tc.restored > 0, run.Loads > 0, "%d loads", run.Loads)
 		})
 	}
 }
@@ -147,9 +142,8 @@ func TestRunRejects(t *testing.T) {
 		{"negative latency", ok, Options{BlockTokens: 4, Bandwidth: 1e9, Latency: -1}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if _, err := Run(tc.trace, tc.opt); err == nil {
-				t.Fatal("accepted")
-			}
+			_, err := Run(tc.trace, tc.opt)
+			require.Error(t, err, "accepted")
 		})
 	}
 }
@@ -161,16 +155,12 @@ func samplePath(t *testing.T) string {
 		return p
 	}
 	dir, err := os.Getwd()
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	for ; ; dir = filepath.Dir(dir) {
 		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
 			return filepath.Join(dir, "..", "shared", "data", "traces", "synthetic_trace.jsonl")
 		}
-		if dir == filepath.Dir(dir) {
-			t.Fatal("no go.mod above the test")
-		}
+		require.NotEqual(t, filepath.Dir(dir), dir, "no go.mod above the test")
 	}
 }
 
@@ -187,30 +177,24 @@ func TestSampleTrace(t *testing.T) {
 		t.Skipf("sample trace not found at %s (set MCB_TRACE): %v", path, err)
 	}
 	trace, err := LoadTrace(path)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	opt := Options{Policies: []arbiter.Policy{arbiter.AlwaysRestore}}
 	if raceEnabled {
 		opt.Requests = requestsUnderRace
 	}
 	res, err := Run(trace, opt)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Logf("%d requests: ideal %.4f, hit %.4f, %d of %d restored from peers, %.1fs",
 		res.Requests, res.IdealPrefixHitRatio, res.PrefixHitRatio, res.Runs[0].RemoteRestoredTokens, res.RestoredTokens, res.Runs[0].WallSeconds)
 	// The trace's README states the whole trace's ideal; a different
 	// figure means the ids were read differently.
-	if res.Requests == len(trace) && math.Abs(res.IdealPrefixHitRatio-0.651) > 0.0005 {
-		t.Errorf("ideal prefix hit ratio %.4f, the trace's README says 0.651", res.IdealPrefixHitRatio)
+	if res.Requests == len(trace) {
+		assert.InDelta(t, 0.651, res.IdealPrefixHitRatio, 0.0005, "ideal prefix hit ratio, the trace's README says 0.651")
 	}
-	if res.PrefixHitRatio < 0.99*res.IdealPrefixHitRatio {
-		t.Errorf("prefix hit ratio %.4f < 99%% of the ideal %.4f", res.PrefixHitRatio, res.IdealPrefixHitRatio)
-	}
-	if res.RestoredTokens != res.HitTokens || res.Runs[0].LoadFailures != 0 || res.Runs[0].Evictions != 0 {
-		t.Errorf("restored %d of %d hit tokens, %d failed loads, %d evictions", res.RestoredTokens, res.HitTokens, res.Runs[0].LoadFailures, res.Runs[0].Evictions)
-	}
+	assert.GreaterOrEqual(t, res.PrefixHitRatio, 0.99*res.IdealPrefixHitRatio, "prefix hit ratio against 99%% of the ideal")
+	assert.Equal(t, res.HitTokens, res.RestoredTokens, "restored tokens of the hit tokens")
+	assert.Zero(t, res.Runs[0].LoadFailures, "failed loads")
+	assert.Zero(t, res.Runs[0].Evictions, "evictions")
 }
 
 // randomTrace builds conversations: each request either starts a new
@@ -261,35 +245,30 @@ func TestRandomTraces(t *testing.T) {
 	for seed := range uint64(6) {
 		rng := rand.New(rand.NewPCG(seed, 1))
 		trace := randomTrace(rng, 200, B)
-		if err := Check(trace, B); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, Check(trace, B))
 		want := bridgeCeiling(trace, B)
 		ideal, _ := IdealHitTokens(trace, B)
 		restore := []arbiter.Policy{arbiter.AlwaysRestore}
 		unbounded, err := Run(trace, Options{BlockTokens: B, Servers: 3, Preset: linear, Policies: restore})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if u := unbounded.Runs[0]; u.HitTokens != want || u.RestoredTokens != want || u.Evictions != 0 || u.DedupedBlocks != 0 || want > ideal {
-			t.Fatalf("seed %d: hit %d restored %d evictions %d deduped %d; ceiling %d, ideal %d", seed, u.HitTokens, u.RestoredTokens, u.Evictions, u.DedupedBlocks, want, ideal)
-		}
+		require.NoError(t, err)
+		u := unbounded.Runs[0]
+		require.Equal(t, want, u.HitTokens, "seed %d: hit tokens against the ceiling", seed)
+		require.Equal(t, want, u.RestoredTokens, "seed %d: restored tokens against the ceiling", seed)
+		require.Zero(t, u.Evictions, "seed %d: evictions", seed)
+		require.Zero(t, u.DedupedBlocks, "seed %d: deduped blocks", seed)
+		require.LessOrEqual(t, want, ideal, "seed %d: the ceiling above the ideal", seed)
 		// A pool a tenth of the blocks' size evicts, breaks chains and
 		// rewrites blocks that peers still hold; it can only lose hits.
 		pool := int64(unbounded.DistinctBlocks) * B * linear.KVBytesPerToken / 10
 		for _, ev := range []string{"lru", "cost"} {
 			bounded, err := Run(trace, Options{BlockTokens: B, Servers: 3, Preset: linear, Policies: restore, PoolBytes: pool, Eviction: ev})
-			if err != nil {
-				t.Fatalf("seed %d, %s: %v", seed, ev, err)
-			}
+			require.NoError(t, err, "seed %d, %s", seed, ev)
 			b := bounded.Runs[0]
-			if b.HitTokens > want || b.RestoredTokens > b.HitTokens || b.Evictions == 0 {
-				t.Fatalf("seed %d, %s: hit %d restored %d evictions %d; unbounded %d", seed, ev, b.HitTokens, b.RestoredTokens, b.Evictions, want)
-			}
+			require.LessOrEqual(t, b.HitTokens, want, "seed %d, %s: hit tokens against unbounded", seed, ev)
+			require.LessOrEqual(t, b.RestoredTokens, b.HitTokens, "seed %d, %s: restored tokens against hit", seed, ev)
+			require.NotZero(t, b.Evictions, "seed %d, %s: evictions", seed, ev)
 			deduped += b.DedupedBlocks
 		}
 	}
-	if deduped == 0 {
-		t.Error("no save was deduplicated: the bounded replays never rewrote a block a peer held")
-	}
+	assert.NotZero(t, deduped, "no save was deduplicated: the bounded replays never rewrote a block a peer held")
 }

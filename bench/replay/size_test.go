@@ -1,6 +1,11 @@
 package replay
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
 
 func TestParseBytes(t *testing.T) {
 	for _, tc := range []struct {
@@ -28,9 +33,12 @@ func TestParseBytes(t *testing.T) {
 		{"1 G", 0, false},
 	} {
 		got, err := ParseBytes(tc.in)
-		if (err == nil) != tc.ok || got != tc.want {
-			t.Errorf("ParseBytes(%q) = %d, %v; want %d ok=%v", tc.in, got, err, tc.want, tc.ok)
+		if tc.ok {
+			assert.NoError(t, err, "ParseBytes(%q)", tc.in)
+		} else {
+			assert.Error(t, err, "ParseBytes(%q) = %d", tc.in, got)
 		}
+		assert.Equal(t, tc.want, got, "ParseBytes(%q)", tc.in)
 	}
 }
 
@@ -40,8 +48,8 @@ func FuzzParseBytes(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, s string) {
 		v, err := ParseBytes(s)
-		if err == nil && v < 0 {
-			t.Fatalf("ParseBytes(%q) = %d", s, v)
+		if err == nil {
+			require.GreaterOrEqual(t, v, int64(0), "ParseBytes(%q)", s)
 		}
 	})
 }

@@ -1,10 +1,10 @@
 package replay
 
 import (
-	"reflect"
-	"slices"
 	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 )
 
 func TestReadTrace(t *testing.T) {
@@ -35,11 +35,11 @@ func TestReadTrace(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, err := ReadTrace(strings.NewReader(tc.in))
-			if (err == nil) != tc.ok {
-				t.Fatalf("err = %v, want ok=%v", err, tc.ok)
-			}
-			if tc.ok && !reflect.DeepEqual(got, tc.want) {
-				t.Fatalf("got %+v, want %+v", got, tc.want)
+			if tc.ok {
+				require.NoError(t, err)
+				require.Equal(t, tc.want, got)
+			} else {
+				require.Error(t, err)
 			}
 		})
 	}
@@ -60,13 +60,10 @@ func TestIdealHitTokens(t *testing.T) {
 		{"longer request first", []Request{req(0, 12, 1, 2, 3), req(0, 8, 1, 2)}, 8, 20},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if err := Check(tc.trace, 4); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, Check(tc.trace, 4))
 			hit, total := IdealHitTokens(tc.trace, 4)
-			if hit != tc.hit || total != tc.total {
-				t.Fatalf("IdealHitTokens = %d/%d, want %d/%d", hit, total, tc.hit, tc.total)
-			}
+			require.Equal(t, tc.hit, hit, "IdealHitTokens hit")
+			require.Equal(t, tc.total, total, "IdealHitTokens total")
 		})
 	}
 }
@@ -75,19 +72,13 @@ func TestPromptTokens(t *testing.T) {
 	a := promptTokens(nil, &Request{InputLength: 10, HashIDs: []int64{5, 6, 7}}, 4)
 	b := promptTokens(nil, &Request{InputLength: 8, HashIDs: []int64{5, 6}}, 4)
 	c := promptTokens(nil, &Request{InputLength: 8, HashIDs: []int64{5, 8}}, 4)
-	if len(a) != 10 || len(b) != 8 {
-		t.Fatalf("%d and %d tokens", len(a), len(b))
-	}
-	if !slices.Equal(a[:8], b) {
-		t.Fatal("equal ids gave unequal tokens")
-	}
-	if slices.Equal(b[4:], c[4:]) {
-		t.Fatal("unequal ids gave equal tokens")
-	}
+	require.Len(t, a, 10, "tokens")
+	require.Len(t, b, 8, "tokens")
+	require.Equal(t, a[:8], b, "equal ids gave unequal tokens")
+	require.NotEqual(t, b[4:], c[4:], "unequal ids gave equal tokens")
 	for _, tok := range a {
-		if tok < 0 || tok >= vocab {
-			t.Fatalf("token %d outside the vocabulary", tok)
-		}
+		require.GreaterOrEqual(t, tok, int32(0), "token outside the vocabulary")
+		require.Less(t, tok, int32(vocab), "token outside the vocabulary")
 	}
 }
 
@@ -102,16 +93,13 @@ func FuzzReadTrace(f *testing.F) {
 			return
 		}
 		for _, r := range trace {
-			if err := r.validate(); err != nil {
-				t.Fatalf("accepted an invalid request %+v: %v", r, err)
-			}
+			require.NoError(t, r.validate(), "accepted an invalid request %+v", r)
 		}
 		// Whatever parses, the ideal is a ratio of tokens.
 		if Check(trace, 512) == nil {
 			hit, total := IdealHitTokens(trace, 512)
-			if hit < 0 || hit > total {
-				t.Fatalf("ideal %d of %d tokens", hit, total)
-			}
+			require.GreaterOrEqual(t, hit, int64(0), "ideal %d of %d tokens", hit, total)
+			require.LessOrEqual(t, hit, total, "ideal %d of %d tokens", hit, total)
 		}
 	})
 }

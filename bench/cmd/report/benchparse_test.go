@@ -1,9 +1,11 @@
 package main
 
 import (
-	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 const sampleOutput = `goos: linux
@@ -22,9 +24,7 @@ ok  	github.com/mcbridge/mcbridge/bench	1.202s
 
 func TestParseBench(t *testing.T) {
 	got, err := parseBench(strings.NewReader(sampleOutput))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	want := []benchResult{
 		{Pkg: "github.com/mcbridge/mcbridge/bench", Name: "KeyLookup/tokens=1024", N: 3,
 			Metrics: map[string]float64{"ns/op": 8689, "ns/token": 8.486, "us/lookup": 8.689, "B/op": 848, "allocs/op": 4}},
@@ -33,15 +33,9 @@ func TestParseBench(t *testing.T) {
 		{Pkg: "github.com/mcbridge/mcbridge/internal/residency", Name: "Match/blocks=1000", N: 100,
 			Metrics: map[string]float64{"ns/op": 12000, "ns/block": 23.4}},
 	}
-	if !reflect.DeepEqual(got, want) {
-		t.Fatalf("got  %+v\nwant %+v", got, want)
-	}
-	if v := got[1].Param("link"); v != "10GBps" {
-		t.Fatalf("Param(link) = %q", v)
-	}
-	if v := got[1].Param("size"); v != "" {
-		t.Fatalf("Param(size) = %q", v)
-	}
+	require.Equal(t, want, got)
+	require.Equal(t, "10GBps", got[1].Param("link"), "Param(link)")
+	require.Empty(t, got[1].Param("size"), "Param(size)")
 }
 
 func TestParseBenchLine(t *testing.T) {
@@ -58,9 +52,8 @@ func TestParseBenchLine(t *testing.T) {
 		{"Benchmark-8 10 5 ns/op", false},
 		{"TestX 10 5 ns/op", false},
 	} {
-		if _, ok := parseBenchLine(tc.line); ok != tc.ok {
-			t.Errorf("parseBenchLine(%q) ok = %v, want %v", tc.line, ok, tc.ok)
-		}
+		_, ok := parseBenchLine(tc.line)
+		assert.Equal(t, tc.ok, ok, "parseBenchLine(%q) ok", tc.line)
 	}
 }
 
@@ -74,12 +67,10 @@ func FuzzParseBench(f *testing.F) {
 			return
 		}
 		for _, r := range res {
-			if r.N <= 0 || r.Name == "" || len(r.Metrics) == 0 {
-				t.Fatalf("accepted %+v", r)
-			}
-			if n := blockBytes(r.Param("block")); n < 0 {
-				t.Fatalf("block size %d from %q", n, r.Name)
-			}
+			require.Positive(t, r.N, "accepted %+v", r)
+			require.NotEmpty(t, r.Name, "accepted %+v", r)
+			require.NotEmpty(t, r.Metrics, "accepted %+v", r)
+			require.GreaterOrEqual(t, blockBytes(r.Param("block")), int64(0), "block size from %q", r.Name)
 		}
 	})
 }

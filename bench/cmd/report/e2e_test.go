@@ -3,9 +3,10 @@ package main
 import (
 	"os"
 	"path/filepath"
-	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 )
 
 const sampleE2E = `{
@@ -22,9 +23,7 @@ const sampleE2E = `{
 
 func TestE2ETables(t *testing.T) {
 	v, err := decodeOrdered([]byte(sampleE2E))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	got := e2eTables(v)
 	want := []e2eTable{
 		{head: []string{"", ""}, rows: [][]string{{"date", "2026-11-29T19:11:51Z"}, {"cpus", "2"}, {"target_met", "true"}, {"slot_met", "yes"}}},
@@ -32,20 +31,19 @@ func TestE2ETables(t *testing.T) {
 			rows: [][]string{{"1024", "59.32", "9009.5", "true", ""}, {"4096", "59.40", "", "", "null"}}},
 		{title: "target", head: []string{"", ""}, rows: [][]string{{"shared_tokens", "8192"}, {"ratio_at_least", "10"}}},
 	}
-	if !reflect.DeepEqual(got, want) {
-		t.Fatalf("got  %+v\nwant %+v", got, want)
-	}
+	require.Equal(t, want, got)
 	targets := e2eTargets(v)
-	if len(targets) != 1 || targets[0][0] != "end-to-end: target" || targets[0][1] != "{shared_tokens: 8192, ratio_at_least: 10}" || targets[0][3] != met {
-		t.Fatalf("targets %q", targets)
-	}
+	require.Len(t, targets, 1, "targets")
+	require.Equal(t, "end-to-end: target", targets[0][0], "targets %q", targets)
+	require.Equal(t, "{shared_tokens: 8192, ratio_at_least: 10}", targets[0][1], "targets %q", targets)
+	require.Equal(t, met, targets[0][3], "targets %q", targets)
 }
 
 func TestReadE2E(t *testing.T) {
 	dir := t.TempDir()
-	if d, err := readE2E(filepath.Join(dir, "absent.json")); d != nil || err != nil {
-		t.Fatalf("absent file: %s, %v", d, err)
-	}
+	d, err := readE2E(filepath.Join(dir, "absent.json"))
+	require.NoError(t, err, "absent file")
+	require.Nil(t, d, "absent file: %s", d)
 	for _, tc := range []struct {
 		name, doc string
 		ok        bool
@@ -60,12 +58,13 @@ func TestReadE2E(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := filepath.Join(dir, tc.name+".json")
-			if err := os.WriteFile(p, []byte(tc.doc), 0o644); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, os.WriteFile(p, []byte(tc.doc), 0o644))
 			d, err := readE2E(p)
-			if (err == nil) != tc.ok || (tc.ok && d == nil) {
-				t.Fatalf("readE2E = %s, %v", d, err)
+			if tc.ok {
+				require.NoError(t, err, "readE2E")
+				require.NotNil(t, d, "readE2E")
+			} else {
+				require.Error(t, err, "readE2E = %s", d)
 			}
 		})
 	}
@@ -82,9 +81,7 @@ func FuzzDecodeOrdered(f *testing.F) {
 		}
 		for _, tb := range e2eTables(v) {
 			for _, r := range tb.rows {
-				if len(r) != len(tb.head) {
-					t.Fatalf("ragged table %+v", tb)
-				}
+				require.Len(t, r, len(tb.head), "ragged table %+v", tb)
 			}
 		}
 		_ = e2eTargets(v)
