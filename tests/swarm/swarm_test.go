@@ -21,6 +21,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
@@ -206,22 +208,14 @@ func start(t *testing.T, role string, j job) *proc {
 func startCmd(t *testing.T, cmd *exec.Cmd, role string, j job, env ...string) *proc {
 	t.Helper()
 	doc, err := json.Marshal(j)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	cmd.Env = append(append(os.Environ(), "MCB_SWARM_ROLE="+role, "MCB_SWARM_JOB="+string(doc)), env...)
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
 	p := &proc{cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout)}
 	t.Cleanup(func() {
 		_ = p.cmd.Process.Kill()
@@ -234,22 +228,15 @@ func startCmd(t *testing.T, cmd *exec.Cmd, role string, j job, env ...string) *p
 func (p *proc) expect(t *testing.T, word string, n int) {
 	t.Helper()
 	line, err := p.out.ReadString('\n')
-	if err != nil {
-		t.Fatalf("child said nothing (%v)", err)
-	}
-	f := strings.Fields(line)
-	if len(f) != 2 || f[0] != word || f[1] != strconv.Itoa(n) {
-		t.Fatalf("child said %q, want %q %d", line, word, n)
-	}
+	require.NoError(t, err, "child said nothing")
+	require.Equal(t, []string{word, strconv.Itoa(n)}, strings.Fields(line), "child said %q", line)
 }
 
 // finish closes the child's stdin and waits for a clean exit.
 func (p *proc) finish(t *testing.T) {
 	t.Helper()
 	_ = p.stdin.Close()
-	if err := p.cmd.Wait(); err != nil {
-		t.Fatalf("child: %v", err)
-	}
+	require.NoError(t, p.cmd.Wait(), "child")
 }
 
 func (p *proc) kill() {
@@ -277,13 +264,9 @@ func baseJob(t *testing.T, endpoint, owner string) job {
 func openParent(t *testing.T, j job) (*bridge.Bridge, *mooncake.Engine) {
 	t.Helper()
 	eng, err := mooncake.Open(mooncake.Config{Library: mockLib, LocalServerName: "127.0.0.1"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	b, err := bridge.Open(j.Config, bridge.Deps{Transport: eng})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() {
 		_ = b.Close()
 		_ = eng.Close()
@@ -304,30 +287,24 @@ func TestTwoProcesses(t *testing.T) {
 			pj := j
 			pj.Config.Owner = "reader-" + path.name
 			b, eng := openParent(t, pj)
-			if err := eng.SetPath(path.p); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, eng.SetPath(path.p))
 			h := pj.host(t)
 			m := pj.register(t, b, h)
 			tokens := pj.tokens()
-			if n := waitMatched(m, tokens, 8, 20*time.Second); n != 8 {
-				t.Fatalf("the mirror found %d of 8 blocks", n)
-			}
+			require.Equal(t, 8, waitMatched(m, tokens, 8, 20*time.Second), "blocks the mirror found")
 			h.Scribble()
 			cells := kvtest.ScatteredCells(rand.New(rand.NewSource(3)), 128, pj.Cells)
 			res, err := load(m, h, tokens[:128], cells)
-			if err != nil || res.OKTokens != 128 {
-				t.Fatalf("load: %+v, %v", res, err)
-			}
-			if err := h.Check(tokens[:128], cells, 128); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err, "load")
+			require.Equal(t, 128, res.OKTokens, "load: %+v", res)
+			require.NoError(t, h.Check(tokens[:128], cells, 128))
 			st, err := eng.MockStats()
-			if err != nil {
-				t.Fatal(err)
+			require.NoError(t, err)
+			if path.p == mooncake.PathVM {
+				require.NotZero(t, st.VMBytes, "the %s path moved nothing: %+v", path.name, st)
 			}
-			if path.p == mooncake.PathVM && st.VMBytes == 0 || path.p == mooncake.PathTCP && st.TCPBytes == 0 {
-				t.Fatalf("the %s path moved nothing: %+v", path.name, st)
+			if path.p == mooncake.PathTCP {
+				require.NotZero(t, st.TCPBytes, "the %s path moved nothing: %+v", path.name, st)
 			}
 		})
 	}
@@ -369,46 +346,34 @@ func TestPeerKilledMidTransfer(t *testing.T) {
 	h := pj.host(t)
 	m := pj.register(t, b, h)
 	tokens := pj.tokens()
-	if n := waitMatched(m, tokens, 8, 20*time.Second); n != 8 {
-		t.Fatalf("the mirror found %d of 8 blocks", n)
-	}
+	require.Equal(t, 8, waitMatched(m, tokens, 8, 20*time.Second), "blocks the mirror found")
 	h.Scribble()
 	cells := kvtest.SeqCells(128)
 	// Hold the transfers once 3 MiB have moved, kill the peer, let go.
-	if err := eng.SetFault(mooncake.FaultStallAfter, 3<<20); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, eng.SetFault(mooncake.FaultStallAfter, 3<<20))
 	ld, err := m.LoadBegin(key.Scope{}, h.Layout(), tokens[:128], cells)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	time.Sleep(100 * time.Millisecond)
 	victim.kill()
-	if err := eng.SetFault(mooncake.FaultStallAfter, -1); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, eng.SetFault(mooncake.FaultStallAfter, -1))
 	res, err := ld.End()
-	if err == nil || res.OKTokens == 128 {
-		t.Fatalf("load through a dead peer: %+v, %v", res, err)
-	}
-	if err := h.CheckNoWrong(tokens[:128], cells); err != nil {
-		t.Fatal(err)
-	}
+	require.Error(t, err, "load through a dead peer: %+v", res)
+	require.NotEqual(t, 128, res.OKTokens, "load through a dead peer: %+v, %v", res, err)
+	require.NoError(t, h.CheckNoWrong(tokens[:128], cells))
 	t.Logf("dead peer: %d of 128 tokens restored, error: %v", res.OKTokens, err)
 
 	// The lease of the dead peer expires and its blocks leave the mirror.
 	deadline := time.Now().Add(20 * time.Second)
 	for m.Mirrored() > 0 {
 		if time.Now().After(deadline) {
-			t.Fatalf("the dead peer's %d blocks are still mirrored", m.Mirrored())
+			require.FailNowf(t, "timed out", "the dead peer's %d blocks are still mirrored", m.Mirrored())
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
 	// And the reader carries on: it saves and restores its own blocks.
 	h.Fill(tokens, kvtest.SeqCells(len(tokens)))
-	if res := save(t, m, h, tokens, kvtest.SeqCells(len(tokens))); res.Published != 8 {
-		t.Fatalf("save after the failure: %+v", res)
-	}
+	saved := save(t, m, h, tokens, kvtest.SeqCells(len(tokens)))
+	require.Equal(t, 8, saved.Published, "save after the failure: %+v", saved)
 }
 
 // A store node holds the blocks after every process that computed them
@@ -421,15 +386,13 @@ func TestStoreOutlivesProcesses(t *testing.T) {
 	sj.Config.Owner = "store"
 	sj.Config.PoolBytes = 128 << 20
 	store, _ := openParent(t, sj)
-	if err := store.Replicate(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, store.Replicate())
 	waitStat := func(what string, f func(bridge.Stats) bool) {
 		t.Helper()
 		deadline := time.Now().Add(30 * time.Second)
 		for !f(store.Stats()) {
 			if time.Now().After(deadline) {
-				t.Fatalf("store: %s never happened: %+v", what, store.Stats())
+				require.FailNowf(t, "timed out", "store: %s never happened: %+v", what, store.Stats())
 			}
 			time.Sleep(10 * time.Millisecond)
 		}
@@ -469,36 +432,27 @@ func TestEtcdDown(t *testing.T) {
 	tokens := j.tokens()
 	cells := kvtest.SeqCells(len(tokens))
 	h.Fill(tokens, cells)
-	if res := save(t, m, h, tokens, cells); res.Published != 8 {
-		t.Fatalf("save: %+v", res)
-	}
+	res := save(t, m, h, tokens, cells)
+	require.Equal(t, 8, res.Published, "save: %+v", res)
 	srv.Stop()
 	other := kvtest.Tokens(rand.New(rand.NewSource(9)), 64)
 	h.Fill(other, kvtest.SeqCells(64))
 	sv, err := m.SaveBegin(key.Scope{}, h.Layout(), other, kvtest.SeqCells(64))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	for l := range h.K {
-		if err := sv.SaveLayer(l); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, sv.SaveLayer(l))
 	}
-	if _, err := sv.End(); err == nil {
-		t.Fatal("a save published with etcd down")
-	} else {
-		t.Logf("save with etcd down: %v", err)
-	}
-	if r, err := m.Lookup(key.Scope{}, tokens); err != nil || r.MatchedBlocks != 8 {
-		t.Fatalf("lookup with etcd down: %+v, %v", r, err)
-	}
+	_, err = sv.End()
+	require.Error(t, err, "a save published with etcd down")
+	t.Logf("save with etcd down: %v", err)
+	r, err := m.Lookup(key.Scope{}, tokens)
+	require.NoError(t, err, "lookup with etcd down")
+	require.Equal(t, 8, r.MatchedBlocks, "lookup with etcd down: %+v", r)
 	srv.Restart()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		sv, err := m.SaveBegin(key.Scope{}, h.Layout(), other, kvtest.SeqCells(64))
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		for l := range h.K {
 			_ = sv.SaveLayer(l)
 		}
@@ -507,7 +461,7 @@ func TestEtcdDown(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("publishing never resumed: %+v, %v", res, err)
+			require.FailNowf(t, "timed out", "publishing never resumed: %+v, %v", res, err)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
