@@ -20,6 +20,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
@@ -49,17 +51,13 @@ func newPKI(t *testing.T) *pki {
 	dir := t.TempDir()
 	write := func(name, kind string, der []byte) string {
 		path := filepath.Join(dir, name)
-		if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: kind, Bytes: der}), 0o600); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: kind, Bytes: der}), 0o600))
 		return path
 	}
 	serial := int64(1)
 	issue := func(parent *issuer, tmpl *x509.Certificate) (*issuer, []byte, []byte) {
 		k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		serial++
 		tmpl.SerialNumber = big.NewInt(serial)
 		tmpl.NotBefore = time.Now().Add(-time.Hour)
@@ -69,17 +67,11 @@ func newPKI(t *testing.T) *pki {
 			signer, signKey = parent.cert, parent.key
 		}
 		der, err := x509.CreateCertificate(rand.Reader, tmpl, signer, &k.PublicKey, signKey)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		cert, err := x509.ParseCertificate(der)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		keyDER, err := x509.MarshalECPrivateKey(k)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		return &issuer{cert, k}, der, keyDER
 	}
 	authority := func(name string) (*issuer, []byte) {
@@ -116,23 +108,17 @@ func newPKI(t *testing.T) *pki {
 func (p *pki) tlsClient(t *testing.T, endpoint string, clientCert bool, user, password string) *clientv3.Client {
 	t.Helper()
 	pem, err := os.ReadFile(p.CA)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	tc := &tls.Config{RootCAs: x509.NewCertPool(), MinVersion: tls.VersionTLS12}
 	tc.RootCAs.AppendCertsFromPEM(pem)
 	if clientCert {
 		cert, err := tls.LoadX509KeyPair(p.ClientCert, p.ClientKey)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		tc.Certificates = []tls.Certificate{cert}
 	}
 	c, err := clientv3.New(clientv3.Config{Endpoints: []string{endpoint}, TLS: tc, DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
 		Username: user, Password: password})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { c.Close() })
 	return c
 }
@@ -149,9 +135,7 @@ func startTLSEtcd(t *testing.T, p *pki, clientCertAuth bool) string {
 	var ls []net.Listener
 	for range 2 {
 		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		ls = append(ls, l)
 	}
 	client, peer := "https://"+ls[0].Addr().String(), "http://"+ls[1].Addr().String()
@@ -169,15 +153,11 @@ func startTLSEtcd(t *testing.T, p *pki, clientCertAuth bool) string {
 	}
 	logPath := filepath.Join(dir, "etcd.log")
 	logf, err := os.Create(logPath)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer logf.Close()
 	cmd := exec.Command(bin, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, cmd.Start())
 	t.Cleanup(func() {
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		_ = cmd.Wait()
@@ -193,7 +173,7 @@ func startTLSEtcd(t *testing.T, p *pki, clientCertAuth bool) string {
 		}
 		if time.Now().After(deadline) {
 			log, _ := os.ReadFile(logPath)
-			t.Fatalf("etcd over TLS never answered: %v\n%s", err, log)
+			require.FailNowf(t, "timed out", "etcd over TLS never answered: %v\n%s", err, log)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -213,13 +193,9 @@ func secureConfig(t *testing.T, endpoint, prefix string, directory map[string]an
 		"transport": map[string]any{"kind": "mooncake", "lib": mockLib, "local_hostname": "127.0.0.1"},
 		"directory": dir,
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	c, err := config.Parse(doc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return c
 }
 
@@ -239,9 +215,7 @@ func openPeer(t *testing.T, c config.Config) (*peer, error) {
 	t.Cleanup(func() { _ = b.Close() })
 	h := newHost(t, 256)
 	m, err := b.RegisterModel(spec(h, nil))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return &peer{b, m, h}, nil
 }
 
@@ -256,32 +230,23 @@ func (p *peer) save(tokens []int32) (bridge.SaveResult, error) {
 func shareThrough(t *testing.T, c config.Config) {
 	t.Helper()
 	a, err := openPeer(t, c)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	b, err := openPeer(t, c)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	tokens := prompt(seedA, promptLen)
-	if res, err := a.save(tokens); err != nil || res.Published != fullBlocks {
-		t.Fatalf("publish: %+v, %v", res, err)
-	}
+	saved, err := a.save(tokens)
+	require.NoError(t, err, "publish")
+	require.Equal(t, fullBlocks, saved.Published, "publish: %+v", saved)
 	waitMatched(t, b.m, key.Scope{}, tokens, fullBlocks)
 	b.h.Scribble()
 	asked := fullBlocks * blockTokens
 	cells := kvtest.SeqCells(len(tokens))
 	ld, err := b.m.LoadBegin(key.Scope{}, b.h.Layout(), tokens[:asked], cells[:asked])
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	res, err := ld.End()
-	if err != nil || res.OKTokens != asked {
-		t.Fatalf("restore: %+v, %v", res, err)
-	}
-	if err := verifyRecompute(b.h, tokens, asked); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err, "restore")
+	require.Equal(t, asked, res.OKTokens, "restore: %+v", res)
+	require.NoError(t, verifyRecompute(b.h, tokens, asked))
 }
 
 // publishAs opens a bridge under c and saves a prompt; it returns the
@@ -293,8 +258,8 @@ func publishAs(t *testing.T, c config.Config) error {
 		return err
 	}
 	res, err := p.save(prompt(seedB, promptLen))
-	if err == nil && res.Published != fullBlocks {
-		t.Fatalf("save: %+v", res)
+	if err == nil {
+		require.Equal(t, fullBlocks, res.Published, "save: %+v", res)
 	}
 	return err
 }
@@ -304,9 +269,8 @@ func publishAs(t *testing.T, c config.Config) error {
 func refused(t *testing.T, c config.Config, says string) error {
 	t.Helper()
 	err := publishAs(t, c)
-	if status.Of(err) != status.Directory || !strings.Contains(err.Error(), says) {
-		t.Errorf("%v; want status %q saying %q", err, status.Directory, says)
-	}
+	assert.Equal(t, status.Directory, status.Of(err), "%v", err)
+	assert.ErrorContains(t, err, says)
 	return err
 }
 
@@ -366,20 +330,14 @@ func debianAuth(t *testing.T) authServer {
 // embedded has no TLS options.
 func embeddedAuth(t *testing.T) authServer {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	url := "http://" + l.Addr().String()
 	l.Close()
 	stop, err := embedded.Start(t.TempDir(), url, embedded.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(stop)
 	c, err := clientv3.New(clientv3.Config{Endpoints: []string{url}, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { c.Close() })
 	enableAuth(t, c)
 	return authServer{"embedded etcd 3.7, loopback", url, map[string]any{}, true}
@@ -406,9 +364,7 @@ func enableAuth(t *testing.T, admin *clientv3.Client) {
 		func() error { _, err := admin.UserGrantRole(ctx, "root", "root"); return err },
 		func() error { _, err := admin.AuthEnable(ctx); return err })
 	for _, step := range steps {
-		if err := step(); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, step())
 	}
 }
 
@@ -436,9 +392,8 @@ func TestEtcdAuth(t *testing.T) {
 			t.Run("password", func(t *testing.T) { shareThrough(t, cfg("mcb", "s3cret")) })
 			t.Run("wrong-password", func(t *testing.T) {
 				_, err := openPeer(t, cfg("mcb", "guess"))
-				if status.Of(err) != status.Directory || !strings.Contains(err.Error(), "authentication failed") {
-					t.Errorf("open with a wrong password: %v; want a directory status saying authentication failed", err)
-				}
+				assert.Equal(t, status.Directory, status.Of(err), "open with a wrong password: %v", err)
+				assert.ErrorContains(t, err, "authentication failed", "open with a wrong password")
 				t.Logf("wrong password: %v", err)
 			})
 			for _, tc := range []struct{ name, user, password, says string }{
@@ -453,7 +408,7 @@ func TestEtcdAuth(t *testing.T) {
 					case err == nil && !srv.enforcesNested:
 						t.Logf("SECURITY: %s let %q publish under /secure/: puts nested in a transaction bypass its RBAC (GHSA-rfx7-8w68-q57q)", srv.name, tc.user)
 					case status.Of(err) != status.Directory && status.Of(err) != status.Timeout || !strings.Contains(err.Error(), tc.says):
-						t.Errorf("publish as %q: %v; want a directory status saying %q", tc.user, err, tc.says)
+						assert.Failf(t, "publish not refused as expected", "publish as %q: %v; want a directory status saying %q", tc.user, err, tc.says)
 					default:
 						t.Logf("publish as %q: %v", tc.user, err)
 					}

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/mcbridge/mcbridge/internal/bridge"
@@ -73,9 +75,7 @@ func (c *fcase) node(cfg config.Config, edit func(*key.Model)) *node {
 // mirror holds it.
 func (c *fcase) ownerWithA(j job, rc config.Config) (*proc, *node, []int32) {
 	o := c.owner(j)
-	if got := o.save(seedA, ""); got != fullBlocks {
-		c.t.Fatalf("owner published %d blocks, want %d", got, fullBlocks)
-	}
+	require.Equal(c.t, fullBlocks, o.save(seedA, ""), "blocks the owner published")
 	r := c.node(rc, nil)
 	a := prompt(seedA, promptLen)
 	waitMatched(c.t, r.m, key.Scope{}, a, fullBlocks)
@@ -85,9 +85,7 @@ func (c *fcase) ownerWithA(j job, rc config.Config) (*proc, *node, []int32) {
 // counted checks that a counter moved by want.
 func (c *fcase) counted(what string, before, after, want int64) {
 	c.t.Helper()
-	if after-before != want {
-		c.t.Errorf("%s moved by %d, want %d", what, after-before, want)
-	}
+	assert.Equal(c.t, want, after-before, "%s moved by", what)
 	c.notef("%s +%d", what, after-before)
 }
 
@@ -100,9 +98,8 @@ func (c *fcase) failures(code status.Code, before, after bridge.Stats) {
 // wantErr checks an error's status and that its message names the cause.
 func (c *fcase) wantErr(what string, err error, code status.Code, says string) {
 	c.t.Helper()
-	if status.Of(err) != code || !strings.Contains(err.Error(), says) {
-		c.t.Fatalf("%s: %v; want status %q saying %q", what, err, code, says)
-	}
+	require.Equal(c.t, code, status.Of(err), "%s: %v", what, err)
+	require.ErrorContains(c.t, err, says, what)
 }
 
 // evictAll makes a node's pool take a prompt as large as the pool: every
@@ -117,9 +114,8 @@ func (c *fcase) evictAll(o *node) {
 	h.Fill(tokens, cells)
 	before := o.b.Stats().Evictions
 	res, err := saveLayers(o.m, h, key.Scope{}, tokens, cells, layers)
-	if err != nil || res.Published != n {
-		c.t.Fatalf("owner's evicting save: %+v, %v", res, err)
-	}
+	require.NoError(c.t, err, "owner's evicting save")
+	require.Equal(c.t, n, res.Published, "owner's evicting save: %+v", res)
 	c.counted("owner Evictions", before, o.b.Stats().Evictions, fullBlocks)
 }
 
@@ -179,11 +175,10 @@ func TestFaultMatrix(t *testing.T) {
 				rows = append(rows, row{fc, got, strings.Join(c.note, "; "), !t.Failed(), time.Since(start).Seconds(), msg})
 			}()
 			got = fc.run(c)
-			if got.Code() != fc.want || got.Restored != fc.restored {
-				t.Errorf("restore: status %q, %d tokens restored (%v); want %q, %d", got.Code(), got.Restored, got.Err, fc.want, fc.restored)
-			}
+			assert.Equal(t, fc.want, got.Code(), "restore: status (%v)", got.Err)
+			assert.Equal(t, fc.restored, got.Restored, "restore: tokens restored (%v)", got.Err)
 			for _, err := range c.td.run() {
-				t.Error(err)
+				assert.NoError(t, err)
 			}
 			settleGoroutines(t, base)
 		})
@@ -213,8 +208,7 @@ func report(t *testing.T, title, body string) {
 		return
 	}
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
-	if err != nil {
-		t.Error(err)
+	if !assert.NoError(t, err) {
 		return
 	}
 	defer f.Close()
@@ -227,16 +221,11 @@ func report(t *testing.T, title, body string) {
 func warmUp(t *testing.T, srv *etcdtest.Server) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if _, err := srv.Client().Get(ctx, "warmup"); err != nil {
-		t.Fatal(err)
-	}
+	_, err := srv.Client().Get(ctx, "warmup")
+	require.NoError(t, err)
 	n := openNode(t, newJob("/warmup", srv.Endpoint()).Config, 64, nil)
-	if err := n.b.Close(); err != nil {
-		t.Fatal(err)
-	}
-	if err := n.eng.Close(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, n.b.Close())
+	require.NoError(t, n.eng.Close())
 	n.closed = true
 }
 
@@ -249,18 +238,12 @@ func peerKilled(c *fcase) outcome {
 	stall := uint64(fullBlocks * (g.LayerOffset(0) + g.LayerSize(0) + g.LayerSize(1)/2))
 	before := r.b.Stats()
 	from := r.moved()
-	if err := r.eng.SetFault(mooncake.FaultStallAfter, int64(stall)); err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, r.eng.SetFault(mooncake.FaultStallAfter, int64(stall)))
 	ld, out := r.begin(r.h, key.Scope{}, a)
-	if out.Err != nil {
-		c.t.Fatal(out.Err)
-	}
+	require.NoError(c.t, out.Err)
 	r.waitMoved(from, stall)
 	o.kill()
-	if err := r.eng.SetFault(mooncake.FaultStallAfter, -1); err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, r.eng.SetFault(mooncake.FaultStallAfter, -1))
 	out = r.finish(r.h, ld, a, out)
 	c.failures(status.Transfer, before, r.b.Stats())
 	return out
@@ -273,9 +256,7 @@ func tornBlock(c *fcase) outcome {
 	j := c.job()
 	_, r, a := c.ownerWithA(j, j.Config)
 	before := r.b.Stats()
-	if err := r.eng.SetFault(mooncake.FaultCorrupt, 1); err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, r.eng.SetFault(mooncake.FaultCorrupt, 1))
 	out := r.restore(r.h, key.Scope{}, a)
 	c.wantErr("torn load", out.Err, status.Corrupt, "checksum mismatch")
 	c.failures(status.Corrupt, before, r.b.Stats())
@@ -306,16 +287,10 @@ func transferTimeout(c *fcase) outcome {
 	_, r, a := c.ownerWithA(j, rc)
 	before := r.b.Stats()
 	st, err := r.eng.MockStats()
-	if err != nil {
-		c.t.Fatal(err)
-	}
-	if err := r.eng.SetFault(mooncake.FaultDelay, 400_000); err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, err)
+	require.NoError(c.t, r.eng.SetFault(mooncake.FaultDelay, 400_000))
 	out := r.restore(r.h, key.Scope{}, a)
-	if err := r.eng.SetFault(mooncake.FaultDelay, -1); err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, r.eng.SetFault(mooncake.FaultDelay, -1))
 	c.wantErr("slow load", out.Err, status.Timeout, "waiting for transfers")
 	// The load parked its batch; once its tasks end, the next operation
 	// frees it with its staging (the teardown's pool check).
@@ -331,24 +306,14 @@ func transferFailed(c *fcase) outcome {
 	_, r, a := c.ownerWithA(j, j.Config)
 	before := r.b.Stats()
 	st, err := r.eng.MockStats()
-	if err != nil {
-		c.t.Fatal(err)
-	}
-	if err := r.eng.SetFault(mooncake.FaultFailAfter, 0); err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, err)
+	require.NoError(c.t, r.eng.SetFault(mooncake.FaultFailAfter, 0))
 	out := r.restore(r.h, key.Scope{}, a)
-	if err := r.eng.SetFault(mooncake.FaultFailAfter, -1); err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, r.eng.SetFault(mooncake.FaultFailAfter, -1))
 	c.wantErr("failing load", out.Err, status.Transfer, "transfer failed")
 	after, err := r.eng.MockStats()
-	if err != nil {
-		c.t.Fatal(err)
-	}
-	if after.TasksFailed == st.TasksFailed {
-		c.t.Error("the engine failed no task")
-	}
+	require.NoError(c.t, err)
+	assert.NotEqual(c.t, st.TasksFailed, after.TasksFailed, "the engine failed no task")
 	c.failures(status.Transfer, before, r.b.Stats())
 	return out
 }
@@ -363,58 +328,50 @@ func poolFull(c *fcase) outcome {
 	_, _, poolBytes := r.b.Resident()
 	n := int(poolBytes / int64(r.m.BlockBytes()))
 	own := prompt(seedC, n*blockTokens+1)
-	if res, err := r.save(key.Scope{}, own); err != nil || res.Published != n {
-		c.t.Fatalf("reader's own save: %+v, %v", res, err)
-	}
+	res, err := r.save(key.Scope{}, own)
+	require.NoError(c.t, err, "reader's own save")
+	require.Equal(c.t, n, res.Published, "reader's own save: %+v", res)
 	ownLd, ownOut := r.begin(r.h, key.Scope{}, own)
-	if ownOut.Err != nil {
-		c.t.Fatal(ownOut.Err)
-	}
+	require.NoError(c.t, ownOut.Err)
 	before := r.b.Stats()
 	h := newHost(c.t, 1024)
 	out := r.restore(h, key.Scope{}, a)
 	c.wantErr("load into a pinned-full pool", out.Err, status.PoolFull, "pinned")
 	c.failures(status.PoolFull, before, r.b.Stats())
 	ownOut = r.finish(r.h, ownLd, own, ownOut)
-	if ownOut.Err != nil || ownOut.Restored != n*blockTokens {
-		c.t.Fatalf("the pinning load: %+v", ownOut)
-	}
+	require.NoError(c.t, ownOut.Err, "the pinning load")
+	require.Equal(c.t, n*blockTokens, ownOut.Restored, "the pinning load: %+v", ownOut)
 	c.notef("the pinning load restored its %d local blocks", n)
 	return out
 }
 
 func directoryFull(c *fcase) outcome {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, err)
 	url := "http://" + l.Addr().String()
 	l.Close()
 	stop, err := embedded.Start(c.t.TempDir(), url, embedded.Options{QuotaBytes: 1 << 20})
-	if err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, err)
 	c.td.add(func() error { stop(); return nil })
 	j := newJob("/full", url)
 	w := c.node(j.Config, nil)
 	r := c.node(j.Config, nil)
 	a, b := prompt(seedA, promptLen), prompt(seedB, promptLen)
-	if res, err := w.save(key.Scope{}, a); err != nil || res.Published != fullBlocks {
-		c.t.Fatalf("save before the quota: %+v, %v", res, err)
-	}
+	res, err := w.save(key.Scope{}, a)
+	require.NoError(c.t, err, "save before the quota")
+	require.Equal(c.t, fullBlocks, res.Published, "save before the quota: %+v", res)
 	fillEtcd(c, url)
 	before := w.b.Stats()
 	_, err = w.save(key.Scope{}, b)
 	c.wantErr("save into a full etcd", err, status.Directory, "NOSPACE")
 	c.counted("writer DirectoryErrors", before.DirectoryErrors, w.b.Stats().DirectoryErrors, 1)
 	// The refused blocks stay sealed and resident, to be offered again.
-	if blocks, _, _ := w.b.Resident(); blocks != 2*fullBlocks {
-		c.t.Errorf("the writer keeps %d blocks, want the %d published and %d refused ones", blocks, fullBlocks, fullBlocks)
-	}
+	blocks, _, _ := w.b.Resident()
+	assert.Equal(c.t, 2*fullBlocks, blocks, "the writer must keep the %d published and %d refused blocks", fullBlocks, fullBlocks)
 	waitMatched(c.t, r.m, key.Scope{}, a, fullBlocks)
-	if out := r.restore(r.h, key.Scope{}, a); out.Err != nil || out.Restored != out.Asked {
-		c.t.Fatalf("restore of what was published before NOSPACE: %+v", out)
-	}
+	pub := r.restore(r.h, key.Scope{}, a)
+	require.NoError(c.t, pub.Err, "restore of what was published before NOSPACE")
+	require.Equal(c.t, pub.Asked, pub.Restored, "restore of what was published before NOSPACE: %+v", pub)
 	c.notef("save: %s (NOSPACE); the prompt published before it restores fully", status.Of(err))
 	rb := r.b.Stats()
 	out := r.restore(r.h, key.Scope{}, b)
@@ -426,9 +383,7 @@ func directoryFull(c *fcase) outcome {
 // its NOSPACE alarm.
 func fillEtcd(c *fcase, url string) {
 	d, err := etcd.New(etcd.Config{Endpoints: []string{url}, Prefix: "/junk"})
-	if err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, err)
 	c.td.add(d.Close)
 	segment := strings.Repeat("s", directory.MaxNameLen)
 	for i := 0; i < 100; i++ {
@@ -441,7 +396,7 @@ func fillEtcd(c *fcase, url string) {
 			return
 		}
 	}
-	c.t.Fatal("a 1 MiB quota took 10000 entries of 1 KiB")
+	require.FailNow(c.t, "a 1 MiB quota took 10000 entries of 1 KiB")
 }
 
 func etcdDown(c *fcase) outcome {
@@ -501,9 +456,7 @@ func lateEntries(c *fcase, j job, r *node, b []int32, p *slowProxy) {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		resp, err := cli.Get(ctx, prefix, clientv3.WithPrefix())
 		cancel()
-		if err != nil {
-			c.t.Fatal(err)
-		}
+		require.NoError(c.t, err)
 		ghosts = 0
 		for _, kv := range resp.Kvs {
 			var e directory.Entry
@@ -523,21 +476,16 @@ func lateEntries(c *fcase, j job, r *node, b []int32, p *slowProxy) {
 	want := fullBlocks + ghosts // prompt a, then the late entries of b
 	for deadline := time.Now().Add(10 * time.Second); r.m.Mirrored() < want; {
 		if time.Now().After(deadline) {
-			c.t.Fatalf("the late entries never reached the mirror: %d of %d", r.m.Mirrored(), want)
+			require.FailNowf(c.t, "timed out", "the late entries never reached the mirror: %d of %d", r.m.Mirrored(), want)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
 	out := r.restore(r.h, key.Scope{}, b)
-	if out.Err != nil || out.Restored != out.Asked {
-		c.t.Errorf("restore through late entries: %+v", out)
-	}
+	assert.NoError(c.t, out.Err, "restore through late entries")
+	assert.Equal(c.t, out.Asked, out.Restored, "restore through late entries: %+v", out)
 	res, err := r.save(key.Scope{}, b)
-	if err != nil {
-		c.t.Fatal(err)
-	}
-	if res.Written != 0 {
-		c.t.Errorf("a new save after the late commit wrote %d blocks again", res.Written)
-	}
+	require.NoError(c.t, err)
+	assert.Zero(c.t, res.Written, "blocks a new save after the late commit wrote again")
 	c.notef("the timed-out publish committed late: %d entries name the sealed blocks, a restore through them gets %d of %d tokens, a new save writes %d",
 		ghosts, out.Restored, out.Asked, res.Written)
 }
@@ -547,13 +495,11 @@ func wrongModel(c *fcase) outcome {
 	_, r, a := c.ownerWithA(j, j.Config)
 	version := c.node(j.Config, func(p *key.Model) { p.LlamaVersion += "-other" })
 	weights := c.node(j.Config, func(p *key.Model) { p.ContentHash[0] ^= 1 })
-	if out := r.restore(r.h, key.Scope{}, a); out.Err != nil || out.Restored != out.Asked {
-		c.t.Fatalf("the right model: %+v", out)
-	}
+	right := r.restore(r.h, key.Scope{}, a)
+	require.NoError(c.t, right.Err, "the right model")
+	require.Equal(c.t, right.Asked, right.Restored, "the right model: %+v", right)
 	w := weights.restore(weights.h, key.Scope{}, a)
-	if w.Code() != status.NotFound {
-		c.t.Errorf("other weights: %+v", w)
-	}
+	assert.Equal(c.t, status.NotFound, w.Code(), "other weights: %+v", w)
 	before := version.b.Stats()
 	out := version.restore(version.h, key.Scope{}, a)
 	c.counted("Misses", before.Misses, version.b.Stats().Misses, 1)
@@ -569,9 +515,9 @@ func (c *fcase) evicting() (o, r *node, a []int32) {
 	oc.PoolBytes = 1 << 20
 	o = c.node(oc, nil)
 	a = prompt(seedA, promptLen)
-	if res, err := o.save(key.Scope{}, a); err != nil || res.Published != fullBlocks {
-		c.t.Fatalf("owner's save: %+v, %v", res, err)
-	}
+	res, err := o.save(key.Scope{}, a)
+	require.NoError(c.t, err, "owner's save")
+	require.Equal(c.t, fullBlocks, res.Published, "owner's save: %+v", res)
 	rc := j.Config
 	rc.TransferTimeoutMS = 20000
 	r = c.node(rc, nil)
@@ -581,18 +527,12 @@ func (c *fcase) evicting() (o, r *node, a []int32) {
 
 func evictedBeforeRead(c *fcase) outcome {
 	o, r, a := c.evicting()
-	if err := r.eng.SetFault(mooncake.FaultStallAfter, 0); err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, r.eng.SetFault(mooncake.FaultStallAfter, 0))
 	before := r.b.Stats()
 	ld, out := r.begin(r.h, key.Scope{}, a)
-	if out.Err != nil {
-		c.t.Fatal(out.Err)
-	}
+	require.NoError(c.t, out.Err)
 	c.evictAll(o)
-	if err := r.eng.SetFault(mooncake.FaultStallAfter, -1); err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, r.eng.SetFault(mooncake.FaultStallAfter, -1))
 	out = r.finish(r.h, ld, a, out)
 	c.wantErr("load of evicted blocks", out.Err, status.Corrupt, "evicted or rewritten")
 	c.failures(status.Corrupt, before, r.b.Stats())
@@ -605,18 +545,14 @@ func evictedDuringRead(c *fcase) outcome {
 	// Every layer of every block moves; the generation recheck that End
 	// reads then waits for the stall to end.
 	payload := fullBlocks * (g.LayerOffset(layers-1) + g.LayerSize(layers-1))
-	if err := r.eng.SetFault(mooncake.FaultStallAfter, int64(payload)); err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, r.eng.SetFault(mooncake.FaultStallAfter, int64(payload)))
 	before := r.b.Stats()
 	ld, out := r.begin(r.h, key.Scope{}, a)
-	if out.Err != nil {
-		c.t.Fatal(out.Err)
-	}
+	require.NoError(c.t, out.Err)
 	for l := 0; l < layers; l++ {
-		if ok, err := ld.WaitLayer(l); err != nil || ok != out.Asked {
-			c.t.Fatalf("layer %d: %d tokens good, %v", l, ok, err)
-		}
+		ok, err := ld.WaitLayer(l)
+		require.NoError(c.t, err, "layer %d", l)
+		require.Equal(c.t, out.Asked, ok, "layer %d: tokens good", l)
 	}
 	var res bridge.LoadResult
 	var err error
@@ -627,9 +563,7 @@ func evictedDuringRead(c *fcase) outcome {
 		res, err = ld.End()
 	}()
 	c.evictAll(o)
-	if err := r.eng.SetFault(mooncake.FaultStallAfter, -1); err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, r.eng.SetFault(mooncake.FaultStallAfter, -1))
 	wg.Wait()
 	out.Restored, out.Err = res.OKTokens, err
 	r.verify(r.h, a, out.Restored)
@@ -647,22 +581,18 @@ func killedDuringSave(c *fcase) outcome {
 	chainB := key.Chain(key.Root(r.m.Fingerprint(), key.Scope{}), b, blockTokens)
 	chainA := key.Chain(key.Root(r.m.Fingerprint(), key.Scope{}), a, blockTokens)
 	rec := watch(c, j.Config, r.m.Fingerprint())
-	if got := o.number(o.do("partial", seedB, promptLen, 2)); got != fullBlocks {
-		c.t.Fatalf("the owner began a save of %d blocks, want %d", got, fullBlocks)
-	}
+	require.Equal(c.t, fullBlocks, o.number(o.do("partial", seedB, promptLen, 2)), "blocks of the save the owner began")
 	o.kill()
 	// Once the dead owner's lease expires its published blocks go; nothing
 	// of it can appear after that.
 	deadline := time.Now().Add(20 * time.Second)
 	for !rec.gone(chainA[:fullBlocks]) {
 		if time.Now().After(deadline) {
-			c.t.Fatal("the killed owner's blocks never left the directory")
+			require.FailNow(c.t, "the killed owner's blocks never left the directory")
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	if n := rec.seen(chainB); n > 0 {
-		c.t.Fatalf("%d blocks of the interrupted save became visible", n)
-	}
+	require.Zero(c.t, rec.seen(chainB), "blocks of the interrupted save that became visible")
 	before := r.b.Stats()
 	out := r.restore(r.h, key.Scope{}, b)
 	c.counted("Misses", before.Misses, r.b.Stats().Misses, 1)
@@ -679,9 +609,7 @@ type recorder struct {
 
 func watch(c *fcase, cfg config.Config, fp key.Fingerprint) *recorder {
 	d, err := etcd.New(etcd.Config{Endpoints: cfg.Directory.Endpoints, Prefix: cfg.Directory.Prefix})
-	if err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, err)
 	c.td.add(d.Close)
 	r := &recorder{put: map[key.BlockKey]bool{}, left: map[key.BlockKey]bool{}}
 	cancel, err := d.Subscribe(fp, func(ev directory.Event) {
@@ -693,9 +621,7 @@ func watch(c *fcase, cfg config.Config, fp key.Fingerprint) *recorder {
 			r.left[ev.Entry.Key] = true
 		}
 	})
-	if err != nil {
-		c.t.Fatal(err)
-	}
+	require.NoError(c.t, err)
 	c.td.add(func() error { cancel(); return nil })
 	return r
 }

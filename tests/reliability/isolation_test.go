@@ -18,6 +18,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
@@ -35,9 +37,7 @@ func TestTenantSalt(t *testing.T) {
 	o := startChild(t, "owner", j)
 	r := openNode(t, j.Config, 1024, nil)
 	a := prompt(seedA, promptLen)
-	if got := o.save(seedA, "tenant-a"); got != fullBlocks {
-		t.Fatalf("tenant-a published %d blocks", got)
-	}
+	require.Equal(t, fullBlocks, o.save(seedA, "tenant-a"), "blocks tenant-a published")
 	// The reader's mirror holds tenant-a's blocks before the others look.
 	waitMatched(t, r.m, scope("tenant-a"), a, fullBlocks)
 	others := []struct {
@@ -50,36 +50,27 @@ func TestTenantSalt(t *testing.T) {
 	}
 	for _, o := range others {
 		lk, err := r.m.Lookup(o.sc, a)
-		if err != nil || lk.MatchedBlocks != 0 {
-			t.Errorf("%s: lookup matched %d blocks of tenant-a (%v)", o.name, lk.MatchedBlocks, err)
-		}
-		if out := r.restore(r.h, o.sc, a); out.Code() != status.NotFound || out.Restored != 0 {
-			t.Errorf("%s: restore %+v, want not found", o.name, out)
-		}
+		assert.NoError(t, err, "%s: lookup", o.name)
+		assert.Zero(t, lk.MatchedBlocks, "%s: blocks of tenant-a the lookup matched", o.name)
+		out := r.restore(r.h, o.sc, a)
+		assert.Equal(t, status.NotFound, out.Code(), "%s: restore %+v", o.name, out)
+		assert.Zero(t, out.Restored, "%s: restore %+v", o.name, out)
 	}
-	if out := r.restore(r.h, scope("tenant-a"), a); out.Err != nil || out.Restored != out.Asked {
-		t.Fatalf("tenant-a: %+v", out)
-	}
+	outA := r.restore(r.h, scope("tenant-a"), a)
+	require.NoError(t, outA.Err, "tenant-a")
+	require.Equal(t, outA.Asked, outA.Restored, "tenant-a: %+v", outA)
 	// Each scope stores its own copy: nothing deduplicates across them.
-	if got := o.save(seedA, "tenant-b"); got != fullBlocks {
-		t.Errorf("tenant-b published %d blocks, want its own %d", got, fullBlocks)
-	}
-	if got := o.save(seedA, ""); got != fullBlocks {
-		t.Errorf("the unsalted save published %d blocks, want its own %d", got, fullBlocks)
-	}
+	assert.Equal(t, fullBlocks, o.save(seedA, "tenant-b"), "tenant-b must publish its own blocks")
+	assert.Equal(t, fullBlocks, o.save(seedA, ""), "the unsalted save must publish its own blocks")
 	waitMatched(t, r.m, scope("tenant-b"), a, fullBlocks)
-	if out := r.restore(r.h, scope("tenant-b"), a); out.Err != nil || out.Restored != out.Asked {
-		t.Fatalf("tenant-b: %+v", out)
-	}
+	outB := r.restore(r.h, scope("tenant-b"), a)
+	require.NoError(t, outB.Err, "tenant-b")
+	require.Equal(t, outB.Asked, outB.Restored, "tenant-b: %+v", outB)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	resp, err := srv.Client().Get(ctx, "/tenants/", clientv3.WithPrefix(), clientv3.WithCountOnly())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if resp.Count != 3*fullBlocks {
-		t.Errorf("etcd holds %d keys for three scopes of one prompt, want %d distinct", resp.Count, 3*fullBlocks)
-	}
+	require.NoError(t, err)
+	assert.Equal(t, int64(3*fullBlocks), resp.Count, "keys etcd holds for three scopes of one prompt")
 	o.quit()
 }
 
@@ -97,9 +88,7 @@ func listeners(t *testing.T, pid int) []socket {
 	t.Helper()
 	dir := fmt.Sprintf("/proc/%d/fd", pid)
 	fds, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	inodes := map[string]bool{}
 	for _, fd := range fds {
 		link, err := os.Readlink(filepath.Join(dir, fd.Name()))
@@ -110,9 +99,7 @@ func listeners(t *testing.T, pid int) []socket {
 	var out []socket
 	for _, table := range []string{"tcp", "tcp6"} {
 		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pid, table))
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		for _, line := range strings.Split(string(b), "\n")[1:] {
 			s, inode, listening, err := parseNetTCP(line)
 			if err == nil && listening && inodes[inode] {
@@ -159,8 +146,10 @@ func FuzzParseNetTCP(f *testing.F) {
 	f.Add("0: 0100007F: 0 0 0 0 0 0 0 0")
 	f.Fuzz(func(t *testing.T, line string) {
 		s, _, _, err := parseNetTCP(line)
-		if err == nil && (len(s.IP) != 4 && len(s.IP) != 16 || s.Port < 0 || s.Port > 65535) {
-			t.Fatalf("parsed %q into %v", line, s)
+		if err == nil {
+			require.True(t, len(s.IP) == 4 || len(s.IP) == 16, "parsed %q into %v", line, s)
+			require.GreaterOrEqual(t, s.Port, 0, "parsed %q into %v", line, s)
+			require.LessOrEqual(t, s.Port, 65535, "parsed %q into %v", line, s)
 		}
 	})
 }
@@ -177,9 +166,10 @@ func TestParseNetTCP(t *testing.T) {
 		{"   1: 00000000000000000000000001000000:0016 00000000000000000000000000000000:0000 0A 0:0 00:0 0 0 0 9 1", "[::1]:22", true, "9"},
 	} {
 		s, inode, listen, err := parseNetTCP(tc.line)
-		if err != nil || s.String() != tc.want || listen != tc.listen || inode != tc.inode {
-			t.Errorf("%q: %v %q %v %v; want %s %q %v", tc.line, s, inode, listen, err, tc.want, tc.inode, tc.listen)
-		}
+		assert.NoError(t, err, "%q", tc.line)
+		assert.Equal(t, tc.want, s.String(), "%q", tc.line)
+		assert.Equal(t, tc.listen, listen, "%q: listening", tc.line)
+		assert.Equal(t, tc.inode, inode, "%q: inode", tc.line)
 	}
 }
 
@@ -189,12 +179,11 @@ func dialRefused(t *testing.T, addr string) {
 	c, err := net.DialTimeout("tcp", addr, 2*time.Second)
 	if err == nil {
 		c.Close()
-		t.Errorf("%s accepted a connection", addr)
+	}
+	if !assert.Error(t, err, "%s accepted a connection", addr) {
 		return
 	}
-	if !strings.Contains(err.Error(), "refused") {
-		t.Errorf("dialing %s: %v, want connection refused", addr, err)
-	}
+	assert.ErrorContains(t, err, "refused", "dialing %s: want connection refused", addr)
 }
 
 // The mock Transfer Engine listens on the address it is configured with
@@ -202,13 +191,9 @@ func dialRefused(t *testing.T, addr string) {
 func TestEngineListensWhereConfigured(t *testing.T) {
 	for _, host := range []string{"127.0.0.1", "127.0.0.2"} {
 		eng, err := mooncake.Open(mooncake.Config{Library: mockLib, LocalServerName: host})
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		_, portText, err := net.SplitHostPort(eng.LocalSegment())
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		port, _ := strconv.Atoi(portText)
 		var on []string
 		for _, s := range listeners(t, os.Getpid()) {
@@ -216,13 +201,9 @@ func TestEngineListensWhereConfigured(t *testing.T) {
 				on = append(on, s.String())
 			}
 		}
-		if len(on) != 1 || on[0] != net.JoinHostPort(host, portText) {
-			t.Errorf("engine configured for %s (segment %s) listens on %v", host, eng.LocalSegment(), on)
-		}
+		assert.Equal(t, []string{net.JoinHostPort(host, portText)}, on, "engine configured for %s (segment %s) listens on", host, eng.LocalSegment())
 		dialRefused(t, net.JoinHostPort("127.0.0.3", portText))
-		if err := eng.Close(); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, eng.Close())
 	}
 }
 
@@ -242,15 +223,12 @@ func TestServeListensWhereConfigured(t *testing.T) {
 		}
 		bin = filepath.Join(t.TempDir(), "mcbridge")
 		build := exec.Command(goBin, "build", "-o", bin, "github.com/mcbridge/mcbridge/cmd/mcbridge")
-		if out, err := build.CombinedOutput(); err != nil {
-			t.Fatalf("building mcbridge: %v\n%s", err, out)
-		}
+		out, err := build.CombinedOutput()
+		require.NoError(t, err, "building mcbridge:\n%s", out)
 	}
 	const host = "127.0.0.3"
 	l, err := net.Listen("tcp", host+":0")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	etcdURL := "http://" + l.Addr().String()
 	l.Close()
 	cfg, err := json.Marshal(map[string]any{
@@ -258,19 +236,13 @@ func TestServeListensWhereConfigured(t *testing.T) {
 		"block_tokens": blockTokens,
 		"transport":    map[string]any{"kind": "mooncake", "lib": mockLib, "local_hostname": host},
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	cmd := exec.Command(bin, "serve", "--listen", host+":0", "--config", string(cfg),
 		"--embed-etcd", "--etcd-dir", t.TempDir(), "--etcd-client-url", etcdURL)
 	cmd.Stderr = os.Stderr
 	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
 	exited := false
 	t.Cleanup(func() {
 		if !exited {
@@ -279,9 +251,7 @@ func TestServeListensWhereConfigured(t *testing.T) {
 		}
 	})
 	var addrs struct{ Segment, HTTP string }
-	if err := json.NewDecoder(stdout).Decode(&addrs); err != nil {
-		t.Fatalf("serve printed no addresses: %v", err)
-	}
+	require.NoError(t, json.NewDecoder(stdout).Decode(&addrs), "serve printed no addresses")
 	want := map[string]bool{addrs.HTTP: true, addrs.Segment: true, strings.TrimPrefix(etcdURL, "http://"): true}
 	var peer []socket
 	for _, s := range listeners(t, cmd.Process.Pid) {
@@ -291,28 +261,18 @@ func TestServeListensWhereConfigured(t *testing.T) {
 		case s.IP.Equal(net.IPv4(127, 0, 0, 1)) && len(peer) == 0:
 			peer = append(peer, s) // the embedded etcd's peer port
 		default:
-			t.Errorf("serve listens on %s, which nothing configured", s)
+			assert.Failf(t, "unconfigured listener", "serve listens on %s, which nothing configured", s)
 		}
 	}
-	if len(want) > 0 {
-		t.Errorf("serve does not listen on %v", want)
-	}
+	assert.Empty(t, want, "addresses serve does not listen on")
 	resp, err := http.Get("http://" + addrs.HTTP + "/healthz")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		t.Errorf("/healthz: %s", resp.Status)
-	}
+	assert.Equal(t, http.StatusOK, resp.StatusCode, "/healthz: %s", resp.Status)
 	_, httpPort, _ := net.SplitHostPort(addrs.HTTP)
 	dialRefused(t, "127.0.0.1:"+httpPort)
 	t.Logf("serve listens on http %s, engine %s, etcd %s, etcd peer %v", addrs.HTTP, addrs.Segment, etcdURL, peer)
-	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
 	exited = true
-	if err := cmd.Wait(); err != nil {
-		t.Errorf("serve after SIGTERM: %v", err)
-	}
+	assert.NoError(t, cmd.Wait(), "serve after SIGTERM")
 }

@@ -12,6 +12,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
 	"github.com/mcbridge/mcbridge/internal/key"
@@ -220,16 +223,13 @@ func soakSettings(t *testing.T) (d time.Duration, procs int, soak bool) {
 	d, procs = 10*time.Second, 8
 	if s := os.Getenv("MCB_SOAK"); s != "" {
 		v, err := time.ParseDuration(s)
-		if err != nil {
-			t.Fatalf("MCB_SOAK=%q: want a duration such as 10m", s)
-		}
+		require.NoError(t, err, "MCB_SOAK=%q: want a duration such as 10m", s)
 		d, soak = v, true
 	}
 	if s := os.Getenv("MCB_SOAK_PROCS"); s != "" {
 		v, err := strconv.Atoi(s)
-		if err != nil || v < 1 {
-			t.Fatalf("MCB_SOAK_PROCS=%q: want a positive count", s)
-		}
+		require.NoError(t, err, "MCB_SOAK_PROCS=%q: want a positive count", s)
+		require.Positive(t, v, "MCB_SOAK_PROCS=%q: want a positive count", s)
 		procs = v
 	}
 	return d, procs, soak
@@ -250,9 +250,7 @@ func TestLoad(t *testing.T) {
 	sc.PoolBytes = 4 << 20 // 121 blocks: the store evicts too
 	sc.Owner = "store"
 	store := openNode(t, sc, 64, nil)
-	if err := store.b.Replicate(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, store.b.Replicate())
 	lj := loadJob{Duration: d, Prefixes: 4, PrefixBlocks: 8, PrivateTokens: 2*blockTokens + 7}
 	var kids []*proc
 	for i := 0; i < procs; i++ {
@@ -311,22 +309,17 @@ func TestLoad(t *testing.T) {
 	t.Logf("load report (%d processes, %v):\n%s", procs, d, sum.text.String())
 	report(t, fmt.Sprintf("load, %d processes, %v", procs, d), sum.text.String())
 
-	if sum.failed > 0 || sum.wrong > 0 {
-		t.Errorf("%d failed requests, %d wrong restores", sum.failed, sum.wrong)
-	}
-	if sum.over > 0 || storeOver > 0 {
-		t.Errorf("pools over their size: %d times in generators, %d in the store", sum.over, storeOver)
-	}
-	if sum.restored == 0 || st.Replicated == 0 {
-		t.Errorf("nothing was shared: %d tokens restored, %d blocks copied by the store", sum.restored, st.Replicated)
-	}
+	assert.Zero(t, sum.failed, "failed requests")
+	assert.Zero(t, sum.wrong, "wrong restores")
+	assert.Zero(t, sum.over, "times generators' pools went over their size")
+	assert.Zero(t, storeOver, "times the store's pool went over its size")
+	assert.NotZero(t, sum.restored, "nothing was shared: no token restored")
+	assert.NotZero(t, st.Replicated, "nothing was shared: no block copied by the store")
 	for _, e := range sum.errors {
 		t.Log(e)
 	}
 	if soak {
-		if err := sum.latencyDrift(); err != nil {
-			t.Error(err)
-		}
+		assert.NoError(t, sum.latencyDrift())
 	}
 }
 
@@ -335,20 +328,12 @@ func (p *proc) report() loadReport {
 	p.t.Helper()
 	var rep loadReport
 	line, err := p.out.ReadString('\n')
-	if err != nil {
-		p.t.Fatalf("generator said nothing (%v)", err)
-	}
+	require.NoError(p.t, err, "generator said nothing")
 	doc, ok := strings.CutPrefix(line, "report ")
-	if !ok {
-		p.t.Fatalf("generator said %q", line)
-	}
-	if err := json.Unmarshal([]byte(doc), &rep); err != nil {
-		p.t.Fatal(err)
-	}
+	require.True(p.t, ok, "generator said %q", line)
+	require.NoError(p.t, json.Unmarshal([]byte(doc), &rep))
 	_ = p.stdin.Close()
-	if err := p.cmd.Wait(); err != nil {
-		p.t.Errorf("generator %d: %v", rep.ID, err)
-	}
+	assert.NoError(p.t, p.cmd.Wait(), "generator %d", rep.ID)
 	p.done = true
 	return rep
 }

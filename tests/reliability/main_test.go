@@ -24,6 +24,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/key"
@@ -145,23 +147,15 @@ type proc struct {
 func startChild(t *testing.T, role string, j job) *proc {
 	t.Helper()
 	doc, err := json.Marshal(j)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), "MCB_REL_ROLE="+role, "MCB_REL_JOB="+string(doc))
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
 	p := &proc{t: t, cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout)}
 	t.Cleanup(p.kill)
 	return p
@@ -175,30 +169,22 @@ func (p *proc) do(word string, args ...any) []string {
 	for _, a := range args {
 		parts = append(parts, fmt.Sprint(a))
 	}
-	if _, err := fmt.Fprintln(p.stdin, strings.Join(parts, " ")); err != nil {
-		p.t.Fatalf("child: sending %q: %v", word, err)
-	}
+	_, err := fmt.Fprintln(p.stdin, strings.Join(parts, " "))
+	require.NoError(p.t, err, "child: sending %q", word)
 	line, err := p.out.ReadString('\n')
-	if err != nil {
-		p.t.Fatalf("child: no answer to %q (%v)", word, err)
-	}
+	require.NoError(p.t, err, "child: no answer to %q", word)
 	f := strings.Fields(line)
-	if len(f) == 0 || f[0] != word {
-		p.t.Fatalf("child answered %q to %q", line, word)
-	}
+	require.NotEmpty(p.t, f, "child answered %q to %q", line, word)
+	require.Equal(p.t, word, f[0], "child answered %q to %q", line, word)
 	return f[1:]
 }
 
 // number is the first field of an answer as an int.
 func (p *proc) number(f []string) int {
 	p.t.Helper()
-	if len(f) == 0 {
-		p.t.Fatal("child answered no number")
-	}
+	require.NotEmpty(p.t, f, "child answered no number")
 	n, err := strconv.Atoi(f[0])
-	if err != nil {
-		p.t.Fatal(err)
-	}
+	require.NoError(p.t, err)
 	return n
 }
 
@@ -220,9 +206,7 @@ func (p *proc) quit() {
 	p.t.Helper()
 	p.do("quit")
 	_ = p.stdin.Close()
-	if err := p.cmd.Wait(); err != nil {
-		p.t.Fatalf("child: %v", err)
-	}
+	require.NoError(p.t, p.cmd.Wait(), "child")
 	p.done = true
 }
 
@@ -243,14 +227,12 @@ func waitMatched(t *testing.T, m *bridge.Model, sc key.Scope, tokens []int32, wa
 	deadline := time.Now().Add(20 * time.Second)
 	for {
 		r, err := m.Lookup(sc, tokens)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		if r.MatchedBlocks >= want {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the mirror found %d of %d blocks", r.MatchedBlocks, want)
+			require.FailNowf(t, "timed out", "the mirror found %d of %d blocks", r.MatchedBlocks, want)
 		}
 		time.Sleep(5 * time.Millisecond)
 	}

@@ -7,6 +7,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/key"
@@ -30,20 +33,18 @@ type node struct {
 func openNode(t *testing.T, c config.Config, cells int, edit func(*key.Model)) *node {
 	t.Helper()
 	eng, err := mooncake.Open(mooncake.Config{Library: mockLib, LocalServerName: "127.0.0.1"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	b, err := bridge.Open(c, bridge.Deps{Transport: eng})
 	if err != nil {
 		_ = eng.Close()
-		t.Fatal(err)
 	}
+	require.NoError(t, err)
 	n := &node{t: t, b: b, eng: eng, h: newHost(t, cells)}
 	if n.m, err = b.RegisterModel(spec(n.h, edit)); err != nil {
 		_ = b.Close()
 		_ = eng.Close()
-		t.Fatal(err)
 	}
+	require.NoError(t, err)
 	t.Cleanup(func() {
 		if !n.closed {
 			n.closed = true
@@ -81,9 +82,7 @@ func (o outcome) Code() status.Code { return status.Of(o.Err) }
 func (n *node) begin(h *kvtest.Host, sc key.Scope, tokens []int32) (*bridge.Load, outcome) {
 	n.t.Helper()
 	lk, err := n.m.Lookup(sc, tokens)
-	if err != nil {
-		n.t.Fatal(err)
-	}
+	require.NoError(n.t, err)
 	o := outcome{Asked: (len(tokens) - 1) / blockTokens * blockTokens, Decided: lk.RestoreTokens}
 	h.Scribble()
 	ld, err := n.m.LoadBegin(sc, h.Layout(), tokens[:o.Asked], kvtest.SeqCells(o.Asked))
@@ -99,9 +98,8 @@ func (n *node) finish(h *kvtest.Host, ld *bridge.Load, tokens []int32, o outcome
 		return o
 	}
 	for l := 0; l < layers; l++ {
-		if _, err := ld.WaitLayer(l); err != nil {
-			n.t.Fatalf("wait layer %d: %v", l, err)
-		}
+		_, err := ld.WaitLayer(l)
+		require.NoError(n.t, err, "wait layer %d", l)
 	}
 	res, err := ld.End()
 	o.Restored, o.Err = res.OKTokens, err
@@ -118,9 +116,7 @@ func (n *node) restore(h *kvtest.Host, sc key.Scope, tokens []int32) outcome {
 // verify checks that the host ends as a full recompute would leave it.
 func (n *node) verify(h *kvtest.Host, tokens []int32, restored int) {
 	n.t.Helper()
-	if err := verifyRecompute(h, tokens, restored); err != nil {
-		n.t.Error(err)
-	}
+	assert.NoError(n.t, verifyRecompute(h, tokens, restored))
 }
 
 // verifyRecompute checks a host after a restore of restored tokens of
@@ -161,9 +157,7 @@ func computeFrom(h *kvtest.Host, tokens []int32, from int) {
 // moved is the bytes the node's engine has moved.
 func (n *node) moved() uint64 {
 	st, err := n.eng.MockStats()
-	if err != nil {
-		n.t.Fatal(err)
-	}
+	require.NoError(n.t, err)
 	return st.VMBytes + st.TCPBytes
 }
 
@@ -173,7 +167,7 @@ func (n *node) waitMoved(from, want uint64) {
 	deadline := time.Now().Add(20 * time.Second)
 	for n.moved()-from < want {
 		if time.Now().After(deadline) {
-			n.t.Fatalf("the engine moved %d of %d bytes", n.moved()-from, want)
+			require.FailNowf(n.t, "timed out", "the engine moved %d of %d bytes", n.moved()-from, want)
 		}
 		time.Sleep(time.Millisecond)
 	}
@@ -185,14 +179,12 @@ func (n *node) waitTasksEnded(from mooncake.MockStats, tasks uint64) mooncake.Mo
 	deadline := time.Now().Add(20 * time.Second)
 	for {
 		st, err := n.eng.MockStats()
-		if err != nil {
-			n.t.Fatal(err)
-		}
+		require.NoError(n.t, err)
 		if st.TasksCompleted+st.TasksFailed-from.TasksCompleted-from.TasksFailed >= tasks {
 			return st
 		}
 		if time.Now().After(deadline) {
-			n.t.Fatalf("%d tasks never ended: %+v", tasks, st)
+			require.FailNowf(n.t, "timed out", "%d tasks never ended: %+v", tasks, st)
 		}
 		time.Sleep(time.Millisecond)
 	}
@@ -269,7 +261,7 @@ func settleGoroutines(t *testing.T, base int) {
 	for runtime.NumGoroutine() > base {
 		if time.Now().After(deadline) {
 			buf := make([]byte, 1<<20)
-			t.Errorf("%d goroutines still run, %d before the test:\n%s", runtime.NumGoroutine(), base, buf[:runtime.Stack(buf, true)])
+			assert.Failf(t, "goroutines leaked", "%d goroutines still run, %d before the test:\n%s", runtime.NumGoroutine(), base, buf[:runtime.Stack(buf, true)])
 			return
 		}
 		time.Sleep(20 * time.Millisecond)

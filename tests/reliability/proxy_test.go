@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/require"
 )
 
 // slowProxy forwards TCP connections to a target and holds every chunk of
@@ -26,9 +28,7 @@ type slowProxy struct {
 func startProxy(t *testing.T, targetURL string) *slowProxy {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	p := &slowProxy{ln: ln, target: strings.TrimPrefix(targetURL, "http://")}
 	p.wg.Add(1)
 	go p.accept()
