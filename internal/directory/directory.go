@@ -51,9 +51,11 @@ type Event struct {
 // Directory is the swarm-wide map from block keys to locations.
 type Directory interface {
 	// Publish stores each entry that is not yet present and reports, per
-	// entry, whether this call stored it. An entry already held by anyone
-	// is left as it is: two processes saving the same block publish it once,
-	// and the loser frees its copy.
+	// entry, whether the directory now holds exactly it: stored by this
+	// call, or by an earlier call whose answer was lost (a timeout after
+	// the commit). An entry already held by anyone else is left as it is:
+	// two processes saving the same block publish it once, and the loser
+	// frees its copy.
 	Publish(ctx context.Context, entries []Entry) ([]bool, error)
 	// Unpublish removes the given blocks of owner; blocks that another
 	// owner holds are left alone.
@@ -65,6 +67,24 @@ type Directory interface {
 	// Close releases the directory; an etcd directory revokes its lease,
 	// which removes every entry it published.
 	Close() error
+}
+
+// ErrorCounts are the failures a directory met where no caller could hear
+// them: they leave the local mirror stale, so they must show somewhere.
+type ErrorCounts struct {
+	Lease    int64 // lease grants that failed, and leases lost
+	Snapshot int64 // subscription snapshots that could not be read
+	Watch    int64 // watches that broke and were restarted
+	Decode   int64 // keys or entries this build cannot read, skipped
+}
+
+// Checker is a directory whose reachability can change (etcd).
+type Checker interface {
+	// Healthy is nil while the directory can publish and deliver events,
+	// else why it cannot.
+	Healthy() error
+	// Errors counts the failures since open.
+	Errors() ErrorCounts
 }
 
 // Watcher is a directory that can also deliver every model's events, as

@@ -88,7 +88,8 @@ func (m *Memory) Publish(ctx context.Context, entries []Entry) ([]bool, error) {
 			byKey = map[key.BlockKey]Entry{}
 			s.entries[e.Model] = byKey
 		}
-		if _, held := byKey[e.Key]; held {
+		if have, held := byKey[e.Key]; held {
+			out[i] = have == e
 			continue
 		}
 		byKey[e.Key] = e

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/mcbridge/mcbridge/internal/logs"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -38,7 +39,8 @@ type Config struct {
 	// goroutine that keeps it; it must not block for long.
 	OnLease func(LeaseReport)
 	// Log receives what cannot be returned to a caller: undecodable
-	// entries, subscription resyncs. Nil discards.
+	// entries, subscription resyncs, lease losses. Nil is the process's
+	// rate-limited stderr log (package logs).
 	Log *slog.Logger
 }
 
@@ -81,7 +83,7 @@ func (c *Config) withDefaults() (Config, error) {
 		out.MaxRequestBytes = DefaultMaxRequestBytes
 	}
 	if out.Log == nil {
-		out.Log = slog.New(slog.DiscardHandler)
+		out.Log = logs.Default()
 	}
 	switch {
 	case len(out.Endpoints) == 0:

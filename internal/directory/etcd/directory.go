@@ -24,6 +24,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -58,6 +59,8 @@ type Directory struct {
 	own          map[string]ownEntry      // by etcd key: what this process published
 	subs         map[*subscription]func() // their cancel functions
 	closed       bool
+
+	errLease, errSnapshot, errWatch, errDecode atomic.Int64
 }
 
 // ownEntry is one entry this process published.
@@ -67,7 +70,10 @@ type ownEntry struct {
 	lease clientv3.LeaseID // the lease it was last put under
 }
 
-var _ directory.Directory = (*Directory)(nil)
+var (
+	_ directory.Directory = (*Directory)(nil)
+	_ directory.Checker   = (*Directory)(nil)
+)
 
 // minRequestBytes leaves room for one block of the largest names.
 const minRequestBytes = 64 << 10
@@ -192,10 +198,13 @@ func (d *Directory) putNew(ctx context.Context, batch []op) ([]bool, clientv3.Le
 		then := make([]clientv3.Op, len(batch))
 		for j := range batch {
 			k := batch[j].key
+			// Held already with this very value: an earlier publish of
+			// ours committed after its client gave up.
+			same := clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.Value(k), "=", string(batch[j].value))}, nil, nil)
 			then[j] = clientv3.OpTxn(
 				[]clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(k), "=", 0)},
 				[]clientv3.Op{clientv3.OpPut(k, string(batch[j].value), clientv3.WithLease(lease))},
-				nil)
+				[]clientv3.Op{same})
 		}
 		resp, err := d.cli.Txn(ctx).Then(then...).Commit()
 		if errors.Is(err, rpctypes.ErrLeaseNotFound) {
@@ -208,7 +217,8 @@ func (d *Directory) putNew(ctx context.Context, batch []op) ([]bool, clientv3.Le
 		}
 		stored := make([]bool, len(batch))
 		for j, r := range resp.Responses {
-			stored[j] = r.GetResponseTxn().GetSucceeded()
+			t := r.GetResponseTxn()
+			stored[j] = t.GetSucceeded() || len(t.GetResponses()) == 1 && t.GetResponses()[0].GetResponseTxn().GetSucceeded()
 		}
 		return stored, lease, nil
 	}
@@ -366,6 +376,27 @@ func (d *Directory) fail(ctx context.Context, err error, what string) error {
 		return status.Wrap(status.Timeout, err, fmt.Sprintf("%s: etcd at %s did not answer within %v%s", what, eps, d.cfg.OpTimeout, d.leaseNote()))
 	}
 	return status.Wrap(status.Directory, err, what+": etcd at "+eps)
+}
+
+// Healthy implements directory.Checker: publishing needs a lease, and the
+// mirror a connection.
+func (d *Directory) Healthy() error {
+	eps := strings.Join(d.cfg.Endpoints, ",")
+	if !d.connected() {
+		return status.Errorf(status.Directory, "etcd at %s unreachable%s", eps, d.leaseNote())
+	}
+	d.mu.Lock()
+	lease := d.lease
+	d.mu.Unlock()
+	if lease == 0 {
+		return status.Errorf(status.Directory, "etcd at %s holds no lease for this process%s", eps, d.leaseNote())
+	}
+	return nil
+}
+
+// Errors implements directory.Checker.
+func (d *Directory) Errors() directory.ErrorCounts {
+	return directory.ErrorCounts{Lease: d.errLease.Load(), Snapshot: d.errSnapshot.Load(), Watch: d.errWatch.Load(), Decode: d.errDecode.Load()}
 }
 
 func (d *Directory) connected() bool {

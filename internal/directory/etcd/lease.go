@@ -75,6 +75,7 @@ func (d *Directory) keepLease() {
 			l, err := d.grant()
 			if err != nil {
 				if d.ctx.Err() == nil {
+					d.errLease.Add(1)
 					d.cfg.Log.Warn("etcd directory: granting a lease", "err", d.fail(d.ctx, err, "grant"))
 				}
 				if !sleep(d.ctx, wait.next()) {
@@ -89,6 +90,7 @@ func (d *Directory) keepLease() {
 		if !d.holdLease(lease) {
 			return
 		}
+		d.errLease.Add(1)
 		d.report(LeaseReport{State: LeaseLost, Lease: int64(lease)})
 		alive, ok := d.stillAlive(lease)
 		if !ok {

@@ -108,6 +108,7 @@ func (s *subscription) run(ctx context.Context) {
 		if !s.synced {
 			if err := s.sync(ctx); err != nil {
 				if ctx.Err() == nil {
+					s.d.errSnapshot.Add(1)
 					s.d.cfg.Log.Warn("etcd directory: reading snapshot", "model", s.model.String(), "err", s.d.fail(ctx, err, "snapshot"))
 				}
 				sleep(ctx, wait.next())
@@ -121,7 +122,8 @@ func (s *subscription) run(ctx context.Context) {
 		if errors.Is(err, rpctypes.ErrCompacted) {
 			s.synced = false
 		}
-		s.d.cfg.Log.Info("etcd directory: watch ended", "model", s.model.String(), "rev", s.rev, "resync", !s.synced, "err", err)
+		s.d.errWatch.Add(1)
+		s.d.cfg.Log.Warn("etcd directory: watch ended", "model", s.model.String(), "rev", s.rev, "resync", !s.synced, "err", err)
 		if progressed {
 			wait.reset()
 		}
@@ -185,6 +187,7 @@ func (s *subscription) page(ctx context.Context, from, to string, rev *int64) (*
 	for _, kv := range resp.Kvs {
 		model, k, err := s.parse(kv.Key)
 		if err != nil {
+			s.d.errDecode.Add(1)
 			s.d.cfg.Log.Warn("etcd directory: skipping key", "err", err)
 			continue
 		}
@@ -249,6 +252,7 @@ func (s *subscription) watch(ctx context.Context) (progressed bool, err error) {
 func (s *subscription) apply(ev *clientv3.Event) {
 	model, k, err := s.parse(ev.Kv.Key)
 	if err != nil {
+		s.d.errDecode.Add(1)
 		s.d.cfg.Log.Warn("etcd directory: skipping key", "err", err)
 		return
 	}
@@ -273,6 +277,7 @@ func (s *subscription) apply(ev *clientv3.Event) {
 func (s *subscription) put(model key.Fingerprint, k key.BlockKey, kv *mvccpb.KeyValue) {
 	e := directory.Entry{Model: model, Key: k}
 	if err := directory.DecodeValue(kv.Value, &e); err != nil {
+		s.d.errDecode.Add(1)
 		s.d.cfg.Log.Warn("etcd directory: skipping entry", "key", string(kv.Key), "err", err)
 		if _, ok := s.known[k]; ok {
 			delete(s.known, k)

@@ -1,0 +1,289 @@
+package bridge
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/mcbridge/mcbridge/internal/directory"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// The directory is reached from one goroutine of the bridge's own, never
+// from the host's thread: a save returns once its blocks are sealed in the
+// pool (a load of this process finds them at once), and an eviction once
+// the block is invalidated; both leave the directory's side to the
+// publisher, so a slow or stopped etcd delays only what other processes
+// see.
+
+// Bounds on the publisher's queues. A full put queue leaves the new blocks
+// sealed and pending in the pool (this process still restores them, and
+// the next save of their tokens offers them again); a full delete queue
+// leaves the entries to name blocks whose generation has moved on, which
+// every reader refuses, until the owner's lease takes them.
+const (
+	maxQueuedPuts    = 1 << 14
+	maxQueuedDeletes = 1 << 14
+	retryMin         = 50 * time.Millisecond
+	retryMax         = 5 * time.Second
+)
+
+type publisher struct {
+	mu       sync.Mutex
+	wake     chan struct{}
+	puts     []directory.Entry
+	dels     map[key.Fingerprint][]key.BlockKey
+	nDels    int
+	inFlight bool
+	idle     *sync.Cond // signalled when the queues are empty and nothing is in flight
+	closing  bool
+	done     chan struct{}
+}
+
+func newPublisher() *publisher {
+	p := &publisher{wake: make(chan struct{}, 1), dels: map[key.Fingerprint][]key.BlockKey{}, done: make(chan struct{})}
+	p.idle = sync.NewCond(&p.mu)
+	return p
+}
+
+func (p *publisher) kick() {
+	select {
+	case p.wake <- struct{}{}:
+	default:
+	}
+}
+
+// offer queues entries for publishing and returns how many of the first
+// ones it took.
+func (p *publisher) offer(entries []directory.Entry) int {
+	p.mu.Lock()
+	n := min(len(entries), maxQueuedPuts-len(p.puts))
+	if p.closing {
+		n = 0
+	}
+	p.puts = append(p.puts, entries[:n]...)
+	p.mu.Unlock()
+	if n > 0 {
+		p.kick()
+	}
+	return n
+}
+
+// withdraw queues the unpublishing of keys and drops any of them still
+// waiting to be published. It returns how many deletes it could not queue.
+func (p *publisher) withdraw(fp key.Fingerprint, keys []key.BlockKey) int {
+	gone := make(map[key.BlockKey]bool, len(keys))
+	for _, k := range keys {
+		gone[k] = true
+	}
+	p.mu.Lock()
+	kept := p.puts[:0]
+	for _, e := range p.puts {
+		if !(e.Model == fp && gone[e.Key]) {
+			kept = append(kept, e)
+		}
+	}
+	clear(p.puts[len(kept):])
+	p.puts = kept
+	n := min(len(keys), maxQueuedDeletes-p.nDels)
+	p.dels[fp] = append(p.dels[fp], keys[:n]...)
+	p.nDels += n
+	p.mu.Unlock()
+	p.kick()
+	return len(keys) - n
+}
+
+// take waits for work and hands over everything queued.
+func (p *publisher) take() (puts []directory.Entry, dels map[key.Fingerprint][]key.BlockKey, ok bool) {
+	for {
+		p.mu.Lock()
+		if len(p.puts) > 0 || p.nDels > 0 {
+			puts, dels = p.puts, p.dels
+			p.puts, p.dels, p.nDels = nil, map[key.Fingerprint][]key.BlockKey{}, 0
+			p.inFlight = true
+			p.mu.Unlock()
+			return puts, dels, true
+		}
+		p.inFlight = false
+		p.idle.Broadcast()
+		closing := p.closing
+		p.mu.Unlock()
+		if closing {
+			return nil, nil, false
+		}
+		<-p.wake
+	}
+}
+
+// requeue puts entries whose publish failed back at the queue's head.
+func (p *publisher) requeue(entries []directory.Entry) {
+	p.mu.Lock()
+	p.puts = append(entries, p.puts...)
+	if len(p.puts) > maxQueuedPuts {
+		p.puts = p.puts[:maxQueuedPuts]
+	}
+	p.mu.Unlock()
+}
+
+// Flush waits until everything queued so far has been offered to the
+// directory (published, found published by another process, or retried
+// until ctx ends).
+func (b *Bridge) Flush(ctx context.Context) error {
+	p := b.pub
+	stop := context.AfterFunc(ctx, func() {
+		p.mu.Lock()
+		p.idle.Broadcast()
+		p.mu.Unlock()
+	})
+	defer stop()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for len(p.puts) > 0 || p.nDels > 0 || p.inFlight {
+		if err := ctx.Err(); err != nil {
+			return status.Wrap(status.Timeout, err, "waiting for the directory to take queued blocks")
+		}
+		p.idle.Wait()
+	}
+	return nil
+}
+
+// Queued is how many publishes and unpublishes wait for the directory.
+func (b *Bridge) Queued() (puts, deletes int) {
+	b.pub.mu.Lock()
+	defer b.pub.mu.Unlock()
+	return len(b.pub.puts), b.pub.nDels
+}
+
+// publishLoop is the publisher's goroutine. Failed publishes are retried
+// with backoff until they succeed or the bridge closes; the blocks stay
+// resident and restorable here meanwhile.
+func (b *Bridge) publishLoop() {
+	p := b.pub
+	defer close(p.done)
+	wait := retryMin
+	for {
+		puts, dels, ok := p.take()
+		if !ok {
+			return
+		}
+		failed := false
+		if len(puts) > 0 {
+			if err := b.publishNow(puts); err != nil {
+				failed = true
+				p.requeue(puts)
+				b.stats.add(&b.stats.directoryErrors, 1)
+				b.log.Warn("mcbridge: publishing blocks failed; retrying", "blocks", len(puts), "err", err)
+			}
+		}
+		for fp, keys := range dels {
+			ctx, cancel := b.opContext()
+			err := b.dir.Unpublish(ctx, b.owner, fp, keys)
+			cancel()
+			if err != nil {
+				// Readers sent here by a stale entry fail on the generation.
+				b.stats.add(&b.stats.directoryErrors, 1)
+				b.log.Warn("mcbridge: unpublishing evicted blocks failed", "blocks", len(keys), "err", err)
+			}
+		}
+		if !failed {
+			wait = retryMin
+			continue
+		}
+		p.mu.Lock()
+		closing := p.closing
+		p.mu.Unlock()
+		if closing {
+			// Close gives up on what is left: the lease takes what was
+			// published, and nothing else names these blocks.
+			p.mu.Lock()
+			p.puts = nil
+			p.mu.Unlock()
+			continue
+		}
+		select {
+		case <-time.After(wait):
+		case <-b.closeCh:
+		}
+		wait = min(2*wait, retryMax)
+	}
+}
+
+// publishNow offers entries to the directory and settles each block: won,
+// it is the directory's to name and joins the local mirror; lost, another
+// process published it first and this copy goes.
+func (b *Bridge) publishNow(entries []directory.Entry) error {
+	ctx, cancel := b.opContext()
+	won, err := b.dir.Publish(ctx, entries)
+	cancel()
+	if err != nil {
+		code := status.Of(err)
+		if code != status.Timeout {
+			code = status.Directory
+		}
+		return status.Wrap(code, err, "publishing saved blocks")
+	}
+	var lost []directory.Entry
+	published, deduped := 0, 0
+	for i, w := range won {
+		e := entries[i]
+		if !w {
+			deduped++
+			lost = append(lost, e)
+			continue
+		}
+		published++
+		if b.settle(e.Key, e.Loc.Generation) {
+			b.mu.Lock()
+			m := b.models[e.Model]
+			b.mu.Unlock()
+			if m != nil {
+				m.apply(directoryPut(e))
+			}
+		}
+	}
+	b.dropLost(lost)
+	b.stats.add(&b.stats.savedBlocks, int64(published))
+	b.stats.add(&b.stats.dedupedBlocks, int64(deduped))
+	return nil
+}
+
+// settle marks a resident block as answered for by the directory and
+// reports whether it is still the block published (not evicted since).
+func (b *Bridge) settle(k key.BlockKey, gen uint64) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	s, ok := b.resident.Get(k)
+	if !ok || s.gen != gen {
+		return false
+	}
+	s.publishing, s.pending = false, false
+	b.resident.Set(k, s)
+	return true
+}
+
+// dropLost unindexes and frees blocks another process published first. A
+// lost block that a won one hangs under stays, answered for: its key is
+// held elsewhere, and eviction will take it.
+func (b *Bridge) dropLost(lost []directory.Entry) {
+	for i := len(lost) - 1; i >= 0; i-- {
+		e := lost[i]
+		b.mu.Lock()
+		s, ok := b.resident.Get(e.Key)
+		if !ok || s.gen != e.Loc.Generation {
+			b.mu.Unlock()
+			continue
+		}
+		s.publishing, s.pending = false, false
+		b.resident.Set(e.Key, s)
+		free := b.resident.Leaf(e.Key)
+		if free {
+			_, err := b.resident.Remove(e.Key)
+			free = err == nil
+		}
+		b.mu.Unlock()
+		if free {
+			b.invalidate(s.off, s.size)
+		}
+	}
+}

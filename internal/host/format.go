@@ -1,0 +1,142 @@
+// Package host is what every host of the bridge shares: the patched
+// llama-server (through the C ABI), the proxy in front of a stock
+// llama-server and the libllama embedder (both of which see KV only as
+// llama.cpp state blobs). It owns, once, the rules that decide whether two
+// hosts share blocks: the model's identity (format, weights digest, llama.cpp
+// version, the KV probe), the canonical scope of a request (tenant salt,
+// adapter set) and the metric vocabulary. A host that computed the same KV
+// bytes from the same GGUF gets the same keys, whichever kind it is.
+package host
+
+import (
+	"math"
+
+	llamapatches "github.com/mcbridge/mcbridge/llama-patches"
+
+	"github.com/mcbridge/mcbridge/internal/llamastate"
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// LlamaVersion is the llama.cpp tag (llama-patches/PIN) whose state format
+// this build reads and writes. Every fingerprint carries it.
+var LlamaVersion = llamapatches.Tag
+
+// LayerFormat is one layer's K and V as llama.cpp lays them out. VElSize and
+// NEmbdV are set only for transposed V, where the state format names them.
+type LayerFormat struct {
+	KType   int32
+	KRow    uint64 // bytes of one token's K row
+	VType   int32
+	VRow    uint64 // bytes of one token's V row (transposed: NEmbdV * VElSize)
+	VElSize uint32
+	NEmbdV  uint32
+}
+
+// Format is a KV cache's shape: what every state of one model agrees on.
+type Format struct {
+	VTrans bool
+	Layers []LayerFormat
+}
+
+// Equal reports whether two formats describe the same rows.
+func (f *Format) Equal(o *Format) bool {
+	if f.VTrans != o.VTrans || len(f.Layers) != len(o.Layers) {
+		return false
+	}
+	for i := range f.Layers {
+		if f.Layers[i] != o.Layers[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// FormatOf reads the format of a parsed state's one sequence and returns the
+// index of the stream that holds it.
+func FormatOf(st *llamastate.State) (Format, int, error) {
+	si, err := st.Sequence()
+	if err != nil {
+		return Format{}, 0, err
+	}
+	s := &st.Streams[si]
+	f := Format{VTrans: s.VTrans, Layers: make([]LayerFormat, len(s.Layers))}
+	for l, ly := range s.Layers {
+		f.Layers[l] = LayerFormat{KType: ly.KType, KRow: ly.KRowSize, VType: ly.VType, VRow: ly.VRowSize}
+		if s.VTrans {
+			f.Layers[l].VElSize, f.Layers[l].NEmbdV = ly.VElSize, ly.NEmbdV
+		}
+	}
+	return f, si, nil
+}
+
+// ggmlType is what a row of a KV cache type weighs: blck elements in size
+// bytes. Only the types llama.cpp accepts for -ctk/-ctv are listed.
+type ggmlType struct{ blck, size int }
+
+var ggmlTypes = map[int32]ggmlType{
+	0: {1, 4}, 1: {1, 2}, 30: {1, 2}, // f32, f16, bf16
+	2: {32, 18}, 3: {32, 20}, 6: {32, 22}, 7: {32, 24}, 8: {32, 34}, 20: {32, 18}, // q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl
+}
+
+// rowElements is how many elements a row of bytes holds, 0 when the bytes
+// are not whole rows of that type.
+func rowElements(typ int32, bytes uint64) uint32 {
+	t, ok := ggmlTypes[typ]
+	if !ok || bytes == 0 || bytes%uint64(t.size) != 0 {
+		return 0
+	}
+	n := bytes / uint64(t.size) * uint64(t.blck)
+	if n > math.MaxUint32 {
+		return 0
+	}
+	return uint32(n)
+}
+
+// layerShape is what the bridge needs of one layer: row sizes, the widths
+// that go into the fingerprint, and V's element size (to transpose).
+type layerShape struct {
+	kRow, vRow     int
+	nEmbdK, nEmbdV uint32
+	vElem          int
+}
+
+// shapes checks f and derives every layer's shape from it. Types must agree
+// across layers: llama.cpp has one K and one V type per cache.
+func (f *Format) shapes() ([]layerShape, error) {
+	if len(f.Layers) == 0 {
+		return nil, status.Errorf(status.Unsupported, "KV format without layers")
+	}
+	out := make([]layerShape, len(f.Layers))
+	k0, v0 := f.Layers[0].KType, f.Layers[0].VType
+	for l, ly := range f.Layers {
+		if ly.KType != k0 || ly.VType != v0 {
+			return nil, status.Errorf(status.Unsupported, "layer %d: K/V types %d/%d differ from layer 0's", l, ly.KType, ly.VType)
+		}
+		if ly.KRow > math.MaxInt32 || ly.VRow > math.MaxInt32 {
+			return nil, status.Errorf(status.Unsupported, "layer %d: rows over 2 GiB", l)
+		}
+		s := layerShape{kRow: int(ly.KRow), vRow: int(ly.VRow), nEmbdK: rowElements(ly.KType, ly.KRow)}
+		if s.nEmbdK == 0 {
+			return nil, status.Errorf(status.Unsupported, "layer %d: K row of %d bytes is not whole rows of type %d", l, ly.KRow, ly.KType)
+		}
+		if f.VTrans {
+			// Transposed V is one unquantized element per cell and column.
+			t, ok := ggmlTypes[ly.VType]
+			if !ok || t.blck != 1 || uint32(t.size) != ly.VElSize || uint64(ly.NEmbdV)*uint64(ly.VElSize) != ly.VRow {
+				return nil, status.Errorf(status.Unsupported, "layer %d: transposed V of type %d: %d columns of %d-byte elements in %d-byte rows",
+					l, ly.VType, ly.NEmbdV, ly.VElSize, ly.VRow)
+			}
+			s.nEmbdV, s.vElem = ly.NEmbdV, int(ly.VElSize)
+		} else {
+			s.nEmbdV, s.vElem = rowElements(ly.VType, ly.VRow), 1
+			if t := ggmlTypes[ly.VType]; t.blck == 1 {
+				s.vElem = t.size
+			}
+		}
+		if s.nEmbdV == 0 {
+			return nil, status.Errorf(status.Unsupported, "layer %d: V row of %d bytes is not whole rows of type %d", l, ly.VRow, ly.VType)
+		}
+		out[l] = s
+	}
+	return out, nil
+}

@@ -1,0 +1,230 @@
+package host
+
+import (
+	"os"
+
+	"github.com/zeebo/xxh3"
+
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/gguf"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout"
+	"github.com/mcbridge/mcbridge/internal/llamastate"
+	"github.com/mcbridge/mcbridge/internal/mem"
+	"github.com/mcbridge/mcbridge/internal/pool"
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// probeTokens is the fixed prompt whose KV identifies a node's model and
+// numerics. Ids every vocabulary has; eight positions are enough for every
+// rope setting to show (position 0 is never rotated).
+var probeTokens = []int32{1, 2, 3, 5, 8, 13, 21, 34}
+
+// ProbeTokens returns the probe prompt: a host decodes it from position 0
+// into an empty sequence and hands that sequence's KV to Register.
+func ProbeTokens() []int32 { return append([]int32(nil), probeTokens...) }
+
+// Identity is what a host says about its model. The rest of the fingerprint
+// (weights digest, architecture, the probe) is derived here, the same way
+// for every host.
+type Identity struct {
+	// LlamaVersion is the tag the host was built from; empty for hosts that
+	// only exchange state blobs, whose parse checks the format instead.
+	LlamaVersion string
+	GGUFPath     string
+	BlockTokens  int // 0: the bridge's configured default
+	// Extra names what changes KV bytes that the probe cannot see. The
+	// hosts in this repository pass none: what they apply server-wide
+	// (adapters, control vectors, rope overrides) changes the probe's KV.
+	Extra  string
+	Format Format
+}
+
+// Model is a registered model with the format its hosts exchange.
+type Model struct {
+	*bridge.Model
+	Format Format
+}
+
+// Register registers id's model with b. probe and cells locate the KV of
+// the probe prompt, positions 0..len(ProbeTokens())-1, in the host's
+// memory; only those rows are read.
+func Register(b *bridge.Bridge, id Identity, probe kvlayout.Layout, cells []uint32) (*Model, error) {
+	if id.LlamaVersion != "" && id.LlamaVersion != LlamaVersion {
+		return nil, status.Errorf(status.ModelMismatch, "the host is llama.cpp %s; this library reads the state format of %s", id.LlamaVersion, LlamaVersion)
+	}
+	shapes, err := id.Format.shapes()
+	if err != nil {
+		return nil, err
+	}
+	arch, content, err := modelFile(id.GGUFPath)
+	if err != nil {
+		return nil, err
+	}
+	digest, err := probeDigest(id.Format.VTrans, shapes, probe, cells)
+	if err != nil {
+		return nil, err
+	}
+	n := len(shapes)
+	p := key.Model{
+		LlamaVersion: LlamaVersion,
+		Arch:         arch,
+		ContentHash:  content,
+		NLayer:       uint32(n),
+		TypeK:        id.Format.Layers[0].KType,
+		TypeV:        id.Format.Layers[0].VType,
+		VTrans:       id.Format.VTrans,
+		KVProbe:      digest,
+		BlockTokens:  uint32(max(id.BlockTokens, 0)),
+		Extra:        id.Extra,
+	}
+	spec := bridge.ModelSpec{KRow: make([]int, n), VRow: make([]int, n), VElem: make([]int, n)}
+	for l, s := range shapes {
+		p.NEmbdKGQA = append(p.NEmbdKGQA, s.nEmbdK)
+		p.NEmbdVGQA = append(p.NEmbdVGQA, s.nEmbdV)
+		spec.KRow[l], spec.VRow[l], spec.VElem[l] = s.kRow, s.vRow, s.vElem
+	}
+	spec.Params = p
+	m, err := b.RegisterModel(spec)
+	if err != nil {
+		return nil, err
+	}
+	return &Model{Model: m, Format: id.Format}, nil
+}
+
+// RegisterState registers a model from a state of the probe sequence, for
+// hosts that see KV only as llama.cpp states: the format is the state's.
+// It returns the number of streams the state was written with, which
+// states restored into the same context must carry.
+func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, int, error) {
+	st, err := llamastate.Parse(probeState)
+	if err != nil {
+		return nil, 0, err
+	}
+	f, si, err := FormatOf(st)
+	if err != nil {
+		return nil, 0, err
+	}
+	cells, err := st.PositionCells(len(probeTokens))
+	if err != nil {
+		return nil, 0, status.Wrap(status.InvalidArg, err, "the probe state")
+	}
+	// The rows must be the probe's: a state of other tokens would pass the
+	// digest off as this node's.
+	if st.Kind == llamastate.SlotFile {
+		toks, err := st.PromptTokens()
+		if err != nil {
+			return nil, 0, err
+		}
+		if len(toks) < len(probeTokens) || !equalTokens(toks[:len(probeTokens)], probeTokens) {
+			return nil, 0, status.Errorf(status.InvalidArg, "the probe state holds other tokens")
+		}
+	}
+	id.Format = f
+	lo := StateLayout(probeState, &st.Streams[si])
+	cs := make([]uint32, len(cells))
+	for i, c := range cells {
+		cs[i] = uint32(c)
+	}
+	m, err := Register(b, id, lo, cs)
+	if err != nil {
+		return nil, 0, err
+	}
+	return m, len(st.Streams), nil
+}
+
+func equalTokens(a, b []int32) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// modelFile reads a GGUF's architecture and digests its bytes (cached by
+// path, size and mtime).
+func modelFile(path string) (string, key.Hash, error) {
+	if path == "" {
+		return "", key.Hash{}, status.Errorf(status.InvalidArg, "no model file: the fingerprint digests the GGUF")
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return "", key.Hash{}, status.Wrap(status.InvalidArg, err, "opening the model file")
+	}
+	defer f.Close()
+	g, err := gguf.Read(f)
+	if err != nil {
+		return "", key.Hash{}, status.Wrap(status.InvalidArg, err, "reading the model file "+path)
+	}
+	v, ok := g.Lookup("general.architecture")
+	arch, isStr := v.Str()
+	if !ok || !isStr || arch == "" {
+		return "", key.Hash{}, status.Errorf(status.InvalidArg, "%s has no general.architecture", path)
+	}
+	content, err := key.FileDigest(path)
+	if err != nil {
+		return "", key.Hash{}, status.Wrap(status.InvalidArg, err, "digesting the model file")
+	}
+	return arch, content, nil
+}
+
+// probeDomain separates probe digests from every other hash of KV bytes.
+var probeDomain = []byte("mcbridge kv probe v2 " + LlamaVersion + "\x00")
+
+// probeDigest hashes the probe's KV: per layer the K and V types and row
+// sizes, then its K rows and V rows in position order, V by token whatever
+// the host's layout. Where the host put the cells, how many streams or
+// cells its cache has and whether it handed over tensors or a state do not
+// change it; any difference in the bytes does.
+func probeDigest(vTrans bool, shapes []layerShape, probe kvlayout.Layout, cells []uint32) (key.Hash, error) {
+	n := len(probeTokens)
+	if len(cells) != n {
+		return key.Hash{}, status.Errorf(status.InvalidArg, "probe KV of %d positions, want %d", len(cells), n)
+	}
+	g := pool.Geometry{BlockTokens: n, KRow: make([]int, len(shapes)), VRow: make([]int, len(shapes))}
+	shape := kvlayout.Shape{Geometry: &g, VElem: make([]int, len(shapes))}
+	for l, s := range shapes {
+		g.KRow[l], g.VRow[l], shape.VElem[l] = s.kRow, s.vRow, s.vElem
+	}
+	if err := g.Validate(); err != nil {
+		return key.Hash{}, err
+	}
+	if probe.VTrans != vTrans {
+		return key.Hash{}, status.Errorf(status.Layout, "probe KV with V transposed %v in a format with V transposed %v", probe.VTrans, vTrans)
+	}
+	if err := probe.Validate(&shape); err != nil {
+		return key.Hash{}, err
+	}
+	if err := probe.CheckCells(cells); err != nil {
+		return key.Hash{}, err
+	}
+	h := xxh3.New()
+	_, _ = h.Write(probeDomain)
+	_, _ = h.Write(key.TokenBytes(probeTokens))
+	runs := kvlayout.Runs(cells)
+	for l := range shapes {
+		payload := make([]byte, g.LayerSize(l))
+		probe.Gather(&shape, l, payload, runs)
+		_, _ = h.Write(key.TokenBytes([]int32{int32(g.KRow[l]), int32(g.VRow[l])}))
+		_, _ = h.Write(payload)
+	}
+	return key.FromU128(h.Sum128()), nil
+}
+
+// StateLayout points the bridge at a parsed state's rows, in place: cell c
+// of layer l is K row c and V row c, or element c of each V column.
+func StateLayout(b []byte, s *llamastate.Stream) kvlayout.Layout {
+	lo := kvlayout.Layout{Cells: uint32(len(s.Cells)), VTrans: s.VTrans, Location: "cpu:0", Layers: make([]kvlayout.Layer, len(s.Layers))}
+	for l, ly := range s.Layers {
+		vStride := ly.VRowSize
+		if s.VTrans {
+			vStride = uint64(len(s.Cells)) * uint64(ly.VElSize)
+		}
+		lo.Layers[l] = kvlayout.Layer{K: mem.Addr(b[ly.KOff:]), V: mem.Addr(b[ly.VOff:]), KStride: ly.KRowSize, VStride: vStride}
+	}
+	return lo
+}

@@ -1,0 +1,169 @@
+package host
+
+import (
+	"runtime"
+
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/llamastate"
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// Hosts that see KV only as llama.cpp states (the proxy through slot files,
+// embedders through llama_state_seq_get_data / set_data) save and restore
+// through the same bridge calls as a host with tensors: a parsed state is
+// a KV layout whose cells are the state's, so the rows move in place.
+
+// Frame says how a restored state is framed for the host that loads it.
+type Frame struct {
+	Kind    llamastate.Kind
+	NStream int // the target context's stream count (the cells go in the first section)
+	// SeqID is the sequence written into the blob (Memory) and into each
+	// cell; llama.cpp restores into the destination it is called with.
+	SeqID int32
+}
+
+// SaveState saves the full blocks of a state: its positions [0, len(tokens))
+// must hold tokens, computed from position 0 under scope.
+func (m *Model) SaveState(scope key.Scope, state []byte, tokens []int32) (bridge.SaveResult, error) {
+	st, err := llamastate.Parse(state)
+	if err != nil {
+		return bridge.SaveResult{}, err
+	}
+	f, si, err := FormatOf(st)
+	if err != nil {
+		return bridge.SaveResult{}, err
+	}
+	if !f.Equal(&m.Format) {
+		return bridge.SaveResult{}, status.Errorf(status.ModelMismatch, "the state's KV format differs from the model's")
+	}
+	s := &st.Streams[si]
+	B := m.BlockTokens()
+	n := min(len(tokens), len(s.Cells)) / B * B
+	if n == 0 {
+		return bridge.SaveResult{}, status.Errorf(status.InvalidArg, "a state of %d cells for %d tokens holds no full block of %d", len(s.Cells), len(tokens), B)
+	}
+	at, err := st.PositionCells(n)
+	if err != nil {
+		return bridge.SaveResult{}, err
+	}
+	cells := make([]uint32, n)
+	for i, c := range at {
+		cells[i] = uint32(c)
+	}
+	sv, err := m.SaveBegin(scope, StateLayout(state, s), tokens[:n], cells)
+	if err != nil {
+		return bridge.SaveResult{}, err
+	}
+	var layerErr error
+	for l := range s.Layers {
+		if layerErr = sv.SaveLayer(l); layerErr != nil {
+			break
+		}
+	}
+	res, err := sv.End()
+	// SaveLayer read state through the layout's addresses.
+	runtime.KeepAlive(state)
+	if layerErr != nil {
+		return res, layerErr
+	}
+	return res, err
+}
+
+// RestoreState loads a plan into a new state of positions [0, OKTokens),
+// laid out in memory from alloc (which must return a slice of the length
+// asked for), so the transfers land in the state itself. On success the
+// returned bytes are a prefix of alloc's memory or, after a partial load,
+// a second allocation holding the verified blocks.
+func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte) ([]byte, bridge.LoadResult, error) {
+	if p.Model() != m.Model {
+		return nil, bridge.LoadResult{}, status.Errorf(status.InvalidArg, "a plan of another model")
+	}
+	tokens := p.Tokens()
+	n := len(tokens)
+	if n == 0 {
+		return nil, bridge.LoadResult{}, status.Errorf(status.NotFound, "the plan restores nothing")
+	}
+	if fr.NStream < 1 {
+		return nil, bridge.LoadResult{}, status.Errorf(status.InvalidArg, "a state of %d streams", fr.NStream)
+	}
+	empty := m.emptyState(fr, tokens)
+	buf, err := empty.AppendTo(alloc(empty.Size())[:0])
+	if err != nil {
+		return nil, bridge.LoadResult{}, err
+	}
+	st, err := llamastate.Parse(buf)
+	if err != nil {
+		return nil, bridge.LoadResult{}, err
+	}
+	cells := make([]uint32, n)
+	for i := range cells {
+		cells[i] = uint32(i)
+	}
+	ld, err := p.Load(StateLayout(buf, &st.Streams[0]), cells)
+	if err != nil {
+		return nil, bridge.LoadResult{}, err
+	}
+	for l := range m.Format.Layers {
+		if _, err := ld.WaitLayer(l); err != nil {
+			break
+		}
+	}
+	res, loadErr := ld.End()
+	runtime.KeepAlive(buf)
+	if res.OKTokens == 0 {
+		if loadErr == nil {
+			loadErr = status.Errorf(status.Internal, "the load verified no block")
+		}
+		return nil, res, loadErr
+	}
+	if res.OKTokens == n {
+		return buf, res, nil
+	}
+	// Keep the verified leading blocks.
+	sl, err := st.Slice(res.OKTokens)
+	if err != nil {
+		return nil, res, err
+	}
+	out, err := sl.AppendTo(alloc(sl.Size())[:0])
+	return out, res, err
+}
+
+// emptyState is a state of n cells at positions 0..n-1 whose rows the load
+// then writes in place. Every layer's rows alias one zero buffer: building
+// only reads them.
+func (m *Model) emptyState(fr Frame, tokens []int32) *llamastate.State {
+	n := len(tokens)
+	st := &llamastate.State{Kind: fr.Kind, SeqID: fr.SeqID, Streams: make([]llamastate.Stream, fr.NStream)}
+	if fr.Kind == llamastate.SlotFile {
+		st.Words = ServerWords(tokens)
+	}
+	s := &st.Streams[0]
+	s.VTrans = m.Format.VTrans
+	s.Cells = make([]llamastate.Cell, n)
+	ids := make([]int32, n)
+	for p := range s.Cells {
+		ids[p] = fr.SeqID
+		s.Cells[p] = llamastate.Cell{Pos: int32(p), SeqIDs: ids[p : p+1 : p+1]}
+	}
+	var widest uint64
+	for _, ly := range m.Format.Layers {
+		widest = max(widest, ly.KRow, ly.VRow)
+	}
+	zero := make([]byte, uint64(n)*widest)
+	s.Layers = make([]llamastate.Layer, len(m.Format.Layers))
+	for l, ly := range m.Format.Layers {
+		s.Layers[l] = llamastate.Layer{KType: ly.KType, KRowSize: ly.KRow, K: zero[:uint64(n)*ly.KRow],
+			VType: ly.VType, VRowSize: ly.VRow, VElSize: ly.VElSize, NEmbdV: ly.NEmbdV, V: zero[:uint64(n)*ly.VRow]}
+	}
+	return st
+}
+
+// ServerWords frames tokens as llama-server's slot files do
+// (server_tokens::serialize): -1, version 1, the count, the tokens, no media.
+func ServerWords(tokens []int32) []int32 {
+	w := make([]int32, 0, len(tokens)+4)
+	w = append(w, -1, 1, int32(len(tokens)))
+	w = append(w, tokens...)
+	return append(w, 0)
+}

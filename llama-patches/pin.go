@@ -1,0 +1,24 @@
+// Package llamapatches holds the llama.cpp version pin (PIN) that the patches,
+// the state-format parsers and every model fingerprint are written against,
+// so that the Go side reads the same file the build scripts source.
+package llamapatches
+
+import (
+	_ "embed"
+	"strings"
+)
+
+//go:embed PIN
+var pin string
+
+// Tag is PIN's LLAMA_TAG, e.g. "v0.5.0".
+var Tag = value("LLAMA_TAG")
+
+func value(name string) string {
+	for _, line := range strings.Split(pin, "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), name+"="); ok {
+			return v
+		}
+	}
+	panic("llama-patches/PIN has no " + name)
+}
