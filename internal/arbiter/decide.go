@@ -51,6 +51,7 @@ const (
 	Split                              // computing the head while restoring the tail is estimated fastest
 	PolicyForced                       // the policy chose, not the cost model
 	InvalidInput                       // the input cannot describe a prompt; nothing is restored
+	Local                              // the host's own cache holds as much, or computing the rest of it is cheaper
 )
 
 var reasonNames = [...]string{
@@ -61,6 +62,7 @@ var reasonNames = [...]string{
 	Split:            "split",
 	PolicyForced:     "policy-forced",
 	InvalidInput:     "invalid-input",
+	Local:            "local",
 }
 
 func (r ReasonCode) String() string {
@@ -77,6 +79,10 @@ type Input struct {
 	MatchedBlocks   int    // m: leading blocks found in the cache
 	KVBytesPerToken int64  // KV bytes one token occupies, all layers
 	Link            string // the source the blocks come from, e.g. "local" or a peer segment
+	// CachedTokens is how many leading tokens the host already holds,
+	// computed under the same scope: a restore replaces them, so it must
+	// beat computing only the rest.
+	CachedTokens int
 }
 
 // Decision is the plan for one prompt. Blocks [0, HeadComputeBlocks) are
@@ -107,6 +113,8 @@ func (d Decision) String() string {
 		return "recompute: invalid input"
 	case NoMatch:
 		return "recompute: no cached blocks: est " + est(d.EstTotal)
+	case Local:
+		return fmt.Sprintf("local: the host's own cache wins over restoring %d blocks: est %s vs restore %s", d.MatchedBlocks, est(d.EstTotal), est(d.EstRestore))
 	case TooShort:
 		return fmt.Sprintf("recompute 0/%d blocks: no whole block before the last token: est %s", d.MatchedBlocks, est(d.EstTotal))
 	case Split:
@@ -138,7 +146,7 @@ func round3(d time.Duration) time.Duration {
 func (a *Arbiter) Decide(in Input) Decision {
 	d := Decision{MatchedBlocks: in.MatchedBlocks, Policy: a.cfg.Policy}
 	if in.PromptTokens < 1 || in.PromptTokens > MaxPromptTokens || in.BlockTokens < 1 ||
-		in.MatchedBlocks < 0 || in.KVBytesPerToken < 1 {
+		in.MatchedBlocks < 0 || in.KVBytesPerToken < 1 || in.CachedTokens < 0 || in.CachedTokens > in.PromptTokens {
 		d.Reason = InvalidInput
 		return d
 	}
@@ -153,24 +161,33 @@ func (a *Arbiter) Decide(in Input) Decision {
 	recompute := c.sequential(0)
 	restore := c.sequential(usable)
 	d.EstRecompute, d.EstRestore = seconds(recompute), seconds(restore)
+	// Blocks the host holds already are restored only by a plan that goes
+	// past them; anything shorter is the host's own cache, for free.
+	held := in.CachedTokens / in.BlockTokens
+	local := c.tailTokens(in.CachedTokens)
 
 	switch {
 	case (in.PromptTokens-1)/in.BlockTokens == 0:
-		d.Reason, d.EstTotal = TooShort, d.EstRecompute
+		d.Reason, d.EstTotal = TooShort, seconds(local)
 	case in.MatchedBlocks == 0:
-		d.Reason, d.EstTotal = NoMatch, d.EstRecompute
+		d.Reason, d.EstTotal = NoMatch, seconds(local)
+	case usable <= held:
+		d.Reason, d.EstTotal = Local, seconds(local)
 	case a.cfg.Policy == AlwaysRestore:
 		d.Reason, d.RestoreBlocks, d.EstTotal = PolicyForced, usable, d.EstRestore
 	case a.cfg.Policy == AlwaysRecompute:
-		d.Reason, d.EstTotal = PolicyForced, d.EstRecompute
-	case a.cfg.Split:
+		d.Reason, d.EstTotal = PolicyForced, seconds(local)
+	case a.cfg.Split && in.CachedTokens == 0:
 		s, k, t := c.bestSplit(usable)
 		d.HeadComputeBlocks, d.RestoreBlocks, d.EstTotal = s, k-s, seconds(t)
 		d.Reason = reasonFor(k, s)
 	default:
-		k, t := c.bestSequential(usable)
+		k, t := c.bestSequential(held+1, usable, local)
 		d.RestoreBlocks, d.EstTotal = k, seconds(t)
 		d.Reason = reasonFor(k, 0)
+		if k == 0 && in.CachedTokens > 0 {
+			d.Reason = Local
+		}
 	}
 	return d
 }
@@ -192,6 +209,7 @@ func reasonFor(prefix, head int) ReasonCode {
 //	compute(0, kB) = c0 + c1·B·k + c2·B²/2·k²
 //	compute(kB, P) = compute(0, P) - c1·B·k - c2·B²/2·k²
 type plan struct {
+	theta    vec     // the prefill model, per token
 	whole    float64 // compute(0, P)
 	fixed    float64 // c0
 	linear   float64 // c1·B
@@ -203,6 +221,7 @@ type plan struct {
 func newPlan(prompt, block int, prefill vec, latency, perBlock float64) plan {
 	b := float64(block)
 	return plan{
+		theta:    prefill,
 		whole:    prefill.dot(prefillFeatures(0, prompt)),
 		fixed:    prefill[0],
 		linear:   prefill[1] * b,
@@ -234,19 +253,30 @@ func (c *plan) restore(blocks int) float64 {
 	return c.latency + float64(blocks)*c.perBlock
 }
 
+// tailTokens is compute(n, P) for n tokens already in place: every token
+// when n is 0.
+func (c *plan) tailTokens(n int) float64 {
+	if n == 0 {
+		return c.whole
+	}
+	x := float64(n)
+	return c.whole - x*(c.theta[1]+x*c.theta[2]/2)
+}
+
 // sequential is restore k blocks, then compute the rest.
 func (c *plan) sequential(k int) float64 { return c.restore(k) + c.tail(k) }
 
 // split is compute s blocks while restoring blocks [s, k), then compute the rest.
 func (c *plan) split(s, k int) float64 { return max(c.head(s), c.restore(k-s)) + c.tail(k) }
 
-// bestSequential searches every k in [0, usable]. Under this model the
-// optimum is at an end (restore cost is linear in k, the compute saved is
-// concave), but the scan costs a few nanoseconds per block and stays exact
-// whatever the calibration does. Ties go to fewer blocks.
-func (c *plan) bestSequential(usable int) (int, float64) {
-	bestK, best := 0, c.sequential(0)
-	for k := 1; k <= usable; k++ {
+// bestSequential searches every k in [from, usable] against restoring
+// nothing, which costs base. Under this model the optimum is at an end
+// (restore cost is linear in k, the compute saved is concave), but the scan
+// costs a few nanoseconds per block and stays exact whatever the
+// calibration does. Ties go to fewer blocks.
+func (c *plan) bestSequential(from, usable int, base float64) (int, float64) {
+	bestK, best := 0, base
+	for k := max(from, 1); k <= usable; k++ {
 		if t := c.sequential(k); t < best {
 			bestK, best = k, t
 		}
