@@ -45,6 +45,7 @@
 package replay
 
 import (
+	"context"
 	"fmt"
 	"math"
 	"slices"
@@ -450,7 +451,7 @@ func (c *cluster) request(i int, r *Request) error {
 	tokens := c.tokens
 	P := len(tokens)
 
-	look, err := sv.m.Lookup(key.Scope{}, tokens)
+	look, err := sv.m.Lookup(key.Scope{}, tokens, 0)
 	if err != nil {
 		return err
 	}
@@ -559,18 +560,25 @@ func (c *cluster) save(sv *server, tokens []int32) error {
 			return err
 		}
 	}
-	res, err := save.End()
+	before := sv.b.Stats()
+	_, err = save.End()
 	switch {
 	case status.Of(err) == status.PoolFull:
 		c.run.SaveShortfalls++
 	case err != nil:
 		return err
 	}
+	// The replay is a sequence: the next request sees what this one
+	// published, as it would once the publisher caught up.
+	if err := sv.b.Flush(context.Background()); err != nil {
+		return err
+	}
+	after := sv.b.Stats()
 	// Deduplicated blocks are ones a peer still held past a block that
 	// was evicted: the chain broke before them, the save rewrote them, and
 	// the directory kept the peer's copy.
-	c.run.SavedBlocks += int64(res.Published)
-	c.run.DedupedBlocks += int64(res.Deduped)
+	c.run.SavedBlocks += after.SavedBlocks - before.SavedBlocks
+	c.run.DedupedBlocks += after.DedupedBlocks - before.DedupedBlocks
 	return nil
 }
 

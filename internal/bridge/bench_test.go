@@ -48,7 +48,7 @@ func BenchmarkLookup(b *testing.B) {
 			b.SetBytes(int64(4 * len(tokens)))
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
-				res, err := m.Lookup(key.Scope{}, tokens)
+				res, err := m.Lookup(key.Scope{}, tokens, 0)
 				require.NoError(b, err, "lookup")
 				require.Equal(b, 511, res.MatchedBlocks, "lookup: %+v", res)
 			}

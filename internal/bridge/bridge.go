@@ -13,6 +13,7 @@ package bridge
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"os"
 	"sync"
 	"time"
@@ -21,6 +22,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/logs"
 	"github.com/mcbridge/mcbridge/internal/pool"
 	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -34,6 +36,9 @@ type Deps struct {
 	Transport transport.Transport
 	Directory directory.Directory
 	Now       func() time.Time
+	// Log hears what no caller can: failed publishes and unpublishes.
+	// Nil is the process's rate-limited stderr log.
+	Log *slog.Logger
 }
 
 // Bridge is one process's cache endpoint. Safe for concurrent use.
@@ -45,8 +50,11 @@ type Bridge struct {
 	pool    *pool.Pool
 	arb     *arbiter.Arbiter
 	now     func() time.Time
+	log     *slog.Logger
 	stats   counters
 	closers []func() error // what Open built, in build order
+	pub     *publisher
+	closeCh chan struct{} // closed when Close starts
 
 	mu       sync.Mutex
 	resident *residency.Tree[slot] // blocks this process stores in its pool
@@ -90,10 +98,13 @@ func Open(cfg config.Config, deps Deps) (*Bridge, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	b := &Bridge{cfg: cfg, owner: cfg.Owner, now: deps.Now,
+	b := &Bridge{cfg: cfg, owner: cfg.Owner, now: deps.Now, log: deps.Log, pub: newPublisher(), closeCh: make(chan struct{}),
 		segments: map[string]transport.SegmentID{}, models: map[key.Fingerprint]*Model{}}
 	if b.now == nil {
 		b.now = time.Now
+	}
+	if b.log == nil {
+		b.log = logs.Default()
 	}
 	if b.owner == "" {
 		host, _ := os.Hostname()
@@ -143,7 +154,25 @@ func (b *Bridge) build(deps Deps) error {
 		}
 		b.closers = append(b.closers, b.dir.Close)
 	}
+	go b.publishLoop()
+	b.closers = append(b.closers, b.stopPublisher)
 	return nil
+}
+
+// stopPublisher lets the publisher finish what it holds, within about two
+// directory deadlines, then ends it.
+func (b *Bridge) stopPublisher() error {
+	p := b.pub
+	p.mu.Lock()
+	p.closing = true
+	p.mu.Unlock()
+	p.kick()
+	select {
+	case <-p.done:
+		return nil
+	case <-time.After(2*time.Duration(b.cfg.Directory.OpTimeoutMS)*time.Millisecond + time.Second):
+		return status.Errorf(status.Timeout, "the directory did not take the queued blocks in time; their entries expire with this process's lease")
+	}
 }
 
 // release undoes build in reverse order.
@@ -186,6 +215,7 @@ func (b *Bridge) Close() error {
 		return status.Errorf(status.State, "bridge close with %d loads or saves not ended", n)
 	}
 	b.closed = true
+	close(b.closeCh)
 	models := make([]*Model, 0, len(b.models))
 	for _, m := range b.models {
 		models = append(models, m)
@@ -212,6 +242,11 @@ func (b *Bridge) Close() error {
 	if stopReplication != nil {
 		stopReplication()
 	}
+	// What the publisher holds goes out first, so the unpublishing below
+	// finds every entry it must remove.
+	flushCtx, cancelFlush := b.opContext()
+	keep(b.Flush(flushCtx))
+	cancelFlush()
 	for fp, keys := range byModel {
 		ctx, cancel := b.opContext()
 		keep(b.dir.Unpublish(ctx, b.owner, fp, keys))
@@ -336,9 +371,10 @@ func (b *Bridge) segment(name string) (transport.SegmentID, error) {
 	return id, nil
 }
 
-// evict frees at least need bytes of resident blocks for the pool: it
-// unpublishes them first, so readers stop being sent there, then stamps an
-// odd generation, so a reader that raced the unpublish fails verification.
+// evict frees at least need bytes of resident blocks for the pool. It
+// never waits on the directory: the blocks leave the local mirror at once,
+// an odd generation makes any reader that a stale entry sends here fail
+// verification, and the unpublishing is queued for the publisher.
 func (b *Bridge) evict(need int64) error {
 	b.mu.Lock()
 	have := b.resident.Bytes()
@@ -367,20 +403,40 @@ func (b *Bridge) evict(need int64) error {
 			m.forget(e.Key, b.tr.LocalSegment())
 		}
 	}
-	for fp, keys := range byModel {
-		ctx, cancel := b.opContext()
-		if err := b.dir.Unpublish(ctx, b.owner, fp, keys); err != nil {
-			// Readers sent here by a stale entry fail on the generation.
-			b.stats.add(&b.stats.directoryErrors, 1)
-		}
-		cancel()
-	}
 	for _, e := range gone {
-		pool.BeginWrite(b.pool.Bytes(e.Value.off, e.Value.size), b.pool.NextGeneration())
-		if err := b.pool.Free(e.Value.off, e.Value.size); err != nil {
-			return err
+		b.invalidate(e.Value.off, e.Value.size)
+	}
+	for fp, keys := range byModel {
+		if dropped := b.pub.withdraw(fp, keys); dropped > 0 {
+			b.stats.add(&b.stats.unpublishDropped, int64(dropped))
 		}
 	}
 	b.stats.add(&b.stats.evictions, int64(len(gone)))
 	return nil
+}
+
+// invalidate stamps a fresh odd generation on a block and frees its
+// extent, so a reader that still holds its old entry fails verification.
+func (b *Bridge) invalidate(off, size int64) {
+	pool.BeginWrite(b.pool.Bytes(off, size), b.pool.NextGeneration())
+	if err := b.pool.Free(off, size); err != nil {
+		b.log.Error("mcbridge: freeing a pool block", "err", err)
+	}
+}
+
+// Health says whether the bridge serves the swarm: nil, or why not (the
+// directory unreachable, this process holding no lease).
+func (b *Bridge) Health() error {
+	if c, ok := b.dir.(directory.Checker); ok {
+		return c.Healthy()
+	}
+	return nil
+}
+
+// DirectoryErrors counts the directory's failures that no caller saw.
+func (b *Bridge) DirectoryErrors() directory.ErrorCounts {
+	if c, ok := b.dir.(directory.Checker); ok {
+		return c.Errors()
+	}
+	return directory.ErrorCounts{}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -52,7 +53,7 @@ func TestRestoreRoundTrip(t *testing.T) {
 			require.Equal(t, 5, res.Written, "save: %+v", res)
 			require.Zero(t, res.Known, "save: %+v", res)
 
-			lk, err := mb.Lookup(key.Scope{}, tokens)
+			lk, err := mb.Lookup(key.Scope{}, tokens, 0)
 			require.NoError(t, err)
 			require.Equal(t, 5, lk.MatchedBlocks, "lookup matched blocks")
 			dst.Scribble()
@@ -96,15 +97,23 @@ func TestSaveDedupe(t *testing.T) {
 		require.NoError(t, sa.SaveLayer(l))
 		require.NoError(t, sb.SaveLayer(l))
 	}
+	beforeA, beforeB := a.Stats(), b.Stats()
 	ra, err := sa.End()
 	require.NoError(t, err)
 	rb, err := sb.End()
 	require.NoError(t, err)
-	require.Equal(t, 2, ra.Published, "race: a %+v, b %+v", ra, rb)
-	require.Zero(t, rb.Published, "race: a %+v, b %+v", ra, rb)
-	require.Equal(t, 2, rb.Deduped, "race: a %+v, b %+v", ra, rb)
-	n, _, _ := b.Resident()
-	require.Equal(t, 2, n, "b must hold only its 2 unique blocks")
+	require.Equal(t, 2, ra.Queued, "race: a %+v", ra)
+	require.Equal(t, 2, rb.Queued, "race: b %+v", rb)
+	// Whichever publisher reaches the directory first keeps its copy.
+	pa, pb := published(t, a, beforeA), published(t, b, beforeB)
+	da, db := a.Stats().DedupedBlocks-beforeA.DedupedBlocks, b.Stats().DedupedBlocks-beforeB.DedupedBlocks
+	require.Equal(t, int64(2), pa+pb, "race: published %d + %d", pa, pb)
+	require.ElementsMatch(t, []int64{0, 2}, []int64{pa, pb}, "race: one publisher wins both blocks")
+	require.Equal(t, pa, db, "race: b dedupes what a published")
+	require.Equal(t, pb, da, "race: a dedupes what b published")
+	na, _, _ := a.Resident()
+	nb, _, _ := b.Resident()
+	require.Equal(t, 6, na+nb, "the loser frees its copies: 2 unique blocks each, the 2 raced ones once")
 }
 
 func TestRestoreFaults(t *testing.T) {
@@ -219,7 +228,7 @@ func TestIsolation(t *testing.T) {
 		{"adapter", m, key.Scope{TenantSalt: []byte("alice"), Adapters: "lora@1"}, 0},
 		{"other model", m2, key.Scope{TenantSalt: []byte("alice")}, 0},
 	} {
-		lk, err := tc.m.Lookup(tc.scope, tokens)
+		lk, err := tc.m.Lookup(tc.scope, tokens, 0)
 		assert.NoError(t, err, tc.name)
 		assert.Equal(t, tc.want, lk.MatchedBlocks, "%s: matched blocks", tc.name)
 	}
@@ -300,9 +309,9 @@ func TestRestoreRefreshesRecency(t *testing.T) {
 	_, err := loadAll(t, m, h, key.Scope{}, first, kvtest.SeqCells(16))
 	require.NoError(t, err)
 	require.NoError(t, b.evict(1))
-	lk, _ := m.Lookup(key.Scope{}, append(first, 1))
+	lk, _ := m.Lookup(key.Scope{}, append(first, 1), 0)
 	require.Equal(t, 1, lk.MatchedBlocks, "the block restored last was evicted first")
-	lk, _ = m.Lookup(key.Scope{}, append(second, 1))
+	lk, _ = m.Lookup(key.Scope{}, append(second, 1), 0)
 	require.Zero(t, lk.MatchedBlocks, "the block never used survived")
 }
 
@@ -311,29 +320,32 @@ func TestRestoreRefreshesRecency(t *testing.T) {
 // client's deadline.
 type flakyDirectory struct {
 	directory.Directory
-	down, commit bool
+	down   atomic.Bool
+	commit bool
 }
 
 func (d *flakyDirectory) Publish(ctx context.Context, entries []directory.Entry) ([]bool, error) {
-	if d.down && !d.commit {
+	if d.down.Load() && !d.commit {
 		return nil, status.Errorf(status.Timeout, "directory did not answer in time")
 	}
 	won, err := d.Directory.Publish(ctx, entries)
-	if d.down {
+	if d.down.Load() {
 		return nil, status.Errorf(status.Timeout, "directory did not answer in time")
 	}
 	return won, err
 }
 
-// A publish that times out keeps its blocks sealed and resident: an entry
-// the directory committed anyway names valid bytes, and the next save of
-// the same tokens offers blocks the directory never took again instead of
-// writing them twice.
+// A save never waits on the directory. A publish that times out is
+// retried by the publisher; meanwhile the blocks stay sealed and resident,
+// so this process restores them at once, an entry the directory committed
+// anyway names valid bytes, and once the directory answers the blocks are
+// published without being written twice.
 func TestPublishTimeoutKeepsBlocks(t *testing.T) {
 	for _, commit := range []bool{true, false} {
 		t.Run(fmt.Sprintf("committed=%v", commit), func(t *testing.T) {
 			cfg := testConfig(t)
-			dir := &flakyDirectory{Directory: directory.OpenMemory(cfg.Directory.Name), down: true, commit: commit}
+			dir := &flakyDirectory{Directory: directory.OpenMemory(cfg.Directory.Name), commit: commit}
+			dir.down.Store(true)
 			defer dir.Close()
 			b, err := Open(withOwner(cfg, "a"), Deps{Directory: dir})
 			require.NoError(t, err)
@@ -347,29 +359,113 @@ func TestPublishTimeoutKeepsBlocks(t *testing.T) {
 			for l := range h.K {
 				require.NoError(t, sv.SaveLayer(l))
 			}
-			_, err = sv.End()
-			require.Equal(t, status.Timeout, status.Of(err), "save through a directory that timed out: %v", err)
+			res, err := sv.End()
+			require.NoError(t, err, "a save does not wait on the directory")
+			require.Equal(t, 2, res.Queued, "save: %+v", res)
+			require.Eventually(t, func() bool { return b.Stats().DirectoryErrors > 0 }, 10*time.Second, time.Millisecond,
+				"the publisher tried the stopped directory")
 			n, _, _ := b.Resident()
 			require.Equal(t, 2, n, "blocks resident after the timeout")
+			lk, err := m.Lookup(key.Scope{}, append(tokens, 1), 0)
+			require.NoError(t, err)
+			require.Equal(t, 2, lk.MatchedBlocks, "this process finds its own blocks before the directory does")
+
 			reader := openBridge(t, cfg, "reader")
 			dst := newHost(t, 2, 32, 16, 16, false)
 			mr := register(t, reader, dst, 4)
 			if commit {
 				// The entries did commit: another process restores valid bytes.
 				dst.Scribble()
-				res, err := loadAll(t, mr, dst, key.Scope{}, tokens, kvtest.SeqCells(8))
+				got, err := loadAll(t, mr, dst, key.Scope{}, tokens, kvtest.SeqCells(8))
 				require.NoError(t, err, "restore of the committed entries")
-				require.Equal(t, 8, res.OKTokens, "restore of the committed entries: %+v", res)
+				require.Equal(t, 8, got.OKTokens, "restore of the committed entries: %+v", got)
 				require.NoError(t, dst.Check(tokens, kvtest.SeqCells(8), 8))
 			}
-			dir.down = false
 			used := b.pool.Used()
-			res := saveAll(t, m, h, key.Scope{}, tokens, kvtest.SeqCells(8))
-			require.Zero(t, res.Written, "second save: %+v", res)
+			before := b.Stats()
+			dir.down.Store(false)
+			require.Equal(t, int64(2), published(t, b, before), "the retried publish counts the blocks as this process's")
+			require.Zero(t, b.Stats().DedupedBlocks, "a late commit of our own entries is not another process's win")
+			again := saveAll(t, m, h, key.Scope{}, tokens, kvtest.SeqCells(8))
+			require.Zero(t, again.Written, "second save: %+v", again)
 			require.Equal(t, used, b.pool.Used(), "pool bytes after the second save")
-			require.Equal(t, map[bool]int{true: 0, false: 2}[commit], res.Published, "blocks the second save published")
-			lk, _ := mr.Lookup(key.Scope{}, append(tokens, 1))
-			require.Equal(t, 2, lk.MatchedBlocks, "blocks the reader sees after the second save")
+			require.Eventually(t, func() bool {
+				lk, _ := mr.Lookup(key.Scope{}, append(tokens, 1), 0)
+				return lk.MatchedBlocks == 2
+			}, 10*time.Second, time.Millisecond, "the reader sees both blocks")
 		})
 	}
+}
+
+// stuckDirectory never answers a publish or unpublish until released: what
+// a stopped (SIGSTOP) etcd looks like to a client.
+type stuckDirectory struct {
+	directory.Directory
+	release chan struct{}
+	calls   atomic.Int64
+}
+
+func (d *stuckDirectory) wait(ctx context.Context) error {
+	d.calls.Add(1)
+	select {
+	case <-d.release:
+		return nil
+	case <-ctx.Done():
+		return status.Wrap(status.Timeout, ctx.Err(), "directory stuck")
+	}
+}
+
+func (d *stuckDirectory) Publish(ctx context.Context, entries []directory.Entry) ([]bool, error) {
+	if err := d.wait(ctx); err != nil {
+		return nil, err
+	}
+	return d.Directory.Publish(ctx, entries)
+}
+
+func (d *stuckDirectory) Unpublish(ctx context.Context, owner string, model key.Fingerprint, keys []key.BlockKey) error {
+	if err := d.wait(ctx); err != nil {
+		return err
+	}
+	return d.Directory.Unpublish(ctx, owner, model, keys)
+}
+
+// Saves, evictions, lookups and loads run while the directory answers
+// nothing: only the publisher waits on it. The directory's deadline is an
+// hour, so a host thread that waited on it would hang the test.
+func TestNoDirectoryCallOnTheHostPath(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.PoolBytes = 1 << 20
+	cfg.Directory.OpTimeoutMS = int(time.Hour / time.Millisecond)
+	dir := &stuckDirectory{Directory: directory.OpenMemory(cfg.Directory.Name), release: make(chan struct{})}
+	defer dir.Close()
+	b, err := Open(withOwner(cfg, "a"), Deps{Directory: dir})
+	require.NoError(t, err)
+	h := newHost(t, 2, 256, 256, 256, false)
+	m := register(t, b, h, 16)
+	r := rand.New(rand.NewSource(15))
+	var last []int32
+	for i := 0; i < 64; i++ {
+		last = kvtest.Tokens(r, 64)
+		h.Fill(last, kvtest.SeqCells(64))
+		sv, err := m.SaveBegin(key.Scope{}, h.Layout(), last, kvtest.SeqCells(64))
+		require.NoError(t, err)
+		for l := range h.K {
+			require.NoError(t, sv.SaveLayer(l))
+		}
+		_, err = sv.End()
+		require.NoError(t, err)
+	}
+	require.Positive(t, b.Stats().Evictions, "the pool filled and evicted")
+	require.Positive(t, dir.calls.Load(), "the publisher is waiting on the directory")
+	lk, err := m.Lookup(key.Scope{}, append(last, 1), 0)
+	require.NoError(t, err)
+	require.Equal(t, 4, lk.MatchedBlocks, "the last save is restorable here at once")
+	dst := newHost(t, 2, 256, 256, 256, false)
+	dst.Scribble()
+	got, err := loadAll(t, m, dst, key.Scope{}, last, kvtest.SeqCells(64))
+	require.NoError(t, err)
+	require.Equal(t, 64, got.OKTokens)
+	require.NoError(t, dst.Check(last, kvtest.SeqCells(64), 64))
+	close(dir.release)
+	require.NoError(t, b.Close())
 }

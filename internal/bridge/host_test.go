@@ -1,9 +1,11 @@
 package bridge
 
 import (
+	"context"
 	"fmt"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -47,8 +49,17 @@ func register(t testing.TB, b *Bridge, h *kvtest.Host, blockTokens int) *Model {
 	return m
 }
 
-func saveAll(t testing.TB, m *Model, h *kvtest.Host, scope key.Scope, tokens []int32, cells []uint32) SaveResult {
+// savedResult is a save and what the publisher did with its blocks.
+type savedResult struct {
+	SaveResult
+	Published, Deduped int
+}
+
+// saveAll saves tokens and waits for the publisher, so that the directory
+// has the blocks when it returns.
+func saveAll(t testing.TB, m *Model, h *kvtest.Host, scope key.Scope, tokens []int32, cells []uint32) savedResult {
 	t.Helper()
+	before := m.b.Stats()
 	sv, err := m.SaveBegin(scope, h.Layout(), tokens, cells)
 	require.NoError(t, err, "save begin")
 	for l := range h.K {
@@ -56,7 +67,17 @@ func saveAll(t testing.TB, m *Model, h *kvtest.Host, scope key.Scope, tokens []i
 	}
 	res, err := sv.End()
 	require.NoError(t, err, "save end")
-	return res
+	return savedResult{SaveResult: res, Published: int(published(t, m.b, before)), Deduped: int(m.b.Stats().DedupedBlocks - before.DedupedBlocks)}
+}
+
+// published flushes b's publisher and returns the blocks it published
+// since before.
+func published(t testing.TB, b *Bridge, before Stats) int64 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, b.Flush(ctx), "flushing the publisher")
+	return b.Stats().SavedBlocks - before.SavedBlocks
 }
 
 // loadAll restores tokens layer by layer and returns the result and error.

@@ -60,12 +60,27 @@ type LoadResult struct {
 // Blocks missing from the directory shorten the load; none found is
 // status.NotFound.
 func (m *Model) LoadBegin(scope key.Scope, layout kvlayout.Layout, tokens []int32, cells []uint32) (*Load, error) {
+	B := m.geo.BlockTokens
+	if len(tokens) == 0 || len(tokens)%B != 0 {
+		return nil, status.Errorf(status.InvalidArg, "load of %d tokens: a positive multiple of the block size %d", len(tokens), B)
+	}
+	root := key.Root(m.fp, scope)
+	return m.loadBegin(root, key.Chain(root, tokens, B), tokens, layout, cells)
+}
+
+// Load starts restoring what a plan of this model decided, as
+// LoadBegin, without hashing the prompt again.
+func (p *Plan) Load(layout kvlayout.Layout, cells []uint32) (*Load, error) {
+	if p.RestoreTokens == 0 {
+		return nil, status.Errorf(status.NotFound, "the plan restores nothing (%s)", p.Decision.Reason)
+	}
+	return p.m.loadBegin(p.root, p.chain, p.tokens, layout, cells)
+}
+
+func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, layout kvlayout.Layout, cells []uint32) (*Load, error) {
 	b := m.b
 	B := m.geo.BlockTokens
-	switch {
-	case len(tokens) == 0 || len(tokens)%B != 0:
-		return nil, status.Errorf(status.InvalidArg, "load of %d tokens: a positive multiple of the block size %d", len(tokens), B)
-	case len(cells) != len(tokens):
+	if len(cells) != len(tokens) {
 		return nil, status.Errorf(status.InvalidArg, "load of %d tokens into %d cells", len(tokens), len(cells))
 	}
 	if err := layout.Validate(&m.shape); err != nil {
@@ -74,8 +89,6 @@ func (m *Model) LoadBegin(scope key.Scope, layout kvlayout.Layout, tokens []int3
 	if err := layout.CheckCells(cells); err != nil {
 		return nil, err
 	}
-	root := key.Root(m.fp, scope)
-	chain := key.Chain(root, tokens, B)
 	found := m.match(root, chain)
 	if len(found) == 0 {
 		return nil, status.Errorf(status.NotFound, "no block of these tokens is published")

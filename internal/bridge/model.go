@@ -219,20 +219,39 @@ func (m *Model) Mirrored() int {
 	return len(m.mirror)
 }
 
-// LookupResult is the answer to Lookup.
-type LookupResult struct {
+// Plan is a lookup's answer: how many leading tokens to restore, and the
+// keys of their blocks, so that a load of it hashes nothing again.
+type Plan struct {
 	MatchedBlocks int
 	Decision      arbiter.Decision
 	// RestoreTokens is how many leading tokens to restore: whole blocks,
-	// always leaving at least one token to compute.
+	// always leaving at least one token to compute, and more than the host
+	// holds already. 0 means the host computes from what it holds.
 	RestoreTokens int
+
+	m      *Model
+	root   key.Hash
+	chain  []key.BlockKey // the restore's blocks
+	tokens []int32        // the restore's tokens, copied
 }
 
+// Model is the model the plan belongs to.
+func (p *Plan) Model() *Model { return p.m }
+
+// Tokens are the leading tokens the plan restores.
+func (p *Plan) Tokens() []int32 { return p.tokens }
+
 // Lookup hashes the prompt's full blocks, matches them against the mirror
-// and asks the arbiter how many to restore. It changes nothing.
-func (m *Model) Lookup(scope key.Scope, tokens []int32) (LookupResult, error) {
+// and asks the arbiter how many to restore, given that the host already
+// holds the first cached tokens under this scope. The decision is final:
+// a plan that restores goes past what the host holds and beats computing
+// the rest. It changes nothing and waits on nothing.
+func (m *Model) Lookup(scope key.Scope, tokens []int32, cached int) (*Plan, error) {
 	if len(tokens) == 0 {
-		return LookupResult{}, status.Errorf(status.InvalidArg, "lookup of an empty prompt")
+		return nil, status.Errorf(status.InvalidArg, "lookup of an empty prompt")
+	}
+	if cached < 0 || cached > len(tokens) {
+		return nil, status.Errorf(status.InvalidArg, "lookup of %d tokens with %d cached", len(tokens), cached)
 	}
 	b := m.b
 	B := m.geo.BlockTokens
@@ -251,9 +270,15 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32) (LookupResult, error) {
 		MatchedBlocks:   matched,
 		KVBytesPerToken: m.kvBytesPerToken,
 		Link:            link,
+		CachedTokens:    cached,
 	})
 	b.stats.lookup(d, B)
-	return LookupResult{MatchedBlocks: matched, Decision: d, RestoreTokens: d.RestoreBlocks * B}, nil
+	p := &Plan{MatchedBlocks: matched, Decision: d, RestoreTokens: d.RestoreBlocks * B, m: m, root: root}
+	if p.RestoreTokens > 0 {
+		p.chain = chain[:d.RestoreBlocks]
+		p.tokens = append([]int32(nil), tokens[:p.RestoreTokens]...)
+	}
+	return p, nil
 }
 
 // linkName groups calibration by where bytes come from: this process's own

@@ -42,11 +42,13 @@ type saveBlock struct {
 
 // SaveResult says what a save stored.
 type SaveResult struct {
-	Blocks    int // full blocks in the tokens
-	Known     int // already in the directory, skipped
-	Written   int // copied into the pool
-	Published int // published by this save
-	Deduped   int // written, but another process published first
+	Blocks  int // full blocks in the tokens
+	Known   int // already in the directory, skipped
+	Written int // copied into the pool and sealed
+	// Queued is how many blocks wait for the directory: the new ones and
+	// any held here whose earlier publish never got through. The
+	// publisher's outcome shows in Stats (SavedBlocks, DedupedBlocks).
+	Queued int
 }
 
 // SaveBegin prepares to save the full blocks of tokens, position i living
@@ -148,8 +150,9 @@ func (sv *Save) SaveLayer(il int) error {
 	return nil
 }
 
-// End seals the written blocks and publishes them. When a layer was never
-// saved, nothing is published and the blocks are freed.
+// End seals the written blocks and queues them for the directory; it
+// returns without waiting on it. When a layer was never saved, nothing is
+// sealed and the blocks are freed.
 func (sv *Save) End() (SaveResult, error) {
 	sv.mu.Lock()
 	defer sv.mu.Unlock()
@@ -185,16 +188,15 @@ func (sv *Save) End() (SaveResult, error) {
 			Checksum: pool.HeaderSum(mem), Generation: blk.gen, Owner: b.owner,
 		}}
 	}
-	// Index the blocks, pending, before any entry can name them: a load
-	// of this process that finds a block in the mirror finds it resident.
-	// Blocks another save of this process indexed first are duplicates.
+	// Index the blocks, publishing, before any entry can name them: a load
+	// of this process that finds a block in the mirror finds it resident,
+	// and one that does not finds it through the resident walk. Blocks
+	// another save of this process indexed first are duplicates.
 	in, err := sv.insertResident(sv.blocks, entries)
-	var blocks []saveBlock
 	var offered []directory.Entry
 	var dups []saveBlock
 	for i, next := 0, 0; i < len(sv.blocks); i++ {
 		if next < len(in) && in[next] == i {
-			blocks = append(blocks, sv.blocks[i])
 			offered = append(offered, entries[i])
 			next++
 		} else {
@@ -202,101 +204,26 @@ func (sv *Save) End() (SaveResult, error) {
 		}
 	}
 	sv.free(dups)
-	res.Deduped += len(dups)
-	sv.blocks, entries = blocks, offered
+	res.Written -= len(dups)
 	if err != nil {
 		return res, err
 	}
-	// Pinned while the publish is out, so eviction cannot free a block
-	// that an entry is about to name.
-	sv.pin(true)
-	ctx, cancel := b.opContext()
-	won, err := b.dir.Publish(ctx, append(entries, sv.republish...))
-	cancel()
-	sv.pin(false)
-	if err != nil {
-		// The directory may still commit some of these entries after the
-		// deadline (a slow etcd, a batch cut in several transactions), so
-		// the blocks stay resident, sealed and pending: an entry that
-		// appears later names valid bytes, eviction unpublishes it, and the
-		// next save of these tokens offers the blocks again.
-		b.stats.add(&b.stats.directoryErrors, 1)
-		code := status.Of(err)
-		if code != status.Timeout {
-			code = status.Directory
-		}
-		for _, blk := range sv.blocks {
-			b.settle(blk.key, true)
-		}
-		return SaveResult{Blocks: res.Blocks, Known: res.Known, Written: res.Written}, status.Wrap(code, err, "publishing saved blocks")
-	}
-	var lost []saveBlock
-	for i, w := range won {
-		var e directory.Entry
-		switch {
-		case i >= len(sv.blocks):
-			e = sv.republish[i-len(sv.blocks)]
-		case w:
-			e = entries[i]
-		default:
-			res.Deduped++
-			lost = append(lost, sv.blocks[i])
-			continue
-		}
-		// Either way the directory now answers for the block.
-		b.settle(e.Key, false)
-		if w {
-			res.Published++
-			m.apply(directoryPut(e))
-		}
-	}
-	sv.drop(lost)
-	b.stats.save(res)
-	return res, sv.err
-}
-
-// pin pins or unpins the save's blocks in the residency.
-func (sv *Save) pin(on bool) {
-	b := sv.m.b
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	for _, blk := range sv.blocks {
-		if on {
-			_ = b.resident.Pin(blk.key)
-		} else {
-			_ = b.resident.Unpin(blk.key)
-		}
-	}
-}
-
-// drop unindexes and frees blocks another process published first. A
-// lost block that a won one hangs under stays, pending: its key is held
-// elsewhere, and eviction will take it.
-func (sv *Save) drop(lost []saveBlock) {
-	b := sv.m.b
-	var free []saveBlock
-	for i := len(lost) - 1; i >= 0; i-- {
-		b.settle(lost[i].key, false)
+	offered = append(offered, sv.republish...)
+	res.Queued = b.pub.offer(offered)
+	if left := offered[res.Queued:]; len(left) > 0 {
+		// Still restorable here; the next save of these tokens offers them.
+		b.stats.add(&b.stats.publishDropped, int64(len(left)))
 		b.mu.Lock()
-		if b.resident.Leaf(lost[i].key) {
-			if _, err := b.resident.Remove(lost[i].key); err == nil {
-				free = append(free, lost[i])
+		for _, e := range left {
+			if s, ok := b.resident.Get(e.Key); ok {
+				s.publishing, s.pending = false, true
+				b.resident.Set(e.Key, s)
 			}
 		}
 		b.mu.Unlock()
 	}
-	sv.free(free)
-}
-
-// settle records the outcome of a resident block's publish: answered, or
-// pending, to be offered again by the next save of its tokens.
-func (b *Bridge) settle(k key.BlockKey, pending bool) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if s, ok := b.resident.Get(k); ok {
-		s.publishing, s.pending = false, pending
-		b.resident.Set(k, s)
-	}
+	b.stats.add(&b.stats.saves, 1)
+	return res, sv.err
 }
 
 func directoryPut(e directory.Entry) directory.Event {
@@ -348,10 +275,8 @@ func (b *Bridge) insertResidentLocked(parent key.Hash, ib residency.Block[slot])
 
 // free invalidates and frees blocks that no reader was ever sent to.
 func (sv *Save) free(blocks []saveBlock) {
-	b := sv.m.b
 	size := int64(sv.m.geo.Size())
 	for _, blk := range blocks {
-		pool.BeginWrite(b.pool.Bytes(blk.off, size), b.pool.NextGeneration())
-		_ = b.pool.Free(blk.off, size)
+		sv.m.b.invalidate(blk.off, size)
 	}
 }

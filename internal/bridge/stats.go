@@ -14,6 +14,7 @@ type Stats struct {
 	Misses           int64
 	DecidedRestore   int64 // lookups the arbiter answered with a restore
 	DecidedRecompute int64 // lookups with a match that the arbiter sent to recompute
+	DecidedLocal     int64 // lookups whose host held as much already, or nearly
 	MatchedTokens    int64
 	Loads            int64
 	LoadFailures     int64 // loads that restored less than asked
@@ -23,6 +24,8 @@ type Stats struct {
 	SaveFailures     int64
 	SavedBlocks      int64 // published by this process
 	DedupedBlocks    int64 // written, but another process published first
+	PublishDropped   int64 // sealed blocks the full publish queue could not take
+	UnpublishDropped int64 // evicted blocks whose unpublish the full queue could not take
 	Evictions        int64
 	DirectoryErrors  int64
 	TornReads        int64
@@ -35,12 +38,13 @@ type Stats struct {
 }
 
 type counters struct {
-	lookups, hits, misses, decidedRestore, decidedRecompute, matchedTokens atomic.Int64
-	loads, loadFailures, restoredTokens, restoredBytes                     atomic.Int64
-	saves, saveFailures, savedBlocks, dedupedBlocks                        atomic.Int64
-	evictions, directoryErrors, tornReads, parkedBatches                   atomic.Int64
-	replicated, takenOver, replicationFailures                             atomic.Int64
-	failuresByStatus                                                       [status.Count]atomic.Int64
+	lookups, hits, misses, decidedRestore, decidedRecompute, decidedLocal atomic.Int64
+	matchedTokens, publishDropped, unpublishDropped                       atomic.Int64
+	loads, loadFailures, restoredTokens, restoredBytes                    atomic.Int64
+	saves, saveFailures, savedBlocks, dedupedBlocks                       atomic.Int64
+	evictions, directoryErrors, tornReads, parkedBatches                  atomic.Int64
+	replicated, takenOver, replicationFailures                            atomic.Int64
+	failuresByStatus                                                      [status.Count]atomic.Int64
 }
 
 func (c *counters) add(v *atomic.Int64, n int64) { v.Add(n) }
@@ -53,9 +57,12 @@ func (c *counters) lookup(d arbiter.Decision, blockTokens int) {
 	}
 	c.hits.Add(1)
 	c.matchedTokens.Add(int64(d.MatchedBlocks * blockTokens))
-	if d.RestoreBlocks > 0 {
+	switch {
+	case d.RestoreBlocks > 0:
 		c.decidedRestore.Add(1)
-	} else {
+	case d.Reason == arbiter.Local:
+		c.decidedLocal.Add(1)
+	default:
 		c.decidedRecompute.Add(1)
 	}
 }
@@ -70,23 +77,18 @@ func (c *counters) load(r LoadResult) {
 	}
 }
 
-func (c *counters) save(r SaveResult) {
-	c.saves.Add(1)
-	c.savedBlocks.Add(int64(r.Published))
-	c.dedupedBlocks.Add(int64(r.Deduped))
-}
-
 // Stats returns a snapshot of the counters.
 func (b *Bridge) Stats() Stats {
 	c := &b.stats
 	s := Stats{
 		Lookups: c.lookups.Load(), Hits: c.hits.Load(), Misses: c.misses.Load(),
-		DecidedRestore: c.decidedRestore.Load(), DecidedRecompute: c.decidedRecompute.Load(),
+		DecidedRestore: c.decidedRestore.Load(), DecidedRecompute: c.decidedRecompute.Load(), DecidedLocal: c.decidedLocal.Load(),
 		MatchedTokens: c.matchedTokens.Load(),
 		Loads:         c.loads.Load(), LoadFailures: c.loadFailures.Load(),
 		RestoredTokens: c.restoredTokens.Load(), RestoredBytes: c.restoredBytes.Load(),
 		Saves: c.saves.Load(), SaveFailures: c.saveFailures.Load(),
 		SavedBlocks: c.savedBlocks.Load(), DedupedBlocks: c.dedupedBlocks.Load(),
+		PublishDropped: c.publishDropped.Load(), UnpublishDropped: c.unpublishDropped.Load(),
 		Evictions: c.evictions.Load(), DirectoryErrors: c.directoryErrors.Load(),
 		TornReads: c.tornReads.Load(), ParkedBatches: c.parkedBatches.Load(),
 		Replicated: c.replicated.Load(), TakenOver: c.takenOver.Load(), ReplicationFails: c.replicationFailures.Load(),
@@ -103,4 +105,20 @@ func (b *Bridge) Resident() (blocks int, bytes, poolBytes int64) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.resident.Len(), b.resident.Bytes(), b.pool.Size()
+}
+
+// Mirrored is the number of blocks the local mirror knows, over every
+// registered model.
+func (b *Bridge) Mirrored() int {
+	b.mu.Lock()
+	models := make([]*Model, 0, len(b.models))
+	for _, m := range b.models {
+		models = append(models, m)
+	}
+	b.mu.Unlock()
+	n := 0
+	for _, m := range models {
+		n += m.Mirrored()
+	}
+	return n
 }
