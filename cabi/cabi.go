@@ -1,16 +1,20 @@
 // Command cabi is the C ABI of the bridge, built with
 // go build -buildmode=c-archive into libmcbridge.a. The public functions of
-// include/mcbridge.h are C shims (csrc/mcbridge.c) over the mcbgo_ exports
-// here; this file only converts arguments, keeps the handle table and turns
-// errors and panics into statuses. Everything else is plain Go in bridge/.
+// include/mcbridge.h are C shims (mcbridge.c, beside this file) over the
+// mcbgo_ exports here; this file only converts arguments, keeps the handle
+// table and turns errors and panics into statuses. Everything else is plain
+// Go under internal/: what every host shares in internal/host, the bridge
+// itself in internal/bridge.
 package main
 
 /*
 #cgo CFLAGS: -I${SRCDIR}/../include -Wall -Wextra -Werror
+#include <stdlib.h>
 */
 import "C"
 
 import (
+	"bytes"
 	"fmt"
 	"math"
 	"runtime/debug"
@@ -20,9 +24,12 @@ import (
 
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/host"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout"
+	"github.com/mcbridge/mcbridge/internal/llamastate"
 	"github.com/mcbridge/mcbridge/internal/mem"
+	"github.com/mcbridge/mcbridge/internal/metrics"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -45,12 +52,28 @@ type bridgeHandle struct {
 type modelHandle struct {
 	bridge uint64
 	b      *bridge.Bridge
-	m      *bridge.Model
+	m      *host.Model
+	// nStream is the stream count of the state a state host registered
+	// with; 0 for a host with tensors, which cannot restore into states.
+	nStream int
+}
+
+type planHandle struct {
+	bridge uint64
+	model  *modelHandle
+	p      *bridge.Plan
 }
 
 type loadHandle struct{ ld *bridge.Load }
 
 type saveHandle struct{ sv *bridge.Save }
+
+// openRefused is why the last mcb_bridge_open failed, for the metrics of a
+// host whose bridge is off.
+var openRefused struct {
+	sync.Mutex
+	err error
+}
 
 // table maps handles to objects. Handles are never reused, so a stale
 // handle can only miss, never reach a newer object.
@@ -186,19 +209,36 @@ func scopeArg(p unsafe.Pointer) (key.Scope, error) {
 		return key.Scope{}, err
 	}
 	s := (*cScope)(p)
-	var out key.Scope
 	if s.TenantSaltLen > maxSaltBytes {
-		return out, status.Errorf(status.InvalidArg, "tenant salt of %d bytes (max %d)", s.TenantSaltLen, maxSaltBytes)
+		return key.Scope{}, status.Errorf(status.InvalidArg, "tenant salt of %d bytes (max %d)", s.TenantSaltLen, maxSaltBytes)
 	}
+	if s.NAdapters > host.MaxAdapters {
+		return key.Scope{}, status.Errorf(status.InvalidArg, "%d adapters (max %d)", s.NAdapters, host.MaxAdapters)
+	}
+	var salt []byte
 	if s.TenantSaltLen > 0 {
 		if s.TenantSalt == 0 {
-			return out, status.Errorf(status.InvalidArg, "tenant salt is NULL with length %d", s.TenantSaltLen)
+			return key.Scope{}, status.Errorf(status.InvalidArg, "tenant salt is NULL with length %d", s.TenantSaltLen)
 		}
-		out.TenantSalt = append([]byte(nil), mem.Bytes(s.TenantSalt, int(s.TenantSaltLen))...)
+		salt = mem.Bytes(s.TenantSalt, int(s.TenantSaltLen))
 	}
-	var err error
-	out.Adapters, err = cString(s.Adapters, maxString, "adapters")
-	return out, err
+	var adapters []host.Adapter
+	if s.NAdapters > 0 {
+		if err := aligned(ptr(s.Adapters), 8, "adapters"); err != nil {
+			return key.Scope{}, err
+		}
+		for i, a := range unsafe.Slice((*cAdapter)(ptr(s.Adapters)), s.NAdapters) {
+			path, err := cString(a.Path, maxString, fmt.Sprintf("adapters[%d].path", i))
+			if err != nil {
+				return key.Scope{}, err
+			}
+			if path == "" {
+				return key.Scope{}, status.Errorf(status.InvalidArg, "adapters[%d].path is empty", i)
+			}
+			adapters = append(adapters, host.Adapter{Path: path, Scale: a.Scale})
+		}
+	}
+	return host.NewScope(salt, adapters)
 }
 
 func layoutArg(p unsafe.Pointer) (kvlayout.Layout, error) {
@@ -226,66 +266,73 @@ func layoutArg(p unsafe.Pointer) (kvlayout.Layout, error) {
 	return lo, nil
 }
 
-func modelArg(p unsafe.Pointer) (bridge.ModelSpec, error) {
-	var spec bridge.ModelSpec
+// identityArg reads what names a model.
+func identityArg(p unsafe.Pointer) (host.Identity, error) {
+	var id host.Identity
 	if err := aligned(p, 8, "model params"); err != nil {
-		return spec, err
+		return id, err
 	}
 	c := (*cModelParams)(p)
+	var err error
+	if id.LlamaVersion, err = cString(c.LlamaVersion, maxString, "llama_version"); err != nil {
+		return id, err
+	}
+	if id.LlamaVersion == "" {
+		return id, status.Errorf(status.InvalidArg, "llama_version is empty: pass the tag the host is built from")
+	}
+	if id.GGUFPath, err = cString(c.GGUFPath, maxString, "gguf_path"); err != nil {
+		return id, err
+	}
+	if id.Extra, err = cString(c.Extra, maxString, "extra"); err != nil {
+		return id, err
+	}
+	id.BlockTokens = int(c.BlockTokens)
+	return id, nil
+}
+
+// formatArg reads a KV cache's shape. The widths are checked against the
+// row sizes: a host that reports both must report them consistently.
+func formatArg(p unsafe.Pointer) (host.Format, error) {
+	var f host.Format
+	if err := aligned(p, 8, "format"); err != nil {
+		return f, err
+	}
+	c := (*cKVFormat)(p)
 	n := int(c.NLayer)
 	if n == 0 || n > maxLayers {
-		return spec, status.Errorf(status.InvalidArg, "model of %d layers (1..%d)", n, maxLayers)
+		return f, status.Errorf(status.InvalidArg, "model of %d layers (1..%d)", n, maxLayers)
 	}
-	mp := key.Model{NLayer: c.NLayer, BlockTokens: c.BlockTokens, TypeK: c.TypeK, TypeV: c.TypeV,
-		VTrans: c.VTrans, RopeType: c.RopeType, RopeFreqBase: c.RopeFreqBase, RopeScale: c.RopeFreqScale,
-		NCtxOrig: c.NCtxOrig, AttnRotK: c.AttnRotK, AttnRotV: c.AttnRotV, KVProbe: c.KVProbe, ContentHash: c.ContentHash}
-	var err error
-	if mp.LlamaVersion, err = cString(c.LlamaVersion, maxString, "llama_version"); err != nil {
-		return spec, err
-	}
-	if mp.Arch, err = cString(c.Arch, maxString, "arch"); err != nil {
-		return spec, err
-	}
-	if mp.Extra, err = cString(c.Extra, maxString, "extra"); err != nil {
-		return spec, err
-	}
-	path, err := cString(c.GGUFPath, maxString, "gguf_path")
+	ek, err := u32s(c.NEmbdKGQA, n, "n_embd_k_gqa")
 	if err != nil {
-		return spec, err
+		return f, err
 	}
-	if path != "" {
-		if mp.ContentHash, err = key.FileDigest(path); err != nil {
-			return spec, status.Wrap(status.InvalidArg, err, "digesting the model file")
-		}
+	ev, err := u32s(c.NEmbdVGQA, n, "n_embd_v_gqa")
+	if err != nil {
+		return f, err
 	}
-	var ek, ev []int
-	if ek, err = u32s(c.NEmbdKGQA, n, "n_embd_k_gqa"); err != nil {
-		return spec, err
+	kr, err := u32s(c.KRowBytes, n, "k_row_bytes")
+	if err != nil {
+		return f, err
 	}
-	if ev, err = u32s(c.NEmbdVGQA, n, "n_embd_v_gqa"); err != nil {
-		return spec, err
+	vr, err := u32s(c.VRowBytes, n, "v_row_bytes")
+	if err != nil {
+		return f, err
 	}
-	if spec.KRow, err = u32s(c.KRowBytes, n, "k_row_bytes"); err != nil {
-		return spec, err
-	}
-	if spec.VRow, err = u32s(c.VRowBytes, n, "v_row_bytes"); err != nil {
-		return spec, err
-	}
-	spec.VElem = make([]int, n)
+	f.VTrans = c.VTrans
 	for l := 0; l < n; l++ {
-		mp.NEmbdKGQA = append(mp.NEmbdKGQA, uint32(ek[l]))
-		mp.NEmbdVGQA = append(mp.NEmbdVGQA, uint32(ev[l]))
-		spec.VElem[l] = 1
-		// Transposed V is stored unquantized, so its rows are whole
-		// elements; quantized V is never transposed and needs no element.
-		if ev[l] > 0 && spec.VRow[l]%ev[l] == 0 {
-			spec.VElem[l] = spec.VRow[l] / ev[l]
-		} else if c.VTrans {
-			return spec, status.Errorf(status.InvalidArg, "layer %d: transposed V row of %d bytes for %d dimensions", l, spec.VRow[l], ev[l])
+		if ek[l] == 0 || ev[l] == 0 {
+			return f, status.Errorf(status.InvalidArg, "layer %d: %d K and %d V dimensions", l, ek[l], ev[l])
 		}
+		ly := host.LayerFormat{KType: c.TypeK, KRow: uint64(kr[l]), VType: c.TypeV, VRow: uint64(vr[l])}
+		if c.VTrans {
+			if vr[l]%ev[l] != 0 {
+				return f, status.Errorf(status.InvalidArg, "layer %d: transposed V row of %d bytes for %d dimensions", l, vr[l], ev[l])
+			}
+			ly.VElSize, ly.NEmbdV = uint32(vr[l]/ev[l]), uint32(ev[l])
+		}
+		f.Layers = append(f.Layers, ly)
 	}
-	spec.Params = mp
-	return spec, nil
+	return f, nil
 }
 
 //export mcbgo_bridge_open
@@ -294,20 +341,26 @@ func mcbgo_bridge_open(cfg unsafe.Pointer, out unsafe.Pointer, errbuf unsafe.Poi
 		if err := aligned(out, 8, "out"); err != nil {
 			return err
 		}
-		doc, err := cString(uintptr(cfg), maxConfig, "config")
-		if err != nil {
-			return err
-		}
-		c, err := config.Load(doc)
-		if err != nil {
-			return err
-		}
-		b, err := bridge.Open(c, bridge.Deps{})
-		if err != nil {
-			return err
-		}
-		*(*uint64)(out) = addHandle(&bridgeHandle{b: b})
-		return nil
+		err := func() error {
+			doc, err := cString(uintptr(cfg), maxConfig, "config")
+			if err != nil {
+				return err
+			}
+			c, err := config.Load(doc)
+			if err != nil {
+				return err
+			}
+			b, err := bridge.Open(c, bridge.Deps{})
+			if err != nil {
+				return err
+			}
+			*(*uint64)(out) = addHandle(&bridgeHandle{b: b})
+			return nil
+		}()
+		openRefused.Lock()
+		openRefused.err = err
+		openRefused.Unlock()
+		return err
 	})
 }
 
@@ -329,14 +382,21 @@ func mcbgo_bridge_close(bridge uint64, errbuf unsafe.Pointer, errlen uint64) int
 	})
 }
 
-// dropBridge removes a bridge's handle and its models' handles.
+// dropBridge removes a bridge's handle and its models' and plans' handles.
 func dropBridge(bridge uint64) {
 	table.Lock()
 	defer table.Unlock()
 	delete(table.m, bridge)
 	for id, v := range table.m {
-		if m, ok := v.(*modelHandle); ok && m.bridge == bridge {
-			delete(table.m, id)
+		switch h := v.(type) {
+		case *modelHandle:
+			if h.bridge == bridge {
+				delete(table.m, id)
+			}
+		case *planHandle:
+			if h.bridge == bridge {
+				delete(table.m, id)
+			}
 		}
 	}
 }
@@ -355,7 +415,7 @@ func mcbgo_bridge_stats(bridge uint64, out unsafe.Pointer, errbuf unsafe.Pointer
 		blocks, bytes, poolBytes := h.b.Resident()
 		*(*cStats)(out) = cStats{
 			Lookups: u64(s.Lookups), Hits: u64(s.Hits), Misses: u64(s.Misses),
-			DecidedRestore: u64(s.DecidedRestore), DecidedRecompute: u64(s.DecidedRecompute),
+			DecidedRestore: u64(s.DecidedRestore), DecidedRecompute: u64(s.DecidedRecompute), DecidedLocal: u64(s.DecidedLocal),
 			Loads: u64(s.Loads), LoadFailures: u64(s.LoadFailures),
 			RestoredTokens: u64(s.RestoredTokens), RestoredBytes: u64(s.RestoredBytes),
 			Saves: u64(s.Saves), SaveFailures: u64(s.SaveFailures),
@@ -369,8 +429,63 @@ func mcbgo_bridge_stats(bridge uint64, out unsafe.Pointer, errbuf unsafe.Pointer
 
 func u64(v int64) uint64 { return uint64(max(v, 0)) }
 
+// mcbgo_metrics_text writes the metric text for bridge (0: off) into buf
+// and returns its full length. A bridge handle that is not open reads as
+// off, with the handle error as the reason.
+//
+//export mcbgo_metrics_text
+func mcbgo_metrics_text(handle uint64, offReason, buf unsafe.Pointer, capacity uint64) (n uint64) {
+	defer func() {
+		if recover() != nil {
+			n = 0
+		}
+	}()
+	var b *bridge.Bridge
+	var off error
+	if why, err := cString(uintptr(offReason), maxString, "off_reason"); err != nil || why != "" {
+		if err == nil {
+			err = status.Errorf(status.Unsupported, "%s", why)
+		}
+		off = err
+	}
+	switch h, err := lookupHandle[*bridgeHandle](handle, "bridge"); {
+	case err == nil:
+		b = h.b
+	case off != nil:
+	case handle == 0:
+		openRefused.Lock()
+		off = openRefused.err
+		openRefused.Unlock()
+		if off == nil {
+			off = status.Errorf(status.Config, "not configured")
+		}
+	default:
+		off = err
+	}
+	var text bytes.Buffer
+	_ = metrics.Write(&text, b, off)
+	if buf != nil && capacity > 0 {
+		writeError(buf, capacity, text.String())
+	}
+	return uint64(text.Len())
+}
+
+//export mcbgo_probe_tokens
+func mcbgo_probe_tokens(out unsafe.Pointer, capacity uint64) uint64 {
+	toks := host.ProbeTokens()
+	if out != nil && uintptr(out)%4 == 0 {
+		copy(unsafe.Slice((*int32)(out), min(capacity, uint64(len(toks)))), toks)
+	}
+	return uint64(len(toks))
+}
+
+var llamaVersionC = C.CString(host.LlamaVersion)
+
+//export mcbgo_llama_version
+func mcbgo_llama_version() *C.char { return llamaVersionC }
+
 //export mcbgo_model_register
-func mcbgo_model_register(bridge uint64, params unsafe.Pointer, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
+func mcbgo_model_register(bridge uint64, params, format, probe, probeCells unsafe.Pointer, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
 	return guard(errbuf, errlen, func() error {
 		h, err := lookupHandle[*bridgeHandle](bridge, "bridge")
 		if err != nil {
@@ -379,17 +494,70 @@ func mcbgo_model_register(bridge uint64, params unsafe.Pointer, out unsafe.Point
 		if err := aligned(out, 8, "out"); err != nil {
 			return err
 		}
-		spec, err := modelArg(params)
+		id, err := identityArg(params)
 		if err != nil {
 			return err
 		}
-		m, err := h.b.RegisterModel(spec)
+		if id.Format, err = formatArg(format); err != nil {
+			return err
+		}
+		lo, err := layoutArg(probe)
+		if err != nil {
+			return err
+		}
+		n := len(host.ProbeTokens())
+		if probeCells == nil {
+			return status.Errorf(status.InvalidArg, "probe_cells is NULL")
+		}
+		cells, err := cellsArg(probeCells, n)
+		if err != nil {
+			return err
+		}
+		m, err := host.Register(h.b, id, lo, cells)
 		if err != nil {
 			return err
 		}
 		*(*uint64)(out) = addHandle(&modelHandle{bridge: bridge, b: h.b, m: m})
 		return nil
 	})
+}
+
+//export mcbgo_model_register_state
+func mcbgo_model_register_state(bridge uint64, params, state unsafe.Pointer, n uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
+	return guard(errbuf, errlen, func() error {
+		h, err := lookupHandle[*bridgeHandle](bridge, "bridge")
+		if err != nil {
+			return err
+		}
+		if err := aligned(out, 8, "out"); err != nil {
+			return err
+		}
+		id, err := identityArg(params)
+		if err != nil {
+			return err
+		}
+		blob, err := stateArg(state, n)
+		if err != nil {
+			return err
+		}
+		m, nStream, err := host.RegisterState(h.b, id, blob)
+		if err != nil {
+			return err
+		}
+		*(*uint64)(out) = addHandle(&modelHandle{bridge: bridge, b: h.b, m: m, nStream: nStream})
+		return nil
+	})
+}
+
+// maxState bounds a state blob: 16 GiB is more KV than any host holds in
+// one sequence.
+const maxState = 16 << 30
+
+func stateArg(p unsafe.Pointer, n uint64) ([]byte, error) {
+	if p == nil || n == 0 || n > maxState {
+		return nil, status.Errorf(status.InvalidArg, "state of %d bytes at %p", n, p)
+	}
+	return mem.Bytes(uintptr(p), int(n)), nil
 }
 
 //export mcbgo_model_unregister
@@ -400,7 +568,7 @@ func mcbgo_model_unregister(model uint64, errbuf unsafe.Pointer, errlen uint64) 
 			return err
 		}
 		dropHandle(model)
-		return h.b.UnregisterModel(h.m)
+		return h.b.UnregisterModel(h.m.Model)
 	})
 }
 
@@ -419,8 +587,24 @@ func mcbgo_model_observe_prefill(model uint64, start, end uint32, seconds float6
 	})
 }
 
+//export mcbgo_scope_id
+func mcbgo_scope_id(scope unsafe.Pointer, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
+	return guard(errbuf, errlen, func() error {
+		if out == nil {
+			return status.Errorf(status.InvalidArg, "out is NULL")
+		}
+		sc, err := scopeArg(scope)
+		if err != nil {
+			return err
+		}
+		id := sc.ID()
+		copy(unsafe.Slice((*byte)(out), len(id)), id[:])
+		return nil
+	})
+}
+
 //export mcbgo_lookup
-func mcbgo_lookup(model uint64, scope unsafe.Pointer, tokens unsafe.Pointer, n uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
+func mcbgo_lookup(model uint64, scope unsafe.Pointer, tokens unsafe.Pointer, n, cached uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
 	return guard(errbuf, errlen, func() error {
 		h, err := lookupHandle[*modelHandle](model, "model")
 		if err != nil {
@@ -437,30 +621,65 @@ func mcbgo_lookup(model uint64, scope unsafe.Pointer, tokens unsafe.Pointer, n u
 		if err != nil {
 			return err
 		}
-		r, err := h.m.Lookup(sc, toks)
+		if cached > n {
+			return status.Errorf(status.InvalidArg, "%d cached of %d tokens", cached, n)
+		}
+		p, err := h.m.Lookup(sc, toks, int(cached))
 		if err != nil {
 			return err
 		}
-		d := r.Decision
-		*(*cLookupResult)(out) = cLookupResult{
-			NBlockTokens: uint32(h.m.BlockTokens()), NMatchedBlocks: uint32(r.MatchedBlocks),
-			NRestoreTokens: uint32(r.RestoreTokens), Reason: int32(d.Reason),
+		d := p.Decision
+		r := cLookupResult{
+			NBlockTokens: uint32(h.m.BlockTokens()), NMatchedBlocks: uint32(p.MatchedBlocks),
+			NRestoreTokens: uint32(p.RestoreTokens), Reason: int32(d.Reason),
 			EstRestoreMS: ms(d.EstRestore.Seconds()), EstRecomputeMS: ms(d.EstRecompute.Seconds()), EstTotalMS: ms(d.EstTotal.Seconds()),
 		}
+		if p.RestoreTokens > 0 {
+			r.Plan = addHandle(&planHandle{bridge: h.bridge, model: h, p: p})
+		}
+		*(*cLookupResult)(out) = r
 		return nil
 	})
 }
 
 func ms(s float64) float64 { return s * 1e3 }
 
-//export mcbgo_load_begin
-func mcbgo_load_begin(model uint64, scope, layout, tokens unsafe.Pointer, n uint64, cells unsafe.Pointer, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
+// takePlan removes a plan from the table: a plan is used once.
+func takePlan(plan uint64) (*planHandle, error) {
+	h, err := lookupHandle[*planHandle](plan, "plan")
+	if err == nil {
+		dropHandle(plan)
+	}
+	return h, err
+}
+
+//export mcbgo_plan_drop
+func mcbgo_plan_drop(plan uint64, errbuf unsafe.Pointer, errlen uint64) int32 {
 	return guard(errbuf, errlen, func() error {
-		h, sc, lo, toks, cs, err := transferArgs(model, scope, layout, tokens, n, cells, out)
+		_, err := takePlan(plan)
+		return err
+	})
+}
+
+//export mcbgo_load_begin
+func mcbgo_load_begin(plan uint64, layout, cells unsafe.Pointer, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
+	return guard(errbuf, errlen, func() error {
+		h, err := takePlan(plan)
 		if err != nil {
 			return err
 		}
-		ld, err := h.m.LoadBegin(sc, lo, toks, cs)
+		if err := aligned(out, 8, "out"); err != nil {
+			return err
+		}
+		lo, err := layoutArg(layout)
+		if err != nil {
+			return err
+		}
+		cs, err := cellsArg(cells, h.p.RestoreTokens)
+		if err != nil {
+			return err
+		}
+		ld, err := h.p.Load(lo, cs)
 		if err != nil {
 			return err
 		}
@@ -472,7 +691,26 @@ func mcbgo_load_begin(model uint64, scope, layout, tokens unsafe.Pointer, n uint
 //export mcbgo_save_begin
 func mcbgo_save_begin(model uint64, scope, layout, tokens unsafe.Pointer, n uint64, cells unsafe.Pointer, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
 	return guard(errbuf, errlen, func() error {
-		h, sc, lo, toks, cs, err := transferArgs(model, scope, layout, tokens, n, cells, out)
+		h, err := lookupHandle[*modelHandle](model, "model")
+		if err != nil {
+			return err
+		}
+		if err := aligned(out, 8, "out"); err != nil {
+			return err
+		}
+		sc, err := scopeArg(scope)
+		if err != nil {
+			return err
+		}
+		lo, err := layoutArg(layout)
+		if err != nil {
+			return err
+		}
+		toks, err := tokensArg(tokens, n)
+		if err != nil {
+			return err
+		}
+		cs, err := cellsArg(cells, len(toks))
 		if err != nil {
 			return err
 		}
@@ -483,32 +721,6 @@ func mcbgo_save_begin(model uint64, scope, layout, tokens unsafe.Pointer, n uint
 		*(*uint64)(out) = addHandle(&saveHandle{sv: sv})
 		return nil
 	})
-}
-
-// transferArgs converts the arguments that loads and saves share.
-func transferArgs(model uint64, scope, layout, tokens unsafe.Pointer, n uint64, cells, out unsafe.Pointer) (
-	*modelHandle, key.Scope, kvlayout.Layout, []int32, []uint32, error) {
-	h, err := lookupHandle[*modelHandle](model, "model")
-	if err != nil {
-		return nil, key.Scope{}, kvlayout.Layout{}, nil, nil, err
-	}
-	if err := aligned(out, 8, "out"); err != nil {
-		return nil, key.Scope{}, kvlayout.Layout{}, nil, nil, err
-	}
-	sc, err := scopeArg(scope)
-	if err != nil {
-		return nil, key.Scope{}, kvlayout.Layout{}, nil, nil, err
-	}
-	lo, err := layoutArg(layout)
-	if err != nil {
-		return nil, key.Scope{}, kvlayout.Layout{}, nil, nil, err
-	}
-	toks, err := tokensArg(tokens, n)
-	if err != nil {
-		return nil, key.Scope{}, kvlayout.Layout{}, nil, nil, err
-	}
-	cs, err := cellsArg(cells, len(toks))
-	return h, sc, lo, toks, cs, err
 }
 
 //export mcbgo_load_wait_layer
@@ -530,6 +742,11 @@ func mcbgo_load_wait_layer(load uint64, il uint32, nok unsafe.Pointer, errbuf un
 	})
 }
 
+func loadResult(r bridge.LoadResult) cLoadResult {
+	return cLoadResult{NBlocks: uint32(r.Blocks), NBlocksOK: uint32(r.OKBlocks),
+		NTokensOK: uint32(r.OKTokens), FirstError: int32(status.Of(r.Err)), NBytes: u64(r.Bytes)}
+}
+
 //export mcbgo_load_end
 func mcbgo_load_end(load uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
 	return guard(errbuf, errlen, func() error {
@@ -542,8 +759,7 @@ func mcbgo_load_end(load uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errl
 		}
 		dropHandle(load)
 		r, err := h.ld.End()
-		*(*cLoadResult)(out) = cLoadResult{NBlocks: uint32(r.Blocks), NBlocksOK: uint32(r.OKBlocks),
-			NTokensOK: uint32(r.OKTokens), FirstError: int32(status.Of(r.Err)), NBytes: u64(r.Bytes)}
+		*(*cLoadResult)(out) = loadResult(r)
 		return err
 	})
 }
@@ -559,6 +775,10 @@ func mcbgo_save_layer(save uint64, il uint32, errbuf unsafe.Pointer, errlen uint
 	})
 }
 
+func saveResult(r bridge.SaveResult) cSaveResult {
+	return cSaveResult{NBlocks: uint32(r.Blocks), NKnown: uint32(r.Known), NWritten: uint32(r.Written), NQueued: uint32(r.Queued)}
+}
+
 //export mcbgo_save_end
 func mcbgo_save_end(save uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
 	return guard(errbuf, errlen, func() error {
@@ -571,8 +791,90 @@ func mcbgo_save_end(save uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errl
 		}
 		dropHandle(save)
 		r, err := h.sv.End()
-		*(*cSaveResult)(out) = cSaveResult{NBlocks: uint32(r.Blocks), NKnown: uint32(r.Known),
-			NWritten: uint32(r.Written), NPublished: uint32(r.Published), NDeduped: uint32(r.Deduped)}
+		*(*cSaveResult)(out) = saveResult(r)
+		return err
+	})
+}
+
+//export mcbgo_state_restore
+func mcbgo_state_restore(plan uint64, state, n, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
+	return guard(errbuf, errlen, func() error {
+		h, err := takePlan(plan)
+		if err != nil {
+			return err
+		}
+		if err := aligned(state, 8, "state"); err != nil {
+			return err
+		}
+		if err := aligned(n, 8, "n_bytes"); err != nil {
+			return err
+		}
+		if err := aligned(out, 8, "out"); err != nil {
+			return err
+		}
+		if h.model.nStream == 0 {
+			return status.Errorf(status.Unsupported, "the model was registered with tensors: restore with mcb_load_begin")
+		}
+		// The blob lives in C memory, so the host frees it with
+		// mcb_state_free; the transfers land in it directly.
+		var bufs []unsafe.Pointer
+		alloc := func(size int) []byte {
+			p := C.malloc(C.size_t(max(size, 1)))
+			if p == nil {
+				panic("out of memory for a state blob")
+			}
+			bufs = append(bufs, p)
+			return unsafe.Slice((*byte)(p), size)
+		}
+		blob, res, err := h.model.m.RestoreState(h.p, host.Frame{Kind: llamastate.Memory, NStream: h.model.nStream}, alloc)
+		*(*cLoadResult)(out) = loadResult(res)
+		if blob == nil {
+			for _, p := range bufs {
+				C.free(p)
+			}
+			return err
+		}
+		keep := unsafe.Pointer(unsafe.SliceData(blob))
+		for _, p := range bufs {
+			if p != keep {
+				C.free(p)
+			}
+		}
+		*(*unsafe.Pointer)(state) = keep
+		*(*uint64)(n) = uint64(len(blob))
+		return err
+	})
+}
+
+//export mcbgo_state_free
+func mcbgo_state_free(state unsafe.Pointer) {
+	C.free(state)
+}
+
+//export mcbgo_state_save
+func mcbgo_state_save(model uint64, scope, state unsafe.Pointer, n uint64, tokens unsafe.Pointer, nTokens uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
+	return guard(errbuf, errlen, func() error {
+		h, err := lookupHandle[*modelHandle](model, "model")
+		if err != nil {
+			return err
+		}
+		if err := aligned(out, 4, "out"); err != nil {
+			return err
+		}
+		sc, err := scopeArg(scope)
+		if err != nil {
+			return err
+		}
+		blob, err := stateArg(state, n)
+		if err != nil {
+			return err
+		}
+		toks, err := tokensArg(tokens, nTokens)
+		if err != nil {
+			return err
+		}
+		r, err := h.m.SaveState(sc, blob, toks)
+		*(*cSaveResult)(out) = saveResult(r)
 		return err
 	})
 }

@@ -3,37 +3,40 @@ package main
 // Go mirrors of the structs in include/mcbridge.h. Pointer fields are
 // uintptr: they point into the host's memory, which the collector must
 // neither scan nor keep alive. Their sizes and offsets are asserted against
-// the same numbers in C (csrc/mcbridge.c) and in Go (mirror_test.go).
+// the same numbers in C (mcbridge.c) and in Go (mirror_test.go).
 
 type cModelParams struct {
-	LlamaVersion  uintptr
-	Arch          uintptr
-	GGUFPath      uintptr
-	ContentHash   [16]byte
-	KVProbe       [16]byte
-	NLayer        uint32
-	BlockTokens   uint32
-	NEmbdKGQA     uintptr
-	NEmbdVGQA     uintptr
-	KRowBytes     uintptr
-	VRowBytes     uintptr
-	TypeK         int32
-	TypeV         int32
-	RopeType      int32
-	RopeFreqBase  float32
-	RopeFreqScale float32
-	NCtxOrig      uint32
-	VTrans        bool
-	AttnRotK      bool
-	AttnRotV      bool
-	_             [5]byte
-	Extra         uintptr
+	LlamaVersion uintptr
+	GGUFPath     uintptr
+	BlockTokens  uint32
+	_            [4]byte
+	Extra        uintptr
+}
+
+type cKVFormat struct {
+	NLayer    uint32
+	_         [4]byte
+	NEmbdKGQA uintptr
+	NEmbdVGQA uintptr
+	KRowBytes uintptr
+	VRowBytes uintptr
+	TypeK     int32
+	TypeV     int32
+	VTrans    bool
+	_         [7]byte
+}
+
+type cAdapter struct {
+	Path  uintptr
+	Scale float32
+	_     [4]byte
 }
 
 type cScope struct {
 	TenantSalt    uintptr
 	TenantSaltLen uint64
 	Adapters      uintptr
+	NAdapters     uint64
 }
 
 type cKVLayer struct {
@@ -59,6 +62,7 @@ type cLookupResult struct {
 	EstRestoreMS   float64
 	EstRecomputeMS float64
 	EstTotalMS     float64
+	Plan           uint64
 }
 
 type cLoadResult struct {
@@ -70,17 +74,16 @@ type cLoadResult struct {
 }
 
 type cSaveResult struct {
-	NBlocks    uint32
-	NKnown     uint32
-	NWritten   uint32
-	NPublished uint32
-	NDeduped   uint32
+	NBlocks  uint32
+	NKnown   uint32
+	NWritten uint32
+	NQueued  uint32
 }
 
 type cStats struct {
-	Lookups, Hits, Misses, DecidedRestore, DecidedRecompute uint64
-	Loads, LoadFailures, RestoredTokens, RestoredBytes      uint64
-	Saves, SaveFailures, SavedBlocks, DedupedBlocks         uint64
-	Evictions, DirectoryErrors, TornReads                   uint64
-	ResidentBlocks, ResidentBytes, PoolBytes                uint64
+	Lookups, Hits, Misses, DecidedRestore, DecidedRecompute, DecidedLocal uint64
+	Loads, LoadFailures, RestoredTokens, RestoredBytes                    uint64
+	Saves, SaveFailures, SavedBlocks, DedupedBlocks                       uint64
+	Evictions, DirectoryErrors, TornReads                                 uint64
+	ResidentBlocks, ResidentBytes, PoolBytes                              uint64
 }

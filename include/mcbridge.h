@@ -2,19 +2,25 @@
  * mcbridge.h - a global KV cache for llama.cpp.
  *
  * libmcbridge.a gives a llama.cpp process KV blocks that any process of the
- * swarm computed: the host asks how much of a prompt is cached (lookup),
+ * swarm computed: the host asks how much of a prompt to restore (lookup),
  * restores those blocks layer by layer straight into its KV tensors (load),
- * and hands back the blocks it computed (save), which every other process
- * can then restore.
+ * and hands over the blocks it computed (save), which every other process
+ * can then restore. Hosts that see KV only as llama.cpp state blobs
+ * (llama_state_seq_get_data / set_data) use the mcb_state_ calls instead.
+ *
+ * Everything that decides whether two processes share blocks lives in the
+ * library, the same for every host: the model's identity (the GGUF's
+ * digest, the KV format, the digest of the KV a fixed probe prompt
+ * produces), the canonical scope of a request (tenant, adapters), the
+ * restore-or-recompute decision and the metric names.
  *
  * Ownership
  *   - Pointer arguments are borrowed for the duration of the call; the
  *     library keeps none of them after it returns, except KV memory.
  *   - KV memory described by a struct mcb_kv_layout is borrowed from
  *     mcb_load_begin / mcb_save_begin until the matching _end returns. For a
- *     load the host must not treat rows as valid KV before
- *     mcb_load_wait_layer or mcb_load_end says they are; for a save it must
- *     not change the rows of layer il while mcb_save_layer(il) runs.
+ *     save the host must not change the rows of layer il while
+ *     mcb_save_layer(il) runs.
  *   - Outputs are caller-allocated: the caller passes a pointer to the
  *     handle or struct that the library fills. On failure outputs are left
  *     as they were unless stated otherwise.
@@ -26,18 +32,27 @@
  *     mcb_last_error returns a thread-local string that stays valid until
  *     the next mcb_ call on the same thread.
  *
- * Threads: every function may be called from any thread. One load or save
- * handle is driven by one thread at a time.
+ * Threads: every function may be called from any thread. One plan, load or
+ * save handle is driven by one thread at a time. No call waits on the
+ * directory: saves and evictions are published by the library's own
+ * thread. Only a load waits on the network, for its transfers, at most
+ * transfer_timeout_ms.
  *
- * Failures: every call returns a status. A failed load never leaves
- * unverified bytes in the host's tensors: after a failure the rows of the
- * blocks past the good prefix hold either their previous bytes or verified
- * bytes of that block, and the host recomputes from the first failed block.
+ * Failures: every call returns a status. A load fills only the cells it is
+ * given, which must hold nothing another sequence reads; after a load,
+ * positions [0, n_tokens_ok) are verified, byte for byte, and the cells of
+ * every later position hold unspecified bytes: the host removes them from
+ * the sequence (llama.cpp's own restore does) and recomputes from
+ * n_tokens_ok. No verified position is ever wrong.
  *
  * Configuration: mcb_bridge_open takes a JSON document; NULL or "" reads
  * the MCB_CONFIG environment variable (inline JSON, or a file path) and,
  * without it, uses defaults: an in-process pool, the memory directory and
- * the in-process transport. See README.md for every key.
+ * the in-process transport. docs/design.md lists every key.
+ *
+ * Logging: what no caller can hear (a directory that cannot be reached, a
+ * lease lost, an entry that does not decode) goes to stderr, rate-limited;
+ * MCB_LOG=debug|info|warn|error|off sets the level.
  */
 #ifndef MCBRIDGE_H
 #define MCBRIDGE_H
@@ -50,7 +65,7 @@
 extern "C" {
 #endif
 
-#define MCB_ABI_VERSION 1
+#define MCB_ABI_VERSION 2
 
 /* Status codes. The values are stable. */
 typedef enum mcb_status {
@@ -71,7 +86,7 @@ typedef enum mcb_status {
     MCB_STATUS_INTERNAL       = 14, /* a bug inside the library; the call had no effect */
 } mcb_status;
 
-/* Why the arbiter chose what it chose. */
+/* Why a lookup decided as it did. */
 typedef enum mcb_reason {
     MCB_REASON_NO_MATCH          = 0, /* no leading block of the prompt is cached */
     MCB_REASON_TOO_SHORT         = 1, /* no whole block fits before the token that must be computed */
@@ -80,46 +95,55 @@ typedef enum mcb_reason {
     MCB_REASON_SPLIT             = 4, /* computing the head while restoring the tail is fastest */
     MCB_REASON_POLICY_FORCED     = 5, /* the configured policy chose, not the cost model */
     MCB_REASON_INVALID_INPUT     = 6, /* the input could not describe a prompt */
+    MCB_REASON_LOCAL             = 7, /* the host's own cache holds as much, or computing the rest is cheaper */
 } mcb_reason;
 
 typedef uint64_t mcb_bridge; /* an open bridge */
 typedef uint64_t mcb_model;  /* a model registered with a bridge */
+typedef uint64_t mcb_plan;   /* a lookup's decision to restore, until loaded or dropped */
 typedef uint64_t mcb_load;   /* a restore in progress */
 typedef uint64_t mcb_save;   /* a save in progress */
 
-/*
- * Everything that changes the bytes of a KV cache. Two registrations whose
- * fields differ never share blocks. Arrays hold n_layer entries.
- */
+/* What names a model, for every host. The rest of its identity (the
+ * architecture, the digest of the file, the KV probe) the library derives. */
 struct mcb_model_params {
-    const char *llama_version;     /* llama.cpp release, e.g. "b6000"; the state format is keyed on it */
-    const char *arch;              /* general.architecture */
-    const char *gguf_path;         /* when not NULL, the library digests the file (cached by path, size, mtime) */
-    uint8_t content_hash[16];      /* used when gguf_path is NULL: a digest of the model's weights */
-    uint8_t kv_probe[16];          /* digest of the KV a fixed token sequence gives on this node; zeros if unknown */
+    const char *llama_version;  /* the llama.cpp tag the host is built from; must be mcb_llama_version() */
+    const char *gguf_path;      /* the model file: read for general.architecture and digested
+                                   (cached by path, size and mtime) */
+    uint32_t block_tokens;      /* tokens per block; 0 takes the configured default */
+    const char *extra;          /* what changes KV bytes that the probe cannot see; NULL for none.
+                                   Server-wide adapters, control vectors and rope overrides change
+                                   the probe's KV, so llama-server passes none. */
+};
+
+/* A KV cache's shape, for hosts that hand over tensors. Arrays hold n_layer
+ * entries. */
+struct mcb_kv_format {
     uint32_t n_layer;              /* layers that hold KV */
-    uint32_t block_tokens;         /* tokens per block; 0 takes the configured default */
     const uint32_t *n_embd_k_gqa;  /* per layer */
     const uint32_t *n_embd_v_gqa;  /* per layer */
     const uint32_t *k_row_bytes;   /* bytes of one token's K row, per layer (ggml_row_size) */
     const uint32_t *v_row_bytes;   /* bytes of one token's V row, per layer */
     int32_t type_k;                /* enum ggml_type of K */
     int32_t type_v;                /* enum ggml_type of V */
-    int32_t rope_type;
-    float rope_freq_base;
-    float rope_freq_scale;
-    uint32_t n_ctx_orig;
     bool v_trans;                  /* V stored transposed (flash attention off) */
-    bool attn_rot_k;               /* Hadamard rotation of quantized K */
-    bool attn_rot_v;
-    const char *extra;             /* anything else that changes KV bytes; may be NULL */
 };
 
-/* Separates key spaces within a model. NULL means no salt, base model. */
+/* A LoRA adapter a request runs with. Adapters are named by the digest of
+ * their file, so the same adapter loaded from another path shares KV;
+ * scale 0 is no adapter. */
+struct mcb_adapter {
+    const char *path;
+    float scale;
+};
+
+/* Separates key spaces within a model: a tenant salt and the adapter set.
+ * NULL means no salt, base model. The order of adapters does not matter. */
 struct mcb_scope {
-    const uint8_t *tenant_salt;    /* may be NULL when tenant_salt_len is 0 */
+    const uint8_t *tenant_salt;         /* may be NULL when tenant_salt_len is 0 */
     size_t tenant_salt_len;
-    const char *adapters;          /* canonical adapter set, e.g. "name@scale;..."; NULL for none */
+    const struct mcb_adapter *adapters; /* may be NULL when n_adapters is 0 */
+    size_t n_adapters;
 };
 
 /* Where one layer's K and V tensors live. */
@@ -145,11 +169,12 @@ struct mcb_kv_layout {
 struct mcb_lookup_result {
     uint32_t n_block_tokens;    /* the model's block size */
     uint32_t n_matched_blocks;  /* leading blocks of the prompt that are cached */
-    uint32_t n_restore_tokens;  /* leading tokens to restore; 0 means compute everything */
+    uint32_t n_restore_tokens;  /* leading tokens to restore; 0: compute on from what the host holds */
     int32_t reason;             /* enum mcb_reason */
     double est_restore_ms;      /* estimated time to first token restoring every usable block */
     double est_recompute_ms;    /* estimated time to first token computing the whole prompt */
     double est_total_ms;        /* estimated time to first token of the chosen plan */
+    mcb_plan plan;              /* set when n_restore_tokens > 0, else 0 */
 };
 
 struct mcb_load_result {
@@ -163,9 +188,8 @@ struct mcb_load_result {
 struct mcb_save_result {
     uint32_t n_blocks;     /* full blocks in the tokens */
     uint32_t n_known;      /* already in the directory: skipped */
-    uint32_t n_written;    /* copied into the pool */
-    uint32_t n_published;  /* published by this save */
-    uint32_t n_deduped;    /* written, but another process published the block first */
+    uint32_t n_written;    /* copied into the pool and sealed: this process restores them at once */
+    uint32_t n_queued;     /* handed to the publisher (new blocks and earlier unpublished ones) */
 };
 
 struct mcb_stats {
@@ -174,14 +198,15 @@ struct mcb_stats {
     uint64_t misses;
     uint64_t decided_restore;
     uint64_t decided_recompute; /* matched, but recomputing was cheaper */
+    uint64_t decided_local;     /* matched, but the host's own cache held as much or nearly */
     uint64_t loads;
     uint64_t load_failures;
     uint64_t restored_tokens;
     uint64_t restored_bytes;
     uint64_t saves;
     uint64_t save_failures;
-    uint64_t saved_blocks;
-    uint64_t deduped_blocks;
+    uint64_t saved_blocks;      /* published by this process */
+    uint64_t deduped_blocks;    /* sealed, but another process published the block first */
     uint64_t evictions;
     uint64_t directory_errors;
     uint64_t torn_reads;
@@ -193,6 +218,9 @@ struct mcb_stats {
 /* The ABI version the library was built with (MCB_ABI_VERSION). */
 uint32_t mcb_abi_version(void);
 
+/* The llama.cpp tag whose state format the library reads and writes. */
+const char *mcb_llama_version(void);
+
 /* A static description of a status or a reason. */
 const char *mcb_status_str(mcb_status status);
 const char *mcb_reason_str(mcb_reason reason);
@@ -200,40 +228,78 @@ const char *mcb_reason_str(mcb_reason reason);
 /* The message of the last failed call on this thread, "" after a success. */
 const char *mcb_last_error(void);
 
-/* Opens a bridge. config_json may be NULL or "" (see the top of this file). */
+/* Opens a bridge. config_json may be NULL or "" (see the top of this file).
+ * A refused configuration is remembered for mcb_metrics_text. */
 mcb_status mcb_bridge_open(const char *config_json, mcb_bridge *out);
 
-/* Closes a bridge: unpublishes its blocks and releases its pool. Refused
- * with MCB_STATUS_STATE while a load or save of it is not ended. Model
+/* Closes a bridge: hands the directory what the publisher still holds,
+ * unpublishes its blocks and releases its pool. Refused with
+ * MCB_STATUS_STATE while a load or save of it is not ended. Model and plan
  * handles of the bridge become invalid. */
 mcb_status mcb_bridge_close(mcb_bridge bridge);
 
 /* Counters since open. */
 mcb_status mcb_bridge_stats(mcb_bridge bridge, struct mcb_stats *out);
 
-/* Registers a model; registering the same parameters twice gives a second
- * handle on the same model. */
-mcb_status mcb_model_register(mcb_bridge bridge, const struct mcb_model_params *params, mcb_model *out);
+/* Writes the bridge's metrics in the Prometheus text format into buf
+ * (NUL-terminated, truncated to cap - 1 bytes) and returns the length of the
+ * whole text, so a host can retry with a larger buffer. Every host exposes
+ * the same mcbridge_* series. bridge may be 0 (not open, or its
+ * configuration refused): the text then says mcbridge_up 0 and why.
+ * off_reason, when not NULL, is why the host does not use the bridge (a
+ * draft model, say): mcbridge_up is then 0 with that reason. */
+size_t mcb_metrics_text(mcb_bridge bridge, const char *off_reason, char *buf, size_t cap);
+
+/* The probe prompt: a host decodes these tokens from position 0 into an
+ * empty sequence, then registers the model with that sequence's KV. Writes
+ * at most cap tokens and returns how many the probe has. */
+size_t mcb_probe_tokens(int32_t *out, size_t cap);
+
+/* Registers a model. probe_kv and probe_cells locate the KV of the probe
+ * prompt, position i in cell probe_cells[i]; only those rows are read, and
+ * only during the call. Registering the same model twice gives a second
+ * handle on it. */
+mcb_status mcb_model_register(mcb_bridge bridge, const struct mcb_model_params *params,
+                              const struct mcb_kv_format *format,
+                              const struct mcb_kv_layout *probe_kv, const uint32_t *probe_cells,
+                              mcb_model *out);
+
+/* Registers a model for a host that sees KV as state blobs: the format and
+ * the probe's KV are read from probe_state, a llama_state_seq_get_data blob
+ * of a sequence that holds exactly the probe prompt. */
+mcb_status mcb_model_register_state(mcb_bridge bridge, const struct mcb_model_params *params,
+                                    const uint8_t *probe_state, size_t n_bytes, mcb_model *out);
 
 /* Drops a model handle. */
 mcb_status mcb_model_unregister(mcb_model model);
 
-/* Feeds the arbiter a measured prefill of positions [pos_start, pos_end). */
+/* Feeds the cost model a measured prefill of positions [pos_start, pos_end). */
 mcb_status mcb_model_observe_prefill(mcb_model model, uint32_t pos_start, uint32_t pos_end, double seconds);
 
-/* Looks up how many leading tokens of a prompt to restore. Local only: it
- * never waits on the network and changes nothing. */
+/* A digest naming a scope: a host keeps it with cells it computed, and
+ * compares it with a request's, to know whether those cells hold that
+ * request's KV. */
+mcb_status mcb_scope_id(const struct mcb_scope *scope, uint8_t out[16]);
+
+/* Decides how many leading tokens of a prompt to restore. n_cached is how
+ * many leading tokens the host already holds for this prompt under the
+ * same scope: a restore replaces them, so it is chosen only when it goes
+ * past them and beats computing the rest. The answer is final. When it
+ * restores, out->plan is set: load it (mcb_load_begin, mcb_state_restore)
+ * or drop it. Local only: it never waits on the network. */
 mcb_status mcb_lookup(mcb_model model, const struct mcb_scope *scope,
-                      const int32_t *tokens, size_t n_tokens,
+                      const int32_t *tokens, size_t n_tokens, size_t n_cached,
                       struct mcb_lookup_result *out);
 
-/* Starts restoring positions [0, n_tokens) (whole blocks) into layout,
- * position i into cell cells[i] (cells NULL means cell i). Everything is
- * checked before any byte moves: a refused load leaves the tensors untouched.
- * Fewer blocks than asked may be found; none gives MCB_STATUS_NOT_FOUND. */
-mcb_status mcb_load_begin(mcb_model model, const struct mcb_scope *scope,
-                          const struct mcb_kv_layout *layout,
-                          const int32_t *tokens, size_t n_tokens,
+/* Drops a plan that will not be loaded. */
+mcb_status mcb_plan_drop(mcb_plan plan);
+
+/* Starts restoring a plan's tokens into layout, position i into cell
+ * cells[i] (cells NULL means cell i). The plan is consumed, also on
+ * failure. Everything is checked before any byte moves: a refused load
+ * leaves the tensors untouched. Blocks evicted since the lookup shorten the
+ * load; none left gives MCB_STATUS_NOT_FOUND. */
+mcb_status mcb_load_begin(mcb_plan plan, const struct mcb_kv_layout *layout,
                           const uint32_t *cells, mcb_load *out);
 
 /* Waits until layer il (and every layer below it) is verified and in
@@ -245,7 +311,8 @@ mcb_status mcb_load_wait_layer(mcb_load load, uint32_t il, uint32_t *n_tokens_ok
 mcb_status mcb_load_end(mcb_load load, struct mcb_load_result *out);
 
 /* Starts saving the full blocks of tokens from layout (cells as for
- * mcb_load_begin). A trailing partial block is ignored. */
+ * mcb_load_begin). The KV must have been computed from position 0 over
+ * exactly these tokens, under scope. A trailing partial block is ignored. */
 mcb_status mcb_save_begin(mcb_model model, const struct mcb_scope *scope,
                           const struct mcb_kv_layout *layout,
                           const int32_t *tokens, size_t n_tokens,
@@ -255,8 +322,26 @@ mcb_status mcb_save_begin(mcb_model model, const struct mcb_scope *scope,
  * the layer's KV is final. */
 mcb_status mcb_save_layer(mcb_save save, uint32_t il);
 
-/* Seals and publishes the saved blocks; the handle is gone afterwards. */
+/* Seals the saved blocks and queues them for publishing; it does not wait
+ * for the directory. The handle is gone afterwards. */
 mcb_status mcb_save_end(mcb_save save, struct mcb_save_result *out);
+
+/* Restores a plan of a model registered with mcb_model_register_state into
+ * a new state blob for llama_state_seq_set_data: it holds positions
+ * [0, out->n_tokens_ok). The plan is consumed. On success *state and
+ * *n_bytes are set; free the blob with mcb_state_free. */
+mcb_status mcb_state_restore(mcb_plan plan, uint8_t **state, size_t *n_bytes, struct mcb_load_result *out);
+
+/* Frees a blob from mcb_state_restore. NULL is a no-op. */
+void mcb_state_free(uint8_t *state);
+
+/* Saves the full blocks of a state blob (llama_state_seq_get_data of a
+ * sequence whose positions [0, n_tokens) hold tokens, computed from position
+ * 0 under scope), as mcb_save_begin .. mcb_save_end do. */
+mcb_status mcb_state_save(mcb_model model, const struct mcb_scope *scope,
+                          const uint8_t *state, size_t n_bytes,
+                          const int32_t *tokens, size_t n_tokens,
+                          struct mcb_save_result *out);
 
 /* Handles currently open, of every kind: a host can check for leaks at exit. */
 size_t mcb_handles_open(void);

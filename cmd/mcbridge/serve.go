@@ -106,7 +106,7 @@ func serveMux(b *bridge.Bridge) *http.ServeMux {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/metrics", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; version=0.0.4")
-		_ = metrics.Write(w, b)
+		_ = metrics.Write(w, b, nil)
 	})
 	mux.HandleFunc("/state", func(w http.ResponseWriter, _ *http.Request) {
 		blocks, bytes, poolBytes := b.Resident()

@@ -40,9 +40,9 @@ std::vector<cell_run> runs_of(const std::vector<uint32_t> & cells) {
     return runs;
 }
 
-// The cells holding positions [0, n) of seq_id, in position order; stops at the first
-// position the sequence does not hold.
-std::vector<uint32_t> cells_of(const llama_kv_cache * kv, llama_seq_id seq_id, int32_t n) {
+} // namespace
+
+std::vector<uint32_t> seq_cells(const llama_kv_cache * kv, llama_seq_id seq_id, int32_t n) {
     std::vector<uint32_t> cell(n, UINT32_MAX);
     const llama_kv_cells & cells = kv->get_cells(seq_id);
     for (uint32_t i = 0; i < cells.size(); i++) {
@@ -58,6 +58,8 @@ std::vector<uint32_t> cells_of(const llama_kv_cache * kv, llama_seq_id seq_id, i
     cell.erase(hole, cell.end());
     return cell;
 }
+
+namespace {
 
 // The per-stream K and V tensors of every KV layer, as bound by the cache.
 struct kv_tensors {
@@ -89,9 +91,9 @@ std::vector<mcb_kv_layer> layers_of(const kv_tensors & t, uint32_t n_cells, bool
 // chose, and the last of them runs the load.
 class bridge_reader : public llama_io_read_i {
 public:
-    bridge_reader(llama_kv_cache * kv, const llama_hparams & hp, const attachment & att, const mcb_scope * scope,
-                  llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens) :
-        kv(kv), hp(hp), att(att), scope(scope), seq_id(seq_id), tokens(tokens), n_tokens(n_tokens),
+    bridge_reader(llama_kv_cache * kv, const llama_hparams & hp, const attachment & att, mcb_plan p,
+                  llama_seq_id seq_id, int32_t n_tokens) :
+        plan(p), kv(kv), hp(hp), att(att), seq_id(seq_id), n_tokens(n_tokens),
         layer_ids(kv->get_layer_ids()) {
         put<uint32_t>(kv->get_n_stream());
         // The cells go in the first stream section; state_read places a single-sequence
@@ -137,7 +139,7 @@ public:
     void read_tensor(ggml_tensor * t, size_t offset, size_t size) override {
         try {
             if (cells.empty()) {
-                plan(); // state_read_meta has placed the cells by now
+                find_cells(); // state_read_meta has placed the cells by now
             }
             expect(t, offset, size);
             if (++n_reads == n_reads_total) {
@@ -151,6 +153,8 @@ public:
 
     size_t n_bytes() override { return cur; }
 
+    // The plan, until the load takes it; llama.cpp may refuse the cells before.
+    mcb_plan   plan    = 0;
     int32_t    n_ok    = 0;
     uint64_t   bytes   = 0;
     mcb_status  status  = MCB_STATUS_OK;
@@ -162,8 +166,8 @@ private:
         stream.insert(stream.end(), p, p + sizeof(T));
     }
 
-    void plan() {
-        cells = cells_of(kv, seq_id, n_tokens);
+    void find_cells() {
+        cells = seq_cells(kv, seq_id, n_tokens);
         if ((int32_t) cells.size() != n_tokens) {
             throw std::runtime_error("mcbridge: restored positions are not all in the cache");
         }
@@ -236,7 +240,8 @@ private:
         layout.layers   = layers.data();
 
         mcb_load h = 0;
-        status = mcb_load_begin(att.model, scope, &layout, tokens, (size_t) n_tokens, cells.data(), &h);
+        status = mcb_load_begin(plan, &layout, cells.data(), &h);
+        plan = 0; // consumed, also on failure
         if (status != MCB_STATUS_OK) {
             throw std::runtime_error("mcb_load_begin: " + status_message(status));
         }
@@ -264,9 +269,7 @@ private:
     llama_kv_cache *      kv;
     const llama_hparams & hp;
     const attachment &    att;
-    const mcb_scope *     scope;
     const llama_seq_id    seq_id;
-    const llama_token *   tokens;
     const int32_t         n_tokens;
     const std::vector<uint32_t> layer_ids;
 
@@ -301,11 +304,26 @@ private:
 
 } // namespace
 
-restore_result seq_restore(llama_context * ctx, const attachment & att, const mcb_scope * scope,
-                           llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens) {
+std::vector<mcb_kv_layer> seq_layers(llama_kv_cache * kv, llama_seq_id seq_id, bool v_trans) {
+    tensor_capture cap;
+    kv->state_write(cap, seq_id);
+    const size_t L = kv->get_layer_ids().size();
+    if (cap.order.size() != 2 * L) {
+        throw std::runtime_error("state_write named " + std::to_string(cap.order.size()) + " tensors for " +
+                                 std::to_string(L) + " layers");
+    }
+    kv_tensors t;
+    t.k.assign(cap.order.begin(), cap.order.begin() + L);
+    t.v.assign(cap.order.begin() + L, cap.order.end());
+    return layers_of(t, kv->get_size(), v_trans);
+}
+
+restore_result seq_restore(llama_context * ctx, const attachment & att, mcb_plan plan,
+                           llama_seq_id seq_id, int32_t n_tokens) {
     restore_result out;
     llama_kv_cache * kv = plain_kv(ctx);
-    if (kv == nullptr || n_tokens <= 0 || tokens == nullptr) {
+    if (kv == nullptr || n_tokens <= 0) {
+        mcb_plan_drop(plan);
         out.status = MCB_STATUS_INVALID_ARG;
         out.error  = "no plain KV cache or no tokens";
         return out;
@@ -313,7 +331,7 @@ restore_result seq_restore(llama_context * ctx, const attachment & att, const mc
     // No compute may be writing the cache while the bridge does.
     llama_synchronize(ctx);
 
-    bridge_reader reader(kv, llama_get_model(ctx)->hparams, att, scope, seq_id, tokens, n_tokens);
+    bridge_reader reader(kv, llama_get_model(ctx)->hparams, att, plan, seq_id, n_tokens);
     try {
         kv->state_read(reader, seq_id);
     } catch (const std::exception & e) {
@@ -325,6 +343,9 @@ restore_result seq_restore(llama_context * ctx, const attachment & att, const mc
         if (kv->seq_pos_max(seq_id) >= 0) {
             kv->seq_rm(seq_id, -1, -1);
         }
+        if (reader.plan != 0) {
+            mcb_plan_drop(reader.plan); // llama.cpp refused the cells before the load took it
+        }
         return out;
     }
     out.seq_cleared = true;
@@ -332,7 +353,8 @@ restore_result seq_restore(llama_context * ctx, const attachment & att, const mc
     out.n_bytes     = reader.bytes;
     out.n_tokens    = reader.n_ok;
     if (out.n_tokens < n_tokens) {
-        // A partial load: keep the verified prefix, drop the cells past it.
+        // A partial load: keep the verified prefix; the cells past it hold unverified
+        // bytes and leave the sequence.
         kv->seq_rm(seq_id, out.n_tokens, -1);
     }
     mark_restored(kv, seq_id);
@@ -350,28 +372,16 @@ save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scop
     }
     llama_synchronize(ctx);
 
-    const int32_t clean = (int32_t) std::min<llama_pos>(n_tokens, seq_clean_end(ctx, seq_id));
-    const std::vector<uint32_t> cells = cells_of(kv, seq_id, clean);
+    const int32_t clean = (int32_t) std::min<llama_pos>(n_tokens, seq_get_origin(ctx, seq_id).clean_end);
+    const std::vector<uint32_t> cells = seq_cells(kv, seq_id, clean);
     const int32_t n = (int32_t) cells.size();
     if (n == 0) {
         return out;
     }
 
-    tensor_capture cap;
-    kv->state_write(cap, seq_id);
-    const size_t L = kv->get_layer_ids().size();
-    if (cap.order.size() != 2 * L) {
-        out.status = MCB_STATUS_INTERNAL;
-        out.error  = "state_write named " + std::to_string(cap.order.size()) + " tensors for " + std::to_string(L) + " layers";
-        return out;
-    }
-    kv_tensors t;
-    t.k.assign(cap.order.begin(), cap.order.begin() + L);
-    t.v.assign(cap.order.begin() + L, cap.order.end());
-
     std::vector<mcb_kv_layer> layers;
     try {
-        layers = layers_of(t, kv->get_size(), att.v_trans);
+        layers = seq_layers(kv, seq_id, att.v_trans);
     } catch (const std::exception & e) {
         out.status = MCB_STATUS_UNSUPPORTED;
         out.error  = e.what();

@@ -11,6 +11,7 @@
 //   - a restore that cannot fit rolls back;
 //   - a shifted or holed sequence publishes only its clean prefix, and a cut below the
 //     hole makes it clean again.
+#include "kv_blob.hpp"
 #include "llama-mcbridge.h"
 #include "llama.h"
 
@@ -70,7 +71,7 @@ struct context {
             exit(2);
         }
         std::string why;
-        if (!mcb_llama::attach(ctx, m.path, "", att, why)) {
+        if (!mcb_llama::attach(ctx, m.path, att, why)) {
             fprintf(stderr, "attach failed (%s): %s\n", f.name, why.c_str());
             exit(2);
         }
@@ -109,17 +110,28 @@ struct context {
         return mcb_llama::seq_save(ctx, att, nullptr, seq, toks.data(), (int32_t) toks.size());
     }
 
-    mcb_llama::restore_result restore(llama_seq_id seq, const std::vector<llama_token> & toks, int32_t n) const {
-        return mcb_llama::seq_restore(ctx, att, nullptr, seq, toks.data(), n);
+    // Restores what a lookup of toks plans (the policy restores every usable block).
+    mcb_llama::restore_result restore(llama_seq_id seq, const std::vector<llama_token> & toks) const {
+        mcb_lookup_result lr = {};
+        mcb_llama::restore_result r;
+        r.status = mcb_lookup(att.model, nullptr, toks.data(), toks.size(), 0, &lr);
+        if (r.status != MCB_STATUS_OK || lr.plan == 0) {
+            r.error = "nothing to restore";
+            return r;
+        }
+        return mcb_llama::seq_restore(ctx, att, lr.plan, seq, (int32_t) lr.n_restore_tokens);
     }
 
     int32_t matched(const std::vector<llama_token> & toks) const {
         mcb_lookup_result lr = {};
-        if (mcb_lookup(att.model, nullptr, toks.data(), toks.size(), &lr) != MCB_STATUS_OK) {
+        if (mcb_lookup(att.model, nullptr, toks.data(), toks.size(), 0, &lr) != MCB_STATUS_OK) {
             return -1;
         }
+        mcb_plan_drop(lr.plan);
         return (int32_t) (lr.n_matched_blocks * lr.n_block_tokens);
     }
+
+    llama_pos clean_end(llama_seq_id seq) const { return mcb_llama::seq_get_origin(ctx, seq).clean_end; }
 
     std::vector<uint8_t> blob(llama_seq_id seq) const {
         std::vector<uint8_t> b(llama_state_seq_get_size(ctx, seq));
@@ -127,69 +139,9 @@ struct context {
         return b;
     }
 
-    // Every position's K and V bytes, read from llama.cpp's own state blob (its
-    // layout: llama-patches/README.md), so that the comparison does not trust ours.
-    std::map<llama_pos, std::string> kv_by_pos(llama_seq_id seq) const {
-        const std::vector<uint8_t> b = blob(seq);
-        size_t off = 0;
-        auto take = [&](size_t n) {
-            if (off + n > b.size()) {
-                fprintf(stderr, "state blob ends early\n");
-                exit(2);
-            }
-            const uint8_t * p = b.data() + off;
-            off += n;
-            return p;
-        };
-        auto u32 = [&]() { uint32_t v; memcpy(&v, take(4), 4); return v; };
-        auto u64 = [&]() { uint64_t v; memcpy(&v, take(8), 8); return v; };
-        std::map<llama_pos, std::string> out;
-        take(8); // magic, seq id
-        const uint32_t n_stream = u32();
-        for (uint32_t s = 0; s < n_stream; s++) {
-            const uint32_t n = u32();
-            if (n == 0) {
-                continue;
-            }
-            std::vector<llama_pos> pos(n);
-            for (uint32_t i = 0; i < n; i++) {
-                pos[i] = (llama_pos) u32();
-                const uint32_t n_seq = u32();
-                take(4 * n_seq);
-            }
-            std::vector<std::string> row(n);
-            const uint32_t v_trans = u32();
-            const uint32_t n_layer = u32();
-            for (uint32_t l = 0; l < n_layer; l++) {
-                u32();
-                const uint64_t sz = u64();
-                for (uint32_t i = 0; i < n; i++) {
-                    row[i].append((const char *) take(sz), sz);
-                }
-            }
-            for (uint32_t l = 0; l < n_layer; l++) {
-                u32();
-                if (!v_trans) {
-                    const uint64_t sz = u64();
-                    for (uint32_t i = 0; i < n; i++) {
-                        row[i].append((const char *) take(sz), sz);
-                    }
-                } else {
-                    const uint32_t el = u32();
-                    const uint32_t dims = u32();
-                    for (uint32_t j = 0; j < dims; j++) {
-                        for (uint32_t i = 0; i < n; i++) {
-                            row[i].append((const char *) take(el), el);
-                        }
-                    }
-                }
-            }
-            for (uint32_t i = 0; i < n; i++) {
-                out[pos[i]] = row[i];
-            }
-        }
-        return out;
-    }
+    // Every position's K and V bytes, read from llama.cpp's own state blob, so that
+    // the comparison does not trust the library's parser.
+    std::map<llama_pos, std::vector<uint8_t>> kv_by_pos(llama_seq_id seq) const { return mcb_test::kv_by_pos(blob(seq)); }
 };
 
 std::vector<llama_token> tokens(size_t n, int mul, int off) {
@@ -233,7 +185,7 @@ void round_trip(const model_file & model, const kv_format & f) {
     llama_memory_seq_rm(dst.mem(), 1, 20, 60); // a hole of 40 cells in the middle of seq 1
     const auto before = dst.blob(1);
     check(dst.matched(prompt) == want, "%s: lookup finds %d tokens", f.name, dst.matched(prompt));
-    const auto r = dst.restore(0, prompt, want);
+    const auto r = dst.restore(0, prompt);
     check(r.n_tokens == want && r.status == MCB_STATUS_OK, "%s: restored %d of %d tokens (%llu bytes) %s", f.name,
           r.n_tokens, want, (unsigned long long) r.n_bytes, r.error.c_str());
     check(llama_memory_seq_pos_max(dst.mem(), 0) == want - 1, "%s: seq 0 ends at %d", f.name,
@@ -241,13 +193,13 @@ void round_trip(const model_file & model, const kv_format & f) {
     llama_memory_seq_rm(src.mem(), 0, want, -1);
     check(same_kv(src, dst, 0, want), "%s: restored K and V are byte-identical to the computed ones", f.name);
     check(dst.blob(1) == before, "%s: the other sequence is untouched", f.name);
-    check(mcb_llama::seq_clean_end(dst.ctx, 0) > want, "%s: a restored sequence is clean", f.name);
+    check(dst.clean_end(0) > want, "%s: a restored sequence is clean", f.name);
 
     // Nothing fits: a one-sequence cache full of seq 0 cannot take seq 1's 192 cells.
     context full(model, f, 256, 2, true);
     full.decode(0, tokens(250, 3, 2), 0);
     const auto before_full = full.blob(0);
-    const auto rf = full.restore(1, prompt, want);
+    const auto rf = full.restore(1, prompt);
     check(rf.n_tokens == 0 && llama_memory_seq_pos_max(full.mem(), 1) == -1 && full.blob(0) == before_full,
           "%s: a restore without room restores nothing and leaves the cache as it was (%s)", f.name, rf.error.c_str());
 }
@@ -265,7 +217,7 @@ void mismatches(const model_file & model, const model_file & other, const kv_for
         dst.decode(1, tokens(60, 5, 1), 0);
         const auto before = dst.blob(1);
         check(dst.matched(prompt) == 0, "%s: lookup finds nothing", what.c_str());
-        const auto r = dst.restore(0, prompt, 192);
+        const auto r = dst.restore(0, prompt);
         check(r.n_tokens == 0 && llama_memory_seq_pos_max(dst.mem(), 0) == -1 && dst.blob(1) == before,
               "%s: restore gives nothing and leaves the cache as it was (%s: %s)", what.c_str(), mcb_status_str(r.status),
               r.error.c_str());
@@ -287,8 +239,7 @@ void clean_marks(const model_file & model, const kv_format & f) {
     // What context shift does: drop [50, 60) and slide the rest down.
     llama_memory_seq_rm(c.mem(), 0, 50, 60);
     llama_memory_seq_add(c.mem(), 0, 60, -1, -10);
-    check(mcb_llama::seq_clean_end(c.ctx, 0) == 50, "a shift lowers the clean mark to 50 (%d)",
-          mcb_llama::seq_clean_end(c.ctx, 0));
+    check(c.clean_end(0) == 50, "a shift lowers the clean mark to 50 (%d)", c.clean_end(0));
     std::vector<llama_token> shifted(prompt.begin(), prompt.begin() + 50);
     shifted.insert(shifted.end(), prompt.begin() + 60, prompt.end());
     const auto s1 = c.save(0, shifted);
@@ -303,7 +254,7 @@ void clean_marks(const model_file & model, const kv_format & f) {
     const auto tail = tokens(120, 13, 9);
     c.decode(0, tail, 40);
     again.insert(again.end(), tail.begin(), tail.end());
-    check(mcb_llama::seq_clean_end(c.ctx, 0) > 160, "a cut below the mark makes the sequence clean");
+    check(c.clean_end(0) > 160, "a cut below the mark makes the sequence clean");
     const auto s2 = c.save(0, again);
     check(s2.n_tokens == 160 && s2.blocks.n_blocks == 5, "then all 160 tokens are saved (%d, %u blocks)", s2.n_tokens,
           s2.blocks.n_blocks);
@@ -322,7 +273,7 @@ int main(int argc, char ** argv) {
         }
     }, nullptr);
     llama_backend_init();
-    mcb_llama::set_config("{\"block_tokens\": " + std::to_string(k_block) + "}");
+    mcb_llama::set_config("{\"block_tokens\": " + std::to_string(k_block) + ", \"arbiter\": {\"policy\": \"always-restore\"}}");
 
     llama_model_params mp = llama_model_default_params();
     const model_file model = {argv[1], llama_model_load_from_file(argv[1], mp)};

@@ -10,6 +10,7 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <limits>
@@ -31,10 +32,13 @@ constexpr llama_pos k_all_clean = std::numeric_limits<llama_pos>::max();
 
 // Clean marks of one cache. A sequence without an entry has the default mark: after
 // clear() every sequence is empty and so clean; after a whole-cache state load nothing
-// is known about any of them.
+// is known about any of them. The scope a sequence was computed under is recorded by
+// the server for each request (seq_set_scope); cells whose computation the bridge did
+// not see have no known scope.
 struct kv_marks {
     llama_pos                        dflt = k_all_clean;
     std::map<llama_seq_id, llama_pos> seq;
+    std::map<llama_seq_id, std::array<uint8_t, 16>> scope; // absent: unknown
 
     llama_pos get(llama_seq_id s) const {
         auto it = seq.find(s);
@@ -72,87 +76,52 @@ process_state & state() {
 // so that a server with the bridge off pays one atomic load per cache edit.
 std::atomic<bool> g_tracking{false};
 
-// 128-bit FNV-1a: the KV probe digest needs a stable hash that both ends compute the
-// same way; it identifies numerics, it does not defend against an adversary.
-__extension__ typedef unsigned __int128 u128; // GCC and Clang; pedantic C++ has no 128-bit type
-
-struct fnv128 {
-    u128 h = (((u128) 0x6c62272e07bb0142ULL) << 64) | 0x62b821756295c58dULL;
-    void add(const void * data, size_t n) {
-        const u128 prime = (((u128) 1) << 88) | 0x13b;
-        const auto * p = static_cast<const uint8_t *>(data);
-        for (size_t i = 0; i < n; i++) {
-            h ^= p[i];
-            h *= prime;
-        }
-    }
-    void out(uint8_t dst[16]) const {
-        for (int i = 0; i < 16; i++) {
-            dst[i] = (uint8_t) (h >> (8 * i));
-        }
-    }
-};
-
-// Hashes the K and V bytes a state_write hands over (never the headers: they carry the
-// stream count, which differs between servers that may share blocks).
-class probe_writer : public llama_io_write_i {
-public:
-    void write(const void * /*src*/, size_t size) override { n += size; }
-    void write_tensor(ggml_tensor * t, size_t offset, size_t size) override {
-        buf.resize(size);
-        ggml_backend_tensor_get(t, buf.data(), offset, size);
-        hash.add(buf.data(), size);
-        n += size;
-    }
-    size_t n_bytes() override { return n; }
-
-    fnv128 hash;
-
-private:
-    std::vector<uint8_t> buf;
-    size_t n = 0;
-};
-
-// The KV probe of amendment 5: the KV a fixed short sequence produces on this node.
-// Nodes whose numerics differ (another backend, other build flags) get other keys.
-// Runs on sequence 0 of an empty cache and leaves it empty.
-bool kv_probe(llama_context * ctx, llama_kv_cache * kv, uint8_t out[16], std::string & why) {
-    const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(ctx));
-    const int32_t n_vocab = llama_vocab_n_tokens(vocab);
+// Decodes the probe prompt into sequence 0 of an empty cache and registers the model
+// with the KV it produced; the sequence is emptied again either way.
+mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const mcb_model_params & params,
+                               const mcb_kv_format & format, bool v_trans, mcb_model & out, std::string & why) {
     if (kv->seq_pos_max(0) >= 0) {
         why = "sequence 0 is not empty";
-        return false;
+        return MCB_STATUS_STATE;
     }
-    std::vector<llama_token> toks(8);
-    for (size_t i = 0; i < toks.size(); i++) {
-        toks[i] = (llama_token) ((i * 37 + 11) % (size_t) n_vocab);
+    std::vector<llama_token> toks(mcb_probe_tokens(nullptr, 0));
+    mcb_probe_tokens(toks.data(), toks.size());
+    const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(ctx));
+    for (llama_token t : toks) {
+        if (t >= llama_vocab_n_tokens(vocab)) {
+            why = "the vocabulary has fewer tokens than the probe needs";
+            return MCB_STATUS_UNSUPPORTED;
+        }
     }
     llama_batch batch = llama_batch_get_one(toks.data(), (int32_t) toks.size());
     const int32_t rc = llama_decode(ctx, batch);
     llama_synchronize(ctx);
-    bool ok = rc == 0;
-    if (ok) {
-        probe_writer w;
+    mcb_status st = MCB_STATUS_INTERNAL;
+    if (rc != 0) {
+        why = "llama_decode returned " + std::to_string(rc);
+    } else {
         try {
-            kv->state_write(w, 0);
-            w.hash.out(out);
+            const std::vector<uint32_t> cells = seq_cells(kv, 0, (int32_t) toks.size());
+            if (cells.size() != toks.size()) {
+                throw std::runtime_error("the probe's positions are not all in the cache");
+            }
+            const std::vector<mcb_kv_layer> layers = seq_layers(kv, 0, v_trans);
+            mcb_kv_layout layout = {};
+            layout.n_layer  = (uint32_t) layers.size();
+            layout.n_cells  = kv->get_size();
+            layout.v_trans  = v_trans;
+            layout.location = "cpu:0";
+            layout.layers   = layers.data();
+            st = mcb_model_register(state().bridge, &params, &format, &layout, cells.data(), &out);
+            if (st != MCB_STATUS_OK) {
+                why = "mcb_model_register: " + status_message(st);
+            }
         } catch (const std::exception & e) {
             why = e.what();
-            ok = false;
         }
-    } else {
-        why = "llama_decode returned " + std::to_string(rc);
     }
     kv->seq_rm(0, -1, -1);
-    return ok;
-}
-
-// Mirrors llama_kv_cache's constructor (llama-kv-cache.cpp ~l.312): the Hadamard
-// rotation of quantized K/V is private state there, and it changes the KV bytes.
-bool attn_rot(ggml_type type, uint32_t n_embd_head) {
-    const char * env = getenv("LLAMA_ATTN_ROT_DISABLE");
-    const bool disabled = env != nullptr && atoi(env) != 0;
-    return !disabled && ggml_is_quantized(type) && n_embd_head % 64 == 0;
+    return st;
 }
 
 // The configuration the bridge opens with: --mcb-config, else MCB_CONFIG.
@@ -164,10 +133,6 @@ std::string config_doc(const process_state & s) {
     return env != nullptr ? env : "";
 }
 
-bool configured() {
-    std::lock_guard<std::recursive_mutex> lk(state().mu);
-    return !config_doc(state()).empty();
-}
 
 // Opens the process's bridge on first use; true when it is open.
 bool ensure_bridge(process_state & s, std::string & why) {
@@ -213,6 +178,11 @@ const std::string & default_tenant() {
     return state().tenant;
 }
 
+bool configured() {
+    std::lock_guard<std::recursive_mutex> lk(state().mu);
+    return !config_doc(state()).empty();
+}
+
 mcb_bridge bridge() {
     std::lock_guard<std::recursive_mutex> lk(state().mu);
     return state().bridge;
@@ -232,8 +202,7 @@ llama_kv_cache * plain_kv(llama_context * ctx) {
     return dynamic_cast<llama_kv_cache *>(llama_get_memory(ctx));
 }
 
-bool attach(llama_context * ctx, const char * gguf_path, const std::string & extra,
-            attachment & out, std::string & why_off) {
+bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::string & why_off) {
     const llama_model & model = *llama_get_model(ctx);
     const llama_hparams & hp = model.hparams;
     const llama_cparams & cp = ctx->get_cparams();
@@ -289,56 +258,32 @@ bool attach(llama_context * ctx, const char * gguf_path, const std::string & ext
         vr.push_back((uint32_t) ggml_row_size(tv, ev.back()));
     }
 
-    std::ostringstream ex;
-    ex << "rope_scaling=" << (int) cp.rope_scaling_type
-       << ";yarn=" << cp.yarn_ext_factor << "," << cp.yarn_attn_factor << "," << cp.yarn_beta_fast << "," << cp.yarn_beta_slow
-       << ";n_pos_per_embd=" << hp.n_pos_per_embd();
-    if (!extra.empty()) {
-        ex << ";" << extra;
-    }
-    const std::string extra_s = ex.str();
-
     mcb_model_params p = {};
-    p.llama_version   = MCB_LLAMA_TAG;
-    const std::string arch = model.arch_name();
-    p.arch            = arch.c_str();
-    p.gguf_path       = gguf_path;
-    p.n_layer         = (uint32_t) ids.size();
-    p.block_tokens    = 0;
-    p.n_embd_k_gqa    = ek.data();
-    p.n_embd_v_gqa    = ev.data();
-    p.k_row_bytes     = kr.data();
-    p.v_row_bytes     = vr.data();
-    p.type_k          = (int32_t) tk;
-    p.type_v          = (int32_t) tv;
-    p.rope_type       = (int32_t) llama_model_rope_type(&model);
-    p.rope_freq_base  = cp.rope_freq_base;
-    p.rope_freq_scale = cp.rope_freq_scale;
-    p.n_ctx_orig      = cp.n_ctx_orig_yarn;
-    p.v_trans         = v_trans;
-    p.attn_rot_k      = attn_rot(tk, hp.n_embd_head_k());
-    p.attn_rot_v      = attn_rot(tv, hp.n_embd_head_v());
-    p.extra           = extra_s.c_str();
-
-    std::string why_probe;
-    if (!kv_probe(ctx, kv, p.kv_probe, why_probe)) {
-        why_off = "KV probe failed: " + why_probe;
-        return false;
-    }
+    p.llama_version = MCB_LLAMA_TAG;
+    p.gguf_path     = gguf_path;
+    mcb_kv_format f = {};
+    f.n_layer      = (uint32_t) ids.size();
+    f.n_embd_k_gqa = ek.data();
+    f.n_embd_v_gqa = ev.data();
+    f.k_row_bytes  = kr.data();
+    f.v_row_bytes  = vr.data();
+    f.type_k       = (int32_t) tk;
+    f.type_v       = (int32_t) tv;
+    f.v_trans      = v_trans;
 
     mcb_model m = 0;
-    const mcb_status st = mcb_model_register(s.bridge, &p, &m);
-    if (st != MCB_STATUS_OK) {
-        why_off = "mcb_model_register: " + status_message(st);
+    std::string why_probe;
+    if (register_with_probe(ctx, kv, p, f, v_trans, m, why_probe) != MCB_STATUS_OK) {
+        why_off = "registering the model: " + why_probe;
         return false;
     }
 
     attachment a;
     a.model   = m;
-    a.n_layer = p.n_layer;
+    a.n_layer = f.n_layer;
     a.v_trans = v_trans;
     std::ostringstream d;
-    d << arch << ", " << p.n_layer << " KV layers, K " << ggml_type_name(tk) << " V " << ggml_type_name(tv)
+    d << model.arch_name() << ", " << f.n_layer << " KV layers, K " << ggml_type_name(tk) << " V " << ggml_type_name(tv)
       << (v_trans ? " (V transposed)" : "") << ", " << kv->get_n_stream() << " stream(s) of " << kv->get_size()
       << " cells";
     a.describe = d.str();
@@ -370,11 +315,39 @@ void detach(llama_context * ctx) {
     g_tracking.store(!s.contexts.empty(), std::memory_order_release);
 }
 
-llama_pos seq_clean_end(llama_context * ctx, llama_seq_id seq_id) {
+seq_origin seq_get_origin(llama_context * ctx, llama_seq_id seq_id) {
+    process_state & s = state();
+    std::lock_guard<std::recursive_mutex> lk(s.mu);
+    seq_origin o;
+    auto it = s.marks.find(plain_kv(ctx));
+    if (it == s.marks.end()) {
+        return o;
+    }
+    o.clean_end = it->second.get(seq_id);
+    auto sc = it->second.scope.find(seq_id);
+    if (sc != it->second.scope.end()) {
+        o.known = true;
+        std::copy(sc->second.begin(), sc->second.end(), o.scope);
+    }
+    return o;
+}
+
+void seq_set_scope(llama_context * ctx, llama_seq_id seq_id, const uint8_t scope[16], bool known) {
     process_state & s = state();
     std::lock_guard<std::recursive_mutex> lk(s.mu);
     auto it = s.marks.find(plain_kv(ctx));
-    return it == s.marks.end() ? 0 : it->second.get(seq_id);
+    if (it == s.marks.end()) {
+        return;
+    }
+    kv_marks & m = it->second;
+    if (!known) {
+        m.scope.erase(seq_id);
+        m.seq[seq_id] = 0;
+        return;
+    }
+    std::array<uint8_t, 16> id;
+    std::copy(scope, scope + 16, id.begin());
+    m.scope[seq_id] = id;
 }
 
 void mark_restored(llama_kv_cache * kv, llama_seq_id seq_id) {
@@ -455,10 +428,13 @@ void kv_seq_cp(const llama_kv_cache * kv, llama_seq_id src, llama_seq_id dst, ll
     with_marks(kv, [&](kv_marks & m) {
         const bool dst_empty = kv->seq_pos_max(dst) < 0;
         const bool cross_stream = &kv->get_cells(src) != &kv->get_cells(dst); // the copy replaces dst's stream
-        if ((dst_empty || cross_stream) && p0 <= 0) {
-            m.seq[dst] = m.get(src);
+        auto sc = m.scope.find(src);
+        if ((dst_empty || cross_stream) && p0 <= 0 && sc != m.scope.end()) {
+            m.seq[dst]   = m.get(src);
+            m.scope[dst] = sc->second;
         } else {
-            m.seq[dst] = 0; // two histories mixed in one sequence
+            m.seq[dst] = 0; // two histories mixed in one sequence, or an unknown one
+            m.scope.erase(dst);
         }
     });
 }
@@ -466,8 +442,13 @@ void kv_seq_cp(const llama_kv_cache * kv, llama_seq_id src, llama_seq_id dst, ll
 void kv_seq_keep(const llama_kv_cache * kv, llama_seq_id seq_id) {
     with_marks(kv, [&](kv_marks & m) {
         const llama_pos keep = m.get(seq_id);
-        m = kv_marks{};
-        m.seq[seq_id] = keep;
+        auto sc = m.scope.find(seq_id);
+        kv_marks kept;
+        kept.seq[seq_id] = keep;
+        if (sc != m.scope.end()) {
+            kept.scope[seq_id] = sc->second;
+        }
+        m = kept;
     });
 }
 
@@ -501,6 +482,7 @@ void kv_state_read(const llama_kv_cache * kv, llama_seq_id seq_id) {
             m.dflt = 0;
         } else {
             m.seq[seq_id] = 0;
+            m.scope.erase(seq_id);
         }
     });
 }

@@ -5,14 +5,15 @@
 // owns three things:
 //
 //   - the process's bridge (opened once, from --mcb-config or MCB_CONFIG) and the
-//     registration of each llama_context's KV format with it (amendments 5 and 6),
+//     registration of each llama_context's KV format with it,
 //   - stage 2: restoring positions [0, P) of a sequence through llama.cpp's own
 //     restore machinery (llama_kv_cache::state_read) with a reader whose tensor reads
 //     become one bridge load into the KV tensors, and the mirror for saves
-//     (amendment 1),
-//   - the clean mark of every sequence: the position below which its KV was computed
-//     from position 0 over exactly its tokens; shifts and mid-sequence removals lower
-//     it, and only KV below it is ever published (amendment 4).
+//     (docs/design.md, "llama.cpp integration"),
+//   - the origin of every sequence: the clean mark, the position below which its KV
+//     was computed from position 0 over exactly its tokens (shifts and mid-sequence
+//     removals lower it), and the scope (tenant, adapters) it was computed under; only
+//     KV below the mark is ever published, and only under that scope.
 //
 // Everything here runs on the thread that drives the llama_context (the server's
 // update loop); the bridge's own calls are thread-safe.
@@ -43,17 +44,18 @@ struct attachment {
     std::string describe; // one line for the log: types, layers, layout
 };
 
-// Registers ctx's KV format with the process's bridge (opening it on first use).
-// gguf_path is digested for the model fingerprint; extra names whatever else the
-// host applies that changes KV bytes (control vectors, server-wide adapters).
+// Registers ctx's KV format with the process's bridge (opening it on first use):
+// the probe prompt is decoded into sequence 0 of the empty cache and its KV handed
+// over, so that the library derives the model's identity as for any other host.
 // Returns false, with why_off set, when the bridge is off or cannot serve this
 // context (draft, recurrent, hybrid, sliding window, M-RoPE, device KV, ...).
-bool attach(llama_context * ctx, const char * gguf_path, const std::string & extra,
-            attachment & out, std::string & why_off);
+bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::string & why_off);
 void detach(llama_context * ctx);
 
 // The process's bridge, 0 when off. For statistics.
 mcb_bridge bridge();
+// Whether a configuration was given (--mcb-config or MCB_CONFIG).
+bool configured();
 
 struct restore_result {
     int32_t    n_tokens = 0;        // positions [0, n_tokens) of the sequence are restored
@@ -63,12 +65,13 @@ struct restore_result {
     std::string error;
 };
 
-// Stage 2: restores positions [0, n_tokens) of seq_id (whole blocks) from the bridge.
-// The sequence's previous cells are removed first (llama.cpp's restore always starts
-// with seq_rm(seq, -1, -1)); on any failure the sequence is left empty and n_tokens is
-// 0, so the caller recomputes from position 0. A partial load keeps its good prefix.
-restore_result seq_restore(llama_context * ctx, const attachment & att, const mcb_scope * scope,
-                           llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens);
+// Stage 2: restores a lookup's plan (positions [0, n_tokens), whole blocks) into
+// seq_id. The plan is consumed. The sequence's previous cells are removed first
+// (llama.cpp's restore always starts with seq_rm(seq, -1, -1)); on any failure the
+// sequence is left empty and n_tokens is 0, so the caller recomputes from position 0.
+// A partial load keeps its verified prefix.
+restore_result seq_restore(llama_context * ctx, const attachment & att, mcb_plan plan,
+                           llama_seq_id seq_id, int32_t n_tokens);
 
 struct save_result {
     int32_t         n_tokens = 0; // clean, contiguous positions handed to the bridge
@@ -79,12 +82,23 @@ struct save_result {
 
 // The mirror for saves: hands the bridge the KV of positions [0, n) of seq_id, where n
 // is the clean prefix of tokens[0, n_tokens) that the cache holds; the bridge keeps its
-// full blocks. The rows are copied before this returns (amendment 2).
+// full blocks. The rows are copied before this returns; publishing is the bridge's.
 save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scope * scope,
                      llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens);
 
-// The clean mark of seq_id in ctx's cache: KV at positions below it may be published.
-llama_pos seq_clean_end(llama_context * ctx, llama_seq_id seq_id);
+// What a sequence's cells were computed under: the clean mark (KV at positions below
+// it may be published) and the scope (mcb_scope_id) of the requests that computed
+// them. known is false when nothing is known of the scope: cells loaded from outside,
+// or computed by a request the bridge did not see.
+struct seq_origin {
+    llama_pos clean_end = 0;
+    bool      known     = false;
+    uint8_t   scope[16] = {};
+};
+seq_origin seq_get_origin(llama_context * ctx, llama_seq_id seq_id);
+// Records the scope the sequence's cells are being computed under; with known false,
+// also lowers the clean mark to 0, as nothing in it may be published.
+void seq_set_scope(llama_context * ctx, llama_seq_id seq_id, const uint8_t scope[16], bool known);
 
 // Called by llama_kv_cache (llama-patches/0002) before it edits its cells, so that the
 // clean marks follow every edit, whoever makes it.

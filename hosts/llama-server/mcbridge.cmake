@@ -81,6 +81,6 @@ endif()
 
 # Stage 2 against real contexts (scripts/server/test.sh builds and runs it).
 add_executable(llama-mcbridge-test EXCLUDE_FROM_ALL ${MCB_LLAMA_DIR}/llama-mcbridge-test.cpp)
-target_include_directories(llama-mcbridge-test PRIVATE ${MCB_INCLUDES})
+target_include_directories(llama-mcbridge-test PRIVATE ${MCB_INCLUDES} ${MCB_ROOT}/hosts/testing)
 target_link_libraries(llama-mcbridge-test PRIVATE llama)
 target_compile_features(llama-mcbridge-test PRIVATE cxx_std_17)

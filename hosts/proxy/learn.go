@@ -4,8 +4,8 @@ import (
 	"context"
 	"os"
 	"path/filepath"
-	"slices"
 
+	"github.com/mcbridge/mcbridge/internal/host"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/llamastate"
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -44,32 +44,22 @@ func (p *Proxy) learn(ctx context.Context) (*learned, error) {
 		return nil, err
 	}
 	before := tab.view(slot)
-	st, err := p.probe(ctx, slot)
+	data, err := p.probe(ctx, slot)
 	if err != nil {
 		tab.release(slot, nil, before.dirty)
 		return nil, err
 	}
-	tab.release(slot, probeTokens, false)
-	f, _, err := formatOf(st)
+	tab.release(slot, host.ProbeTokens(), false)
+	// The same registration as every other host's: the library reads the
+	// KV format and the probe's KV from the slot file.
+	m, nStream, err := host.RegisterState(p.b, host.Identity{GGUFPath: path}, data)
 	if err != nil {
 		return nil, err
 	}
-	if f.NStream != 1 && f.NStream != len(infos) {
-		return nil, status.Errorf(status.Unsupported, "%d KV streams for %d slots", f.NStream, len(infos))
+	if nStream != 1 && nStream != len(infos) {
+		return nil, status.Errorf(status.Unsupported, "%d KV streams for %d slots", nStream, len(infos))
 	}
-	kv, err := probeDigest(st, len(probeTokens))
-	if err != nil {
-		return nil, err
-	}
-	spec, err := f.spec(digest, kv, "mcbridge-proxy-v1;build="+pr.BuildInfo)
-	if err != nil {
-		return nil, err
-	}
-	m, err := p.b.RegisterModel(spec)
-	if err != nil {
-		return nil, err
-	}
-	return &learned{m: m, format: f, props: pr, path: path, digest: digest, tasks: map[int]int{}}, nil
+	return &learned{m: m, nStream: nStream, props: pr, path: path, digest: digest, tasks: map[int]int{}}, nil
 }
 
 // modelDigest digests the model file: the path /props gives when it is
@@ -100,25 +90,15 @@ func (p *Proxy) tableFor(n int) *slotTable {
 	return p.slots
 }
 
-// probe computes the probe prompt from scratch in a held slot and reads
-// the slot back.
-func (p *Proxy) probe(ctx context.Context, slot int) (*llamastate.State, error) {
-	req := map[string]any{"prompt": probeTokens, "n_predict": 1, "temperature": 0, "cache_prompt": false, "id_slot": slot}
+// probe computes the probe prompt from scratch in a held slot and returns
+// the slot's file.
+func (p *Proxy) probe(ctx context.Context, slot int) ([]byte, error) {
+	req := map[string]any{"prompt": host.ProbeTokens(), "n_predict": 1, "temperature": 0, "cache_prompt": false, "id_slot": slot}
 	if err := p.up.complete(ctx, req); err != nil {
 		return nil, status.Wrap(status.Unsupported, err, "probe completion")
 	}
-	st, _, err := p.save(ctx, slot)
-	if err != nil {
-		return nil, err
-	}
-	toks, err := st.PromptTokens()
-	if err != nil {
-		return nil, err
-	}
-	if !slices.Equal(toks, probeTokens) {
-		return nil, status.Errorf(status.Unsupported, "the probe's slot holds %d other tokens", len(toks))
-	}
-	return st, nil
+	_, data, err := p.save(ctx, slot)
+	return data, err
 }
 
 // save has the server write slot into a file, reads and parses it, and

@@ -5,12 +5,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"sync/atomic"
 	"time"
 
 	"github.com/mcbridge/mcbridge/internal/metrics"
+	"github.com/mcbridge/mcbridge/internal/status"
 )
 
 // fallbackReasons are the reasons a restore falls back, as counted.
@@ -128,14 +128,20 @@ func (p *Proxy) healthz(w http.ResponseWriter, r *http.Request) {
 	_ = json.NewEncoder(w).Encode(body)
 }
 
-// metrics writes the bridge's counters, the proxy's, and the upstream's
-// own /metrics when it serves them (their names do not collide).
+// metrics writes the bridge's series, the same vocabulary every host
+// writes, then the proxy's own, named mcproxy_ so that the mcbridge_ set is
+// the same here as in a patched llama-server or a store node.
 func (p *Proxy) metrics(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "text/plain; version=0.0.4")
-	if err := metrics.Write(w, p.b); err != nil {
+	st := p.State()
+	var off error
+	if !st.Bridge {
+		off = status.Errorf(status.Unsupported, "the upstream's model is not learned: %s", st.BridgeOff)
+	}
+	if err := metrics.Write(w, p.b, off); err != nil {
 		return
 	}
-	s, st := p.Stats(), p.State()
+	s := p.Stats()
 	gauge := func(b bool) int64 {
 		if b {
 			return 1
@@ -157,31 +163,18 @@ func (p *Proxy) metrics(w http.ResponseWriter, r *http.Request) {
 		{"saves_skipped_total", "counter", "Answers whose blocks the directory already had.", s.SavesSkipped},
 		{"save_failures_total", "counter", "Slot saves that failed.", s.SaveFailures},
 		{"save_mismatches_total", "counter", "Saved slots that did not hold the request's tokens.", s.SaveMismatch},
-		{"published_blocks_total", "counter", "Blocks published from saved slots.", s.PublishedBlocks},
+		{"queued_blocks_total", "counter", "Blocks of saved slots handed to the bridge's publisher.", s.PublishedBlocks},
 		{"publish_failures_total", "counter", "Saved slots that failed to publish.", s.PublishFailures},
 		{"publish_dropped_total", "counter", "Saved slots dropped with the publish queue full.", s.PublishDropped},
-		{"bridge_on", "gauge", "1 while the upstream's model is learned.", gauge(st.Bridge)},
 		{"publishing", "gauge", "1 while saved slots are published.", gauge(st.Publishing)},
 	} {
-		if _, err := fmt.Fprintf(w, "# HELP mcbridge_proxy_%s %s\n# TYPE mcbridge_proxy_%s %s\nmcbridge_proxy_%s %d\n",
+		if _, err := fmt.Fprintf(w, "# HELP mcproxy_%s %s\n# TYPE mcproxy_%s %s\nmcproxy_%s %d\n",
 			m.name, m.help, m.name, m.kind, m.name, m.v); err != nil {
 			return
 		}
 	}
-	fmt.Fprintf(w, "# HELP mcbridge_proxy_restore_fallbacks_total Restores that fell back to computing, by reason.\n# TYPE mcbridge_proxy_restore_fallbacks_total counter\n")
+	fmt.Fprintf(w, "# HELP mcproxy_restore_fallbacks_total Restores that fell back to computing, by reason.\n# TYPE mcproxy_restore_fallbacks_total counter\n")
 	for _, r := range fallbackReasons {
-		fmt.Fprintf(w, "mcbridge_proxy_restore_fallbacks_total{reason=%q} %d\n", r, s.Fallbacks[r])
-	}
-	req, err := http.NewRequestWithContext(r.Context(), http.MethodGet, p.up.url("/metrics", nil), nil)
-	if err != nil {
-		return
-	}
-	resp, err := p.up.client.Do(req)
-	if err != nil {
-		return
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode == http.StatusOK {
-		_, _ = io.Copy(w, resp.Body)
+		fmt.Fprintf(w, "mcproxy_restore_fallbacks_total{reason=%q} %d\n", r, s.Fallbacks[r])
 	}
 }

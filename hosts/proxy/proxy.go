@@ -48,6 +48,7 @@ import (
 	"time"
 
 	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/host"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
@@ -128,9 +129,9 @@ type Proxy struct {
 // learned is what the proxy found out about the upstream: its identity,
 // KV format and the bridge model registered for it.
 type learned struct {
-	m      *bridge.Model
-	format kvFormat
-	props  props
+	m       *host.Model
+	nStream int
+	props   props
 	path   string
 	digest key.Hash
 
@@ -242,8 +243,8 @@ func (p *Proxy) relearn(ctx context.Context) error {
 		return err
 	}
 	p.offWhy = ""
-	p.log.Info("mcbridge proxy: bridge on", "model", lm.m.Fingerprint().String(), "layers", len(lm.format.Layers),
-		"v_trans", lm.format.VTrans, "streams", lm.format.NStream, "block_tokens", lm.m.BlockTokens())
+	p.log.Info("mcbridge proxy: bridge on", "model", lm.m.Fingerprint().String(), "layers", len(lm.m.Format.Layers),
+		"v_trans", lm.m.Format.VTrans, "streams", lm.nStream, "block_tokens", lm.m.BlockTokens())
 	return nil
 }
 
@@ -423,13 +424,6 @@ func (p *Proxy) pinned(w http.ResponseWriter, r *http.Request, req *request, bod
 			p.stats.noTokens.Add(1)
 		}
 	}
-	var lk bridge.LookupResult
-	if tokens != nil {
-		var err error
-		if lk, err = lm.m.Lookup(p.opts.Scope, tokens); err != nil {
-			tokens = nil
-		}
-	}
 	want := -1
 	if req.idSlot >= 0 {
 		want = req.idSlot % tab.len() // llama-server wraps slot ids the same way
@@ -437,6 +431,14 @@ func (p *Proxy) pinned(w http.ResponseWriter, r *http.Request, req *request, bod
 	slot, local, err := tab.acquire(ctx, want, tokens)
 	if err != nil {
 		return // the client went away while waiting
+	}
+	// The slot's own prefix is what the server would reuse: the decision
+	// weighs a restore against computing only past it.
+	var lk *bridge.Plan
+	if tokens != nil {
+		if lk, err = lm.m.Lookup(p.opts.Scope, tokens, local); err != nil {
+			tokens, lk = nil, nil
+		}
 	}
 	// Counted from here, so that Flush after an answer waits for its save.
 	p.pending.Add(1)
@@ -448,9 +450,9 @@ func (p *Proxy) pinned(w http.ResponseWriter, r *http.Request, req *request, bod
 	}()
 	before := tab.view(slot)
 	x := &exchange{}
-	if tokens != nil && req.cachePrompt && lk.RestoreTokens > local {
+	if lk != nil && req.cachePrompt && lk.RestoreTokens > 0 {
 		t0 := p.opts.Now()
-		n, restoreErr := p.restore(ctx, lm, slot, tokens[:lk.RestoreTokens])
+		n, restoreErr := p.restore(ctx, lm, slot, lk)
 		x.restoreMS = float64(p.opts.Now().Sub(t0).Microseconds()) / 1000
 		switch {
 		case restoreErr == nil:
@@ -496,9 +498,13 @@ func (p *Proxy) pinned(w http.ResponseWriter, r *http.Request, req *request, bod
 		}
 	}
 	dirty := nextDirty(before, tokens, req.dirty, x)
+	matched := 0
+	if lk != nil {
+		matched = lk.MatchedBlocks
+	}
 	handedOff = true
 	p.workers.Add(1)
-	go p.after(lm, tab, slot, tokens, dirty, x, lk.MatchedBlocks)
+	go p.after(lm, tab, slot, tokens, dirty, x, matched)
 }
 
 // nextDirty says whether a slot may hold unclean KV after a request that

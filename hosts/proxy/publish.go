@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"context"
-	"runtime"
 	"slices"
 
 	"github.com/mcbridge/mcbridge/internal/llamastate"
@@ -90,51 +89,16 @@ func (p *Proxy) publisher() {
 	}
 }
 
-// publish hands the full blocks of a saved slot file to the bridge, cells
-// in position order, reading the rows in place.
+// publish hands the full blocks of a saved slot file to the bridge, as
+// every state host does.
 func (p *Proxy) publish(job publishJob) error {
-	lm := job.lm
-	f, si, err := formatOf(job.st)
-	if err != nil {
-		return err
-	}
-	if !f.equal(&lm.format) {
-		p.forget(lm, "a slot file in another KV format")
-		return status.Errorf(status.ModelMismatch, "slot file format differs from the learned one")
-	}
-	s := &job.st.Streams[si]
-	B := lm.m.BlockTokens()
-	n := min(len(job.tokens), len(s.Cells)) / B * B
-	if n == 0 {
-		return nil
-	}
-	at, err := job.st.PositionCells(n)
-	if err != nil {
-		return err
-	}
-	cells := make([]uint32, n)
-	for i, c := range at {
-		cells[i] = uint32(c)
-	}
-	sv, err := lm.m.SaveBegin(p.opts.Scope, lm.format.layout(job.data, s), job.tokens[:n], cells)
-	if err != nil {
-		return err
-	}
-	var layerErr error
-	for l := range s.Layers {
-		if layerErr = sv.SaveLayer(l); layerErr != nil {
-			break
-		}
-	}
-	res, err := sv.End()
-	// SaveLayer read job.data through the layout's addresses.
-	runtime.KeepAlive(job.data)
-	if layerErr != nil {
-		return layerErr
+	res, err := job.lm.m.SaveState(p.opts.Scope, job.data, job.tokens)
+	if status.Of(err) == status.ModelMismatch {
+		p.forget(job.lm, "a slot file in another KV format")
 	}
 	if err != nil {
 		return err
 	}
-	p.stats.publishedBlocks.Add(int64(res.Published))
+	p.stats.publishedBlocks.Add(int64(res.Queued))
 	return nil
 }

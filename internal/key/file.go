@@ -49,7 +49,7 @@ func FileDigest(path string) (Hash, error) {
 	if _, err := io.Copy(d, f); err != nil {
 		return Hash{}, err
 	}
-	h = fromU128(d.Sum128())
+	h = FromU128(d.Sum128())
 	fileDigests.Lock()
 	fileDigests.m[stamp] = h
 	fileDigests.Unlock()

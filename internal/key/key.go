@@ -15,7 +15,6 @@ package key
 import (
 	"encoding/binary"
 	"encoding/hex"
-	"math"
 	"unsafe"
 
 	"github.com/zeebo/xxh3"
@@ -37,7 +36,8 @@ func (h Hash) String() string { return hex.EncodeToString(h[:]) }
 // practice and which the index uses as "no parent".
 func (h Hash) IsZero() bool { return h == Hash{} }
 
-func fromU128(u xxh3.Uint128) Hash {
+// FromU128 converts an XXH3-128 digest into a Hash in that byte order.
+func FromU128(u xxh3.Uint128) Hash {
 	var h Hash
 	binary.BigEndian.PutUint64(h[0:8], u.Hi)
 	binary.BigEndian.PutUint64(h[8:16], u.Lo)
@@ -46,6 +46,13 @@ func fromU128(u xxh3.Uint128) Hash {
 
 // Model lists every input that changes the bytes of a KV cache. Two models
 // whose encodings differ never share blocks.
+//
+// Settings that only change the values in the cache, not its shape (rope
+// base and scaling, YaRN, the Hadamard rotation of quantized K/V, control
+// vectors and adapters applied server-wide, the backend's numerics) are not
+// listed one by one: a host cannot see all of them (a proxy sees only slot
+// files), and the KV probe covers every one of them, since each changes the
+// probe's K or V at positions 1..7.
 type Model struct {
 	LlamaVersion string   // llama.cpp release; the state format is keyed on it
 	Arch         string   // general.architecture
@@ -56,18 +63,12 @@ type Model struct {
 	TypeK        int32    // ggml_type of K
 	TypeV        int32    // ggml_type of V
 	VTrans       bool     // V stored transposed (flash attention off)
-	RopeType     int32
-	RopeFreqBase float32
-	RopeScale    float32
-	NCtxOrig     uint32
-	AttnRotK     bool // Hadamard rotation of quantized K
-	AttnRotV     bool
-	KVProbe      Hash   // digest of the KV a fixed token sequence produces on this node
-	BlockTokens  uint32 // tokens per block; fixed per model
-	Extra        string // anything else the host wants in the key
+	KVProbe      Hash     // digest of the KV the probe tokens produce on this node
+	BlockTokens  uint32   // tokens per block; fixed per model
+	Extra        string   // what changes KV bytes that the probe cannot see
 }
 
-const fingerprintMagic = "MCBFP\x01"
+const fingerprintMagic = "MCBFP\x02"
 
 // Encode returns the canonical byte encoding of m, the fingerprint's preimage.
 func (m *Model) Encode() []byte {
@@ -82,12 +83,6 @@ func (m *Model) Encode() []byte {
 	b = binary.LittleEndian.AppendUint32(b, uint32(m.TypeK))
 	b = binary.LittleEndian.AppendUint32(b, uint32(m.TypeV))
 	b = appendBool(b, m.VTrans)
-	b = binary.LittleEndian.AppendUint32(b, uint32(m.RopeType))
-	b = binary.LittleEndian.AppendUint32(b, math.Float32bits(m.RopeFreqBase))
-	b = binary.LittleEndian.AppendUint32(b, math.Float32bits(m.RopeScale))
-	b = binary.LittleEndian.AppendUint32(b, m.NCtxOrig)
-	b = appendBool(b, m.AttnRotK)
-	b = appendBool(b, m.AttnRotV)
 	b = append(b, m.KVProbe[:]...)
 	b = binary.LittleEndian.AppendUint32(b, m.BlockTokens)
 	b = appendStr(b, m.Extra)
@@ -96,7 +91,7 @@ func (m *Model) Encode() []byte {
 
 // Fingerprint returns the model's fingerprint.
 func (m *Model) Fingerprint() Fingerprint {
-	return fromU128(xxh3.Hash128(m.Encode()))
+	return FromU128(xxh3.Hash128(m.Encode()))
 }
 
 // Scope separates key spaces inside one model: a tenant salt and the adapter
@@ -106,7 +101,20 @@ type Scope struct {
 	Adapters   string // canonical adapter set, e.g. "name@scale;..." sorted; empty for the base model
 }
 
-const rootMagic = "MCBRT\x01"
+const (
+	rootMagic  = "MCBRT\x01"
+	scopeMagic = "MCBSC\x01"
+)
+
+// ID names a scope alone, with no model: hosts compare it to tell whether
+// cells were computed under the scope a request runs with.
+func (s Scope) ID() Hash {
+	b := make([]byte, 0, len(scopeMagic)+8+len(s.TenantSalt)+len(s.Adapters))
+	b = append(b, scopeMagic...)
+	b = appendStr(b, string(s.TenantSalt))
+	b = appendStr(b, s.Adapters)
+	return FromU128(xxh3.Hash128(b))
+}
 
 // Root returns the parent of a scope's first block.
 func Root(fp Fingerprint, s Scope) Hash {
@@ -115,7 +123,7 @@ func Root(fp Fingerprint, s Scope) Hash {
 	b = append(b, fp[:]...)
 	b = appendStr(b, string(s.TenantSalt))
 	b = appendStr(b, s.Adapters)
-	return fromU128(xxh3.Hash128(b))
+	return FromU128(xxh3.Hash128(b))
 }
 
 // Chain returns the keys of the full blocks of tokens: len(tokens)/blockTokens
@@ -155,7 +163,7 @@ func BlockHash(parent Hash, tokens []int32, scratch []byte) Hash {
 	b := scratch[:need]
 	copy(b, parent[:])
 	putTokens(b[16:], tokens)
-	return fromU128(xxh3.Hash128(b))
+	return FromU128(xxh3.Hash128(b))
 }
 
 // TokenBytes returns tokens as little-endian int32 bytes.

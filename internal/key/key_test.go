@@ -23,12 +23,6 @@ func baseModel() Model {
 		TypeK:        1,
 		TypeV:        8,
 		VTrans:       true,
-		RopeType:     0,
-		RopeFreqBase: 10000,
-		RopeScale:    1,
-		NCtxOrig:     4096,
-		AttnRotK:     false,
-		AttnRotV:     false,
 		KVProbe:      Hash{0xaa, 0xbb},
 		BlockTokens:  256,
 		Extra:        "",
@@ -53,12 +47,6 @@ var modelMutations = []struct {
 	{"TypeK", func(m *Model) { m.TypeK = 0 }},
 	{"TypeV", func(m *Model) { m.TypeV = -1 }},
 	{"VTrans", func(m *Model) { m.VTrans = false }},
-	{"RopeType", func(m *Model) { m.RopeType = 2 }},
-	{"RopeFreqBase", func(m *Model) { m.RopeFreqBase = 500000 }},
-	{"RopeScale", func(m *Model) { m.RopeScale = 0.25 }},
-	{"NCtxOrig", func(m *Model) { m.NCtxOrig = 8192 }},
-	{"AttnRotK", func(m *Model) { m.AttnRotK = true }},
-	{"AttnRotV", func(m *Model) { m.AttnRotV = true }},
 	{"KVProbe", func(m *Model) { m.KVProbe[0] ^= 0x80 }},
 	{"BlockTokens", func(m *Model) { m.BlockTokens = 128 }},
 	{"Extra", func(m *Model) { m.Extra = "x" }},
@@ -108,7 +96,7 @@ func TestFingerprintFramesFields(t *testing.T) {
 func TestFingerprintFormat(t *testing.T) {
 	m := baseModel()
 	enc := m.Encode()
-	require.Equal(t, "MCBFP\x01", string(enc[:len(fingerprintMagic)]), "encoding magic")
+	require.Equal(t, "MCBFP\x02", string(enc[:len(fingerprintMagic)]), "encoding magic")
 	require.Equal(t, canonical128(xxh3.Hash128(enc)), m.Fingerprint(), "fingerprint is not XXH3-128 of the encoding in canonical byte order")
 	m2 := baseModel()
 	require.Equal(t, m.Fingerprint(), m2.Fingerprint(), "equal models, different fingerprints")
@@ -369,5 +357,23 @@ func BenchmarkMooncakeHashes128k(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		MooncakeHashes(tokens, block, 0)
+	}
+}
+
+func TestScopeID(t *testing.T) {
+	ids := map[Hash]string{}
+	for name, s := range map[string]Scope{
+		"base":                {},
+		"salt":                {TenantSalt: []byte("a")},
+		"adapters":            {Adapters: "a"},
+		"salt and adapters":   {TenantSalt: []byte("a"), Adapters: "b"},
+		"boundary moved":      {TenantSalt: []byte("ab")},
+		"boundary moved back": {Adapters: "ab"},
+	} {
+		id := s.ID()
+		require.NotContains(t, ids, id, "%s has the ID of %s", name, ids[id])
+		ids[id] = name
+		require.Equal(t, id, Scope{TenantSalt: append([]byte(nil), s.TenantSalt...), Adapters: s.Adapters}.ID(), "%s: equal scopes, other IDs", name)
+		require.NotEqual(t, id, Root(Hash{}, s), "%s: a scope's ID is its root under the zero fingerprint", name)
 	}
 }

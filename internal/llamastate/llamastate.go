@@ -289,10 +289,15 @@ func (st *State) Size() int {
 // Build writes the state in its Kind's framing. A State that Parse returned
 // builds to the exact bytes it was parsed from.
 func (st *State) Build() ([]byte, error) {
+	return st.AppendTo(make([]byte, 0, st.Size()))
+}
+
+// AppendTo is Build into w's spare capacity: with Size bytes of it, the
+// state lands in w's own memory (a C buffer, say) without a copy.
+func (st *State) AppendTo(w []byte) ([]byte, error) {
 	if err := st.check(); err != nil {
 		return nil, err
 	}
-	w := make([]byte, 0, st.Size())
 	le := binary.LittleEndian
 	if st.Kind == SlotFile {
 		w = le.AppendUint32(w, SlotMagic)

@@ -1,64 +1,162 @@
-// Package metrics writes a bridge's counters in the Prometheus text
-// exposition format, for the store node's and the proxy's /metrics.
+// Package metrics is the one vocabulary of the bridge's Prometheus series.
+// The patched llama-server (through mcb_metrics_text), the proxy and the
+// store node all write it, so a dashboard or an alert works on any of
+// them. docs/metrics.md lists the same series; a test keeps the two equal.
 package metrics
 
 import (
 	"fmt"
 	"io"
+	"strings"
 
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
-type metric struct {
-	name, kind, help string
-	value            int64
+// Prefix starts every series name.
+const Prefix = "mcbridge_"
+
+// Series describes one series of the vocabulary.
+type Series struct {
+	Name, Kind, Help string
+	// Label is the label the series is split by, if any.
+	Label string
+	value func(*snapshot) []sample
 }
 
-// Write writes b's counters and pool occupancy.
-func Write(w io.Writer, b *bridge.Bridge) error {
-	s := b.Stats()
-	blocks, bytes, poolBytes := b.Resident()
-	ms := []metric{
-		{"lookups_total", "counter", "Prompts looked up.", s.Lookups},
-		{"lookup_hits_total", "counter", "Lookups that matched at least one block.", s.Hits},
-		{"lookup_misses_total", "counter", "Lookups that matched nothing.", s.Misses},
-		{"decided_restore_total", "counter", "Lookups the arbiter answered with a restore.", s.DecidedRestore},
-		{"decided_recompute_total", "counter", "Matched lookups the arbiter sent to recompute.", s.DecidedRecompute},
-		{"loads_total", "counter", "Restores started.", s.Loads},
-		{"load_failures_total", "counter", "Restores that delivered less than asked.", s.LoadFailures},
-		{"restored_tokens_total", "counter", "Tokens restored and verified.", s.RestoredTokens},
-		{"restored_bytes_total", "counter", "KV bytes restored and verified.", s.RestoredBytes},
-		{"saves_total", "counter", "Saves ended.", s.Saves},
-		{"save_failures_total", "counter", "Saves that published nothing.", s.SaveFailures},
-		{"saved_blocks_total", "counter", "Blocks this process published.", s.SavedBlocks},
-		{"deduped_blocks_total", "counter", "Blocks written but published first by another process.", s.DedupedBlocks},
-		{"evictions_total", "counter", "Blocks evicted from the pool.", s.Evictions},
-		{"directory_errors_total", "counter", "Directory calls that failed.", s.DirectoryErrors},
-		{"torn_reads_total", "counter", "Blocks that changed while read.", s.TornReads},
-		{"replicated_blocks_total", "counter", "Blocks a store node copied from their owners.", s.Replicated},
-		{"taken_over_blocks_total", "counter", "Copies a store node published after their owner let go.", s.TakenOver},
-		{"replication_failures_total", "counter", "Copies that failed to transfer or verify.", s.ReplicationFails},
-		{"resident_blocks", "gauge", "Blocks held in the pool.", int64(blocks)},
-		{"resident_bytes", "gauge", "Bytes of blocks held in the pool.", bytes},
-		{"pool_bytes", "gauge", "Size of the pool.", poolBytes},
+type sample struct {
+	label string
+	value int64
+}
+
+type snapshot struct {
+	up     error // nil when up
+	b      *bridge.Bridge
+	s      bridge.Stats
+	blocks int
+	bytes  int64
+	pool   int64
+}
+
+func one(f func(*snapshot) int64) func(*snapshot) []sample {
+	return func(s *snapshot) []sample { return []sample{{value: f(s)}} }
+}
+
+func stat(f func(*bridge.Stats) int64) func(*snapshot) []sample {
+	return one(func(s *snapshot) int64 { return f(&s.s) })
+}
+
+// Vocabulary is every series, in the order they are written.
+var Vocabulary = []Series{
+	{Name: "up", Kind: "gauge", Label: "reason",
+		Help: "1 when the bridge serves the swarm; 0 with the reason when its configuration was refused or its directory is unreachable.",
+		value: func(s *snapshot) []sample {
+			if s.up == nil {
+				return []sample{{value: 1}}
+			}
+			return []sample{{label: reasonLabel(s.up), value: 0}}
+		}},
+	{Name: "lookups_total", Kind: "counter", Help: "Prompts looked up.", value: stat(func(s *bridge.Stats) int64 { return s.Lookups })},
+	{Name: "lookup_hits_total", Kind: "counter", Help: "Lookups that matched at least one block.", value: stat(func(s *bridge.Stats) int64 { return s.Hits })},
+	{Name: "lookup_misses_total", Kind: "counter", Help: "Lookups that matched nothing.", value: stat(func(s *bridge.Stats) int64 { return s.Misses })},
+	{Name: "decided_restore_total", Kind: "counter", Help: "Lookups decided to restore: the host restored what they planned.", value: stat(func(s *bridge.Stats) int64 { return s.DecidedRestore })},
+	{Name: "decided_recompute_total", Kind: "counter", Help: "Matched lookups decided to recompute: computing was estimated faster.", value: stat(func(s *bridge.Stats) int64 { return s.DecidedRecompute })},
+	{Name: "decided_local_total", Kind: "counter", Help: "Matched lookups where the host's own cache held as much, or computing the rest of it was faster.", value: stat(func(s *bridge.Stats) int64 { return s.DecidedLocal })},
+	{Name: "loads_total", Kind: "counter", Help: "Restores started.", value: stat(func(s *bridge.Stats) int64 { return s.Loads })},
+	{Name: "load_failures_total", Kind: "counter", Help: "Restores that delivered less than planned; the host recomputed the rest.", value: stat(func(s *bridge.Stats) int64 { return s.LoadFailures })},
+	{Name: "load_failures_by_status_total", Kind: "counter", Label: "status", Help: "Failed restores by the status that ended them.",
+		value: func(s *snapshot) []sample {
+			var out []sample
+			for code, n := range s.s.FailuresByStatus {
+				if n > 0 {
+					out = append(out, sample{label: status.Code(code).String(), value: n})
+				}
+			}
+			return out
+		}},
+	{Name: "restored_tokens_total", Kind: "counter", Help: "Tokens restored and verified.", value: stat(func(s *bridge.Stats) int64 { return s.RestoredTokens })},
+	{Name: "restored_bytes_total", Kind: "counter", Help: "KV bytes restored and verified.", value: stat(func(s *bridge.Stats) int64 { return s.RestoredBytes })},
+	{Name: "saves_total", Kind: "counter", Help: "Saves ended with their blocks sealed.", value: stat(func(s *bridge.Stats) int64 { return s.Saves })},
+	{Name: "save_failures_total", Kind: "counter", Help: "Saves that sealed nothing.", value: stat(func(s *bridge.Stats) int64 { return s.SaveFailures })},
+	{Name: "saved_blocks_total", Kind: "counter", Help: "Blocks this process published.", value: stat(func(s *bridge.Stats) int64 { return s.SavedBlocks })},
+	{Name: "deduped_blocks_total", Kind: "counter", Help: "Blocks sealed here but published first by another process.", value: stat(func(s *bridge.Stats) int64 { return s.DedupedBlocks })},
+	{Name: "publish_dropped_total", Kind: "counter", Help: "Sealed blocks the full publish queue could not take (still restorable here).", value: stat(func(s *bridge.Stats) int64 { return s.PublishDropped })},
+	{Name: "unpublish_dropped_total", Kind: "counter", Help: "Evicted blocks whose unpublish the full queue could not take (readers refuse them on the generation).", value: stat(func(s *bridge.Stats) int64 { return s.UnpublishDropped })},
+	{Name: "publish_queue_blocks", Kind: "gauge", Help: "Blocks waiting for the directory.",
+		value: one(func(s *snapshot) int64 {
+			if s.b == nil {
+				return 0
+			}
+			puts, _ := s.b.Queued()
+			return int64(puts)
+		})},
+	{Name: "unpublish_queue_blocks", Kind: "gauge", Help: "Evicted blocks waiting to leave the directory.",
+		value: one(func(s *snapshot) int64 {
+			if s.b == nil {
+				return 0
+			}
+			_, dels := s.b.Queued()
+			return int64(dels)
+		})},
+	{Name: "evictions_total", Kind: "counter", Help: "Blocks evicted from the pool.", value: stat(func(s *bridge.Stats) int64 { return s.Evictions })},
+	{Name: "directory_errors_total", Kind: "counter", Help: "Directory calls that failed (publish, unpublish).", value: stat(func(s *bridge.Stats) int64 { return s.DirectoryErrors })},
+	{Name: "directory_background_errors_total", Kind: "counter", Label: "kind", Help: "Directory failures no call returned: lease grants and losses, snapshot reads, broken watches, undecodable entries.",
+		value: func(s *snapshot) []sample {
+			if s.b == nil {
+				return nil
+			}
+			e := s.b.DirectoryErrors()
+			return []sample{{"lease", e.Lease}, {"snapshot", e.Snapshot}, {"watch", e.Watch}, {"decode", e.Decode}}
+		}},
+	{Name: "torn_reads_total", Kind: "counter", Help: "Blocks that changed while read, refused.", value: stat(func(s *bridge.Stats) int64 { return s.TornReads })},
+	{Name: "replicated_blocks_total", Kind: "counter", Help: "Blocks a store node copied from their owners.", value: stat(func(s *bridge.Stats) int64 { return s.Replicated })},
+	{Name: "taken_over_blocks_total", Kind: "counter", Help: "Copies a store node published after their owner let go.", value: stat(func(s *bridge.Stats) int64 { return s.TakenOver })},
+	{Name: "replication_failures_total", Kind: "counter", Help: "Copies that failed to transfer or verify.", value: stat(func(s *bridge.Stats) int64 { return s.ReplicationFails })},
+	{Name: "resident_blocks", Kind: "gauge", Help: "Blocks held in this process's pool.", value: one(func(s *snapshot) int64 { return int64(s.blocks) })},
+	{Name: "resident_bytes", Kind: "gauge", Help: "Bytes of the blocks held in this process's pool.", value: one(func(s *snapshot) int64 { return s.bytes })},
+	{Name: "pool_bytes", Kind: "gauge", Help: "Size of this process's pool.", value: one(func(s *snapshot) int64 { return s.pool })},
+	{Name: "mirrored_blocks", Kind: "gauge", Help: "Blocks of the swarm this process's directory mirror knows, for its models.",
+		value: one(func(s *snapshot) int64 {
+			if s.b == nil {
+				return 0
+			}
+			return int64(s.b.Mirrored())
+		})},
+}
+
+// Write writes the vocabulary for b. b may be nil (the bridge is off):
+// then every counter is 0 and mcbridge_up says why, from off.
+func Write(w io.Writer, b *bridge.Bridge, off error) error {
+	s := &snapshot{b: b, up: off}
+	if b != nil {
+		s.s = b.Stats()
+		s.blocks, s.bytes, s.pool = b.Resident()
+		if s.up == nil {
+			s.up = b.Health()
+		}
+	} else if s.up == nil {
+		s.up = status.Errorf(status.State, "the bridge is not open")
 	}
-	for _, m := range ms {
-		if _, err := fmt.Fprintf(w, "# HELP mcbridge_%s %s\n# TYPE mcbridge_%s %s\nmcbridge_%s %d\n",
-			m.name, m.help, m.name, m.kind, m.name, m.value); err != nil {
-			return err
+	var sb strings.Builder
+	for _, m := range Vocabulary {
+		fmt.Fprintf(&sb, "# HELP %s%s %s\n# TYPE %s%s %s\n", Prefix, m.Name, m.Help, Prefix, m.Name, m.Kind)
+		for _, x := range m.value(s) {
+			if m.Label != "" && x.label != "" {
+				fmt.Fprintf(&sb, "%s%s{%s=%q} %d\n", Prefix, m.Name, m.Label, x.label, x.value)
+			} else {
+				fmt.Fprintf(&sb, "%s%s %d\n", Prefix, m.Name, x.value)
+			}
 		}
 	}
-	if _, err := fmt.Fprintf(w, "# HELP mcbridge_load_failures_by_status_total Failed restores by the status that ended them.\n# TYPE mcbridge_load_failures_by_status_total counter\n"); err != nil {
-		return err
+	_, err := io.WriteString(w, sb.String())
+	return err
+}
+
+// reasonLabel makes an error message a label value: one line, bounded.
+func reasonLabel(err error) string {
+	msg := strings.Join(strings.Fields(err.Error()), " ")
+	if len(msg) > 240 {
+		msg = msg[:240] + "..."
 	}
-	for code, n := range s.FailuresByStatus {
-		if n == 0 {
-			continue
-		}
-		if _, err := fmt.Fprintf(w, "mcbridge_load_failures_by_status_total{status=%q} %d\n", status.Code(code).String(), n); err != nil {
-			return err
-		}
-	}
-	return nil
+	return msg
 }
