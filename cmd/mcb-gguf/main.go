@@ -2,6 +2,7 @@
 // GGUF file.
 //
 //	mcb-gguf -preset tiny -o tiny.gguf [-seed 7] [-layers 3] [-ctx 8192]
+//	mcb-gguf -preset tiny -lora 8 -o tiny-lora.gguf [-seed 3]   a LoRA adapter for the preset
 //	mcb-gguf -info model.gguf
 package main
 
@@ -22,6 +23,7 @@ func main() {
 	layers := flag.Int("layers", 0, "block count (0: the preset's)")
 	ctx := flag.Int("ctx", 0, "training context length (0: the preset's)")
 	info := flag.String("info", "", "describe this GGUF file instead of writing one")
+	lora := flag.Int("lora", 0, "write a LoRA adapter of this rank for the preset's model instead (attn_k, attn_v)")
 	flag.Parse()
 
 	var err error
@@ -42,6 +44,10 @@ func main() {
 		}
 		if *ctx != 0 {
 			cfg.ContextLength = *ctx
+		}
+		if *lora > 0 {
+			err = gguf.WriteLoRAFile(*out, gguf.LoRA{Base: cfg, Rank: *lora, Alpha: 16 * float32(*lora), Seed: cfg.Seed + 1000})
+			break
 		}
 		err = gguf.WriteFile(*out, cfg)
 	default:

@@ -40,6 +40,12 @@ func fillF16(dst []byte, rng *splitMix64, scale float32) {
 }
 
 // fillF32Const fills dst (4 bytes an element) with v.
+func fillF32(dst []byte, rng *splitMix64, scale float32) {
+	for i := 0; i+4 <= len(dst); i += 4 {
+		binary.LittleEndian.PutUint32(dst[i:], math.Float32bits(rng.uniform(scale)))
+	}
+}
+
 func fillF32Const(dst []byte, v float32) {
 	bits := math.Float32bits(v)
 	for i := 0; i+3 < len(dst); i += 4 {

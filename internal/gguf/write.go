@@ -13,8 +13,12 @@ func Write(w io.Writer, cfg Config) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
+	return encode(w, func(e *encoder) { e.write(cfg.metadata(newVocab(cfg.VocabSize)), cfg.tensors(), cfg.Seed) })
+}
+
+func encode(w io.Writer, body func(*encoder)) error {
 	e := &encoder{w: bufio.NewWriterSize(w, 1<<20)}
-	e.write(cfg.metadata(newVocab(cfg.VocabSize)), cfg.tensors(), cfg.Seed)
+	body(e)
 	if e.err == nil {
 		e.err = e.w.Flush()
 	}
@@ -23,10 +27,14 @@ func Write(w io.Writer, cfg Config) error {
 
 // WriteFile writes the model to path through a temporary file in the same directory,
 // so that a reader (a llama-server started by a test) never sees half a model.
-func WriteFile(path string, cfg Config) (err error) {
+func WriteFile(path string, cfg Config) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
+	return writeAtomic(path, func(e *encoder) { e.write(cfg.metadata(newVocab(cfg.VocabSize)), cfg.tensors(), cfg.Seed) })
+}
+
+func writeAtomic(path string, body func(*encoder)) (err error) {
 	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp*")
 	if err != nil {
 		return err
@@ -41,7 +49,7 @@ func WriteFile(path string, cfg Config) (err error) {
 		f.Close()
 		return err
 	}
-	if err := Write(f, cfg); err != nil {
+	if err := encode(f, body); err != nil {
 		f.Close()
 		return err
 	}
