@@ -49,7 +49,7 @@ func TestSaveRig(t *testing.T) {
 	require.NoError(t, r.missAndSave())
 	// The last save is found again under its scope, up to the block that
 	// holds the prompt's last token, which a lookup never matches.
-	res, err := r.model.Lookup(r.scopeOf(r.salt), r.tokens)
+	res, err := r.model.Lookup(r.scopeOf(r.salt), r.tokens, 0)
 	require.NoError(t, err, "lookup after save")
 	require.Equal(t, r.blocks-1, res.MatchedBlocks, "lookup after save: %+v", res)
 	r.memcpy()

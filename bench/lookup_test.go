@@ -34,9 +34,7 @@ func newLookupRig(tb testing.TB, maxTokens, background int) *lookupRig {
 	br := openBridge(tb, dir, "lookup", geoTiny, int64(maxTokens/blockTokens)+2, 0)
 	r := &lookupRig{model: register(tb, br, h, "lookup"), tokens: promptTokens(maxTokens+1, 3)}
 	h.Compute(r.tokens, 0, maxTokens)
-	res, err := save(r.model, h, key.Scope{}, r.tokens[:maxTokens])
-	require.NoError(tb, err, "saving the prompt")
-	require.Equal(tb, maxTokens/blockTokens, res.Published, "saving the prompt: %+v", res)
+	saveAndPublish(tb, r.model, h, key.Scope{}, r.tokens[:maxTokens])
 	// Background entries go straight into the directory: the mirror only
 	// needs their keys, not their bytes.
 	d := directory.OpenMemory(dir)
@@ -61,7 +59,7 @@ func newLookupRig(tb testing.TB, maxTokens, background int) *lookupRig {
 // lookup looks up the first n tokens' blocks plus one token, the one that
 // is always computed, and checks that every block matched.
 func (r *lookupRig) lookup(n int) error {
-	res, err := r.model.Lookup(key.Scope{}, r.tokens[:n+1])
+	res, err := r.model.Lookup(key.Scope{}, r.tokens[:n+1], 0)
 	if err == nil && res.MatchedBlocks != n/blockTokens {
 		err = fmt.Errorf("matched %d of %d blocks", res.MatchedBlocks, n/blockTokens)
 	}

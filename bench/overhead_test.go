@@ -13,7 +13,7 @@ import (
 // lookup that matches no block, then a save of every full block.
 func (r *saveRig) missAndSave() error {
 	scope := r.scope()
-	res, err := r.model.Lookup(scope, r.tokens)
+	res, err := r.model.Lookup(scope, r.tokens, 0)
 	if err != nil {
 		return err
 	}
@@ -21,8 +21,8 @@ func (r *saveRig) missAndSave() error {
 		return fmt.Errorf("a new scope matched %d blocks", res.MatchedBlocks)
 	}
 	sr, err := save(r.model, r.host, scope, r.tokens)
-	if err == nil && sr.Published != r.blocks {
-		err = fmt.Errorf("published %d of %d blocks", sr.Published, r.blocks)
+	if err == nil && sr.Queued != r.blocks {
+		err = fmt.Errorf("queued %d of %d blocks", sr.Queued, r.blocks)
 	}
 	return err
 }

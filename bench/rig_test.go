@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"sync/atomic"
@@ -154,6 +155,19 @@ func save(m *bridge.Model, h *kvhost.Host, scope key.Scope, tokens []int32) (bri
 	return sv.End()
 }
 
+// saveAndPublish saves tokens and waits until the publisher has put the
+// blocks into the directory, where other bridges' lookups find them.
+func saveAndPublish(tb testing.TB, m *bridge.Model, h *kvhost.Host, scope key.Scope, tokens []int32) {
+	tb.Helper()
+	before := m.Bridge().Stats()
+	res, err := save(m, h, scope, tokens)
+	require.NoError(tb, err, "saving %d tokens", len(tokens))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(tb, m.Bridge().Flush(ctx), "publishing")
+	require.Equal(tb, int64(res.Queued), m.Bridge().Stats().SavedBlocks-before.SavedBlocks, "published blocks: %+v", res)
+}
+
 // restoreRig holds a prefix of blocks saved by one bridge, for another
 // bridge (or the same one, for a local restore) to restore.
 type restoreRig struct {
@@ -180,9 +194,7 @@ func newRestoreRig(tb testing.TB, g geometry, blocks int, l link) *restoreRig {
 		r.reader = register(tb, reader, r.dst, g.name)
 	}
 	r.src.Compute(r.tokens, 0, n)
-	res, err := save(wm, r.src, key.Scope{}, r.tokens)
-	require.NoError(tb, err, "saving %d blocks", blocks)
-	require.Equal(tb, blocks, res.Published, "saving %d blocks: %+v", blocks, res)
+	saveAndPublish(tb, wm, r.src, key.Scope{}, r.tokens)
 	return r
 }
 

@@ -103,11 +103,12 @@ func (r *saveRig) scopeOf(salt uint64) key.Scope {
 	return key.Scope{TenantSalt: fmt.Appendf(nil, "save-%d", salt)}
 }
 
-// save writes and publishes every block of the prompt under a new scope.
+// save seals every block of the prompt under a new scope and queues it for
+// the publisher: what a host's thread pays for a save.
 func (r *saveRig) save() error {
 	res, err := save(r.model, r.host, r.scope(), r.tokens)
-	if err == nil && res.Published != r.blocks {
-		err = fmt.Errorf("published %d of %d blocks: %+v", res.Published, r.blocks, res)
+	if err == nil && res.Queued != r.blocks {
+		err = fmt.Errorf("queued %d of %d blocks: %+v", res.Queued, r.blocks, res)
 	}
 	return err
 }

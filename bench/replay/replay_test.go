@@ -148,20 +148,12 @@ func TestRunRejects(t *testing.T) {
 	}
 }
 
-// samplePath finds the sample trace: $MCB_TRACE, or the shared data next
-// to the repository.
-func samplePath(t *testing.T) string {
+// samplePath finds the sample trace: $MCB_TRACE, or the copy in testdata.
+func samplePath() string {
 	if p := os.Getenv("MCB_TRACE"); p != "" {
 		return p
 	}
-	dir, err := os.Getwd()
-	require.NoError(t, err)
-	for ; ; dir = filepath.Dir(dir) {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return filepath.Join(dir, "..", "shared", "data", "traces", "synthetic_trace.jsonl")
-		}
-		require.NotEqual(t, filepath.Dir(dir), dir, "no go.mod above the test")
-	}
+	return filepath.Join("testdata", "synthetic_trace.jsonl")
 }
 
 // TestSampleTrace replays Mooncake's sample trace with an unbounded pool:
@@ -172,11 +164,7 @@ func samplePath(t *testing.T) string {
 // without it (and in the bench report).
 func TestSampleTrace(t *testing.T) {
 	const requestsUnderRace = 1000
-	path := samplePath(t)
-	if _, err := os.Stat(path); err != nil {
-		t.Skipf("sample trace not found at %s (set MCB_TRACE): %v", path, err)
-	}
-	trace, err := LoadTrace(path)
+	trace, err := LoadTrace(samplePath())
 	require.NoError(t, err)
 	opt := Options{Policies: []arbiter.Policy{arbiter.AlwaysRestore}}
 	if raceEnabled {

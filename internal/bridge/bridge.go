@@ -425,10 +425,18 @@ func (b *Bridge) invalidate(off, size int64) {
 }
 
 // Health says whether the bridge serves the swarm: nil, or why not (the
-// directory unreachable, this process holding no lease).
+// directory unreachable, this process holding no lease, the last publish
+// refused).
 func (b *Bridge) Health() error {
 	if c, ok := b.dir.(directory.Checker); ok {
-		return c.Healthy()
+		if err := c.Healthy(); err != nil {
+			return err
+		}
+	}
+	b.pub.mu.Lock()
+	defer b.pub.mu.Unlock()
+	if b.pub.lastErr != nil {
+		return status.Wrap(status.Of(b.pub.lastErr), b.pub.lastErr, "the directory refuses this process's blocks")
 	}
 	return nil
 }

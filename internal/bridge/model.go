@@ -37,6 +37,9 @@ type Model struct {
 	cancel func()
 }
 
+// Bridge is the bridge the model is registered with.
+func (m *Model) Bridge() *Bridge { return m.b }
+
 // Fingerprint names the model's KV format.
 func (m *Model) Fingerprint() key.Fingerprint { return m.fp }
 

@@ -39,6 +39,7 @@ type publisher struct {
 	idle     *sync.Cond // signalled when the queues are empty and nothing is in flight
 	closing  bool
 	done     chan struct{}
+	lastErr  error // of the last publish; nil once one succeeds
 }
 
 func newPublisher() *publisher {
@@ -169,7 +170,11 @@ func (b *Bridge) publishLoop() {
 		}
 		failed := false
 		if len(puts) > 0 {
-			if err := b.publishNow(puts); err != nil {
+			err := b.publishNow(puts)
+			p.mu.Lock()
+			p.lastErr = err
+			p.mu.Unlock()
+			if err != nil {
 				failed = true
 				p.requeue(puts)
 				b.stats.add(&b.stats.directoryErrors, 1)

@@ -57,6 +57,22 @@ func TestMemoryPublishDedupes(t *testing.T) {
 	require.Equal(t, []bool{false, false, true, true, false, true}, got, "second publisher")
 }
 
+// A retried publish of entries the directory already holds exactly as
+// offered reports them held; another owner's copy does not.
+func TestMemoryPublishRetryOfHeldEntries(t *testing.T) {
+	a := open(t)
+	ctx := context.Background()
+	es := entries(modelA, 0, 3, "a")
+	_, err := a.Publish(ctx, es)
+	require.NoError(t, err)
+	got, err := a.Publish(ctx, es)
+	require.NoError(t, err)
+	require.Equal(t, []bool{true, true, true}, got, "the same entries again")
+	got, err = a.Publish(ctx, entries(modelA, 0, 3, "b"))
+	require.NoError(t, err)
+	require.Equal(t, []bool{false, false, false}, got, "another owner's copy")
+}
+
 func TestMemoryPublishConcurrentStoresOnce(t *testing.T) {
 	const publishers, n = 4, 64
 	m := open(t)

@@ -130,7 +130,7 @@ func startTLSEtcd(t *testing.T, p *pki, clientCertAuth bool) string {
 	t.Helper()
 	bin := etcdtest.Binary()
 	if bin == "" {
-		t.Skip("no etcd server binary: install Debian's etcd-server package or set MCB_ETCD_BIN")
+		t.Fatal("no etcd server binary: install Debian's etcd-server package (make test does) or set MCB_ETCD_BIN")
 	}
 	var ls []net.Listener
 	for range 2 {
@@ -219,7 +219,7 @@ func openPeer(t *testing.T, c config.Config) (*peer, error) {
 	return &peer{b, m, h}, nil
 }
 
-func (p *peer) save(tokens []int32) (bridge.SaveResult, error) {
+func (p *peer) save(tokens []int32) (saved, error) {
 	cells := kvtest.SeqCells(len(tokens))
 	p.h.Fill(tokens, cells)
 	return saveLayers(p.m, p.h, key.Scope{}, tokens, cells, layers)
@@ -234,18 +234,19 @@ func shareThrough(t *testing.T, c config.Config) {
 	b, err := openPeer(t, c)
 	require.NoError(t, err)
 	tokens := prompt(seedA, promptLen)
-	saved, err := a.save(tokens)
-	require.NoError(t, err, "publish")
-	require.Equal(t, fullBlocks, saved.Published, "publish: %+v", saved)
+	res, err := a.save(tokens)
+	require.NoError(t, err, "save")
+	require.NoError(t, res.PublishErr, "publish")
+	require.Equal(t, fullBlocks, res.Published, "publish: %+v", res)
 	waitMatched(t, b.m, key.Scope{}, tokens, fullBlocks)
 	b.h.Scribble()
 	asked := fullBlocks * blockTokens
 	cells := kvtest.SeqCells(len(tokens))
 	ld, err := b.m.LoadBegin(key.Scope{}, b.h.Layout(), tokens[:asked], cells[:asked])
 	require.NoError(t, err)
-	res, err := ld.End()
+	got, err := ld.End()
 	require.NoError(t, err, "restore")
-	require.Equal(t, asked, res.OKTokens, "restore: %+v", res)
+	require.Equal(t, asked, got.OKTokens, "restore: %+v", got)
 	require.NoError(t, verifyRecompute(b.h, tokens, asked))
 }
 
@@ -258,10 +259,14 @@ func publishAs(t *testing.T, c config.Config) error {
 		return err
 	}
 	res, err := p.save(prompt(seedB, promptLen))
-	if err == nil {
-		require.Equal(t, fullBlocks, res.Published, "save: %+v", res)
+	if err != nil {
+		return err
 	}
-	return err
+	if res.PublishErr != nil {
+		return res.PublishErr
+	}
+	require.Equal(t, fullBlocks, res.Published, "save: %+v", res)
+	return nil
 }
 
 // refused checks that a bridge opened under c cannot publish, with a

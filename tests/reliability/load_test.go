@@ -134,7 +134,7 @@ func runLoad(j job) int {
 func request(m *bridge.Model, h *kvtest.Host, tokens []int32, rep *loadReport) time.Duration {
 	cells := kvtest.SeqCells(len(tokens))
 	t0 := time.Now()
-	lk, err := m.Lookup(key.Scope{}, tokens)
+	lk, err := m.Lookup(key.Scope{}, tokens, 0)
 	if err != nil {
 		rep.fail("lookup: %v", err)
 		return time.Since(t0)

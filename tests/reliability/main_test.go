@@ -226,7 +226,7 @@ func waitMatched(t *testing.T, m *bridge.Model, sc key.Scope, tokens []int32, wa
 	t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
 	for {
-		r, err := m.Lookup(sc, tokens)
+		r, err := m.Lookup(sc, tokens, 0)
 		require.NoError(t, err)
 		if r.MatchedBlocks >= want {
 			return

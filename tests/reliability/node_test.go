@@ -60,7 +60,7 @@ func (n *node) geometry() pool.Geometry {
 }
 
 // save computes tokens on the node's host and saves them.
-func (n *node) save(sc key.Scope, tokens []int32) (bridge.SaveResult, error) {
+func (n *node) save(sc key.Scope, tokens []int32) (saved, error) {
 	cells := kvtest.SeqCells(len(tokens))
 	n.h.Fill(tokens, cells)
 	return saveLayers(n.m, n.h, sc, tokens, cells, layers)
@@ -81,7 +81,7 @@ func (o outcome) Code() status.Code { return status.Of(o.Err) }
 // empties the directory still reaches the load.
 func (n *node) begin(h *kvtest.Host, sc key.Scope, tokens []int32) (*bridge.Load, outcome) {
 	n.t.Helper()
-	lk, err := n.m.Lookup(sc, tokens)
+	lk, err := n.m.Lookup(sc, tokens, 0)
 	require.NoError(n.t, err)
 	o := outcome{Asked: (len(tokens) - 1) / blockTokens * blockTokens, Decided: lk.RestoreTokens}
 	h.Scribble()

@@ -95,18 +95,56 @@ func runOwner(j job) int {
 
 // saveLayers saves tokens, copying the first n layers; n below the
 // model's layer count ends the save unfinished.
-func saveLayers(m *bridge.Model, h *kvtest.Host, sc key.Scope, tokens []int32, cells []uint32, n int) (bridge.SaveResult, error) {
+// saved is a save and what the bridge's publisher made of it.
+type saved struct {
+	bridge.SaveResult
+	Published int
+	// PublishErr is why the publisher published fewer blocks than the save
+	// queued: the directory's refusal, as the bridge's health reports it.
+	PublishErr error
+}
+
+// saveLayers saves the first n layers and, once the save ends, waits for
+// the publisher: the directory has the blocks, or refused them, when it
+// returns.
+func saveLayers(m *bridge.Model, h *kvtest.Host, sc key.Scope, tokens []int32, cells []uint32, n int) (saved, error) {
+	b := m.Bridge()
+	before := b.Stats()
 	sv, err := m.SaveBegin(sc, h.Layout(), tokens, cells)
 	if err != nil {
-		return bridge.SaveResult{}, err
+		return saved{}, err
 	}
 	for l := 0; l < n; l++ {
 		if err := sv.SaveLayer(l); err != nil {
 			_, _ = sv.End()
-			return bridge.SaveResult{}, err
+			return saved{}, err
 		}
 	}
-	return sv.End()
+	res, err := sv.End()
+	if err != nil {
+		return saved{SaveResult: res}, err
+	}
+	out := saved{SaveResult: res}
+	if res.Queued == 0 {
+		return out, nil
+	}
+	// A refused publish is retried until the bridge closes: wait for the
+	// first outcome, not for success.
+	deadline := time.Now().Add(20 * time.Second)
+	for time.Now().Before(deadline) {
+		out.Published = int(b.Stats().SavedBlocks - before.SavedBlocks)
+		failed := b.Stats().DirectoryErrors > before.DirectoryErrors
+		if out.Published >= res.Queued {
+			return out, nil
+		}
+		if failed {
+			out.PublishErr = b.Health()
+			return out, nil
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	out.PublishErr = fmt.Errorf("the publisher took none of %d blocks in 20s", res.Queued)
+	return out, nil
 }
 
 // scribble damages this process's copy of block i of tokens, as memory

@@ -84,7 +84,7 @@ type stage struct {
 func main() {
 	out := flag.String("out", "docs/bench", "directory for README.md and the plots")
 	raw := flag.String("raw", "bench/out", "directory for raw outputs; e2e.json is read from it")
-	trace := flag.String("trace", "", "Mooncake trace to replay ($MCB_TRACE, else ../shared/data/traces/synthetic_trace.jsonl)")
+	trace := flag.String("trace", "", "Mooncake trace to replay ($MCB_TRACE, else bench/replay/testdata/synthetic_trace.jsonl)")
 	renderOnly := flag.Bool("render-only", false, "measure nothing: rewrite the README and plots from the last report.json and the current e2e.json")
 	flag.Parse()
 	run := measure
@@ -109,7 +109,7 @@ func measure(outDir, rawDir, tracePath string) error {
 		r.Trace = os.Getenv("MCB_TRACE")
 	}
 	if r.Trace == "" {
-		r.Trace = filepath.Join("..", "shared", "data", "traces", "synthetic_trace.jsonl")
+		r.Trace = filepath.Join("bench", "replay", "testdata", "synthetic_trace.jsonl")
 	}
 
 	timed := func(name string, fn func() error) error {

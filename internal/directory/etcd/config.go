@@ -94,9 +94,10 @@ func (c *Config) withDefaults() (Config, error) {
 		return out, status.Errorf(status.Config, "etcd directory: lease TTL %v: at least 1s", out.LeaseTTL)
 	case out.DialTimeout < 0 || out.OpTimeout < 0:
 		return out, status.Errorf(status.Config, "etcd directory: negative timeout")
-	case out.MaxTxnOps < 2:
-		// A nested transaction spends one op of its parent's budget.
-		return out, status.Errorf(status.Config, "etcd directory: max txn ops %d: at least 2", out.MaxTxnOps)
+	case out.MaxTxnOps < 3:
+		// A publish nests two transactions deep; each level spends one op
+		// of its parent's budget.
+		return out, status.Errorf(status.Config, "etcd directory: max txn ops %d: at least 3", out.MaxTxnOps)
 	case out.MaxRequestBytes < minRequestBytes:
 		return out, status.Errorf(status.Config, "etcd directory: max request bytes %d: at least %d", out.MaxRequestBytes, minRequestBytes)
 	case (out.TLS.CertFile == "") != (out.TLS.KeyFile == ""):

@@ -328,19 +328,21 @@ func (d *Directory) deleteIfUnchanged(ctx context.Context, ops []op) error {
 }
 
 // Request bytes of one block's nested transaction beyond its key (written
-// up to three times: compare, put or delete, get) and value.
+// up to four times: compare, put or delete, get, the compare of the value)
+// and value (twice: the put and the compare).
 const opOverhead = 64
 
-// batches cuts ops into runs that fit one transaction. A nested
-// transaction spends one op of its parent's budget (etcd checks each level
-// against what the levels above left), hence MaxTxnOps-1.
+// batches cuts ops into runs that fit one transaction. Each nesting level
+// spends one op of the budget its parent left (etcd checks each level
+// against what the levels above left over), and a publish nests two deep
+// (put if absent, else compare the value), hence MaxTxnOps-2.
 func (d *Directory) batches(ops []op) [][]op {
 	var out [][]op
-	maxOps := d.cfg.MaxTxnOps - 1
+	maxOps := d.cfg.MaxTxnOps - 2
 	maxBytes := d.cfg.MaxRequestBytes - minRequestBytes/2
 	start, bytes := 0, 0
 	for i := range ops {
-		n := 3*len(ops[i].key) + len(ops[i].value) + opOverhead
+		n := 4*len(ops[i].key) + 2*len(ops[i].value) + opOverhead
 		if i > start && (i-start == maxOps || bytes+n > maxBytes) {
 			out = append(out, ops[start:i])
 			start, bytes = i, 0

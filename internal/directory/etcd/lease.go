@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -56,7 +57,14 @@ type LeaseReport struct {
 }
 
 func (d *Directory) report(r LeaseReport) {
-	d.cfg.Log.Info("etcd directory lease", "state", r.State.String(), "lease", fmt.Sprintf("%x", r.Lease),
+	level := slog.LevelInfo
+	switch {
+	case r.State == LeaseGranted:
+		level = slog.LevelDebug // every start
+	case r.State == LeaseLost || r.Err != nil:
+		level = slog.LevelWarn
+	}
+	d.cfg.Log.Log(context.Background(), level, "etcd directory lease", "state", r.State.String(), "lease", fmt.Sprintf("%x", r.Lease),
 		"republished", r.Republished, "taken", r.Taken, "err", r.Err)
 	if d.cfg.OnLease != nil {
 		d.cfg.OnLease(r)

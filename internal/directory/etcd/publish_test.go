@@ -40,6 +40,20 @@ func TestPublishDedupesAcrossClients(t *testing.T) {
 	require.Equal(t, []bool{true, true}, publish(t, b, testEntries(modelB, 0, 2, "b")), "other model")
 }
 
+// A publish whose answer was lost (a timeout after etcd committed) is
+// retried: the entries etcd holds are exactly the retry's, so the retry
+// reports them held, and another owner's copy of the same blocks not.
+func TestPublishRetryOfCommittedEntries(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a := openDir(t, srv, nil)
+	b := openDir(t, srv, nil)
+	es := testEntries(modelA, 0, 4, "a")
+	require.NotContains(t, publish(t, a, es), false, "first publish")
+	require.NotContains(t, publish(t, a, es), false, "the same entries again: held exactly as offered")
+	require.NotContains(t, publish(t, b, es), false, "the same values from another client: held exactly as offered")
+	require.NotContains(t, publish(t, b, testEntries(modelA, 0, 4, "b")), true, "another owner's copy: held by a")
+}
+
 func TestPublishConcurrentSameBlocksStoresEachOnce(t *testing.T) {
 	srv := etcdtest.Start(t)
 	const n = 300

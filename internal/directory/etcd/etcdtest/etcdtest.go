@@ -1,7 +1,8 @@
 // Package etcdtest runs a throwaway single-member etcd for tests: the etcd
 // binary ($MCB_ETCD_BIN, else /usr/bin/etcd, else etcd on PATH; Debian's
 // package is etcd-server) on free loopback ports with a temporary data
-// directory. Tests skip, naming the package, where no binary exists.
+// directory. Where no binary exists the test fails, naming the package: a
+// suite that cannot run must not print ok.
 package etcdtest
 
 import (
@@ -60,7 +61,7 @@ func Start(tb testing.TB, extraArgs ...string) *Server {
 	tb.Helper()
 	bin := Binary()
 	if bin == "" {
-		tb.Skip("no etcd server binary: install Debian's etcd-server package (apt-get install etcd-server) or set MCB_ETCD_BIN")
+		tb.Fatal("no etcd server binary: install Debian's etcd-server package (apt-get install etcd-server; make test does) or set MCB_ETCD_BIN")
 	}
 	dir := tb.TempDir()
 	s := &Server{
