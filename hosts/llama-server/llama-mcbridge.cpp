@@ -93,6 +93,9 @@ mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const m
             return MCB_STATUS_UNSUPPORTED;
         }
     }
+    // The probe is the base model's KV: LoRA adapters are per request, and a request's
+    // scope names them. llama-server sets each batch's adapters itself.
+    llama_set_adapters_lora(ctx, nullptr, 0, nullptr);
     llama_batch batch = llama_batch_get_one(toks.data(), (int32_t) toks.size());
     const int32_t rc = llama_decode(ctx, batch);
     llama_synchronize(ctx);

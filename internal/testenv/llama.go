@@ -1,0 +1,132 @@
+package testenv
+
+import (
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// Llama is a llama-server process.
+type Llama struct{ *Server }
+
+// StartLlama runs a llama-server (bin) on a free loopback port with args
+// and waits until /health answers. env is added to the test's own.
+func StartLlama(tb testing.TB, name, bin string, args []string, env ...string) *Llama {
+	tb.Helper()
+	s := StartServer(tb, name, bin, args, env, func(port int) []string {
+		return []string{"--host", "127.0.0.1", "--port", strconv.Itoa(port)}
+	}, "/health")
+	return &Llama{s}
+}
+
+// ServerArgs are the arguments the tests give every llama-server of one
+// comparison, so that slots, streams and batches are equal and only the
+// bridge differs: the model, a context of ctx cells over slots, 2 threads,
+// flash attention fa ("on" or "off"), no prompt cache.
+func ServerArgs(model string, ctx, slots int, fa string) []string {
+	return []string{"-m", model, "-c", strconv.Itoa(ctx), "-np", strconv.Itoa(slots), "-t", "2",
+		"-fa", fa, "--no-webui", "--cache-ram", "0", "--metrics"}
+}
+
+// Timings is the part of a completion's "timings" the tests read: the
+// server's own and the bridge's.
+type Timings struct {
+	CacheN    int     `json:"cache_n"`
+	PromptN   int     `json:"prompt_n"`
+	PromptMS  float64 `json:"prompt_ms"`
+	Predicted int     `json:"predicted_n"`
+
+	Decision      string  `json:"mcb_decision"`
+	Reason        string  `json:"mcb_reason"`
+	MatchedN      int     `json:"mcb_matched_n"`
+	RestoredN     int     `json:"mcb_restored_n"`
+	RestoredBytes int64   `json:"mcb_restored_bytes"`
+	RestoreMS     float64 `json:"mcb_restore_ms"`
+	LookupMS      float64 `json:"mcb_lookup_ms"`
+	SavedBlocks   int     `json:"mcb_saved_blocks"`
+	Error         string  `json:"mcb_error"`
+}
+
+// Completion is a /completion answer.
+type Completion struct {
+	Content string  `json:"content"`
+	Tokens  []int32 `json:"tokens"`
+	IDSlot  int     `json:"id_slot"`
+	Timings Timings `json:"timings"`
+}
+
+// Request is a greedy, seeded completion of a token-id prompt; Extra is
+// merged into the JSON.
+type Request struct {
+	Prompt   []int32
+	Slot     int // -1: the server picks
+	NPredict int
+	Extra    map[string]any
+}
+
+func (r Request) body() map[string]any {
+	b := map[string]any{"prompt": r.Prompt, "n_predict": r.NPredict, "temperature": 0, "seed": 42,
+		"return_tokens": true, "cache_prompt": true, "id_slot": r.Slot}
+	for k, v := range r.Extra {
+		b[k] = v
+	}
+	return b
+}
+
+// Complete posts a completion to url/completion (a llama-server or a proxy).
+func Complete(tb testing.TB, url string, r Request) Completion {
+	tb.Helper()
+	var c Completion
+	Post(tb, url+"/completion", r.body(), &c)
+	return c
+}
+
+// Complete posts a completion to the server.
+func (l *Llama) Complete(tb testing.TB, r Request) Completion {
+	tb.Helper()
+	return Complete(tb, l.URL, r)
+}
+
+// BridgeState is "on", or the reason the server logged for leaving the
+// bridge off ("" when it logged neither: a stock server).
+func (l *Llama) BridgeState() string {
+	line := l.LogLine("mcbridge: o")
+	switch {
+	case strings.Contains(line, "mcbridge: on: "):
+		return "on"
+	case strings.Contains(line, "mcbridge: off: "):
+		_, why, _ := strings.Cut(line, "mcbridge: off: ")
+		return why
+	}
+	return ""
+}
+
+// Tokens is n token ids that spell no special token: (i*mul+off) % 256,
+// the byte tokens of the generated vocabulary.
+func Tokens(n, mul, off int) []int32 {
+	t := make([]int32, n)
+	for i := range t {
+		t[i] = int32((i*mul + off) % 256)
+	}
+	return t
+}
+
+// Cat concatenates token lists.
+func Cat(parts ...[]int32) []int32 {
+	var out []int32
+	for _, p := range parts {
+		out = append(out, p...)
+	}
+	return out
+}
+
+// JSON formats v for a failure message.
+func JSON(v any) string {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return fmt.Sprint(v)
+	}
+	return string(b)
+}
