@@ -1,40 +1,49 @@
 # Thin driver over CMake, go and the scripts. `make` builds everything into
-# build/, `make test` runs every test, `make demo` runs the swarm demo.
+# build/, `make test` runs every test, `make demo` runs the swarm demo. Each of
+# them works as the first command on a machine with Go, gcc, make and git:
+# scripts/bootstrap.sh installs the Debian packages, scripts/deps.sh builds (once,
+# cached under $MCB_CACHE) llama.cpp and the real Mooncake Transfer Engine.
 BUILD ?= build
 GO ?= go
-CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=RelWithDebInfo
+CMAKE_FLAGS ?= -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
 FUZZTIME ?= 30s
+export MCB_CACHE ?= $(HOME)/.cache/mcbridge
+export CCACHE_DIR ?= $(MCB_CACHE)/ccache
 export MCB_TE_MOCK_LIB := $(abspath $(BUILD))/libmooncake_te_mock.so
+# The end-to-end environment scripts/deps.sh writes.
+E2E := . $(abspath $(BUILD))/e2e.env &&
 
-.PHONY: all configure test test-go test-cgocheck test-c test-llama demo fuzz bench-report clean
+.PHONY: all bootstrap configure deps test test-go test-cgocheck test-c demo fuzz bench-report clean
 
 all: configure
 	cmake --build $(BUILD) -j$$(nproc)
 
-configure:
+bootstrap:
+	@scripts/bootstrap.sh
+
+configure: bootstrap
 	@test -f $(BUILD)/CMakeCache.txt || cmake -S . -B $(BUILD) $(CMAKE_FLAGS)
 
-test: all test-go test-cgocheck test-c test-llama
+deps: all
+	scripts/deps.sh $(BUILD)
 
-test-go: all
+test: test-go test-cgocheck test-c
+
+# Every Go package, the end-to-end suites (tests/e2e) included, under the race
+# detector.
+test-go: deps
 	$(GO) vet ./...
-	$(GO) test -race -count=1 ./...
+	$(E2E) $(GO) test -race -count=1 -timeout 45m ./...
 
 # cgocheck2 catches Go pointers kept by C; the cgo packages run under it.
-test-cgocheck: all
-	GOEXPERIMENT=cgocheck2 $(GO) test -count=1 ./cabi/... ./internal/transport/mooncake/...
+test-cgocheck: deps
+	$(E2E) GOEXPERIMENT=cgocheck2 $(GO) test -count=1 ./cabi/... ./internal/transport/mooncake/...
 
-test-c: all
-	ctest --test-dir $(BUILD) --output-on-failure
+test-c: deps
+	$(E2E) ctest --test-dir $(BUILD) --output-on-failure
 
-test-llama: all
-	scripts/llama/smoke.sh stock
-	scripts/stage1/test.sh
-	scripts/server/test.sh
-	scripts/proxy/test.sh
-
-demo: all
-	scripts/demo/run.sh
+demo: deps
+	$(E2E) scripts/demo/run.sh
 
 # Runs every fuzz target for FUZZTIME each (make test runs their seeds).
 fuzz:
@@ -45,8 +54,8 @@ fuzz:
 	done
 
 # Regenerates docs/bench/README.md and its plots (MCB_BENCH_QUICK=1: a quick run).
-bench-report:
-	bench/report.sh
+bench-report: deps
+	$(E2E) bench/report.sh
 
 clean:
 	rm -rf $(BUILD)

@@ -328,8 +328,10 @@ mcb_status mcb_save_end(mcb_save save, struct mcb_save_result *out);
 
 /* Restores a plan of a model registered with mcb_model_register_state into
  * a new state blob for llama_state_seq_set_data: it holds positions
- * [0, out->n_tokens_ok). The plan is consumed. On success *state and
- * *n_bytes are set; free the blob with mcb_state_free. */
+ * [0, out->n_tokens_ok). The plan is consumed. Whenever a block verified,
+ * *state and *n_bytes are set, also when the status is the failure that
+ * cut the load short (a partial restore); free the blob with
+ * mcb_state_free. */
 mcb_status mcb_state_restore(mcb_plan plan, uint8_t **state, size_t *n_bytes, struct mcb_load_result *out);
 
 /* Frees a blob from mcb_state_restore. NULL is a no-op. */

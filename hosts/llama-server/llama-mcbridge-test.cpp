@@ -1,6 +1,6 @@
 // llama-mcbridge-test MODEL OTHER_MODEL: stage 2 inside one process, against real
 // llama_contexts of the patched libllama sharing one bridge (in-process directory and
-// transport). Run by scripts/server/test.sh; exit status 0 when every check passes.
+// transport). Run by tests/e2e (TestStage2Contexts); exit status 0 when every check passes.
 //
 //   - a save from one context and a restore into another with the same KV format
 //     places byte-identical K and V at every restored position, into cells that

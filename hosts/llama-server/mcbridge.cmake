@@ -79,7 +79,7 @@ if (TARGET server-context)
     target_include_directories(server-context PUBLIC ${MCB_INCLUDES})
 endif()
 
-# Stage 2 against real contexts (scripts/server/test.sh builds and runs it).
+# Stage 2 against real contexts (scripts/deps.sh builds it, tests/e2e runs it).
 add_executable(llama-mcbridge-test EXCLUDE_FROM_ALL ${MCB_LLAMA_DIR}/llama-mcbridge-test.cpp)
 target_include_directories(llama-mcbridge-test PRIVATE ${MCB_INCLUDES} ${MCB_ROOT}/hosts/testing)
 target_link_libraries(llama-mcbridge-test PRIVATE llama)

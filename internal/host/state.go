@@ -72,9 +72,10 @@ func (m *Model) SaveState(scope key.Scope, state []byte, tokens []int32) (bridge
 
 // RestoreState loads a plan into a new state of positions [0, OKTokens),
 // laid out in memory from alloc (which must return a slice of the length
-// asked for), so the transfers land in the state itself. On success the
-// returned bytes are a prefix of alloc's memory or, after a partial load,
-// a second allocation holding the verified blocks.
+// asked for), so the transfers land in the state itself. The state is
+// returned whenever a block verified: alloc's first buffer or, after a
+// partial load, a second one holding the verified blocks, with the error
+// that cut the load short.
 func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte) ([]byte, bridge.LoadResult, error) {
 	if p.Model() != m.Model {
 		return nil, bridge.LoadResult{}, status.Errorf(status.InvalidArg, "a plan of another model")
@@ -126,7 +127,10 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 		return nil, res, err
 	}
 	out, err := sl.AppendTo(alloc(sl.Size())[:0])
-	return out, res, err
+	if err != nil {
+		return nil, res, err
+	}
+	return out, res, loadErr
 }
 
 // emptyState is a state of n cells at positions 0..n-1 whose rows the load

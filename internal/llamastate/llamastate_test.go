@@ -15,9 +15,9 @@ import (
 )
 
 // The files in testdata were written by llama.cpp v0.5.0 (stock build) on the
-// tiny preset of bridge/gguf (2 layers, 2 KV heads of 16) by
-// `scripts/stage1/test.sh testdata`: 24 prompt tokens, and each state's
-// first 16 tokens computed alone (-prefix16).
+// tiny preset of internal/gguf (2 layers, 2 KV heads of 16) by
+// `libllama_test testdata MODEL DIR` (hosts/libllama/tests): 24 prompt
+// tokens, and each state's first 16 tokens computed alone (-prefix16).
 func readTestdata(t testing.TB, name string) []byte {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join("testdata", name))

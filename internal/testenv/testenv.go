@@ -37,6 +37,7 @@ const (
 	EnvRealTE        = "MCB_TE_REAL_LIB"          // scripts/mooncake/build.sh te: <dir>/install/lib/libtransfer_engine.so
 	EnvStoreDir      = "MCB_MOONCAKE_STORE_DIR"   // scripts/mooncake/build.sh store: <dir>/out
 	EnvBin           = "MCB_BIN"                  // mcbridge, else built from this tree
+	EnvLibllama      = "MCB_LIBLLAMA_BUILD"       // the build of hosts/libllama: libllama_test, libllama_test_asan
 )
 
 // Binary returns the file an environment variable names, failing the test

@@ -10,6 +10,7 @@
 package e2e
 
 import (
+	"encoding/json"
 	"fmt"
 	"os"
 	"testing"
@@ -38,3 +39,8 @@ func TestMain(m *testing.M) {
 // defaultWait bounds what the tests wait for that happens in the
 // background: publishing, the directory's watch, a lease's expiry.
 const defaultWait = 60 * time.Second
+
+func jsonGet(t *testing.T, url string, out any) error {
+	t.Helper()
+	return json.Unmarshal(testenv.Get(t, url), out)
+}

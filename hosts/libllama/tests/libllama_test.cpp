@@ -601,14 +601,14 @@ int main(int argc, char **argv) {
     llama_log_set(quiet_log, nullptr);
     llama_backend_init();
     int rc = 2;
-    if (argc == 4) {
-        rc = run_all(argv[1], argv[2], argv[3]);
-    } else if (argc == 5 && std::strcmp(argv[1], "xsave") == 0) {
+    if (argc == 5 && std::strcmp(argv[1], "xsave") == 0) {
         rc = run_xsave(argv[2], argv[3], argv[4]);
     } else if (argc == 4 && std::strcmp(argv[1], "xrestore") == 0) {
         rc = run_xrestore(argv[2], argv[3]);
     } else if (argc == 4 && std::strcmp(argv[1], "testdata") == 0) {
         rc = run_testdata(argv[2], argv[3]);
+    } else if (argc == 4) {
+        rc = run_all(argv[1], argv[2], argv[3]);
     } else {
         std::fprintf(stderr,
                      "usage: %s MODEL OTHER_MODEL TE_MOCK_LIB\n"

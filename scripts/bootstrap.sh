@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# bootstrap.sh: installs the Debian packages the build and the tests need, when
+# missing, so that `make demo` and `make test` work as the first command on a machine
+# with only Go, gcc, make and git. Root installs with apt-get; anyone else is told
+# what to install. Fast when everything is there.
+set -euo pipefail
+
+# The C toolchain's build tools; etcd for the directory tests; curl and jq for the
+# demo; iproute2 for the network-namespace tests; the real Mooncake Transfer Engine's
+# build and runtime dependencies (scripts/mooncake/build.sh).
+pkgs=(cmake ninja-build ccache pkg-config jq curl etcd-server iproute2 git
+	python3 python3-dev libibverbs-dev libnuma-dev libgoogle-glog-dev libgflags-dev
+	libjsoncpp-dev libyaml-cpp-dev libcurl4-openssl-dev)
+
+missing=()
+for p in "${pkgs[@]}"; do
+	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+((${#missing[@]} == 0)) && exit 0
+
+if [[ $(id -u) != 0 ]]; then
+	echo "bootstrap: missing Debian packages: ${missing[*]}" >&2
+	echo "bootstrap: run as root, or: sudo apt-get install -y ${missing[*]}" >&2
+	exit 1
+fi
+echo "bootstrap: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

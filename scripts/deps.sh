@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# deps.sh BUILD: builds, or finds cached, everything outside the Go module that the
+# end-to-end tests and the demo run, and writes the environment they read to
+# BUILD/e2e.env (sourced by the Makefile's recipes):
+#
+#   MCB_LLAMA_SERVER_STOCK, MCB_LLAMA_SERVER_PATCHED   scripts/llama/build.sh
+#   MCB_TE_REAL_LIB                                    scripts/mooncake/build.sh te
+#   MCB_LIBLLAMA_BUILD                                 hosts/libllama against the stock build
+#   MCB_TE_MOCK_LIB                                    the mock Transfer Engine of BUILD
+#
+# Each step prints its time. Everything slow is cached under $MCB_CACHE.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=$(cd "${1:?usage: $0 BUILD}" && pwd)
+
+step() {
+	local name=$1 start=$SECONDS
+	shift
+	"$@"
+	printf '[deps] %-32s %4ds\n' "$name" $((SECONDS - start)) >&2
+}
+
+last() { "$@" | tail -n 1; }
+
+stock=
+patched=
+te=
+llama_stock() { stock=$(last "$repo/scripts/llama/build.sh" stock); }
+llama_patched() {
+	patched=$(last "$repo/scripts/llama/build.sh" patched)
+	cmake --build "$(dirname "$(dirname "$patched")")" --target llama-mcbridge-test -j "$(nproc)" >/dev/null
+}
+mooncake_te() { te=$(last "$repo/scripts/mooncake/build.sh" te)/install/lib/libtransfer_engine.so; }
+libllama() {
+	local dir=$build/libllama
+	[[ -f $dir/CMakeCache.txt ]] || cmake -S "$repo/hosts/libllama" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+		-DLLAMA_BUILD_DIR="$(dirname "$(dirname "$stock")")" -DMCB_BUILD_DIR="$build" >/dev/null
+	cmake --build "$dir" -j "$(nproc)" >/dev/null
+}
+
+step "llama-server (stock)" llama_stock
+step "llama-server (patched)" llama_patched
+step "Mooncake Transfer Engine" mooncake_te
+step "hosts/libllama" libllama
+
+cat >"$build/e2e.env" <<ENV
+export MCB_LLAMA_SERVER_STOCK=$stock
+export MCB_LLAMA_SERVER_PATCHED=$patched
+export MCB_TE_REAL_LIB=$te
+export MCB_LIBLLAMA_BUILD=$build/libllama
+export MCB_TE_MOCK_LIB=$build/libmooncake_te_mock.so
+ENV

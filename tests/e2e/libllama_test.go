@@ -1,0 +1,97 @@
+package e2e
+
+import (
+	"bufio"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
+	"github.com/mcbridge/mcbridge/internal/testenv"
+)
+
+func libllamaTest(t *testing.T, variant string) string {
+	dir := os.Getenv(testenv.EnvLibllama)
+	require.NotEmpty(t, dir, "%s is not set: it names the build of hosts/libllama (make test sets it)", testenv.EnvLibllama)
+	bin := filepath.Join(dir, "libllama_test"+variant)
+	_, err := os.Stat(bin)
+	require.NoError(t, err)
+	return bin
+}
+
+// The libllama host against real llama.cpp contexts
+// (hosts/libllama/tests/libllama_test.cpp), plain and under ASan and UBSan
+// with a leak check at exit: round trips into contexts of other shapes with
+// the KV byte-identical and the next token's logits bit-identical,
+// mismatches, a restore llama.cpp refuses, and partial loads under the mock
+// Transfer Engine's faults.
+func TestLibllamaHost(t *testing.T) {
+	model, other := testenv.Model(t, "tiny", 0), testenv.Model(t, "tiny", 2)
+	for _, variant := range []string{"", "_asan"} {
+		t.Run("variant"+variant, func(t *testing.T) {
+			cmd := exec.Command(libllamaTest(t, variant), model, other, mockTE)
+			cmd.Env = append(os.Environ(), "ASAN_OPTIONS=detect_leaks=1:abort_on_error=1", "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1")
+			out, err := cmd.CombinedOutput()
+			require.NoError(t, err, "%s", out)
+			assert.Contains(t, string(out), ", 0 failed")
+			for _, line := range strings.Split(string(out), "\n") {
+				if strings.HasPrefix(line, "PASS ") || strings.HasPrefix(line, "FAIL ") {
+					t.Log(line)
+				}
+			}
+		})
+	}
+}
+
+// Two processes: one embedder saves and serves its pool, another restores
+// through etcd and the Transfer Engine, with logits bit-identical to a
+// full prefill.
+func TestLibllamaTwoProcesses(t *testing.T) {
+	model := testenv.Model(t, "tiny", 0)
+	for name, te := range transports(t) {
+		t.Run(name, func(t *testing.T) {
+			etcd := etcdtest.Start(t)
+			cfg := fmt.Sprintf(`{"directory": {"kind": "etcd", "endpoints": [%q], "prefix": "/libllama"}, "transport": {"kind": "mooncake", "lib": %q}, "arbiter": {"policy": "always-restore"}, "pool_bytes": 16777216}`,
+				etcd.Endpoint(), te)
+			ready := filepath.Join(t.TempDir(), "ready")
+			saver := exec.Command(libllamaTest(t, ""), "xsave", model, cfg, ready)
+			stdin, err := saver.StdinPipe()
+			require.NoError(t, err)
+			out, err := os.Create(filepath.Join(t.TempDir(), "xsave.log"))
+			require.NoError(t, err)
+			saver.Stdout, saver.Stderr = out, out
+			require.NoError(t, saver.Start())
+			defer func() {
+				_ = saver.Process.Kill()
+				_ = saver.Wait()
+			}()
+			testenv.Eventually(t, defaultWait, func() bool { _, err := os.Stat(ready); return err == nil }, "the saver never got ready")
+			res, err := exec.Command(libllamaTest(t, ""), "xrestore", model, cfg).CombinedOutput()
+			require.NoError(t, err, "%s", res)
+			assert.Contains(t, string(res), "PASS two processes")
+			require.NoError(t, stdin.Close())
+			done := make(chan error, 1)
+			go func() { done <- saver.Wait() }()
+			select {
+			case err := <-done:
+				log, _ := os.ReadFile(out.Name())
+				require.NoError(t, err, "%s", log)
+			case <-time.After(defaultWait):
+				require.FailNow(t, "the saver did not exit")
+			}
+			sc := bufio.NewScanner(strings.NewReader(string(res)))
+			for sc.Scan() {
+				if strings.HasPrefix(sc.Text(), "PASS") {
+					t.Log(sc.Text())
+				}
+			}
+		})
+	}
+}
