@@ -132,8 +132,8 @@ type learned struct {
 	m       *host.Model
 	nStream int
 	props   props
-	path   string
-	digest key.Hash
+	path    string
+	digest  key.Hash
 
 	mu    sync.Mutex
 	tasks map[int]int // per slot, the last id_task /slots showed

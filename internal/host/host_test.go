@@ -1,0 +1,320 @@
+package host
+
+import (
+	"math/rand"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/gguf"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/internal/llamastate"
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+func openBridge(t *testing.T) *bridge.Bridge {
+	c := config.Default()
+	c.PoolBytes = 16 << 20
+	c.BlockTokens = 4
+	c.Directory.Name = t.Name()
+	b, err := bridge.Open(c, bridge.Deps{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = b.Close() })
+	return b
+}
+
+func tinyModel(t *testing.T) string {
+	p := filepath.Join(t.TempDir(), "tiny.gguf")
+	require.NoError(t, gguf.WriteFile(p, gguf.Presets["tiny"]))
+	return p
+}
+
+// format describes a kvtest host's rows as f16 K and V.
+func format(h *kvtest.Host) Format {
+	f := Format{VTrans: h.VTrans}
+	for l := range h.KRow {
+		ly := LayerFormat{KType: 1, KRow: uint64(h.KRow[l]), VType: 1, VRow: uint64(h.VRow[l])}
+		if h.VTrans {
+			ly.VElSize, ly.NEmbdV = 2, uint32(h.VRow[l]/2)
+		}
+		f.Layers = append(f.Layers, ly)
+	}
+	return f
+}
+
+// stateOf is a llama.cpp state blob of positions 0..n-1 at cells holding the
+// host's rows, cells listed in cell order as llama.cpp writes them.
+func stateOf(t *testing.T, h *kvtest.Host, cells []uint32) []byte {
+	n := len(cells)
+	f := format(h)
+	st := &llamastate.State{Kind: llamastate.Memory, Streams: make([]llamastate.Stream, 1)}
+	s := &st.Streams[0]
+	s.VTrans = h.VTrans
+	// The blob's cells are the host's cells in cell order; their rows are
+	// the host's rows, so the blob's cell i is the host's i-th smallest cell.
+	order := append([]uint32(nil), cells...)
+	sortU32(order)
+	posOf := map[uint32]int{}
+	for p, c := range cells {
+		posOf[c] = p
+	}
+	for _, c := range order {
+		s.Cells = append(s.Cells, llamastate.Cell{Pos: int32(posOf[c]), SeqIDs: []int32{0}})
+	}
+	for l, ly := range f.Layers {
+		k := make([]byte, 0, n*int(ly.KRow))
+		for _, c := range order {
+			k = append(k, h.K[l][int(c)*int(ly.KRow):int(c+1)*int(ly.KRow)]...)
+		}
+		var v []byte
+		if !h.VTrans {
+			for _, c := range order {
+				v = append(v, h.V[l][int(c)*int(ly.VRow):int(c+1)*int(ly.VRow)]...)
+			}
+		} else {
+			for d := 0; d < int(ly.NEmbdV); d++ {
+				for _, c := range order {
+					off := d*h.Cells*2 + int(c)*2
+					v = append(v, h.V[l][off:off+2]...)
+				}
+			}
+		}
+		s.Layers = append(s.Layers, llamastate.Layer{KType: 1, KRowSize: ly.KRow, K: k, VType: 1, VRowSize: ly.VRow,
+			VElSize: ly.VElSize, NEmbdV: ly.NEmbdV, V: v})
+	}
+	b, err := st.Build()
+	require.NoError(t, err)
+	return b
+}
+
+func sortU32(s []uint32) {
+	for i := 1; i < len(s); i++ {
+		for j := i; j > 0 && s[j] < s[j-1]; j-- {
+			s[j], s[j-1] = s[j-1], s[j]
+		}
+	}
+}
+
+// The probe's digest is the same whether a host hands over its tensors or
+// a state blob of them, wherever the cells are and however many the cache
+// has: a patched llama-server and a proxied stock one get one model. One
+// byte of other KV gives another model.
+func TestProbeDigestIsTheSameForTensorsAndStates(t *testing.T) {
+	model := tinyModel(t)
+	for _, vtrans := range []bool{false, true} {
+		b := openBridge(t)
+		a := kvtest.New(t, 3, 64, 32, 48, vtrans)
+		c := kvtest.New(t, 3, 200, 32, 48, vtrans) // another cache size: another transposed-V stride
+		probe := ProbeTokens()
+		cellsA := kvtest.SeqCells(len(probe))
+		cellsC := kvtest.ScatteredCells(rand.New(rand.NewSource(7)), len(probe), 200)
+		a.Fill(probe, cellsA)
+		c.Fill(probe, cellsC)
+		id := Identity{LlamaVersion: LlamaVersion, GGUFPath: model, Format: format(a)}
+		ma, err := Register(b, id, a.Layout(), cellsA)
+		require.NoError(t, err)
+		mc, err := Register(b, id, c.Layout(), cellsC)
+		require.NoError(t, err)
+		assert.Equal(t, ma.Fingerprint(), mc.Fingerprint(), "vtrans %v: cells and cache size change the model", vtrans)
+		ms, nStream, err := RegisterState(b, Identity{GGUFPath: model}, stateOf(t, c, cellsC))
+		require.NoError(t, err)
+		assert.Equal(t, 1, nStream)
+		assert.Equal(t, ma.Fingerprint(), ms.Fingerprint(), "vtrans %v: a state of the same KV is another model", vtrans)
+
+		c.K[1][int(cellsC[5])*c.KRow[1]+3] ^= 1
+		mx, err := Register(b, id, c.Layout(), cellsC)
+		require.NoError(t, err)
+		assert.NotEqual(t, ma.Fingerprint(), mx.Fingerprint(), "vtrans %v: one byte of other KV, the same model", vtrans)
+	}
+}
+
+func TestRegisterRefuses(t *testing.T) {
+	model := tinyModel(t)
+	b := openBridge(t)
+	h := kvtest.New(t, 2, 16, 32, 32, false)
+	probe := ProbeTokens()
+	cells := kvtest.SeqCells(len(probe))
+	h.Fill(probe, cells)
+	good := Identity{LlamaVersion: LlamaVersion, GGUFPath: model, Format: format(h)}
+	for _, tc := range []struct {
+		name  string
+		id    func(Identity) Identity
+		cells []uint32
+		code  status.Code
+	}{
+		{"another llama.cpp", func(id Identity) Identity { id.LlamaVersion = "b1"; return id }, cells, status.ModelMismatch},
+		{"no model file", func(id Identity) Identity { id.GGUFPath = ""; return id }, cells, status.InvalidArg},
+		{"not a GGUF", func(id Identity) Identity { id.GGUFPath = "/etc/hostname"; return id }, cells, status.InvalidArg},
+		{"K row not whole f16", func(id Identity) Identity {
+			id.Format.Layers = append([]LayerFormat(nil), id.Format.Layers...)
+			id.Format.Layers[0].KRow = 33
+			return id
+		}, cells, status.Unsupported},
+		{"types differ by layer", func(id Identity) Identity {
+			id.Format.Layers = append([]LayerFormat(nil), id.Format.Layers...)
+			id.Format.Layers[1].KType = 0
+			return id
+		}, cells, status.Unsupported},
+		{"probe of 7 positions", func(id Identity) Identity { return id }, cells[:7], status.InvalidArg},
+		{"probe cell outside the cache", func(id Identity) Identity { return id }, append(cells[:7:7], 99), status.Layout},
+	} {
+		_, err := Register(b, tc.id(good), h.Layout(), tc.cells)
+		assert.Equal(t, tc.code, status.Of(err), "%s: %v", tc.name, err)
+	}
+	_, err := Register(b, good, h.Layout(), cells)
+	require.NoError(t, err)
+}
+
+func TestRegisterStateRefusesOtherTokens(t *testing.T) {
+	model := tinyModel(t)
+	b := openBridge(t)
+	h := kvtest.New(t, 2, 16, 32, 32, false)
+	cells := kvtest.SeqCells(8)
+	h.Fill(ProbeTokens(), cells)
+	st, err := llamastate.Parse(stateOf(t, h, cells))
+	require.NoError(t, err)
+	st.Kind, st.Words = llamastate.SlotFile, ServerWords([]int32{9, 9, 9, 9, 9, 9, 9, 9})
+	blob, err := st.Build()
+	require.NoError(t, err)
+	_, _, err = RegisterState(b, Identity{GGUFPath: model}, blob)
+	assert.Equal(t, status.InvalidArg, status.Of(err), "%v", err)
+	_, _, err = RegisterState(b, Identity{GGUFPath: model}, blob[:len(blob)/2])
+	assert.Error(t, err, "a truncated state")
+}
+
+func TestScope(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, content string) string {
+		p := filepath.Join(dir, name)
+		require.NoError(t, os.WriteFile(p, []byte(content), 0o644))
+		return p
+	}
+	a, aCopy, other := write("a.gguf", "adapter a"), write("copy-of-a.gguf", "adapter a"), write("b.gguf", "adapter b")
+	scope := func(tenant string, ad ...Adapter) string {
+		s, err := NewScope([]byte(tenant), ad)
+		require.NoError(t, err)
+		return s.ID().String()
+	}
+	base := scope("")
+	assert.Equal(t, base, scope("", Adapter{a, 0}), "an adapter at scale 0 is no adapter")
+	assert.NotEqual(t, base, scope("", Adapter{a, 1}), "an adapter changes the scope")
+	assert.Equal(t, scope("", Adapter{a, 1}), scope("", Adapter{aCopy, 1}), "adapters are named by content, not path")
+	assert.Equal(t, scope("", Adapter{a, 1}, Adapter{other, 0.5}), scope("", Adapter{other, 0.5}, Adapter{a, 1}), "order does not matter")
+	assert.NotEqual(t, scope("", Adapter{a, 1}), scope("", Adapter{a, 0.5}), "the scale matters")
+	assert.NotEqual(t, scope("", Adapter{a, 1}), scope("", Adapter{other, 1}), "another adapter")
+	assert.NotEqual(t, base, scope("t1"), "a tenant")
+	assert.NotEqual(t, scope("t1"), scope("t2"), "another tenant")
+	_, err := NewScope(nil, []Adapter{{filepath.Join(dir, "missing.gguf"), 1}})
+	assert.Equal(t, status.InvalidArg, status.Of(err), "a missing adapter file cannot be keyed")
+	_, err = NewScope(nil, []Adapter{{a, float32(nan())}})
+	assert.Equal(t, status.InvalidArg, status.Of(err), "a NaN scale")
+}
+
+func nan() float64 {
+	zero := 0.0
+	return zero / zero
+}
+
+// A state host's save and restore: blocks saved from one state come back,
+// through another bridge, as a state whose rows are byte-identical by
+// position, framed as asked; a partial load keeps the verified blocks.
+func TestStateRoundTrip(t *testing.T) {
+	model := tinyModel(t)
+	for _, vtrans := range []bool{false, true} {
+		c := config.Default()
+		c.PoolBytes, c.BlockTokens, c.Directory.Name = 16<<20, 4, t.Name()+"-"+map[bool]string{false: "rows", true: "vtrans"}[vtrans]
+		c.Arbiter.Policy = "always-restore"
+		ba, err := bridge.Open(c, bridge.Deps{})
+		require.NoError(t, err)
+		bb, err := bridge.Open(c, bridge.Deps{})
+		require.NoError(t, err)
+
+		h := kvtest.New(t, 2, 32, 32, 48, vtrans)
+		h.Fill(ProbeTokens(), kvtest.SeqCells(8))
+		probe := stateOf(t, h, kvtest.SeqCells(8))
+		ma, _, err := RegisterState(ba, Identity{GGUFPath: model}, probe)
+		require.NoError(t, err)
+		mb, nStream, err := RegisterState(bb, Identity{GGUFPath: model}, probe)
+		require.NoError(t, err)
+
+		tokens := kvtest.Tokens(rand.New(rand.NewSource(3)), 13)
+		cells := kvtest.ScatteredCells(rand.New(rand.NewSource(4)), 13, 32)
+		h.Fill(tokens, cells)
+		saved, err := ma.SaveState(key0(), stateOf(t, h, cells), tokens)
+		require.NoError(t, err)
+		require.Equal(t, 3, saved.Queued)
+
+		var plan *bridge.Plan
+		require.Eventually(t, func() bool {
+			plan, err = mb.Lookup(key0(), tokens, 0)
+			return err == nil && plan.RestoreTokens == 12
+		}, 10*time.Second, time.Millisecond, "b sees a's three blocks")
+		blob, res, err := mb.RestoreState(plan, Frame{Kind: llamastate.SlotFile, NStream: nStream, SeqID: 1},
+			func(n int) []byte { return make([]byte, n) })
+		require.NoError(t, err)
+		require.Equal(t, 12, res.OKTokens)
+		st, err := llamastate.Parse(blob)
+		require.NoError(t, err)
+		words, err := st.PromptTokens()
+		require.NoError(t, err)
+		assert.Equal(t, tokens[:12], words, "the slot file names the restored tokens")
+		got := stateRows(t, st)
+		for p := 0; p < 12; p++ {
+			assert.Equal(t, hostRows(h, int(cells[p])), got[p], "vtrans %v: position %d", vtrans, p)
+		}
+		require.NoError(t, ba.Close())
+		require.NoError(t, bb.Close())
+	}
+}
+
+func key0() key.Scope { return key.Scope{} }
+
+// hostRows is the K and V of one cell, per layer, V by token.
+func hostRows(h *kvtest.Host, c int) []byte {
+	var out []byte
+	for l := range h.K {
+		out = append(out, h.K[l][c*h.KRow[l]:(c+1)*h.KRow[l]]...)
+		if !h.VTrans {
+			out = append(out, h.V[l][c*h.VRow[l]:(c+1)*h.VRow[l]]...)
+			continue
+		}
+		for d := 0; d < h.VRow[l]/2; d++ {
+			off := d*h.Cells*2 + c*2
+			out = append(out, h.V[l][off:off+2]...)
+		}
+	}
+	return out
+}
+
+// stateRows is each position's K and V in a parsed state, as hostRows.
+func stateRows(t *testing.T, st *llamastate.State) map[int][]byte {
+	si, err := st.Sequence()
+	require.NoError(t, err)
+	s := &st.Streams[si]
+	out := map[int][]byte{}
+	n := len(s.Cells)
+	for i, c := range s.Cells {
+		var rows []byte
+		for _, ly := range s.Layers {
+			kr, vr := int(ly.KRowSize), int(ly.VRowSize)
+			rows = append(rows, ly.K[i*kr:(i+1)*kr]...)
+			if !s.VTrans {
+				rows = append(rows, ly.V[i*vr:(i+1)*vr]...)
+				continue
+			}
+			el := int(ly.VElSize)
+			for d := 0; d < int(ly.NEmbdV); d++ {
+				rows = append(rows, ly.V[(d*n+i)*el:(d*n+i+1)*el]...)
+			}
+		}
+		out[int(c.Pos)] = rows
+	}
+	return out
+}

@@ -1,0 +1,58 @@
+package metrics
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+// docs/metrics.md documents exactly the vocabulary: every series, its
+// type, label and help, in order.
+func TestDocumentedOnce(t *testing.T) {
+	b, err := os.ReadFile(filepath.Join("..", "..", "docs", "metrics.md"))
+	require.NoError(t, err)
+	row := regexp.MustCompile("^\\| `mcbridge_([a-z_]+)` \\| ([a-z]+) \\| ([a-z]*) \\| (.*) \\|$")
+	var doc []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if m := row.FindStringSubmatch(line); m != nil {
+			doc = append(doc, strings.Join(m[1:], " | "))
+		}
+	}
+	var code []string
+	for _, s := range Vocabulary {
+		code = append(code, strings.Join([]string{s.Name, s.Kind, s.Label, s.Help}, " | "))
+	}
+	assert.Equal(t, code, doc)
+}
+
+func TestWrite(t *testing.T) {
+	c := config.Default()
+	c.PoolBytes = 4 << 20
+	c.Directory.Name = t.Name()
+	b, err := bridge.Open(c, bridge.Deps{})
+	require.NoError(t, err)
+	defer b.Close()
+	var up, off, none bytes.Buffer
+	require.NoError(t, Write(&up, b, nil))
+	require.NoError(t, Write(&off, b, status.Errorf(status.Unsupported, "a draft model\nis in use")))
+	require.NoError(t, Write(&none, nil, status.Errorf(status.Config, `config: unknown field "x"`)))
+	assert.Contains(t, up.String(), "\nmcbridge_up 1\n")
+	assert.Contains(t, up.String(), "\nmcbridge_pool_bytes 4194304\n")
+	assert.Contains(t, off.String(), `mcbridge_up{reason="unsupported: a draft model is in use"} 0`)
+	assert.Contains(t, none.String(), `mcbridge_up{reason="bad configuration: config: unknown field \"x\""} 0`)
+	for _, s := range Vocabulary {
+		for _, text := range []string{up.String(), none.String()} {
+			assert.Contains(t, text, "# HELP mcbridge_"+s.Name+" ", "every series is described, the bridge on or off")
+		}
+	}
+}
