@@ -48,7 +48,7 @@ func overheadCases() []overheadCase {
 // as the pool fills) against doing nothing, and reports it as a percentage
 // of the preset's prefill time for the same prompt (pct_of_prefill). The
 // prefill is the preset's model, not run here: bench-cpu's is measured
-// (DESIGN.md §5), llama3-8b-gpu's is assumed, and on a GPU the save reads
+// (docs/design.md §15), llama3-8b-gpu's is assumed, and on a GPU the save reads
 // device memory through a DMA engine, which this host-memory save does
 // not measure. Saves run synchronously after the prompt (the server may
 // reuse the cells right after), so the same share comes off tokens/s of a

@@ -41,7 +41,7 @@ var (
 	geo64K   = geometry{"64KiB", 2, 64}
 	geo256K  = geometry{"256KiB", 4, 128}
 	geo1M    = geometry{"1MiB", 8, 256}
-	geoBench = geometry{"3MiB-bench-cpu", 12, 512} // DESIGN.md §5's bench model: 12 layers, 4 KV heads of 64
+	geoBench = geometry{"3MiB-bench-cpu", 12, 512} // docs/design.md §15's bench model: 12 layers, 4 KV heads of 64
 	geo16M   = geometry{"16MiB", 16, 2048}
 	geoLlama = geometry{"32MiB-llama3-8b", 32, 2048} // 32 layers, 8 KV heads of 128
 	geo64M   = geometry{"64MiB-qwen2.5-32b", 64, 2048}

@@ -49,7 +49,7 @@ func BenchmarkRestore(b *testing.B) {
 
 // BenchmarkRestoreSlot restores 4096 tokens of the bench model (48 MiB),
 // the restore that llama-server's slot restore does in 12.6 ms here
-// (DESIGN.md §5); x_slot_restore is how many times faster the bridge's
+// (docs/design.md §15); x_slot_restore is how many times faster the bridge's
 // side of it is. The host's share (state_read's bookkeeping) is not in it.
 func BenchmarkRestoreSlot(b *testing.B) {
 	const slotRestore = 12600 * time.Microsecond

@@ -11,7 +11,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/arbiter"
 )
 
-// TestArbiterTarget is DESIGN.md §7's arbiter target on the default sweep:
+// TestArbiterTarget is docs/design.md §15's arbiter target on the default sweep:
 // after warm-up, never more than 5% slower than the better of always
 // restoring and always recomputing. The sweep must also be one where
 // calibration matters (a fresh arbiter misses the bound somewhere) and

@@ -78,7 +78,7 @@ func (m Interpolated) rate(n float64) float64 {
 	return a.TokensPerSecond * math.Pow(n/float64(a.Tokens), slope)
 }
 
-// BenchCPU is DESIGN.md §5's bench model: llama.cpp v0.5.0 on this CPU
+// BenchCPU is docs/design.md §15's bench model: llama.cpp v0.5.0 on this CPU
 // with 2 threads, a random 12-layer n_embd 768 model with 4 f16 KV heads
 // of 64 (12 KiB of KV per token), prefilling 611 tok/s at 512 tokens, 369
 // at 2048, 253 at 4160 and 166 at 8256; a restore from local memory runs
@@ -90,7 +90,7 @@ var BenchCPU = Preset{
 		{512, 611}, {2048, 369}, {4160, 253}, {8256, 166},
 	},
 	LocalBandwidth: 16e9,
-	Source:         "DESIGN.md §5: llama.cpp v0.5.0, CPU, 2 threads, 12-layer n_embd 768 f16 model; prefill 611/369/253/166 tok/s at 512/2048/4160/8256 tokens, interpolated; memcpy 16 GB/s",
+	Source:         "docs/design.md §15: llama.cpp v0.5.0, CPU, 2 threads, 12-layer n_embd 768 f16 model; prefill 611/369/253/166 tok/s at 512/2048/4160/8256 tokens, interpolated; memcpy 16 GB/s",
 }
 
 // Llama3GPU is Llama-3-8B (32 layers, 8 KV heads of 128, f16: 128 KiB of

@@ -42,7 +42,7 @@ func TestPrefillIsAdditiveAndMonotone(t *testing.T) {
 	}
 }
 
-// The continuation figures of DESIGN.md §5 (64 new tokens after a restored
+// The continuation figures of docs/design.md §15 (64 new tokens after a restored
 // 4096 or 8192) were not inputs of the interpolation; they check its shape.
 func TestBenchCPUContinuation(t *testing.T) {
 	for _, tc := range []struct {

@@ -1,4 +1,4 @@
-// Stage 2 (amendment 1): a restore runs llama.cpp's own machinery,
+// Stage 2 (docs/design.md §5.1): a restore runs llama.cpp's own machinery,
 // llama_kv_cache::state_read -> state_read_meta (seq_rm, find_slot, apply_ubatch, the
 // checks) -> state_read_data (layer count, V layout, types and row sizes, one read per
 // contiguous run of cells), with a reader whose header is synthesized (P cells at
@@ -229,7 +229,7 @@ private:
     }
 
     // One load for all the runs: the bridge moves every block and verifies each layer
-    // before this returns, so no compute ever sees unverified rows (amendment 2).
+    // before this returns, so no compute ever sees unverified rows (docs/design.md §5.2).
     void load() {
         const std::vector<mcb_kv_layer> layers = layers_of(tensors, kv->get_size(), att.v_trans);
         mcb_kv_layout layout = {};

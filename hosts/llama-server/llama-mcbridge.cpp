@@ -364,7 +364,7 @@ void mark_restored(llama_kv_cache * kv, llama_seq_id seq_id) {
 }
 
 //
-// clean marks (amendment 4)
+// clean marks (docs/design.md §5.4)
 //
 
 namespace {

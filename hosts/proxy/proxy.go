@@ -16,7 +16,7 @@
 // save), so it never restores into a slot another request uses. It must
 // therefore be the server's only client.
 //
-// Only clean KV is published (DESIGN amendment 4): cells computed from
+// Only clean KV is published (docs/design.md §5.4): cells computed from
 // position 0 over exactly the slot's tokens, by the registered model. A
 // slot turns dirty when a request shifts or adapts its cells (per-request
 // LoRA, n_cache_reuse), when a client restores a slot file of its own, or

@@ -19,7 +19,7 @@ type PrefillCost struct {
 	PerContext float64 // seconds per (token, earlier position) pair
 }
 
-// DefaultPrefill is the bench model of DESIGN.md §5 (llama.cpp v0.5.0, a
+// DefaultPrefill is the bench model of docs/design.md §15 (llama.cpp v0.5.0, a
 // 12-layer n_embd 768 f16 model, CPU, 2 threads), which prefills 611 tok/s
 // at 512 tokens, 369 at 2048 and 253 at 4160. PerToken and PerContext are
 // the least-relative-error fit of those three runs (606, 378, 249 tok/s,
@@ -65,7 +65,7 @@ type Link struct {
 }
 
 // DefaultLink is assumed for a link that is neither configured nor measured:
-// the 3.9 GB/s of llama-server's slot restore measured in DESIGN.md §5, the
+// the 3.9 GB/s of llama-server's slot restore measured in docs/design.md §15, the
 // floor any path of ours must beat. Erring fast matters: a link believed too
 // slow is never used, so never measured, so never corrected.
 var DefaultLink = Link{Bandwidth: 3.9e9, Latency: 50 * time.Microsecond}

@@ -14,7 +14,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
-// benchKV is the bench model's KV per token (DESIGN.md §5): 12 KiB.
+// benchKV is the bench model's KV per token (docs/design.md §15): 12 KiB.
 const benchKV = 12 << 10
 
 func mustNew(t testing.TB, cfg Config) *Arbiter {

@@ -26,7 +26,7 @@ var truths = []groundTruth{
 	{"gpu-7b-mha", PrefillCost{Fixed: 4e-3, PerToken: 1e-4, PerContext: 3e-9}, 512 << 10},
 }
 
-// TestArbiterNearBestEndpoint is the arbiter's target (DESIGN.md §7): over
+// TestArbiterNearBestEndpoint is the arbiter's target (docs/design.md §15): over
 // links of 1-50 GB/s and prefixes of 1k-128k tokens, its chosen plan,
 // timed by the ground truth, is never more than 5% slower than the better
 // of always-restore and always-recompute. The arbiter starts from its

@@ -27,7 +27,7 @@ type Config struct {
 // a variant (another seed, another layer count).
 //
 // tiny loads and runs in milliseconds, for unit and smoke tests. bench has the shape
-// DESIGN.md section 5 measured (12 layers, n_embd 768, 4 KV heads: 12 KiB of f16 KV a
+// docs/design.md §15 measured (12 layers, n_embd 768, 4 KV heads: 12 KiB of f16 KV a
 // token), so that its prefill costs what a small real model's does.
 var Presets = map[string]Config{
 	"tiny": {

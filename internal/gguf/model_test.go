@@ -147,7 +147,7 @@ func TestBenchHeader(t *testing.T) {
 	assert.Len(t, f.Tensors, 3+9*12, "tensors")
 	assert.GreaterOrEqual(t, size, uint64(160e6), "bytes of tensors")
 	assert.LessOrEqual(t, size, uint64(170e6), "bytes of tensors")
-	assert.Equal(t, 12<<10, cfg.KVBytesPerToken(), "KV bytes per token, want 12 KiB (DESIGN.md section 5)")
+	assert.Equal(t, 12<<10, cfg.KVBytesPerToken(), "KV bytes per token, want 12 KiB (docs/design.md §15)")
 }
 
 func TestValidate(t *testing.T) {

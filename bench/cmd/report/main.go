@@ -1,6 +1,6 @@
 // Command report runs the bridge's benchmarks, the trace replay and the
 // arbiter's evaluation, and writes docs/bench/README.md with tables and
-// SVG plots, saying which of DESIGN.md's targets are met.
+// SVG plots, saying which of docs/design.md's targets are met.
 //
 // Run it from the repository root (bench/report.sh does). MCB_BENCH_QUICK=1
 // selects the quick mode for CI: small sizes, one iteration per benchmark,

@@ -124,7 +124,7 @@ func stagesLine(ss []stage) string {
 }
 
 func (r *report) writeTargets(m *md) {
-	m.p("## DESIGN.md targets\n")
+	m.p("## Targets (docs/design.md §15)\n")
 	var rows [][]string
 	add := func(what, target, measured, verdict string) {
 		rows = append(rows, []string{what, target, measured, verdict})
@@ -239,7 +239,7 @@ func (r *report) writeTargets(m *md) {
 	}
 	if len(e2eRows) == 0 {
 		for _, t := range []string{"end-to-end, llama-server, shared prefix", "restore close to the limit, llama-server"} {
-			add(t, "see DESIGN.md §7", "end-to-end benchmark not run or not judged", notMeasured)
+			add(t, "see docs/design.md §15", "end-to-end benchmark not run or not judged", notMeasured)
 		}
 	}
 	m.table([]string{"what", "target", "measured", "verdict"}, rows)
@@ -333,7 +333,7 @@ func (r *report) writeThroughput(m *md) {
 	}
 	m.table([]string{"block", "GB/s", "x memcpy"}, rows)
 
-	m.p("`BenchmarkRestoreSlot`: 4096 tokens of the bench model (48 MiB), which llama-server's slot restore takes 12.6 ms for on this machine (DESIGN.md §5).\n")
+	m.p("`BenchmarkRestoreSlot`: 4096 tokens of the bench model (48 MiB), which llama-server's slot restore takes 12.6 ms for on this machine (docs/design.md §15).\n")
 	rows = nil
 	for _, b := range r.family("RestoreSlot") {
 		rows = append(rows, []string{b.Param("link"), num(b.Metrics["ns/op"]/1e6, 2), num(b.Metrics["MB/s"]/1e3, 2), num(b.Metrics["x_slot_restore"], 2)})
@@ -365,7 +365,7 @@ func (r *report) writeStall(m *md) {
 
 func (r *report) writeOverhead(m *md) {
 	m.p("## Overhead on a 0% hit workload\n")
-	m.p("`BenchmarkMissOverhead`: what the bridge adds to a request that hits nothing, a lookup that matches no block and a save of every block into the host-memory pool (evicting as it fills), against doing nothing, as a share of the preset's prefill time for the same prompt. The prefill is not run: bench-cpu's is DESIGN.md's measurement, llama3-8b-gpu's is assumed, and on a GPU the save reads device memory through a DMA engine, which this host-memory save does not measure. Saves are synchronous after the prompt, so the same share comes off the tokens/s of a server that only prefills.\n")
+	m.p("`BenchmarkMissOverhead`: what the bridge adds to a request that hits nothing, a lookup that matches no block and a save of every block into the host-memory pool (evicting as it fills), against doing nothing, as a share of the preset's prefill time for the same prompt. The prefill is not run: bench-cpu's is docs/design.md's measurement, llama3-8b-gpu's is assumed, and on a GPU the save reads device memory through a DMA engine, which this host-memory save does not measure. Saves are synchronous after the prompt, so the same share comes off the tokens/s of a server that only prefills.\n")
 	var rows [][]string
 	for _, b := range r.family("MissOverhead") {
 		rows = append(rows, []string{b.Param("preset"), b.Param("tokens"), num(b.Metrics["ns/op"]/1e6, 2), share(b.Metrics["pct_of_prefill"])})
@@ -431,7 +431,7 @@ func filepathBase(p string) string {
 
 func (r *report) writeArbiter(m *md) {
 	m.p("## Arbiter evaluation\n")
-	m.p("`bench/arbitereval`: for each preset, link (1 to 50 GB/s, 10 µs latency) and cached prefix (1k to 128k tokens, then 64 new tokens), the true TTFT of the arbiter's plan against always restoring and always recomputing. The truth is the preset's, not the arbiter's defaults (bench-cpu: DESIGN.md's measurements interpolated, a shape the arbiter's model does not have; llama3-8b-gpu: far faster prefill; links other than the default 3.9 GB/s). Each arbiter first serves 64 random requests, half of them hits, observing what each cost with 5% noise (`ObservePrefill`, `ObserveTransfer`); `fresh` is a new arbiter's plan.\n")
+	m.p("`bench/arbitereval`: for each preset, link (1 to 50 GB/s, 10 µs latency) and cached prefix (1k to 128k tokens, then 64 new tokens), the true TTFT of the arbiter's plan against always restoring and always recomputing. The truth is the preset's, not the arbiter's defaults (bench-cpu: docs/design.md's measurements interpolated, a shape the arbiter's model does not have; llama3-8b-gpu: far faster prefill; links other than the default 3.9 GB/s). Each arbiter first serves 64 random requests, half of them hits, observing what each cost with 5% noise (`ObservePrefill`, `ObserveTransfer`); `fresh` is a new arbiter's plan.\n")
 	var rows [][]string
 	for _, s := range r.ArbiterSums {
 		w := s.Worst
@@ -534,5 +534,5 @@ func writeNotes(m *md) {
 	m.p("- Benchmarks run on a machine shared with other work; ratios to memcpy are timed pairwise in the same run so that load weighs on both sides, absolute times are not.")
 	m.p("- The Loopback transport stands in for RDMA: it copies with the CPU in the thread that polls, where a NIC would copy by DMA while the CPU does something else. Restores from peers therefore pay one more CPU copy than RDMA would.")
 	m.p("- The replay's times are modelled, not measured (the bytes moved are a tiny stand-in geometry); its hit ratios, evictions and decisions are the real code's. Requests run one at a time: no queueing.")
-	m.p("- llama3-8b-gpu's prefill cost is arithmetic from FLOP counts, not a measurement; bench-cpu's is DESIGN.md §5's measurement.")
+	m.p("- llama3-8b-gpu's prefill cost is arithmetic from FLOP counts, not a measurement; bench-cpu's is docs/design.md §15's measurement.")
 }

@@ -91,7 +91,7 @@ func writePlots(dir string, r *report) error {
 		}
 	}
 	if len(ss) > 0 {
-		// DESIGN.md's target for restores of blocks of 1 MiB and more.
+		// docs/design.md's target (§15) for restores of blocks of 1 MiB and more.
 		target := series{name: "target for >= 1 MiB blocks", xy: plotter.XYs{{X: 1, Y: 0.8}, {X: 64, Y: 0.8}}}
 		ss = append(ss, target)
 		a := axes{title: "Throughput against memcpy of the same bytes", x: "block size, MiB", y: "x memcpy", logX: true}

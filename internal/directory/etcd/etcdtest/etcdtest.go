@@ -114,6 +114,7 @@ func (s *Server) Stop() {
 	if s.cmd == nil {
 		return
 	}
+	_ = s.cmd.Process.Signal(syscall.SIGCONT) // a paused etcd handles no TERM
 	_ = s.cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case <-s.exited:
@@ -122,6 +123,21 @@ func (s *Server) Stop() {
 		<-s.exited
 	}
 	s.cmd = nil
+}
+
+// Pause stops the server with SIGSTOP: alive, its sockets open, answering
+// nothing, as a hung etcd looks to its clients.
+func (s *Server) Pause() {
+	if s.cmd != nil {
+		_ = s.cmd.Process.Signal(syscall.SIGSTOP)
+	}
+}
+
+// Resume continues a paused server.
+func (s *Server) Resume() {
+	if s.cmd != nil {
+		_ = s.cmd.Process.Signal(syscall.SIGCONT)
+	}
 }
 
 // Wipe deletes the data directory of a stopped server, so the next start
