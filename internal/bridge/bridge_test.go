@@ -119,18 +119,17 @@ func TestSaveDedupe(t *testing.T) {
 func TestRestoreFaults(t *testing.T) {
 	blockBytes := func(m *Model) int64 { return int64(m.geo.Size()) }
 	for _, tc := range []struct {
-		name   string
-		fault  func(m *Model) transport.Fault
-		code   status.Code
-		strict bool // failed rows must be untouched, not only free of wrong bytes
+		name  string
+		fault func(m *Model) transport.Fault
+		code  status.Code
 	}{
-		{"fail", func(*Model) transport.Fault { return transport.Fault{Kind: transport.FailAll} }, status.Transfer, true},
-		{"corrupt", func(*Model) transport.Fault { return transport.Fault{Kind: transport.Corrupt} }, status.Corrupt, true},
-		{"drop-peer", func(*Model) transport.Fault { return transport.Fault{Kind: transport.DropPeer} }, status.Transfer, true},
-		{"timeout", func(*Model) transport.Fault { return transport.Fault{Kind: transport.Delay, Arg: int64(time.Hour)} }, status.Timeout, true},
+		{"fail", func(*Model) transport.Fault { return transport.Fault{Kind: transport.FailAll} }, status.Transfer},
+		{"corrupt", func(*Model) transport.Fault { return transport.Fault{Kind: transport.Corrupt} }, status.Corrupt},
+		{"drop-peer", func(*Model) transport.Fault { return transport.Fault{Kind: transport.DropPeer} }, status.Transfer},
+		{"timeout", func(*Model) transport.Fault { return transport.Fault{Kind: transport.Delay, Arg: int64(time.Hour)} }, status.Timeout},
 		{"partial", func(m *Model) transport.Fault {
 			return transport.Fault{Kind: transport.FailAfter, Arg: blockBytes(m)/3 + 17}
-		}, status.Transfer, false},
+		}, status.Transfer},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := testConfig(t)
@@ -149,11 +148,7 @@ func TestRestoreFaults(t *testing.T) {
 			res, err := loadAll(t, mb, dst, key.Scope{}, tokens, cells)
 			require.Equal(t, tc.code, status.Of(err), "load error %v", err)
 			require.NotEqual(t, len(tokens), res.OKTokens, "load reported every token good under a fault")
-			if tc.strict {
-				require.NoError(t, dst.Check(tokens, cells, res.OKTokens))
-			} else {
-				require.NoError(t, dst.CheckNoWrong(tokens, cells))
-			}
+			require.NoError(t, dst.CheckRestored(tokens, cells, res.OKTokens))
 			require.Equal(t, int64(1), b.Stats().FailuresByStatus[tc.code], "failures counted under %v", tc.code)
 			// Once the fault clears, the same restore succeeds in full.
 			a.tr.(*transport.Loopback).SetFault(transport.Fault{})

@@ -283,13 +283,15 @@ func (ld *Load) layer(l int) {
 			}
 			lb.header = h
 		}
+		// One pass: each chunk is hashed as it lands in the host's rows. A
+		// mismatch leaves this block's cells unverified, which the host
+		// drops (they are past the good prefix).
 		off := g.LayerOffset(l)
 		payload := lb.src[off : off+g.LayerSize(l)]
-		if pool.Sum(payload) != lb.header.LayerSums[l] {
+		if ld.layout.PlaceSum(&ld.m.shape, l, payload, lb.runs) != lb.header.LayerSums[l] {
 			ld.fail(i, status.Errorf(status.Corrupt, "block %s layer %d: checksum mismatch", lb.entry.Key, l))
 			break
 		}
-		ld.layout.Place(&ld.m.shape, l, payload, lb.runs)
 	}
 }
 

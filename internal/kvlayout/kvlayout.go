@@ -13,6 +13,8 @@ package kvlayout
 import (
 	"math"
 
+	"github.com/zeebo/xxh3"
+
 	"github.com/mcbridge/mcbridge/internal/mem"
 	"github.com/mcbridge/mcbridge/internal/pool"
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -146,6 +148,60 @@ func Runs(cells []uint32) []Run {
 // rows), into the layout's tensors at the block's cells.
 func (lo *Layout) Place(s *Shape, l int, payload []byte, runs []Run) {
 	lo.move(s, l, payload, runs, true)
+}
+
+// sumChunk is how much PlaceSum copies before it hashes what it copied:
+// small enough that the hash reads the bytes back from cache.
+const sumChunk = 64 << 10
+
+// PlaceSum is Place fused with the layer's checksum (pool.Sum of payload):
+// each chunk is hashed right after it is copied, as it landed in the
+// tensor, so the bytes are read from memory once. Transposed V is hashed
+// from payload and then scattered. The caller compares the sum with the
+// block's: on a mismatch the block's cells hold unverified bytes.
+func (lo *Layout) PlaceSum(s *Shape, l int, payload []byte, runs []Run) uint64 {
+	g := s.Geometry
+	ly := lo.Layers[l]
+	krow, vrow := g.KRow[l], g.VRow[l]
+	kpart := payload[:g.BlockTokens*krow]
+	vpart := payload[g.BlockTokens*krow : g.BlockTokens*(krow+vrow)]
+	h := xxh3.New()
+	for _, r := range runs {
+		rowsSum(ly.K, ly.KStride, krow, r, kpart, h)
+	}
+	if !lo.VTrans {
+		for _, r := range runs {
+			rowsSum(ly.V, ly.VStride, vrow, r, vpart, h)
+		}
+		return h.Sum64()
+	}
+	for off := 0; off < len(vpart); off += sumChunk {
+		_, _ = h.Write(vpart[off:min(off+sumChunk, len(vpart))])
+	}
+	for _, r := range runs {
+		transposed(ly.V, ly.VStride, vrow, s.VElem[l], r, vpart, true)
+	}
+	return h.Sum64()
+}
+
+// rowsSum places a run of rows and hashes them where they landed.
+func rowsSum(base uintptr, stride uint64, row int, r Run, part []byte, h *xxh3.Hasher) {
+	blk := part[r.Pos*row : (r.Pos+r.N)*row]
+	at := base + uintptr(uint64(r.Cell)*stride)
+	if stride == uint64(row) {
+		t := mem.Bytes(at, r.N*row)
+		for off := 0; off < len(t); off += sumChunk {
+			end := min(off+sumChunk, len(t))
+			copy(t[off:end], blk[off:end])
+			_, _ = h.Write(t[off:end])
+		}
+		return
+	}
+	for i := 0; i < r.N; i++ {
+		t := mem.Bytes(at+uintptr(uint64(i)*stride), row)
+		copy(t, blk[i*row:(i+1)*row])
+		_, _ = h.Write(t)
+	}
 }
 
 // Gather copies layer l's rows at the block's cells into payload.

@@ -224,11 +224,13 @@ func checkPlaceGather(t testing.TB, r *rand.Rand, lo *Layout, s *Shape, l int, c
 
 	wantK := make([][]byte, len(ts))
 	wantV := make([][]byte, len(ts))
+	before := make([]struct{ k, v []byte }, len(ts))
 	for i, tt := range ts {
 		fillRandom(r, tt.k.buf)
 		fillRandom(r, tt.v.buf)
 		wantK[i] = append([]byte{}, tt.k.buf...)
 		wantV[i] = append([]byte{}, tt.v.buf...)
+		before[i].k, before[i].v = append([]byte{}, tt.k.buf...), append([]byte{}, tt.v.buf...)
 	}
 	expectPlaced(lo, s, l, payload, cells, wantK[l], wantV[l])
 
@@ -242,6 +244,19 @@ func checkPlaceGather(t testing.TB, r *rand.Rand, lo *Layout, s *Shape, l int, c
 	}
 	require.True(t, bytes.Equal(pl.buf, payload), "Place changed the payload")
 	require.True(t, pl.slackIntact(), "Place wrote before the payload")
+
+	// PlaceSum over the tensors as they were: the same bytes placed, and
+	// the layer's checksum.
+	for i, tt := range ts {
+		copy(tt.k.buf, before[i].k)
+		copy(tt.v.buf, before[i].v)
+	}
+	require.Equal(t, pool.Sum(payload), lo.PlaceSum(s, l, pl.buf, runs), "PlaceSum of layer %d: not the payload's checksum", l)
+	for i, tt := range ts {
+		require.True(t, bytes.Equal(tt.k.buf, wantK[i]), "PlaceSum of layer %d: layer %d's K tensor differs from the reference", l, i)
+		require.True(t, bytes.Equal(tt.v.buf, wantV[i]), "PlaceSum of layer %d: layer %d's V tensor differs from the reference", l, i)
+		require.True(t, tt.k.slackIntact() && tt.v.slackIntact(), "PlaceSum of layer %d wrote outside layer %d's tensors", l, i)
+	}
 
 	clear(pl.buf)
 	lo.Gather(s, l, pl.buf, runs)

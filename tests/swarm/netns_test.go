@@ -182,7 +182,7 @@ func cutReader(j job, m *bridge.Model, b *bridge.Bridge, h *kvtest.Host) int {
 		fmt.Fprintf(os.Stderr, "load across a cut link succeeded: %+v\n", res)
 		return 1
 	}
-	if err := h.CheckNoWrong(tokens[:n], cells); err != nil {
+	if err := h.CheckRestored(tokens[:n], cells, res.OKTokens); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}

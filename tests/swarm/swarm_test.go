@@ -359,7 +359,7 @@ func TestPeerKilledMidTransfer(t *testing.T) {
 	res, err := ld.End()
 	require.Error(t, err, "load through a dead peer: %+v", res)
 	require.NotEqual(t, 128, res.OKTokens, "load through a dead peer: %+v, %v", res, err)
-	require.NoError(t, h.CheckNoWrong(tokens[:128], cells))
+	require.NoError(t, h.CheckRestored(tokens[:128], cells, res.OKTokens))
 	t.Logf("dead peer: %d of 128 tokens restored, error: %v", res.OKTokens, err)
 
 	// The lease of the dead peer expires and its blocks leave the mirror.

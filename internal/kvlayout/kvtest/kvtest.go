@@ -150,20 +150,29 @@ func (h *Host) Check(tokens []int32, cells []uint32, n int) error {
 	return nil
 }
 
-// CheckNoWrong verifies that every row is either all Scribble or exactly
-// its computed bytes: no unverified byte reached it.
-func (h *Host) CheckNoWrong(tokens []int32, cells []uint32) error {
-	for p, c := range cells {
+// CheckRestored verifies what a load that verified n leading positions
+// into cells may leave: positions [0, n) hold their computed KV, and every
+// cell the load was not given still holds Scribble. The cells of positions
+// [n, len) belong to no sequence after a failed load and may hold anything
+// (include/mcbridge.h, "Failures").
+func (h *Host) CheckRestored(tokens []int32, cells []uint32, n int) error {
+	if err := h.Check(tokens[:n], cells[:n], n); err != nil {
+		return err
+	}
+	given := make(map[uint32]bool, len(cells))
+	for _, c := range cells {
+		given[c] = true
+	}
+	for c := 0; c < h.Cells; c++ {
+		if given[uint32(c)] {
+			continue
+		}
 		for l := range h.K {
 			for kv, row := range []int{h.KRow[l], h.VRow[l]} {
-				old, restored := true, true
 				for i := 0; i < row; i++ {
-					b := *h.at(l, kv, int(c), i)
-					old = old && b == Scribble
-					restored = restored && b == Value(tokens[p], p, l, kv, i)
-				}
-				if !old && !restored {
-					return fmt.Errorf("pos %d layer %d kv %d: row holds bytes that are neither old nor restored", p, l, kv)
+					if got := *h.at(l, kv, c, i); got != Scribble {
+						return fmt.Errorf("cell %d layer %d kv %d byte %d, outside the load, changed to %#x", c, l, kv, i, got)
+					}
 				}
 			}
 		}
