@@ -323,9 +323,17 @@ func formatArg(p unsafe.Pointer) (host.Format, error) {
 		if ek[l] == 0 || ev[l] == 0 {
 			return f, status.Errorf(status.InvalidArg, "layer %d: %d K and %d V dimensions", l, ek[l], ev[l])
 		}
+		if err := rowArg(l, "K", c.TypeK, ek[l], kr[l]); err != nil {
+			return f, err
+		}
+		if !c.VTrans {
+			if err := rowArg(l, "V", c.TypeV, ev[l], vr[l]); err != nil {
+				return f, err
+			}
+		}
 		ly := host.LayerFormat{KType: c.TypeK, KRow: uint64(kr[l]), VType: c.TypeV, VRow: uint64(vr[l])}
 		if c.VTrans {
-			if vr[l]%ev[l] != 0 {
+			if vr[l] == 0 || vr[l]%ev[l] != 0 {
 				return f, status.Errorf(status.InvalidArg, "layer %d: transposed V row of %d bytes for %d dimensions", l, vr[l], ev[l])
 			}
 			ly.VElSize, ly.NEmbdV = uint32(vr[l]/ev[l]), uint32(ev[l])
@@ -333,6 +341,16 @@ func formatArg(p unsafe.Pointer) (host.Format, error) {
 		f.Layers = append(f.Layers, ly)
 	}
 	return f, nil
+}
+
+// rowArg checks one layer's row size against its width. A type the host
+// cannot name is left to host.Format, which refuses it as UNSUPPORTED.
+func rowArg(l int, what string, typ int32, elements, bytes int) error {
+	want, known := host.RowBytes(typ, uint32(elements))
+	if bytes == 0 || (known && uint64(bytes) != want) {
+		return status.Errorf(status.InvalidArg, "layer %d: %s row of %d bytes for %d elements of type %d", l, what, bytes, elements, typ)
+	}
+	return nil
 }
 
 //export mcbgo_bridge_open
@@ -827,7 +845,12 @@ func mcbgo_state_restore(plan uint64, state, n, out unsafe.Pointer, errbuf unsaf
 			return unsafe.Slice((*byte)(p), size)
 		}
 		blob, res, err := h.model.m.RestoreState(h.p, host.Frame{Kind: llamastate.Memory, NStream: h.model.nStream}, alloc)
-		*(*cLoadResult)(out) = loadResult(res)
+		if err == nil || res.Blocks > 0 {
+			if res.Err == nil {
+				res.Err = err
+			}
+			*(*cLoadResult)(out) = loadResult(res)
+		}
 		if blob == nil {
 			for _, p := range bufs {
 				C.free(p)
@@ -874,7 +897,9 @@ func mcbgo_state_save(model uint64, scope, state unsafe.Pointer, n uint64, token
 			return err
 		}
 		r, err := h.m.SaveState(sc, blob, toks)
-		*(*cSaveResult)(out) = saveResult(r)
+		if err == nil || r != (bridge.SaveResult{}) {
+			*(*cSaveResult)(out) = saveResult(r)
+		}
 		return err
 	})
 }

@@ -3,23 +3,62 @@ package main
 import (
 	"fmt"
 	"os"
+	"path/filepath"
 	"testing"
 	"unsafe"
 
+	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/mcbridge/mcbridge/internal/gguf"
+	"github.com/mcbridge/mcbridge/internal/host"
 	"github.com/mcbridge/mcbridge/internal/mem"
 )
 
-// TestMain fails the package when any handle outlives its tests: a host
-// checks mcb_handles_open at exit, and so does this suite.
-func TestMain(m *testing.M) {
+// The model files every registration names: the library reads the
+// architecture from them and digests them, so they must be real GGUFs.
+// otherGGUF has the same shape and other weights.
+var ggufPath, otherGGUF string
+
+// probeTokens is the prompt whose KV a host registers with.
+var probeTokens = host.ProbeTokens()
+
+// TestMain writes the model files and fails the package when any handle
+// outlives its tests: a host checks mcb_handles_open at exit, and so does
+// this suite.
+func TestMain(m *testing.M) { os.Exit(runTests(m)) }
+
+func runTests(m *testing.M) int {
+	dir, err := os.MkdirTemp("", "mcbridge-cabi-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer os.RemoveAll(dir)
+	ggufPath, otherGGUF = filepath.Join(dir, "tiny.gguf"), filepath.Join(dir, "tiny-seed2.gguf")
+	other := gguf.Presets["tiny"]
+	other.Seed = 2
+	for path, cfg := range map[string]gguf.Config{ggufPath: gguf.Presets["tiny"], otherGGUF: other} {
+		if err := gguf.WriteFile(path, cfg); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+	}
 	code := m.Run()
 	if n := mcbgo_handles_open(); code == 0 && n != 0 {
 		fmt.Fprintf(os.Stderr, "FAIL: %d handles still open after every test\n", n)
 		code = 1
 	}
-	os.Exit(code)
+	return code
+}
+
+// writeFile writes a file of content into a test's own directory, for
+// adapters (named by their bytes) and copies of a model file.
+func writeFile(tb testing.TB, name string, content []byte) string {
+	tb.Helper()
+	path := filepath.Join(tb.TempDir(), name)
+	require.NoError(tb, os.WriteFile(path, content, 0o644))
+	return path
 }
 
 // cmem is memory outside the Go heap, as a C host's is, handed out
@@ -33,9 +72,7 @@ type cmem struct {
 func newCmem(tb testing.TB, size int) *cmem {
 	tb.Helper()
 	b, err := mem.Map(size)
-	if err != nil {
-		tb.Fatal(err)
-	}
+	require.NoError(tb, err)
 	tb.Cleanup(func() { _ = mem.Unmap(b) })
 	return &cmem{buf: b}
 }
@@ -54,9 +91,7 @@ func (c *cmem) take(n, align int) []byte {
 func (c *cmem) alloc(tb testing.TB, n, align int) []byte {
 	tb.Helper()
 	b := c.take(n, align)
-	if b == nil {
-		tb.Fatalf("host memory of %d bytes used up", len(c.buf))
-	}
+	require.NotNil(tb, b, "host memory of %d bytes used up", len(c.buf))
 	return b
 }
 
@@ -66,7 +101,7 @@ func address(b []byte) uintptr { return uintptr(pointer(b)) }
 
 // put copies v into host memory at v's alignment plus skew bytes; a skew
 // that is not a multiple of the alignment gives the misaligned structs a
-// careless host passes.
+// careless host passes. It returns nil once the memory is used up.
 func put[T any](c *cmem, v T, skew int) *T {
 	size, align := int(unsafe.Sizeof(v)), int(unsafe.Alignof(v))
 	b := c.take(size+skew, align)
@@ -77,11 +112,25 @@ func put[T any](c *cmem, v T, skew int) *T {
 	return (*T)(unsafe.Add(pointer(b), skew))
 }
 
+// putT is put for the tests, which fail when the memory is used up.
+func putT[T any](tb testing.TB, c *cmem, v T, skew int) *T {
+	tb.Helper()
+	p := put(c, v, skew)
+	require.NotNil(tb, p, "host memory of %d bytes used up", len(c.buf))
+	return p
+}
+
 func (c *cmem) cstr(tb testing.TB, s string) uintptr {
 	b := c.alloc(tb, len(s)+1, 1)
 	copy(b, s)
 	b[len(s)] = 0
 	return address(b)
+}
+
+func (c *cmem) bytes(tb testing.TB, v []byte) unsafe.Pointer {
+	b := c.alloc(tb, len(v), 8)
+	copy(b, v)
+	return pointer(b)
 }
 
 func (c *cmem) u32s(tb testing.TB, v []uint32) uintptr {
@@ -102,22 +151,24 @@ func (c *cmem) i32s(tb testing.TB, v []int32) unsafe.Pointer {
 // Reading one byte too far faults.
 func edgeString(tb testing.TB, n int, last byte) []byte {
 	tb.Helper()
+	b := edgeBytes(tb, n)
+	for i := range b {
+		b[i] = 'x'
+	}
+	b[n-1] = last
+	return b
+}
+
+// edgeBytes returns n bytes followed by an unreadable page.
+func edgeBytes(tb testing.TB, n int) []byte {
+	tb.Helper()
 	page := os.Getpagesize()
 	size := (n+page-1)/page*page + page
 	b, err := mem.Map(size)
-	if err != nil {
-		tb.Fatal(err)
-	}
+	require.NoError(tb, err)
 	tb.Cleanup(func() { _ = mem.Unmap(b) })
-	if err := unix.Mprotect(b[size-page:], unix.PROT_NONE); err != nil {
-		tb.Fatal(err)
-	}
-	s := b[size-page-n : size-page]
-	for i := range s {
-		s[i] = 'x'
-	}
-	s[n-1] = last
-	return s
+	require.NoError(tb, unix.Mprotect(b[size-page:], unix.PROT_NONE))
+	return b[size-page-n : size-page : size-page]
 }
 
 // model is the KV shape a host registers, with f16 rows as llama.cpp's
@@ -128,7 +179,10 @@ type model struct {
 	vtrans       bool
 }
 
-const elem = 2 // bytes of an f16
+const (
+	elem    = 2 // bytes of an f16
+	typeF16 = 1 // GGML_TYPE_F16
+)
 
 func (m model) layers() int    { return len(m.kEmbd) }
 func (m model) krow(l int) int { return elem * int(m.kEmbd[l]) }
@@ -149,33 +203,77 @@ func (m model) payload() int {
 	return n
 }
 
-// params builds the host's struct mcb_model_params for m.
-func (m model) params(tb testing.TB, c *cmem) *cModelParams {
+// params builds the host's struct mcb_model_params for m, naming path.
+// It returns nil once c is used up.
+func (m model) params(c *cmem, path string) *cModelParams {
+	version, file := c.take(len(host.LlamaVersion)+1, 1), c.take(len(path)+1, 1)
+	if version == nil || file == nil {
+		return nil
+	}
+	copy(version, host.LlamaVersion+"\x00")
+	copy(file, path+"\x00")
+	return put(c, cModelParams{LlamaVersion: address(version), GGUFPath: address(file), BlockTokens: m.block}, 0)
+}
+
+// format builds the host's struct mcb_kv_format for m, or nil once c is
+// used up.
+func (m model) format(c *cmem) *cKVFormat {
 	n := m.layers()
 	kr, vr := make([]uint32, n), make([]uint32, n)
 	for l := 0; l < n; l++ {
 		kr[l], vr[l] = uint32(m.krow(l)), uint32(m.vrow(l))
 	}
-	p := put(c, cModelParams{
-		LlamaVersion:  c.cstr(tb, "b6000"),
-		Arch:          c.cstr(tb, "llama"),
-		NLayer:        uint32(n),
-		BlockTokens:   m.block,
-		NEmbdKGQA:     c.u32s(tb, m.kEmbd),
-		NEmbdVGQA:     c.u32s(tb, m.vEmbd),
-		KRowBytes:     c.u32s(tb, kr),
-		VRowBytes:     c.u32s(tb, vr),
-		TypeK:         1, // GGML_TYPE_F16
-		TypeV:         1,
-		RopeFreqBase:  10000,
-		RopeFreqScale: 1,
-		NCtxOrig:      4096,
-		VTrans:        m.vtrans,
-	}, 0)
-	if p == nil {
-		tb.Fatal("host memory used up")
+	arrays := make([]uintptr, 4)
+	for i, a := range [][]uint32{m.kEmbd, m.vEmbd, kr, vr} {
+		b := c.take(4*n, 4)
+		if b == nil {
+			return nil
+		}
+		copy(unsafe.Slice((*uint32)(pointer(b)), n), a)
+		arrays[i] = address(b)
 	}
-	return p
+	return put(c, cKVFormat{NLayer: uint32(n), NEmbdKGQA: arrays[0], NEmbdVGQA: arrays[1], KRowBytes: arrays[2], VRowBytes: arrays[3],
+		TypeK: typeF16, TypeV: typeF16, VTrans: m.vtrans}, 0)
+}
+
+// registration is the arguments of one mcb_model_register, in host
+// memory: the model's names, its KV format and a cache holding the probe
+// prompt's KV at cells.
+type registration struct {
+	params *cModelParams
+	format *cKVFormat
+	probe  *tensors
+	cells  []uint32
+	pcells unsafe.Pointer // cells, in host memory
+}
+
+// probeCells are where registrations keep the probe: wrapped around the
+// end of a small cache, so that gathering it in position order matters.
+var probeCells = wrapCells(len(probeTokens), 11, 16)
+
+// registration lays out a registration of m naming path, its probe
+// computed at probeCells. It returns nil once c is used up.
+func (m model) registration(c *cmem, path string) *registration {
+	r := &registration{params: m.params(c, path), format: m.format(c), probe: newTensors(c, m, 16, m.vtrans, tight),
+		cells: append([]uint32(nil), probeCells...)}
+	if r.params == nil || r.format == nil || r.probe == nil {
+		return nil
+	}
+	r.probe.compute(probeTokens, r.cells, len(probeTokens))
+	b := c.take(4*len(r.cells), 4)
+	if b == nil {
+		return nil
+	}
+	copy(unsafe.Slice((*uint32)(pointer(b)), len(r.cells)), r.cells)
+	r.pcells = pointer(b)
+	return r
+}
+
+func (m model) reg(tb testing.TB, c *cmem) *registration {
+	tb.Helper()
+	r := m.registration(c, ggufPath)
+	require.NotNil(tb, r, "host memory of %d bytes used up", len(c.buf))
+	return r
 }
 
 // value is the byte a token at position pos has at byte i of layer l's K
@@ -251,6 +349,13 @@ func newTensors(c *cmem, m model, cells uint32, vtrans bool, pad func(l, kv int)
 	return t
 }
 
+func mustTensors(tb testing.TB, c *cmem, m model, cells uint32, vtrans bool, pad func(l, kv int) int) *tensors {
+	tb.Helper()
+	t := newTensors(c, m, cells, vtrans, pad)
+	require.NotNil(tb, t, "host memory of %d bytes used up", len(c.buf))
+	return t
+}
+
 // extent is the bytes n rows of row bytes at stride span, never less than
 // the rows themselves so that a refused stride still has memory behind it.
 func extent(stride, row, n int) int { return (n-1)*max(stride, row) + row }
@@ -304,11 +409,12 @@ func (t *tensors) compute(tokens []int32, cells []uint32, n int) {
 func (t *tensors) snapshot() []byte { return append([]byte(nil), t.region...) }
 
 // checkRestore compares the region with before, after a restore of
-// positions [0, n) into cells. Positions below ok hold their value in the
-// layers below layers; the rows of other positions in [0, n) hold their
-// previous bytes or their value (the verified bytes of a block that
-// failed later); every other byte, guard gaps and stride padding
-// included, is as before.
+// positions [0, n) into cells: positions below ok hold their values in the
+// layers below layers, byte for byte. The rows of the load's other
+// positions are unspecified (a restore may write transfers straight into
+// them, and a failed block leaves them as it arrived); every other byte,
+// guard gaps, stride padding and the cells of other positions included,
+// is as before.
 func (t *tensors) checkRestore(before []byte, tokens []int32, cells []uint32, n, ok, layers int) error {
 	covered := make([]bool, len(t.region))
 	for p := 0; p < n; p++ {
@@ -317,14 +423,8 @@ func (t *tensors) checkRestore(before []byte, tokens []int32, cells []uint32, n,
 				for i := 0; i < t.m.row(l, kv); i++ {
 					off := t.at(l, kv, cellOf(cells, p), i)
 					covered[off] = true
-					want, got := value(tokens[p], p, l, kv, i), t.region[off]
-					if p < ok && l < layers {
-						if got != want {
-							return fmt.Errorf("position %d layer %d %s byte %d = %#x, restored %#x", p, l, "KV"[kv:kv+1], i, got, want)
-						}
-					} else if got != want && got != before[off] {
-						return fmt.Errorf("position %d layer %d %s byte %d = %#x: neither its old %#x nor its value %#x",
-							p, l, "KV"[kv:kv+1], i, got, before[off], want)
+					if want, got := value(tokens[p], p, l, kv, i), t.region[off]; p < ok && l < layers && got != want {
+						return fmt.Errorf("position %d layer %d %s byte %d = %#x, restored %#x", p, l, "KV"[kv:kv+1], i, got, want)
 					}
 				}
 			}
@@ -359,4 +459,22 @@ func prompt(n, f, diverge int) []int32 {
 		}
 	}
 	return tok
+}
+
+// wrapCells puts positions into cells that wrap around holes, as
+// llama.cpp's find_slot leaves them, starting at first.
+func wrapCells(n, first, cells int) []uint32 {
+	c := make([]uint32, n)
+	for i := range c {
+		c[i] = uint32((first + i) % cells)
+	}
+	return c
+}
+
+func reversed(n, cells int) []uint32 {
+	c := make([]uint32, n)
+	for i := range c {
+		c[i] = uint32(cells - 1 - i)
+	}
+	return c
 }

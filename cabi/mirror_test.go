@@ -13,13 +13,15 @@ import (
 )
 
 const (
-	headerPath = "../../include/mcbridge.h"
-	shimPath   = "../../csrc/mcbridge.c"
+	headerPath = "../include/mcbridge.h"
+	shimPath   = "mcbridge.c"
 )
 
 // mirrors pairs every struct of the header with its Go mirror.
 var mirrors = map[string]reflect.Type{
 	"mcb_model_params":  reflect.TypeFor[cModelParams](),
+	"mcb_kv_format":     reflect.TypeFor[cKVFormat](),
+	"mcb_adapter":       reflect.TypeFor[cAdapter](),
 	"mcb_scope":         reflect.TypeFor[cScope](),
 	"mcb_kv_layer":      reflect.TypeFor[cKVLayer](),
 	"mcb_kv_layout":     reflect.TypeFor[cKVLayout](),
@@ -57,6 +59,7 @@ var scalars = map[string]struct {
 	"float":    {4, reflect.Float32},
 	"uint64_t": {8, reflect.Uint64},
 	"size_t":   {8, reflect.Uint64},
+	"mcb_plan": {8, reflect.Uint64},
 	"double":   {8, reflect.Float64},
 }
 

@@ -331,7 +331,8 @@ mcb_status mcb_save_end(mcb_save save, struct mcb_save_result *out);
  * [0, out->n_tokens_ok). The plan is consumed. Whenever a block verified,
  * *state and *n_bytes are set, also when the status is the failure that
  * cut the load short (a partial restore); free the blob with
- * mcb_state_free. */
+ * mcb_state_free. out is filled once the load started, its first_error
+ * saying what cut it short. */
 mcb_status mcb_state_restore(mcb_plan plan, uint8_t **state, size_t *n_bytes, struct mcb_load_result *out);
 
 /* Frees a blob from mcb_state_restore. NULL is a no-op. */
@@ -339,7 +340,8 @@ void mcb_state_free(uint8_t *state);
 
 /* Saves the full blocks of a state blob (llama_state_seq_get_data of a
  * sequence whose positions [0, n_tokens) hold tokens, computed from position
- * 0 under scope), as mcb_save_begin .. mcb_save_end do. */
+ * 0 under scope), as mcb_save_begin .. mcb_save_end do. A failure after
+ * some blocks were saved still fills out with what was. */
 mcb_status mcb_state_save(mcb_model model, const struct mcb_scope *scope,
                           const uint8_t *state, size_t n_bytes,
                           const int32_t *tokens, size_t n_tokens,

@@ -181,9 +181,10 @@ func (m *Model) match(root key.Hash, chain []key.BlockKey) []directory.Entry {
 
 // walk visits the leading entries of chain present in the mirror, each
 // hanging under the previous one, and returns how many there were. Where
-// the mirror ends it goes on through blocks this process sealed whose
-// publish is still out or went unanswered: they are valid here before the
-// directory shows them.
+// the mirror ends it goes on through the blocks this process sealed: they
+// are valid here whatever the directory shows of them (a publish still out
+// or unanswered, or one the publisher is settling into the mirror while
+// this walk runs).
 func (m *Model) walk(root key.Hash, chain []key.BlockKey, visit func(directory.Entry)) int {
 	n, parent := m.walkMirror(root, chain, visit)
 	b := m.b
@@ -191,7 +192,7 @@ func (m *Model) walk(root key.Hash, chain []key.BlockKey, visit func(directory.E
 	defer b.mu.Unlock()
 	for ; n < len(chain); n++ {
 		s, ok := b.resident.Get(chain[n])
-		if !ok || s.replica || s.fp != m.fp || !(s.publishing || s.pending) || s.entry.Parent != parent {
+		if !ok || s.replica || s.fp != m.fp || s.entry.Parent != parent {
 			break
 		}
 		visit(s.entry)

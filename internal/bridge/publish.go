@@ -238,13 +238,19 @@ func (b *Bridge) publishNow(entries []directory.Entry) error {
 			continue
 		}
 		published++
-		if b.settle(e.Key, e.Loc.Generation) {
-			b.mu.Lock()
-			m := b.models[e.Model]
-			b.mu.Unlock()
-			if m != nil {
-				m.apply(directoryPut(e))
-			}
+		// The mirror takes the block before its publishing flag clears, so
+		// the walk through this process's own blocks never loses sight of
+		// it. One evicted meanwhile leaves the mirror again.
+		b.mu.Lock()
+		m := b.models[e.Model]
+		b.mu.Unlock()
+		if m == nil {
+			b.settle(e.Key, e.Loc.Generation)
+			continue
+		}
+		m.apply(directoryPut(e))
+		if !b.settle(e.Key, e.Loc.Generation) {
+			m.forget(e.Key, e.Loc.Segment)
 		}
 	}
 	b.dropLost(lost)

@@ -78,6 +78,20 @@ var ggmlTypes = map[int32]ggmlType{
 	2: {32, 18}, 3: {32, 20}, 6: {32, 22}, 7: {32, 24}, 8: {32, 34}, 20: {32, 18}, // q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl
 }
 
+// RowBytes is the size of a row of elements of a KV cache type, and whether
+// the type is one llama.cpp accepts for the cache; a count that is not whole
+// blocks of the type has size 0.
+func RowBytes(typ int32, elements uint32) (uint64, bool) {
+	t, ok := ggmlTypes[typ]
+	if !ok {
+		return 0, false
+	}
+	if elements%uint32(t.blck) != 0 {
+		return 0, true
+	}
+	return uint64(elements/uint32(t.blck)) * uint64(t.size), true
+}
+
 // rowElements is how many elements a row of bytes holds, 0 when the bytes
 // are not whole rows of that type.
 func rowElements(typ int32, bytes uint64) uint32 {
