@@ -5,8 +5,9 @@ package mooncake
 import (
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 )
 
 // TestCArchive builds testdata/carchive as a Go c-archive, links it into a C
@@ -18,15 +19,14 @@ func TestCArchive(t *testing.T) {
 	}
 	dir := t.TempDir()
 	archive := filepath.Join(dir, "libselftest.a")
-	if msg, err := exec.Command("go", "build", "-buildmode=c-archive", "-o", archive, "./testdata/carchive").CombinedOutput(); err != nil {
-		t.Fatalf("go build -buildmode=c-archive: %v\n%s", err, msg)
-	}
+	out, err := exec.Command("go", "build", "-buildmode=c-archive", "-o", archive, "./testdata/carchive").CombinedOutput()
+	require.NoError(t, err, "go build -buildmode=c-archive: %s", out)
 	prog := filepath.Join(dir, "selftest")
-	if msg, err := exec.Command("cc", "-o", prog, "testdata/carchive/main.c", archive, "-lpthread", "-ldl").CombinedOutput(); err != nil {
-		t.Fatalf("link: %v\n%s", err, msg)
-	}
-	out, err := exec.Command(prog, mockLib).CombinedOutput()
-	if err != nil || !strings.Contains(string(out), "selftest ok") {
-		t.Fatalf("the C program said: %v\n%s", err, out)
-	}
+	out, err = exec.Command("cc", "-o", prog, "testdata/carchive/main.c", archive, "-lpthread", "-ldl").CombinedOutput()
+	require.NoError(t, err, "link: %s", out)
+	runScenarios(t, []scenario{{name: "Selftest", run: func(t *testing.T, lib string) {
+		out, err := exec.Command(prog, lib).CombinedOutput()
+		require.NoError(t, err, "the C program said: %s", out)
+		require.Contains(t, string(out), "selftest ok")
+	}}})
 }

@@ -5,6 +5,7 @@ package mooncake
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -18,7 +19,7 @@ import (
 // that the fuzz targets can start from valid frames.
 const (
 	wireMagic   = 0x4554434d
-	wireVersion = 1
+	wireVersion = 2
 	wireHello   = 1
 	wireRead    = 2
 	wireWrite   = 3
@@ -60,9 +61,9 @@ func newServerFixture(t testing.TB) *serverFixture {
 	}
 	f.region = f.mem[fixtureRegion : 2*fixtureRegion]
 	f.region.fill(3)
-	register(t, f.server, f.region, true)
+	register(t, f.server, f.region)
 	f.copy = newBuffer(t, fixtureRegion)
-	register(t, f.client, f.copy, false)
+	register(t, f.client, f.copy)
 	if err := f.client.SetPath(PathTCP); err != nil {
 		t.Fatal(err)
 	}
@@ -154,20 +155,16 @@ func FuzzServerBytes(f *testing.F) {
 	})
 }
 
-// helloReply is a valid HELLO answer as the mock's server writes it.
-func helloReply(tag uint64, pid int32, pidns uint64, bootID, name string, bufs [][2]uint64) []byte {
-	p := make([]byte, 56, 64+len(name)+16*len(bufs))
+// helloReply is a valid HELLO answer as the mock's server writes it; table
+// is where the peer claims its registration table is.
+func helloReply(tag uint64, pid int32, pidns uint64, bootID, name string, table uint64) []byte {
+	p := make([]byte, 56, 64+len(name))
 	binary.LittleEndian.PutUint32(p[0:], uint32(pid))
 	binary.LittleEndian.PutUint32(p[4:], uint32(len(name)))
 	binary.LittleEndian.PutUint64(p[8:], pidns)
 	copy(p[16:56], bootID)
 	p = append(p, name...)
-	p = binary.LittleEndian.AppendUint32(p, uint32(len(bufs)))
-	p = binary.LittleEndian.AppendUint32(p, 0)
-	for _, b := range bufs {
-		p = binary.LittleEndian.AppendUint64(p, b[0])
-		p = binary.LittleEndian.AppendUint64(p, b[1])
-	}
+	p = binary.LittleEndian.AppendUint64(p, table)
 	h := make([]byte, 32)
 	binary.LittleEndian.PutUint32(h[0:], wireMagic)
 	binary.LittleEndian.PutUint16(h[4:], wireVersion)
@@ -179,27 +176,43 @@ func helloReply(tag uint64, pid int32, pidns uint64, bootID, name string, bufs [
 
 // FuzzHelloReply plays a hostile peer: openSegment's handshake gets data as
 // the answer (with the request's tag patched in when echoTag is set), and
-// must end in an error or a segment, never a crash or a hang.
+// must end in an error or a segment, never a crash or a hang. A segment that
+// opens is then read from, which makes the same-host path read the table
+// the answer points at.
 func FuzzHelloReply(f *testing.F) {
 	e := openEngine(f, mockLib)
+	// Same-host copies only: the hostile peer serves no TCP transfers, and
+	// a read over TCP would wait out the mock's socket timeout.
+	if err := e.SetPath(PathVM); err != nil {
+		f.Fatal(err)
+	}
+	local := newBuffer(f, 4096)
+	register(f, e, local)
 	peer := newHostilePeer(f)
 	boot, _ := os.ReadFile("/proc/sys/kernel/random/boot_id")
-	f.Add(true, helloReply(0, int32(os.Getpid()), 1, string(bytes.TrimSpace(boot)), "127.0.0.1:9", [][2]uint64{{4096, 4096}}))
-	f.Add(true, helloReply(0, 1, 2, "x", "n", nil))
-	f.Add(true, helloReply(0, 1, 2, "x", "", nil))
-	f.Add(false, helloReply(0, 1, 2, "x", "n", [][2]uint64{{^uint64(0), 2}}))
-	f.Add(true, helloReply(0, 1, 2, "x", "n", [][2]uint64{{1, 0}})[:70])
+	pidns, _ := os.Readlink("/proc/self/ns/pid")
+	var ino uint64
+	_, _ = fmt.Sscanf(pidns, "pid:[%d]", &ino)
+	self := string(bytes.TrimSpace(boot))
+	f.Add(true, helloReply(0, int32(os.Getpid()), ino, self, "127.0.0.1:9", uint64(local.addr())))
+	f.Add(true, helloReply(0, int32(os.Getpid()), ino, self, "127.0.0.1:9", 0))
+	f.Add(true, helloReply(0, 1, 2, "x", "n", 0))
+	f.Add(true, helloReply(0, 1, 2, "x", "", 0))
+	f.Add(false, helloReply(0, 1, 2, "x", "n", ^uint64(0)))
+	f.Add(true, helloReply(0, 1, 2, "x", "n", 1)[:70])
 	f.Add(true, []byte("not a frame at all"))
 	f.Fuzz(func(t *testing.T, echoTag bool, data []byte) {
 		done := peer.answer(data, echoTag)
-		seg, err := e.OpenSegment(peer.addr)
-		if err == nil {
-			// Forget it, so that the next input is handshaken afresh.
-			if err := e.CloseSegment(seg); err != nil {
-				t.Fatalf("close a fuzzed segment: %v", err)
+		// openSegmentNoCache handshakes afresh: a plain open of the same
+		// name would return the id cached from an earlier input.
+		seg := raw(t, e, "openSegmentNoCache", cstr(t, peer.addr))
+		<-done
+		if seg > 0 {
+			st := transfer(t, e, transport.Request{Op: transport.Read, Local: local.addr(), Segment: transport.SegmentID(seg), Remote: uint64(local.addr()), Length: 64})
+			if st[0].State != transport.Failed && st[0].State != transport.Completed {
+				t.Fatalf("a read from a fuzzed segment ended %+v", st[0])
 			}
 		}
-		<-done
 	})
 }
 

@@ -12,6 +12,8 @@ import (
 	"unsafe"
 
 	"github.com/ebitengine/purego"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/status"
 	"github.com/mcbridge/mcbridge/internal/transport"
@@ -208,21 +210,16 @@ func TestMockRefusesUnknownMetadata(t *testing.T) {
 }
 
 func TestOpenListensWhereConfigured(t *testing.T) {
-	e, err := Open(Config{Library: mockLib, LocalServerName: "127.0.0.2:1234"})
-	if err != nil {
-		t.Skipf("127.0.0.2 is not usable here: %v", err)
-	}
-	defer e.Close()
-	if !strings.HasPrefix(e.LocalSegment(), "127.0.0.2:") {
-		t.Fatalf("segment %q, want it on 127.0.0.2", e.LocalSegment())
-	}
-	other := openEngine(t, mockLib)
-	if !strings.HasPrefix(other.LocalSegment(), "127.0.0.1:") {
-		t.Fatalf("default segment %q, want loopback", other.LocalSegment())
-	}
-	if _, err := other.OpenSegment(e.LocalSegment()); err != nil {
-		t.Fatalf("open a segment on 127.0.0.2: %v", err)
-	}
+	runScenarios(t, []scenario{{name: "127.0.0.2", run: func(t *testing.T, lib string) {
+		e, err := Open(Config{Library: lib, LocalServerName: "127.0.0.2:1234"})
+		require.NoError(t, err, "an engine on 127.0.0.2 (loopback, always there on Linux)")
+		defer func() { assert.NoError(t, e.Close()) }()
+		assert.Regexp(t, `^127\.0\.0\.2:\d+$`, e.LocalSegment(), "segment on the configured host")
+		other := openEngine(t, lib)
+		assert.Regexp(t, `^127\.0\.0\.1:\d+$`, other.LocalSegment(), "default segment on loopback")
+		_, err = other.OpenSegment(e.LocalSegment())
+		require.NoError(t, err, "open a segment on 127.0.0.2")
+	}}})
 }
 
 func TestCodeError(t *testing.T) {
@@ -276,28 +273,83 @@ func TestMockEnvironment(t *testing.T) {
 	}
 }
 
+// TestOpenProtocols: without an RDMA NIC installTransport("rdma") fails,
+// as the real engine's does; auto-discovery installs TCP.
 func TestOpenProtocols(t *testing.T) {
-	for _, cfg := range []Config{
-		{Library: mockLib, Protocol: "rdma", ProtocolArgs: []string{`{"cpu:0": [["mlx5_0"], []]}`}},
-		{Library: mockLib, AutoDiscover: true},
-	} {
-		e, err := Open(cfg)
-		if err != nil {
-			t.Fatalf("%+v: %v", cfg, err)
-		}
+	runScenarios(t, []scenario{{name: "Protocols", run: func(t *testing.T, lib string) {
+		_, err := Open(Config{Library: lib, Protocol: "rdma", ProtocolArgs: []string{`{"cpu:0": [["mlx5_0"], []]}`}})
+		wantCode(t, err, status.Unsupported, "rdma without a NIC")
+		e, err := Open(Config{Library: lib, AutoDiscover: true})
+		require.NoError(t, err, "auto-discovery")
 		local := newBuffer(t, 4096)
-		if err := e.RegisterMemory(local.addr(), 4096, "cpu:0", true); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, e.RegisterMemory(local.addr(), 4096, "cpu:0", true))
+		local.fill(9)
 		st := transfer(t, e, transport.Request{Op: transport.Write, Local: local.addr(), Segment: 0, Remote: uint64(local.addr()) + 2048, Length: 1024})
-		if st[0].State != transport.Completed {
-			t.Fatalf("%+v: loopback write %+v", cfg, st[0])
+		assert.Equal(t, transport.Completed, st[0].State, "loopback write")
+		for i := 0; i < 1024; i++ {
+			require.Equal(t, pattern(9, i), local[2048+i], "byte %d", i)
 		}
-		if err := e.UnregisterMemory(local.addr()); err != nil {
-			t.Fatal(err)
-		}
-		if err := e.Close(); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, e.UnregisterMemory(local.addr()))
+		require.NoError(t, e.Close())
+	}}})
+}
+
+// TestLoadSetsEnvironment: the binding sets what the real library reads
+// (quiet glog, the TCP connection pool) where the host did not, and refuses
+// a pool the host switched off.
+func TestLoadSetsEnvironment(t *testing.T) {
+	_, err := Load(mockLib)
+	require.NoError(t, err)
+	for _, kv := range libraryEnvironment {
+		_, ok := os.LookupEnv(kv.name)
+		assert.True(t, ok, "%s is set after Load", kv.name)
 	}
+	for _, off := range []string{"0", "false", "NO"} {
+		t.Setenv(envTCPPool, off)
+		_, err := Load(mockLib)
+		wantCode(t, err, status.Config, envTCPPool+"="+off)
+		assert.Contains(t, err.Error(), envTCPPool)
+	}
+}
+
+// TestLoadIsLocal: the libraries' symbols stay out of the global scope
+// (RTLD_LOCAL), so that the real library's 1,600 exports cannot bind the
+// host's own symbols.
+func TestLoadIsLocal(t *testing.T) {
+	runScenarios(t, []scenario{{name: "RTLD_LOCAL", run: func(t *testing.T, lib string) {
+		l, err := Load(lib)
+		require.NoError(t, err)
+		for _, name := range []string{"createTransferEngine", "getTransferStatus"} {
+			own, err := purego.Dlsym(l.handle, name)
+			require.NoError(t, err)
+			require.NotZero(t, own)
+			global, err := purego.Dlsym(purego.RTLD_DEFAULT, name)
+			assert.True(t, err != nil || global == 0, "%s is visible in the global scope", name)
+		}
+	}}})
+}
+
+// TestLibrarySideEffects pins what loading and opening do to a fresh
+// process (a child): the real library ignores SIGPIPE from dlopen on,
+// raises RLIMIT_NOFILE to its hard limit and starts threads when an engine
+// is created, and, with the binding's default MC_LOG_LEVEL, writes no glog
+// INFO lines; the mock does none of it.
+func TestLibrarySideEffects(t *testing.T) {
+	runScenarios(t, []scenario{{name: "Process", run: func(t *testing.T, lib string) {
+		real := lib != mockLib
+		fx := sideEffects(t, lib)
+		assert.Equal(t, real, fx.SigpipeIgnoredAfterLoad, "SIGPIPE ignored after dlopen")
+		assert.False(t, fx.SigpipeIgnoredBefore, "SIGPIPE ignored before dlopen")
+		if real {
+			assert.Equal(t, fx.NofileHard, fx.NofileAfterOpen, "RLIMIT_NOFILE after createTransferEngine")
+			assert.GreaterOrEqual(t, fx.ThreadsAfterOpen-fx.ThreadsAfterLoad, 2, "threads per engine")
+		} else {
+			assert.Equal(t, fx.NofileBefore, fx.NofileAfterOpen, "RLIMIT_NOFILE after createTransferEngine")
+		}
+		assert.NotRegexp(t, `(?m)^I\d{8} `, fx.stderr, "glog INFO lines with the binding's default MC_LOG_LEVEL")
+		if real {
+			loud := sideEffects(t, lib, "MC_LOG_LEVEL=INFO")
+			assert.Regexp(t, `(?m)^I\d{8} `, loud.stderr, "MC_LOG_LEVEL=INFO brings glog's INFO lines back")
+		}
+	}}})
 }

@@ -14,18 +14,24 @@ import (
 	"unsafe"
 
 	"github.com/ebitengine/purego"
+	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/status"
 	"github.com/mcbridge/mcbridge/internal/transport"
 	"github.com/mcbridge/mcbridge/internal/transport/mooncake/mocklib"
 )
 
+// EnvRealLibrary names the real libtransfer_engine.so the tests run every
+// transport case against, beside the mock (make test sets it from
+// scripts/mooncake/build.sh te).
+const EnvRealLibrary = "MCB_TE_REAL_LIB"
+
 // mockLib is the mock library the tests run against.
 var mockLib string
 
 func TestMain(m *testing.M) {
-	if os.Getenv(envChild) != "" {
-		os.Exit(max(childMain(), leakCheck()))
+	if role := os.Getenv(envChild); role != "" {
+		os.Exit(max(childMain(role), leakCheck()))
 	}
 	cleanup, err := findMock()
 	if err != nil {
@@ -58,6 +64,53 @@ func findMock() (func(), error) {
 	return cleanup, err
 }
 
+// realLib is the real library's path. A real variant that cannot run fails:
+// skipping it would report a suite that never ran as passing.
+func realLib(t testing.TB) string {
+	t.Helper()
+	p := os.Getenv(EnvRealLibrary)
+	require.NotEmpty(t, p, "%s is unset: it must name the real libtransfer_engine.so (make test sets it from scripts/mooncake/build.sh te); the real-library variant cannot run", EnvRealLibrary)
+	lib, err := Load(p)
+	require.NoError(t, err, "%s=%s does not load", EnvRealLibrary, p)
+	require.False(t, lib.Has("mock_te_set_fault"), "%s=%s is the mock, not the real library", EnvRealLibrary, p)
+	return p
+}
+
+// impl is one Transfer Engine library the tests run on.
+type impl struct {
+	name string
+	lib  func(testing.TB) string
+}
+
+func (i impl) mock() bool { return i.name == "mock" }
+
+var impls = []impl{
+	{"mock", func(testing.TB) string { return mockLib }},
+	{"real", realLib},
+}
+
+// scenario is a case that runs once per implementation, as subtests /mock
+// and /real. mockOnly, when set, says why the case runs on the mock alone:
+// it needs one of the mock's mock_te_* controls.
+type scenario struct {
+	name     string
+	mockOnly string
+	run      func(t *testing.T, lib string)
+}
+
+func runScenarios(t *testing.T, scs []scenario) {
+	for _, sc := range scs {
+		t.Run(sc.name, func(t *testing.T) {
+			for _, im := range impls {
+				if sc.mockOnly != "" && !im.mock() {
+					continue
+				}
+				t.Run(im.name, func(t *testing.T) { sc.run(t, im.lib(t)) })
+			}
+		})
+	}
+}
+
 // buffer is memory outside the Go heap, as the engines' worker threads may
 // touch it at any time.
 type buffer []byte
@@ -65,9 +118,7 @@ type buffer []byte
 func newBuffer(t testing.TB, n int) buffer {
 	t.Helper()
 	b, err := syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
-	if err != nil {
-		t.Fatalf("mmap %d: %v", n, err)
-	}
+	require.NoError(t, err, "mmap %d", n)
 	t.Cleanup(func() { _ = syscall.Munmap(b) })
 	return b
 }
@@ -96,9 +147,7 @@ func (b buffer) firstMismatch(seed byte) int {
 func openEngine(t testing.TB, lib string) *Engine {
 	t.Helper()
 	e, err := Open(Config{Library: lib})
-	if err != nil {
-		t.Fatalf("open engine on %s: %v", lib, err)
-	}
+	require.NoError(t, err, "open engine on %s", lib)
 	t.Cleanup(func() {
 		if err := e.Close(); err != nil {
 			t.Errorf("close engine: %v", err)
@@ -107,11 +156,9 @@ func openEngine(t testing.TB, lib string) *Engine {
 	return e
 }
 
-func register(t testing.TB, e *Engine, b buffer, remote bool) {
+func register(t testing.TB, e *Engine, b buffer) {
 	t.Helper()
-	if err := e.RegisterMemory(b.addr(), uint64(len(b)), "cpu:0", remote); err != nil {
-		t.Fatalf("register %d bytes: %v", len(b), err)
-	}
+	require.NoError(t, e.RegisterMemory(b.addr(), uint64(len(b)), "cpu:0", true), "register %d bytes", len(b))
 	t.Cleanup(func() {
 		if err := e.UnregisterMemory(b.addr()); err != nil {
 			t.Errorf("unregister: %v", err)
@@ -122,9 +169,7 @@ func register(t testing.TB, e *Engine, b buffer, remote bool) {
 func allocate(t testing.TB, e *Engine, capacity int) *Batch {
 	t.Helper()
 	tb, err := e.AllocateBatch(capacity)
-	if err != nil {
-		t.Fatalf("allocate batch of %d: %v", capacity, err)
-	}
+	require.NoError(t, err, "allocate batch of %d", capacity)
 	b := tb.(*Batch)
 	t.Cleanup(func() {
 		transport.WaitIdle(b, transport.DefaultBackoff)
@@ -137,25 +182,17 @@ func allocate(t testing.TB, e *Engine, capacity int) *Batch {
 
 func wantCode(t testing.TB, err error, want status.Code, what string) {
 	t.Helper()
-	if got := status.Of(err); got != want {
-		t.Fatalf("%s: got %v (code %v), want code %v", what, err, got, want)
-	}
+	require.Equal(t, want, status.Of(err), "%s: got %v", what, err)
 }
 
 // transfer submits reqs in a fresh batch and waits for every task.
 func transfer(t testing.TB, e *Engine, reqs ...transport.Request) []transport.TaskStatus {
 	t.Helper()
 	b := allocate(t, e, len(reqs))
-	if err := b.Submit(reqs); err != nil {
-		t.Fatalf("submit: %v", err)
-	}
+	require.NoError(t, b.Submit(reqs), "submit")
 	st, err := transport.Wait(context.Background(), b, 0, len(reqs), transport.DefaultBackoff)
-	if err != nil {
-		t.Fatalf("wait: %v", err)
-	}
-	if err := b.Free(); err != nil {
-		t.Fatalf("free: %v", err)
-	}
+	require.NoError(t, err, "wait")
+	require.NoError(t, b.Free(), "free")
 	return st
 }
 
@@ -168,9 +205,13 @@ const (
 	childSeed    = 0x5a
 )
 
-// childMain registers a patterned buffer, prints "READY segment addr len",
-// and serves until its standard input closes.
-func childMain() int {
+// childMain runs the child's role: "serve" registers a patterned buffer,
+// prints "READY segment addr len", and serves until its standard input
+// closes; "sideeffects" reports what loading and opening did to the process.
+func childMain(role string) int {
+	if role == "sideeffects" {
+		return sideEffectsMain()
+	}
 	size, err := strconv.Atoi(os.Getenv(envChildSize))
 	if err != nil || size <= 0 {
 		fmt.Fprintln(os.Stderr, "child: bad size:", err)
@@ -217,32 +258,28 @@ type child struct {
 func startChild(t testing.TB, lib string, size int) *child {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), envChild+"=1", envChildLib+"="+lib, envChildSize+"="+strconv.Itoa(size))
+	cmd.Env = append(os.Environ(), envChild+"=serve", envChildLib+"="+lib, envChildSize+"="+strconv.Itoa(size))
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start child: %v", err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start(), "start child")
 	c := &child{cmd: cmd, stdin: stdin}
 	t.Cleanup(func() {
+		// A child left stopped by a failed test would never exit.
+		_ = c.cmd.Process.Signal(syscall.SIGCONT)
 		_ = c.stdin.Close()
 		_ = c.cmd.Wait()
 	})
 	line, err := bufio.NewReader(stdout).ReadString('\n')
 	if err != nil {
 		_ = cmd.Process.Kill()
-		t.Fatalf("child did not report its segment: %v", err)
+		require.NoError(t, err, "child did not report its segment")
 	}
 	if _, err := fmt.Sscanf(line, "READY %s %d %d", &c.segment, &c.addr, &c.size); err != nil {
 		_ = cmd.Process.Kill()
-		t.Fatalf("child said %q: %v", line, err)
+		require.NoError(t, err, "child said %q", line)
 	}
 	return c
 }
@@ -251,7 +288,17 @@ func startChild(t testing.TB, lib string, size int) *child {
 func (c *child) stop(t testing.TB) {
 	t.Helper()
 	_ = c.stdin.Close()
-	if err := c.cmd.Wait(); err != nil {
-		t.Fatalf("child exit: %v", err)
-	}
+	require.NoError(t, c.cmd.Wait(), "child exit")
+}
+
+func (c *child) signal(t testing.TB, sig syscall.Signal) {
+	t.Helper()
+	require.NoError(t, c.cmd.Process.Signal(sig), "signal %v to the child", sig)
+}
+
+// kill ends the child at once and reaps it.
+func (c *child) kill(t testing.TB) {
+	t.Helper()
+	require.NoError(t, c.cmd.Process.Kill())
+	_ = c.cmd.Wait()
 }
