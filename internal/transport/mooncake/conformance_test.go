@@ -134,6 +134,9 @@ func testRegistration(t *testing.T, lib string) {
 	wantCode(t, e.RegisterMemory(0, 10, "cpu:0", true), status.InvalidArg, "null address")
 	wantCode(t, e.RegisterMemory(base, 10, "", true), status.InvalidArg, "empty location")
 	assert.EqualValues(t, -1, raw(t, e, "registerLocalMemory", base, 0, cstr(t, "cpu:0"), 1), "raw zero length")
+	// Nor does it refuse a NULL start.
+	assert.EqualValues(t, 0, raw(t, e, "registerLocalMemory", 0, 10, cstr(t, "cpu:0"), 1), "raw NULL start")
+	assert.EqualValues(t, 0, raw(t, e, "unregisterLocalMemory", 0), "raw unregister of the NULL start")
 	// A build without CUDA does not look at the location.
 	for _, loc := range []string{"cuda:0", "*", "nonsense"} {
 		require.NoError(t, e.RegisterMemory(base, 10, loc, true), "location %q", loc)
@@ -183,6 +186,14 @@ func testSegments(t *testing.T, lib string) {
 	wantCode(t, err, status.InvalidArg, "empty name")
 	assert.EqualValues(t, -1, raw(t, e, "openSegment", cstr(t, "")), "raw openSegment of an empty name")
 
+	// An engine with no transport installed opens nothing, its own name
+	// included.
+	bare := createBare(t, e.lib)
+	for _, name := range []string{e.LocalSegment(), bare.name} {
+		r, _, _ := purego.SyscallN(bare.openSegment, bare.h, cstr(t, name))
+		assert.EqualValues(t, -1, int32(r), "openSegment(%q) before installTransport", name)
+	}
+
 	p := newPair(t, lib, 64<<10)
 	assert.GreaterOrEqual(t, int(p.seg), 1, "a peer's id")
 	again, err := p.a.OpenSegment(p.b.LocalSegment())
@@ -206,6 +217,25 @@ func testSegments(t *testing.T, lib string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	require.NoError(t, p.a.SyncSegmentCache(ctx))
+}
+
+// bareEngine is an engine created past the binding, with no transport.
+type bareEngine struct {
+	h, openSegment uintptr
+	name           string
+}
+
+func createBare(t *testing.T, lib *Library) bareEngine {
+	open, err := purego.Dlsym(lib.handle, "openSegment")
+	require.NoError(t, err)
+	h, _ := lib.call("createTransferEngine", lib.sym.createTransferEngine, plain,
+		cstr(t, P2PHandshake), cstr(t, "127.0.0.1"), cstr(t, "127.0.0.1"), 0, 0)
+	require.NotZero(t, h, "createTransferEngine")
+	t.Cleanup(func() { _, _ = lib.call("destroyTransferEngine", lib.sym.destroyTransferEngine, plain, h) })
+	buf := make([]byte, 256)
+	_, err = lib.call("getLocalIpAndPort", lib.sym.getLocalIPAndPort, negativeCode, h, uintptr(unsafe.Pointer(&buf[0])), uintptr(len(buf)))
+	require.NoError(t, err)
+	return bareEngine{h: h, openSegment: open, name: goString(buf)}
 }
 
 func testReadWrite(t *testing.T, lib string) {
