@@ -198,7 +198,10 @@ func testHungPeer(t *testing.T, lib string) {
 	hung.signal(t, syscall.SIGSTOP)
 
 	within(t, hungDeadline, "openSegment of a stopped peer", func() error {
-		_, err := e.OpenSegment(hung.segment)
+		id, err := e.OpenSegment(hung.segment)
+		if err == nil {
+			t.Logf("the stopped peer %s opened as id %d (own segment %s, held peer %s)", hung.segment, id, e.LocalSegment(), held.segment)
+		}
 		return err
 	})
 	// A caller with its own, shorter deadline joins the call in the air
