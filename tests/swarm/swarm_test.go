@@ -12,6 +12,7 @@ package swarm
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -283,6 +284,29 @@ func (p *proc) finish(t *testing.T) {
 	}
 }
 
+// halt stops the child (SIGSTOP) and waits until every thread of it is
+// stopped: kill returns before that, and a thread still running for a few
+// milliseconds can serve a transfer.
+func (p *proc) halt(t *testing.T) {
+	t.Helper()
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGSTOP))
+	require.Eventually(t, func() bool {
+		tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", p.cmd.Process.Pid))
+		if err != nil || len(tasks) == 0 {
+			return false
+		}
+		for _, task := range tasks {
+			b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", p.cmd.Process.Pid, task.Name()))
+			// The state follows the parenthesised command name.
+			i := bytes.LastIndexByte(b, ')')
+			if err != nil || i < 0 || i+2 >= len(b) || b[i+2] != 'T' {
+				return false
+			}
+		}
+		return true
+	}, 5*time.Second, 100*time.Microsecond, "the child never stopped")
+}
+
 func (p *proc) kill() {
 	_ = p.cmd.Process.Signal(syscall.SIGKILL)
 	_ = p.cmd.Wait()
@@ -454,7 +478,7 @@ func TestPeerKilledMidTransfer(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, 128, res.OKTokens, "the load before the kill")
 		k.h.Scribble()
-		require.NoError(t, k.victim.cmd.Process.Signal(syscall.SIGSTOP))
+		k.victim.halt(t)
 		ld, err := k.m.LoadBegin(key.Scope{}, k.h.Layout(), k.tokens[:128], k.cells)
 		require.NoError(t, err)
 		time.Sleep(200 * time.Millisecond)
