@@ -25,10 +25,18 @@
  *
  * Hazards for an in-process host such as llama.cpp (none of them apply to the
  * mock, all of them to the real library):
- *   - a batch id is the address of the engine's batch object: freeing it
- *     twice, or using it after free, corrupts the heap;
+ *   - a batch id is the address of the engine's batch object, and a freed
+ *     batch's address is handed out again by a later allocateBatchID: a
+ *     stale id is a dangling pointer (a poll of a freed batch crashes);
  *   - C++ exceptions are not caught at this boundary;
  *   - an unknown metadata scheme in createTransferEngine ends the process;
+ *   - loading the library sets SIGPIPE to ignored; createTransferEngine
+ *     raises RLIMIT_NOFILE to its hard limit and starts threads; glog writes
+ *     to stderr (MC_LOG_LEVEL and MC_LOG_DIR, read once per process, quiet
+ *     or route it);
+ *   - calls that reach a peer block inside the library: openSegment for up
+ *     to a minute against a peer that accepts but does not answer, and a
+ *     transfer to such a peer stays WAITING with no timeout of its own;
  *   - enableGracefulShutdown installs process-wide SIGINT/SIGTERM handlers.
  *     It is deliberately not declared here: the bridge must never call it.
  *
@@ -151,7 +159,12 @@ transport_t installTransport(transfer_engine_t engine, const char *proto,
                              void **args);
 int uninstallTransport(transfer_engine_t engine, const char *proto);
 
-/* Segments: ids >= 0, negative on failure. closeSegment may be a no-op. */
+/*
+ * Segments: ids >= 1 for peers, LOCAL_SEGMENT for the engine's own name, -1
+ * on failure (no transport installed, nobody listening, empty name). Ids are
+ * cached by name: opening again returns the same id, also after the peer
+ * died. closeSegment and uninstallTransport return 0 and change nothing.
+ */
 segment_id_t openSegment(transfer_engine_t engine, const char *segment_name);
 segment_id_t openSegmentNoCache(transfer_engine_t engine,
                                 const char *segment_name);
@@ -160,10 +173,13 @@ int removeLocalSegment(transfer_engine_t engine, const char *segment_name);
 int syncSegmentCache(transfer_engine_t engine);
 
 /*
- * Memory registration. location is "cpu:N", "cuda:N" or "*". Overlapping an
- * existing region fails with -TE_ADDRESS_OVERLAPPED; a zero length with
- * -TE_INVALID_ARGUMENT. The batch form registers remote-accessible regions,
- * all or none.
+ * Memory registration. location is "cpu:N", "cuda:N" or "*"; a build without
+ * CUDA does not look at it, and the TCP transport serves every registered
+ * range to peers whatever remote_accessible says. Overlapping an existing
+ * region fails with -TE_ADDRESS_OVERLAPPED, a zero length with
+ * -TE_INVALID_ARGUMENT. The batch form registers all or none. Unregistering
+ * a start that is not registered fails with -TE_ADDRESS_NOT_REGISTERED; the
+ * batch form still removes the starts it knows.
  */
 int registerLocalMemory(transfer_engine_t engine, void *addr, size_t length,
                         const char *location, int remote_accessible);
@@ -175,10 +191,19 @@ int unregisterLocalMemoryBatch(transfer_engine_t engine, void **addr_list,
                                size_t addr_len);
 
 /*
- * Batches. A batch holds at most batch_size requests over its lifetime; task
- * ids number them in submission order from 0. Completion is seen only by
- * polling getTransferStatus, and freeBatchID fails with TE_BATCH_BUSY until
- * every task has been seen finished.
+ * Batches. A batch holds at most batch_size requests over its lifetime
+ * (TE_TOO_MANY_REQUESTS past it); task ids number them in submission order
+ * from 0. submitTransfer checks only the batch, its capacity and that every
+ * target_id was opened (TE_INVALID_ARGUMENT, nothing queued): a range outside
+ * the owner's registrations is accepted and the task ends FAILED after one
+ * round trip; the local side is not checked; an opcode other than
+ * OPCODE_WRITE reads; a zero length completes at once.
+ *
+ * A task is WAITING until it ends COMPLETED or FAILED, with transferred_bytes
+ * 0 until COMPLETED. Completion is seen only by polling getTransferStatus,
+ * and freeBatchID fails with TE_BATCH_BUSY until every task has been seen
+ * finished; a poll that answers COMPLETED also counts as seen every task of
+ * the batch already finished, up to the first FAILED one.
  */
 batch_id_t allocateBatchID(transfer_engine_t engine, size_t batch_size);
 int submitTransfer(transfer_engine_t engine, batch_id_t batch_id,

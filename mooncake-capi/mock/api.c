@@ -1,8 +1,9 @@
 /*
  * The exported ABI of the mock Transfer Engine: transfer_engine_c.h with the
- * real library's semantics and error conventions, plus the mock_te_*
- * controls. Unlike the real library it validates every handle it is given,
- * so a binding bug shows up as an error code and a counter, not a crash.
+ * semantics measured on the real library (see transfer_engine_c.h and
+ * mooncake-capi/README.md), plus the mock_te_* controls. Unlike the real
+ * library it validates every handle it is given, so a binding bug shows up
+ * as an error code and a counter, not a crash.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -30,6 +31,14 @@ void engine_log(struct engine *e, const char *fmt, ...) {
     vfprintf(stderr, fmt, ap);
     fputc('\n', stderr);
     va_end(ap);
+}
+
+static void notice_free(struct notice *nt) {
+    if (!nt) return;
+    peer_unref(nt->peer);
+    free(nt->name);
+    free(nt->msg);
+    free(nt);
 }
 
 /* ---- configuration from the environment --------------------------------- */
@@ -112,6 +121,7 @@ static void engine_free(struct engine *e) {
     for (size_t i = 0; i < e->bset_cap; i++) {
         struct batch *b = e->bset[i];
         if (b && b != (struct batch *)e) {
+            notice_free(b->notice);
             free(b->tasks);
             free(b);
         }
@@ -213,39 +223,26 @@ API int getLocalIpAndPort(transfer_engine_t engine, char *buf_out,
     return 0;
 }
 
+/* Only TCP: the mock has no RDMA NIC, and the real engine returns NULL for
+ * "rdma" without one. Installing twice returns the same transport. */
 API transport_t installTransport(transfer_engine_t engine, const char *proto,
                                  void **args) {
     (void)args;
     struct engine *e = engine_check(engine);
     if (!e || !proto) return NULL;
-    transport_t t = NULL;
-    pthread_mutex_lock(&e->mu);
-    if (!strcmp(proto, "tcp")) {
-        e->tcp_installed = true;
-        t = &e->tcp_installed;
-    } else if (!strcmp(proto, "rdma")) {
-        e->rdma_installed = true;
-        t = &e->rdma_installed;
+    if (strcmp(proto, "tcp") != 0) {
+        engine_log(e, "installTransport: no \"%s\" transport", proto);
+        return NULL;
     }
+    pthread_mutex_lock(&e->mu);
+    e->tcp_installed = true;
     pthread_mutex_unlock(&e->mu);
-    if (!t) engine_log(e, "installTransport: unknown protocol \"%s\"", proto);
-    return t;
+    return &e->tcp_installed;
 }
 
+/* As in the real engine, a no-op: the transport keeps working. */
 API int uninstallTransport(transfer_engine_t engine, const char *proto) {
-    struct engine *e = engine_check(engine);
-    if (!e || !proto) return -1;
-    int rc = -1;
-    pthread_mutex_lock(&e->mu);
-    bool *flag = !strcmp(proto, "tcp")    ? &e->tcp_installed
-                 : !strcmp(proto, "rdma") ? &e->rdma_installed
-                                          : NULL;
-    if (flag && *flag) {
-        *flag = false;
-        rc = 0;
-    }
-    pthread_mutex_unlock(&e->mu);
-    return rc;
+    return engine_check(engine) && proto ? 0 : -1;
 }
 
 /* ---- segments ------------------------------------------------------------- */
@@ -298,34 +295,36 @@ static segment_id_t open_segment(struct engine *e, const char *name,
     return id;
 }
 
+/* Whether a segment can be opened: the real engine has no local segment
+ * descriptor, and opens nothing, before a transport is installed. */
+static bool can_open(struct engine *e) {
+    pthread_mutex_lock(&e->mu);
+    bool ok = e->tcp_installed;
+    pthread_mutex_unlock(&e->mu);
+    return ok;
+}
+
 API segment_id_t openSegment(transfer_engine_t engine,
                              const char *segment_name) {
     struct engine *e = engine_check(engine);
-    if (!e || !segment_name || !*trim_slashes(segment_name)) return -1;
+    if (!e || !segment_name || !*trim_slashes(segment_name) || !can_open(e))
+        return -1;
     return open_segment(e, trim_slashes(segment_name), false);
 }
 
 API segment_id_t openSegmentNoCache(transfer_engine_t engine,
                                     const char *segment_name) {
     struct engine *e = engine_check(engine);
-    if (!e || !segment_name || !*trim_slashes(segment_name)) return -1;
+    if (!e || !segment_name || !*trim_slashes(segment_name) || !can_open(e))
+        return -1;
     return open_segment(e, trim_slashes(segment_name), true);
 }
 
+/* As in the real engine, a no-op: ids stay valid for the engine's life, and
+ * a later openSegment of the same name returns the same id. */
 API int closeSegment(transfer_engine_t engine, segment_id_t segment_id) {
-    struct engine *e = engine_check(engine);
-    if (!e) return -1;
-    struct peer *p = NULL;
-    pthread_mutex_lock(&e->mu);
-    /* The local segment stays open for the engine's lifetime. */
-    if (segment_id > 0 && (size_t)segment_id < e->nsegs) {
-        p = e->segs[segment_id];
-        e->segs[segment_id] = NULL;
-    }
-    pthread_mutex_unlock(&e->mu);
-    if (!p && segment_id != LOCAL_SEGMENT) return -TE_INVALID_ARGUMENT;
-    peer_unref(p);
-    return 0;
+    (void)segment_id;
+    return engine_check(engine) ? 0 : -1;
 }
 
 API int removeLocalSegment(transfer_engine_t engine,
@@ -358,27 +357,19 @@ API int syncSegmentCache(transfer_engine_t engine) {
 
 /* ---- memory registration ------------------------------------------------- */
 
-/* 0 for host locations, -TE_DEVICE_NOT_FOUND for devices the mock lacks. */
-static int check_location(const char *loc) {
-    if (!loc) return -TE_INVALID_ARGUMENT;
-    if (!strcmp(loc, "*") || !strcmp(loc, "cpu")) return 0;
-    if (!strncmp(loc, "cpu:", 4) && loc[4]) {
-        for (const char *p = loc + 4; *p; p++)
-            if (*p < '0' || *p > '9') return -TE_INVALID_ARGUMENT;
-        return 0;
-    }
-    return -TE_DEVICE_NOT_FOUND;
-}
-
+/*
+ * Registration as the real engine's TCP build does it: the location string
+ * is not looked at (a non-CUDA build takes "cuda:0" or "nonsense"), nor is
+ * remote_accessible (peers reach every registered range), nor a NULL start.
+ */
 API int registerLocalMemory(transfer_engine_t engine, void *addr,
                             size_t length, const char *location,
                             int remote_accessible) {
+    (void)remote_accessible;
     struct engine *e = engine_check(engine);
-    if (!e || !addr || length == 0) return -TE_INVALID_ARGUMENT;
-    int rc = check_location(location);
-    if (rc) return rc;
-    struct region r = {(uintptr_t)addr, length, remote_accessible != 0};
-    rc = registry_add(&e->regs, &r, 1);
+    if (!e || !location || length == 0) return -TE_INVALID_ARGUMENT;
+    struct span r = {(uint64_t)(uintptr_t)addr, length};
+    int rc = registry_add(&e->regs, &r, 1);
     if (rc)
         engine_log(e, "registerLocalMemory(%p, %zu): code %d", addr, length,
                    rc);
@@ -387,7 +378,7 @@ API int registerLocalMemory(transfer_engine_t engine, void *addr,
 
 API int unregisterLocalMemory(transfer_engine_t engine, void *addr) {
     struct engine *e = engine_check(engine);
-    if (!e || !addr) return -TE_INVALID_ARGUMENT;
+    if (!e) return -TE_INVALID_ARGUMENT;
     return registry_remove(&e->regs, &addr, 1);
 }
 
@@ -395,15 +386,15 @@ API int registerLocalMemoryBatch(transfer_engine_t engine,
                                  buffer_entry_t *buffer_list,
                                  size_t buffer_len, const char *location) {
     struct engine *e = engine_check(engine);
-    if (!e || (!buffer_list && buffer_len > 0)) return -TE_INVALID_ARGUMENT;
-    int rc = check_location(location);
-    if (rc || buffer_len == 0) return rc;
-    struct region *v = calloc(buffer_len, sizeof(*v));
+    if (!e || !location || (!buffer_list && buffer_len > 0))
+        return -TE_INVALID_ARGUMENT;
+    if (buffer_len == 0) return 0;
+    struct span *v = calloc(buffer_len, sizeof(*v));
     if (!v) return -TE_MEMORY;
     for (size_t i = 0; i < buffer_len; i++)
-        v[i] = (struct region){(uintptr_t)buffer_list[i].addr,
-                               buffer_list[i].length, true};
-    rc = registry_add(&e->regs, v, buffer_len);
+        v[i] = (struct span){(uint64_t)(uintptr_t)buffer_list[i].addr,
+                             buffer_list[i].length};
+    int rc = registry_add(&e->regs, v, buffer_len);
     free(v);
     return rc;
 }
@@ -505,95 +496,71 @@ API batch_id_t allocateBatchID(transfer_engine_t engine, size_t batch_size) {
     return (batch_id_t)(uintptr_t)b;
 }
 
-static void notice_free(struct notice *nt) {
-    if (!nt) return;
-    free(nt->name);
-    free(nt->msg);
-    free(nt);
-}
 
 /*
- * Validates and queues count requests, all or none; returns a Status code.
- * Range checks run unlocked because a stale peer descriptor is refreshed
- * over the network, so capacity is checked again before the tasks are added.
+ * Queues count requests, all or none; returns a Status code. As in the real
+ * engine only the batch, its capacity and the segment ids are checked here:
+ * the ranges are checked when the bytes move, so a request outside the
+ * owner's registrations is accepted and ends FAILED, and the local side is
+ * not checked at all (the real TCP transport never checks it). An opcode
+ * other than OPCODE_WRITE reads; a zero length completes.
  */
 static int submit(struct engine *e, batch_id_t batch_id,
                   const struct transfer_request *entries, size_t count,
                   const notify_msg_t *notify) {
     if (!entries && count > 0) return TE_INVALID_ARGUMENT;
-    struct peer **peers = calloc(count ? count : 1, sizeof(*peers));
-    if (!peers) return TE_MEMORY;
+    struct notice *nt = NULL;
+    if (notify) {
+        if (count == 0) return TE_INVALID_ARGUMENT;
+        nt = calloc(1, sizeof(*nt));
+        if (nt) {
+            nt->name = strdup(notify->name ? notify->name : "");
+            nt->msg = strdup(notify->msg ? notify->msg : "");
+        }
+        if (!nt || !nt->name || !nt->msg) {
+            notice_free(nt);
+            return TE_MEMORY;
+        }
+    }
     int rc = TE_OK;
+    size_t first = 0;
     pthread_mutex_lock(&e->mu);
     struct batch *b = find_batch_locked(e, batch_id);
     if (!b)
         rc = TE_INVALID_ARGUMENT;
     else if (count > b->cap - b->n)
         rc = TE_TOO_MANY_REQUESTS;
-    else if (!e->tcp_installed && !e->rdma_installed)
+    else if (!e->tcp_installed)
         rc = TE_NOT_SUPPORTED_TRANSPORT;
     for (size_t i = 0; rc == TE_OK && i < count; i++) {
-        const struct transfer_request *r = &entries[i];
-        segment_id_t sid = r->target_id;
-        if ((r->opcode != OPCODE_READ && r->opcode != OPCODE_WRITE) ||
-            r->length == 0 || sid < 0 || (size_t)sid >= e->nsegs ||
-            !e->segs[sid])
+        segment_id_t sid = entries[i].target_id;
+        if (sid < 0 || (size_t)sid >= e->nsegs || !e->segs[sid])
             rc = TE_INVALID_ARGUMENT;
-        else {
-            peers[i] = e->segs[sid];
-            peer_ref(peers[i]);
+    }
+    if (rc == TE_OK && count > 0) {
+        first = b->n;
+        for (size_t i = 0; i < count; i++) {
+            struct task *t = &b->tasks[first + i];
+            t->req = entries[i];
+            t->peer = e->segs[entries[i].target_id];
+            peer_ref(t->peer);
+            t->observed = false;
+            atomic_store(&t->state, STATUS_WAITING);
+        }
+        b->n += count;
+        if (nt) {
+            nt->peer = b->tasks[first].peer;
+            peer_ref(nt->peer);
+            notice_free(b->notice);
+            b->notice = nt;
+            nt = NULL;
         }
     }
     pthread_mutex_unlock(&e->mu);
-
-    for (size_t i = 0; rc == TE_OK && i < count; i++) {
-        const struct transfer_request *r = &entries[i];
-        if (!registry_covers(&e->regs, (uintptr_t)r->source, r->length,
-                             false) ||
-            !peer_covers(e, peers[i], r->target_offset, r->length))
-            rc = TE_ADDRESS_NOT_REGISTERED;
-    }
-    struct notice *nt = NULL;
-    if (rc == TE_OK && notify && count > 0) {
-        nt = calloc(1, sizeof(*nt));
-        if (nt) {
-            nt->name = strdup(notify->name ? notify->name : "");
-            nt->msg = strdup(notify->msg ? notify->msg : "");
-            atomic_init(&nt->remaining, count);
-            nt->peer = peers[0];
-        }
-        if (!nt || !nt->name || !nt->msg) rc = TE_MEMORY;
-    }
-    size_t first = 0;
-    if (rc == TE_OK && count > 0) {
-        pthread_mutex_lock(&e->mu);
-        if (bset_find_locked(e, batch_id) != b)
-            rc = TE_INVALID_ARGUMENT;
-        else if (count > b->cap - b->n)
-            rc = TE_TOO_MANY_REQUESTS;
-        else {
-            first = b->n;
-            for (size_t i = 0; i < count; i++) {
-                struct task *t = &b->tasks[first + i];
-                t->req = entries[i];
-                t->peer = peers[i];
-                t->notice = nt;
-                t->observed = false;
-                atomic_store(&t->transferred, 0);
-                atomic_store(&t->state, STATUS_WAITING);
-            }
-            b->n += count;
-        }
-        pthread_mutex_unlock(&e->mu);
-    }
-    if (rc != TE_OK) {
-        notice_free(nt);
-        for (size_t i = 0; i < count; i++) peer_unref(peers[i]);
-    } else if (count > 0) {
-        if (nt) peer_ref(nt->peer);
-        workers_enqueue(e, &b->tasks[first], count);
-    }
-    free(peers);
+    notice_free(nt);
+    /* The new tasks are not yet seen finished, so the batch cannot be freed
+     * before they are queued. */
+    if (rc == TE_OK && count > 0) workers_enqueue(e, &b->tasks[first], count);
     return rc;
 }
 
@@ -612,11 +579,31 @@ API int submitTransferWithNotify(transfer_engine_t engine, batch_id_t batch_id,
     return submit(e, batch_id, entries, count, &notify_msg);
 }
 
+/*
+ * What a COMPLETED answer does in the real engine: it computes the batch's
+ * status, which polls every task in order, so each one already final counts
+ * as seen, up to and including the first FAILED or TIMEOUT. Caller holds
+ * e->mu.
+ */
+static bool sweep_locked(struct batch *b) {
+    bool all = true;
+    for (size_t i = 0; i < b->n; i++) {
+        struct task *t = &b->tasks[i];
+        int s = atomic_load_explicit(&t->state, memory_order_acquire);
+        all = all && s == STATUS_COMPLETED;
+        if (s == STATUS_WAITING) continue;
+        t->observed = true;
+        if (s == STATUS_FAILED || s == STATUS_TIMEOUT) return false;
+    }
+    return all;
+}
+
 API int getTransferStatus(transfer_engine_t engine, batch_id_t batch_id,
                           size_t task_id, struct transfer_status *status) {
     struct engine *e = engine_check(engine);
     if (!e || !status) return TE_INVALID_ARGUMENT;
     int rc = TE_OK;
+    struct notice *send = NULL;
     pthread_mutex_lock(&e->mu);
     struct batch *b = find_batch_locked(e, batch_id);
     if (!b || task_id >= b->n) {
@@ -625,10 +612,18 @@ API int getTransferStatus(transfer_engine_t engine, batch_id_t batch_id,
         struct task *t = &b->tasks[task_id];
         int s = atomic_load_explicit(&t->state, memory_order_acquire);
         status->status = s;
-        status->transferred_bytes = atomic_load(&t->transferred);
-        if (s >= STATUS_INVALID) t->observed = true;
+        status->transferred_bytes = s == STATUS_COMPLETED ? t->req.length : 0;
+        if (s != STATUS_WAITING) t->observed = true;
+        if (s == STATUS_COMPLETED && sweep_locked(b)) {
+            send = b->notice;
+            b->notice = NULL;
+        }
     }
     pthread_mutex_unlock(&e->mu);
+    /* Inside the poll, as the real engine sends it: the poll waits on the
+     * peer. */
+    if (send) peer_notify(e, send->peer, send->name, send->msg);
+    notice_free(send);
     return rc;
 }
 
@@ -643,6 +638,7 @@ API int freeBatchID(transfer_engine_t engine, batch_id_t batch_id) {
     if (rc == TE_OK) bset_remove_locked(e, b);
     pthread_mutex_unlock(&e->mu);
     if (rc == TE_OK) {
+        notice_free(b->notice);
         free(b->tasks);
         free(b);
     }

@@ -28,15 +28,16 @@
 #define MAX_SERVER_CONNS 256
 #define MAX_IDLE_CONNS 8
 #define MAX_NOTIFIES 4096
+/* Most spans a same-host peer reads from another engine's table. */
+#define TABLE_MAX_SPANS 65536u
 
 /* ---- wire format (wire.c) ---------------------------------------------- */
 
 #define WIRE_MAGIC 0x4554434du /* "MCTE" as little-endian bytes */
-#define WIRE_VERSION 1
+#define WIRE_VERSION 2
 #define WIRE_HDR_LEN 32
 #define WIRE_MAX_IO SLICE_BYTES
 #define WIRE_MAX_NOTIFY (64u << 10)
-#define WIRE_MAX_BUFFERS 65536u
 #define WIRE_REPLY 0x80
 
 enum wire_type {
@@ -73,21 +74,16 @@ HIDDEN int wire_decode(const uint8_t in[WIRE_HDR_LEN], bool reply,
                        struct wire_hdr *out);
 
 /* What HELLO returns: enough to tell whether the peer shares our kernel and
- * pid namespace, and which of its ranges peers may touch. */
-struct span {
-    uint64_t addr;
-    uint64_t len;
-};
+ * pid namespace, and where in its memory its registration table is (for the
+ * same-host path, which reads it there at transfer time). */
 struct hello {
     int32_t pid;
     uint64_t pidns;
     char boot_id[40];
     char name[NAME_MAX_LEN];
-    struct span *bufs;
-    size_t nbufs;
+    uint64_t table; /* address of the peer's struct pubtab */
 };
 HIDDEN int hello_decode(const uint8_t *p, size_t n, struct hello *out);
-HIDDEN void hello_free(struct hello *h);
 
 /* Blocking socket helpers; timeout_ms < 0 waits forever. They return 0, or a
  * negative errno (-ETIMEDOUT on deadline, -ECONNRESET on EOF). */
@@ -96,32 +92,47 @@ HIDDEN int io_recv_all(int fd, void *buf, size_t n, int timeout_ms);
 
 /* ---- memory registry (registry.c) --------------------------------------- */
 
-struct region {
-    uintptr_t addr;
+/* A registered range. As in the real TCP transport, every registered range
+ * is reachable by peers: remote_accessible is not looked at. */
+struct span {
+    uint64_t addr;
     uint64_t len;
-    bool remote;
+};
+
+/*
+ * The registration table as peers on the same host read it, with
+ * process_vm_readv, at transfer time: a seqlock (seq is odd while the table
+ * is rewritten) over the address and count of a span array. Only whole
+ * 64-bit words, so that a reader in another process sees each field either
+ * old or new.
+ */
+struct pubtab {
+    _Atomic uint64_t seq;
+    _Atomic uint64_t n;
+    _Atomic uint64_t spans; /* address of struct span[n] */
 };
 
 struct registry {
     pthread_rwlock_t lock;
-    struct region *v; /* sorted by addr, disjoint */
+    struct span *v; /* sorted by addr, disjoint */
     size_t n, cap;
+    struct pubtab pub;
+    struct span *pub_spans; /* what pub points at; replaced on every change */
 };
 
 HIDDEN void registry_init(struct registry *r);
 HIDDEN void registry_destroy(struct registry *r);
-/* Both take the write lock; 0 or a negative TE code. */
-HIDDEN int registry_add(struct registry *r, const struct region *add,
-                        size_t n);
+/* Both take the write lock and republish the table. registry_add is all or
+ * none; registry_remove removes every known start and returns
+ * -TE_ADDRESS_NOT_REGISTERED if any start was unknown, as the real library
+ * does. 0 or a negative TE code. */
+HIDDEN int registry_add(struct registry *r, const struct span *add, size_t n);
 HIDDEN int registry_remove(struct registry *r, void *const *addrs, size_t n);
 /* Caller holds the lock (read or write). */
 HIDDEN bool registry_covers_locked(const struct registry *r, uint64_t addr,
-                                   uint64_t len, bool need_remote);
-HIDDEN bool registry_covers(struct registry *r, uint64_t addr, uint64_t len,
-                            bool need_remote);
-/* A malloc'd copy of the remote-accessible regions. */
-HIDDEN int registry_snapshot(struct registry *r, struct span **out,
-                             size_t *n);
+                                   uint64_t len);
+HIDDEN bool spans_cover(const struct span *v, size_t n, uint64_t addr,
+                        uint64_t len);
 
 /* ---- engine --------------------------------------------------------------- */
 
@@ -137,6 +148,7 @@ struct peer {
     bool same_host; /* same kernel and pid namespace */
     int32_t pid;
     int pidfd; /* -1 when pidfd_open is unavailable */
+    uint64_t table; /* the peer's struct pubtab, in its address space */
     atomic_bool vm_denied;
     /* A peer whose TCP exchange just timed out is unreachable until this
      * monotonic time (ms): later tasks fail fast instead of each waiting
@@ -144,38 +156,40 @@ struct peer {
      * endpoint failed. */
     _Atomic int64_t down_until_ms;
 
-    pthread_mutex_t mu; /* guards bufs and idle */
-    struct span *bufs;
-    size_t nbufs;
+    pthread_mutex_t mu; /* guards the table copy and idle */
+    struct span *spans; /* the peer's table as last read, at seq */
+    size_t nspans;
+    uint64_t seq;   /* 0: never read (a published seq is >= 2) */
     int idle[MAX_IDLE_CONNS];
     size_t nidle;
 };
 
 struct batch;
 
-/* Shared by the tasks of one submitTransferWithNotify call. */
+/* The message of a submitTransferWithNotify, to the first request's peer.
+ * As in the real engine a batch holds one (a later call replaces it), and
+ * the poll that first sees every task of the batch COMPLETED sends it. */
 struct notice {
-    atomic_size_t remaining;
-    atomic_bool failed;
     struct peer *peer;
     char *name;
     char *msg;
 };
 
+/* A task is WAITING until its final state, which the worker publishes last;
+ * like the real engine, it reports no progress before then. */
 struct task {
     struct transfer_request req;
     struct peer *peer;
-    struct notice *notice;
     atomic_int state;
-    atomic_uint_fast64_t transferred;
-    bool observed; /* a done state was reported; guarded by engine.mu */
+    bool observed; /* a final state was reported; guarded by engine.mu */
     struct task *next;
 };
 
 struct batch {
     struct engine *eng;
     size_t cap;
-    size_t n; /* guarded by engine.mu */
+    size_t n;              /* guarded by engine.mu */
+    struct notice *notice; /* not yet sent; guarded by engine.mu */
     struct task *tasks;
 };
 
@@ -213,7 +227,7 @@ struct engine {
     size_t nsegs;
     struct batch **bset; /* open-addressed set of live batches */
     size_t bset_cap, bset_used, bset_live;
-    bool tcp_installed, rdma_installed;
+    bool tcp_installed;
     struct notify_entry *notifies;
     size_t nnotifies;
 
@@ -271,8 +285,6 @@ HIDDEN struct peer *peer_local(struct engine *e);
 HIDDEN void peer_ref(struct peer *p);
 HIDDEN void peer_unref(struct peer *p);
 HIDDEN int peer_refresh(struct engine *e, struct peer *p);
-HIDDEN bool peer_covers(struct engine *e, struct peer *p, uint64_t addr,
-                        uint64_t len);
 HIDDEN void peer_drop_idle(struct peer *p);
 /* Move len bytes of one request. 0, or a negative TE code; -TE_CLOCK marks a
  * deadline that passed (the task ends as TIMEOUT). */

@@ -9,6 +9,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -139,7 +140,7 @@ static int exchange(struct engine *e, int fd, uint16_t type, uint64_t addr,
         return h.status < 0 ? h.status : -TE_REJECT_HANDSHAKE;
     }
     if (type == WIRE_HELLO) {
-        if (h.length < 64 || h.length > 64 + NAME_MAX_LEN + 16 * WIRE_MAX_BUFFERS)
+        if (h.length < 64 || h.length > 64 + NAME_MAX_LEN)
             return -TE_MALFORMED_JSON;
         uint8_t *buf = malloc(h.length);
         if (!buf) return -TE_MEMORY;
@@ -210,8 +211,7 @@ struct peer *peer_open(struct engine *e, const char *name) {
         return NULL;
     }
     p->pid = h.pid;
-    p->bufs = h.bufs;
-    p->nbufs = h.nbufs;
+    p->table = h.table;
     p->same_host = h.pidns == e->pidns && e->boot_id[0] != 0 &&
                    strcmp(h.boot_id, e->boot_id) == 0;
 #ifdef SYS_pidfd_open
@@ -228,44 +228,17 @@ void peer_unref(struct peer *p) {
     peer_drop_idle(p);
     if (p->pidfd >= 0) close(p->pidfd);
     pthread_mutex_destroy(&p->mu);
-    free(p->bufs);
+    free(p->spans);
     free(p);
 }
 
+/* The peer's registrations are read where they are used (by its server,
+ * or from its table on the same host), so a refresh only checks that the
+ * peer still answers. */
 int peer_refresh(struct engine *e, struct peer *p) {
     if (p->is_local) return 0;
     struct hello h;
-    int rc = hello_fetch(e, p, &h);
-    if (rc) return rc;
-    pthread_mutex_lock(&p->mu);
-    free(p->bufs);
-    p->bufs = h.bufs;
-    p->nbufs = h.nbufs;
-    pthread_mutex_unlock(&p->mu);
-    return 0;
-}
-
-static bool spans_cover(const struct span *v, size_t n, uint64_t addr,
-                        uint64_t len) {
-    for (size_t i = 0; i < n; i++)
-        if (addr >= v[i].addr && addr - v[i].addr < v[i].len &&
-            len <= v[i].len - (addr - v[i].addr))
-            return true;
-    return false;
-}
-
-bool peer_covers(struct engine *e, struct peer *p, uint64_t addr,
-                 uint64_t len) {
-    if (len == 0 || addr + len < addr) return false;
-    if (p->is_local) return registry_covers(&e->regs, addr, len, true);
-    for (int attempt = 0; attempt < 2; attempt++) {
-        pthread_mutex_lock(&p->mu);
-        bool ok = spans_cover(p->bufs, p->nbufs, addr, len);
-        pthread_mutex_unlock(&p->mu);
-        /* The descriptor may predate a registration: refresh it once. */
-        if (ok || attempt == 1 || peer_refresh(e, p)) return ok;
-    }
-    return false;
+    return hello_fetch(e, p, &h);
 }
 
 static bool peer_alive(struct peer *p) {
@@ -277,17 +250,73 @@ static bool peer_alive(struct peer *p) {
     return kill(p->pid, 0) == 0 || errno == EPERM;
 }
 
-/* Returns 0 or a negative errno. */
-static int vm_io(struct engine *e, struct peer *p, int opcode, uintptr_t local,
-                 uint64_t remote, uint64_t len) {
-    if (atomic_load(&e->vm_eperm)) return -EPERM;
+/* Reads exactly len bytes at addr of the peer's memory; 0 or -errno. */
+static int peer_peek(struct peer *p, void *buf, uint64_t addr, size_t len) {
+    struct iovec l = {.iov_base = buf, .iov_len = len};
+    struct iovec r = {.iov_base = (void *)(uintptr_t)addr, .iov_len = len};
+    for (;;) {
+        ssize_t n = process_vm_readv(p->pid, &l, 1, &r, 1, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) return -errno;
+        return (size_t)n == len ? 0 : -EFAULT;
+    }
+}
+
+/*
+ * Brings the copy of the peer's registration table up to date: one read of
+ * its header when nothing changed. The seqlock retries a read that raced a
+ * change, including one of an array the peer freed meanwhile. Caller holds
+ * p->mu. 0 or -errno.
+ */
+static int table_sync_locked(struct peer *p) {
+    for (int attempt = 0; attempt < 1000; attempt++) {
+        uint64_t t[3]; /* seq, n, spans: struct pubtab */
+        int rc = peer_peek(p, t, p->table, sizeof(t));
+        if (rc) return rc;
+        if (t[0] & 1) {
+            sched_yield();
+            continue;
+        }
+        if (t[0] == p->seq) return 0;
+        if (t[1] > TABLE_MAX_SPANS) return -EPROTO;
+        struct span *v = malloc((t[1] ? t[1] : 1) * sizeof(*v));
+        if (!v) return -ENOMEM;
+        rc = t[1] ? peer_peek(p, v, t[2], t[1] * sizeof(*v)) : 0;
+        uint64_t seq = 0;
+        int rc2 = rc == 0 || rc == -EFAULT ? peer_peek(p, &seq, p->table, 8)
+                                           : rc;
+        if (rc == 0 && rc2 == 0 && seq == t[0]) {
+            free(p->spans);
+            p->spans = v;
+            p->nspans = t[1];
+            p->seq = t[0];
+            return 0;
+        }
+        free(v);
+        if (rc2) return rc2;
+    }
+    return -EAGAIN;
+}
+
+/* Whether the peer has [addr, addr+len) registered now; 0 or -errno. */
+static int table_covers(struct peer *p, uint64_t addr, uint64_t len,
+                        bool *covered) {
+    pthread_mutex_lock(&p->mu);
+    int rc = table_sync_locked(p);
+    *covered = rc == 0 && spans_cover(p->spans, p->nspans, addr, len);
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+/* Copies between local and pid's remote; 0 or a negative errno. */
+static int vm_copy(struct engine *e, int32_t pid, int opcode, uintptr_t local,
+                   uint64_t remote, uint64_t len) {
     while (len > 0) {
-        if (!peer_alive(p)) return -ESRCH;
         struct iovec l = {.iov_base = (void *)local, .iov_len = len};
         struct iovec r = {.iov_base = (void *)(uintptr_t)remote, .iov_len = len};
-        ssize_t n = opcode == OPCODE_READ
-                        ? process_vm_readv(p->pid, &l, 1, &r, 1, 0)
-                        : process_vm_writev(p->pid, &l, 1, &r, 1, 0);
+        ssize_t n = opcode == OPCODE_WRITE
+                        ? process_vm_writev(pid, &l, 1, &r, 1, 0)
+                        : process_vm_readv(pid, &l, 1, &r, 1, 0);
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) return -errno;
         if (n == 0) return -EFAULT;
@@ -295,6 +324,40 @@ static int vm_io(struct engine *e, struct peer *p, int opcode, uintptr_t local,
         remote += (uint64_t)n;
         len -= (uint64_t)n;
         atomic_fetch_add(&e->stats.vm_bytes, (uint64_t)n);
+    }
+    return 0;
+}
+
+/*
+ * The same-host path. The owner's registrations are checked at transfer
+ * time, as the real engine's server checks them: the engine's own under its
+ * lock, a peer's in the table it publishes. A read is checked again after
+ * the copy, so that bytes of a range unregistered meanwhile are not
+ * reported. Returns 0 or a negative errno; -EFAULT for an unregistered
+ * range.
+ */
+static int vm_io(struct engine *e, struct peer *p, int opcode, uintptr_t local,
+                 uint64_t remote, uint64_t len) {
+    if (atomic_load(&e->vm_eperm)) return -EPERM;
+    if (p->is_local) {
+        pthread_rwlock_rdlock(&e->regs.lock);
+        int rc = registry_covers_locked(&e->regs, remote, len)
+                     ? vm_copy(e, e->pid, opcode, local, remote, len)
+                     : -EFAULT;
+        pthread_rwlock_unlock(&e->regs.lock);
+        return rc;
+    }
+    if (!peer_alive(p)) return -ESRCH;
+    bool covered;
+    int rc = table_covers(p, remote, len, &covered);
+    if (rc) return rc;
+    if (!covered) return -EFAULT;
+    rc = vm_copy(e, p->pid, opcode, local, remote, len);
+    if (rc) return rc;
+    if (opcode != OPCODE_WRITE) {
+        rc = table_covers(p, remote, len, &covered);
+        if (rc) return rc;
+        if (!covered) return -EFAULT;
     }
     /* Bytes read from a process that died meanwhile are not trusted. */
     return peer_alive(p) ? 0 : -ESRCH;
@@ -314,11 +377,11 @@ static int tcp_io(struct engine *e, struct peer *p, int opcode,
         if (fd == -TE_CLOCK) mark_down(e, p);
         return fd;
     }
-    int rc = opcode == OPCODE_READ
-                 ? exchange(e, fd, WIRE_READ, remote, NULL, 0, (void *)local,
-                            len, NULL, NULL)
-                 : exchange(e, fd, WIRE_WRITE, remote, (const void *)local,
-                            len, NULL, 0, NULL, NULL);
+    int rc = opcode == OPCODE_WRITE
+                 ? exchange(e, fd, WIRE_WRITE, remote, (const void *)local,
+                            len, NULL, 0, NULL, NULL)
+                 : exchange(e, fd, WIRE_READ, remote, NULL, 0, (void *)local,
+                            len, NULL, NULL);
     /* A refused range leaves the stream in sync; anything else may not. */
     if (rc == 0 || rc == -TE_ADDRESS_NOT_REGISTERED ||
         rc == -TE_INVALID_ARGUMENT) {

@@ -1,6 +1,7 @@
 /*
  * The engine's RPC listener: answers HELLO, serves READ and WRITE against
- * registered remote-accessible memory, and queues notifications. Every field
+ * registered memory (checked when the frame arrives, as the real TCP
+ * transport checks it), and queues notifications. Every field
  * of a request is checked before any memory is touched; a frame that cannot
  * be parsed closes the connection.
  */
@@ -32,12 +33,8 @@ static uint32_t get32le(const uint8_t *p) {
 
 /* The HELLO payload; layout documented at hello_decode. */
 static uint8_t *hello_encode(struct engine *e, size_t *len) {
-    struct span *bufs;
-    size_t nbufs;
-    if (registry_snapshot(&e->regs, &bufs, &nbufs)) return NULL;
-    if (nbufs > WIRE_MAX_BUFFERS) nbufs = WIRE_MAX_BUFFERS;
     size_t name_len = strlen(e->name);
-    size_t n = 56 + name_len + 8 + 16 * nbufs;
+    size_t n = 56 + name_len + 8;
     uint8_t *p = calloc(1, n);
     if (p) {
         put32le(p, (uint32_t)e->pid);
@@ -45,16 +42,9 @@ static uint8_t *hello_encode(struct engine *e, size_t *len) {
         put64le(p + 8, e->pidns);
         memcpy(p + 16, e->boot_id, sizeof(e->boot_id));
         memcpy(p + 56, e->name, name_len);
-        uint8_t *q = p + 56 + name_len;
-        put32le(q, (uint32_t)nbufs);
-        q += 8;
-        for (size_t i = 0; i < nbufs; i++) {
-            put64le(q + 16 * i, bufs[i].addr);
-            put64le(q + 16 * i + 8, bufs[i].len);
-        }
+        put64le(p + 56 + name_len, (uint64_t)(uintptr_t)&e->regs.pub);
         *len = n;
     }
-    free(bufs);
     return p;
 }
 
@@ -127,7 +117,7 @@ static int serve_one(struct conn_state *c, const struct wire_hdr *h) {
         if (reserve(c, h->length)) return reply(c, h, -TE_MEMORY, NULL, 0);
         /* Copy under the read lock so an unregister cannot race the copy. */
         pthread_rwlock_rdlock(&e->regs.lock);
-        bool ok = registry_covers_locked(&e->regs, h->addr, h->length, true);
+        bool ok = registry_covers_locked(&e->regs, h->addr, h->length);
         if (ok) memcpy(c->buf, (const void *)(uintptr_t)h->addr, h->length);
         pthread_rwlock_unlock(&e->regs.lock);
         if (!ok) return reply(c, h, -TE_ADDRESS_NOT_REGISTERED, NULL, 0);
@@ -139,7 +129,7 @@ static int serve_one(struct conn_state *c, const struct wire_hdr *h) {
         if (reserve(c, h->length)) return -1;
         if (io_recv_all(c->fd, c->buf, h->length, e->io_timeout_ms)) return -1;
         pthread_rwlock_rdlock(&e->regs.lock);
-        bool ok = registry_covers_locked(&e->regs, h->addr, h->length, true);
+        bool ok = registry_covers_locked(&e->regs, h->addr, h->length);
         if (ok) memcpy((void *)(uintptr_t)h->addr, c->buf, h->length);
         pthread_rwlock_unlock(&e->regs.lock);
         return reply(c, h, ok ? 0 : -TE_ADDRESS_NOT_REGISTERED, NULL, 0);

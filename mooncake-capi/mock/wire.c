@@ -78,6 +78,12 @@ int wire_decode(const uint8_t in[WIRE_HDR_LEN], bool reply,
 
 #define HELLO_FIXED 56
 
+/*
+ * HELLO payload, little-endian:
+ *   0 u32 pid, 4 u32 name length, 8 u64 pid namespace inode,
+ *   16 boot id (40 bytes, NUL-padded), 56 name, then u64 address of the
+ *   peer's registration table (struct pubtab).
+ */
 int hello_decode(const uint8_t *p, size_t n, struct hello *out) {
     memset(out, 0, sizeof(*out));
     if (n < HELLO_FIXED + 8) return -1;
@@ -87,37 +93,12 @@ int hello_decode(const uint8_t *p, size_t n, struct hello *out) {
     memcpy(out->boot_id, p + 16, sizeof(out->boot_id));
     out->boot_id[sizeof(out->boot_id) - 1] = 0;
     if (name_len == 0 || name_len >= NAME_MAX_LEN) return -1;
-    if (n - HELLO_FIXED - 8 < name_len) return -1;
+    if (n != HELLO_FIXED + (size_t)name_len + 8) return -1;
     memcpy(out->name, p + HELLO_FIXED, name_len);
     out->name[name_len] = 0;
     if (strlen(out->name) != name_len) return -1;
-    const uint8_t *q = p + HELLO_FIXED + name_len;
-    uint32_t nbufs = get32(q);
-    if (get32(q + 4) != 0 || nbufs > WIRE_MAX_BUFFERS) return -1;
-    size_t rest = n - HELLO_FIXED - name_len - 8;
-    if (rest != (size_t)nbufs * 16) return -1;
-    q += 8;
-    if (nbufs > 0) {
-        out->bufs = calloc(nbufs, sizeof(*out->bufs));
-        if (!out->bufs) return -1;
-    }
-    for (uint32_t i = 0; i < nbufs; i++) {
-        out->bufs[i].addr = get64(q + 16 * i);
-        out->bufs[i].len = get64(q + 16 * i + 8);
-        if (out->bufs[i].len == 0 ||
-            out->bufs[i].addr + out->bufs[i].len < out->bufs[i].addr) {
-            hello_free(out);
-            return -1;
-        }
-    }
-    out->nbufs = nbufs;
+    out->table = get64(p + HELLO_FIXED + name_len);
     return 0;
-}
-
-void hello_free(struct hello *h) {
-    free(h->bufs);
-    h->bufs = NULL;
-    h->nbufs = 0;
 }
 
 int64_t mono_ms(void) {

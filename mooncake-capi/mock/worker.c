@@ -73,7 +73,7 @@ static bool take_corruption(struct engine *e) {
 static int corrupt(struct engine *e, struct task *t) {
     const struct transfer_request *r = &t->req;
     uint64_t off = r->length / 2;
-    if (r->opcode == OPCODE_READ) {
+    if (r->opcode != OPCODE_WRITE) {
         volatile uint8_t *b = (uint8_t *)r->source + off;
         *b ^= 0xff;
         return 0;
@@ -89,18 +89,6 @@ static int corrupt(struct engine *e, struct task *t) {
 }
 
 static void finish(struct engine *e, struct task *t, int state) {
-    struct notice *nt = t->notice;
-    if (nt) {
-        if (state != STATUS_COMPLETED) atomic_store(&nt->failed, true);
-        if (atomic_fetch_sub(&nt->remaining, 1) == 1) {
-            if (!atomic_load(&nt->failed))
-                peer_notify(e, nt->peer, nt->name, nt->msg);
-            peer_unref(nt->peer);
-            free(nt->name);
-            free(nt->msg);
-            free(nt);
-        }
-    }
     peer_unref(t->peer);
     atomic_fetch_sub(&e->stats.inflight_bytes, t->req.length);
     if (state == STATUS_COMPLETED)
@@ -112,7 +100,6 @@ static void finish(struct engine *e, struct task *t, int state) {
 
 static void run_task(struct engine *e, struct task *t) {
     const struct transfer_request *r = &t->req;
-    atomic_store(&t->state, STATUS_PENDING);
     int64_t start = mono_us();
     uint64_t done = 0;
     int state = STATUS_COMPLETED;
@@ -142,14 +129,14 @@ static void run_task(struct engine *e, struct task *t) {
             break;
         }
         done += n;
-        atomic_store(&t->transferred, done);
         if (e->task_timeout_ms > 0 && done < r->length &&
             mono_us() - start > (int64_t)e->task_timeout_ms * 1000) {
             state = STATUS_TIMEOUT;
             break;
         }
     }
-    if (state == STATUS_COMPLETED && take_corruption(e) && corrupt(e, t))
+    if (state == STATUS_COMPLETED && r->length > 0 && take_corruption(e) &&
+        corrupt(e, t))
         state = STATUS_FAILED;
     finish(e, t, state);
 }

@@ -3,6 +3,7 @@ package swarm
 import (
 	"bufio"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,13 +12,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/stretchr/testify/require"
-
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
-	"github.com/mcbridge/mcbridge/internal/transport/mooncake"
 )
 
 // hosts are two network namespaces joined by a veth pair on a private
@@ -32,8 +30,9 @@ type hosts struct {
 
 func run(t *testing.T, args ...string) {
 	t.Helper()
-	out, err := exec.Command(args[0], args[1:]...).CombinedOutput()
-	require.NoError(t, err, "%s:\n%s", strings.Join(args, " "), out)
+	if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+		t.Fatalf("%s: %v\n%s", strings.Join(args, " "), err, out)
+	}
 }
 
 func makeHosts(t *testing.T) *hosts {
@@ -84,9 +83,13 @@ func (h *hosts) startEtcd(t *testing.T) {
 		"--listen-client-urls", h.etcdClient, "--advertise-client-urls", h.etcdClient,
 		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", "hostb="+peer)
 	logf, err := os.Create(filepath.Join(dir, "etcd.log"))
-	require.NoError(t, err)
+	if err != nil {
+		t.Fatal(err)
+	}
 	cmd.Stdout, cmd.Stderr = logf, logf
-	require.NoError(t, cmd.Start())
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
 	t.Cleanup(func() {
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
@@ -99,7 +102,7 @@ func (h *hosts) startEtcd(t *testing.T) {
 			return
 		}
 		if time.Now().After(deadline) {
-			require.FailNowf(t, "etcd unreachable", "etcd in host B never became reachable from host A: %v %s", err, out)
+			t.Fatalf("etcd in host B never became reachable from host A: %v %s", err, out)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
@@ -111,57 +114,70 @@ func startIn(t *testing.T, ns, role string, j job, env ...string) *proc {
 	return startCmd(t, exec.Command("ip", "netns", "exec", ns, os.Args[0], "-test.run=^$"), role, j, env...)
 }
 
-// TestMultiHost restores across two hosts over the mock TE's TCP path,
-// then cuts host A off mid-transfer: the reader on host B gets per-block
-// failures, restores nothing wrong, and drops host A's blocks once its
-// lease expires.
+// TestMultiHost restores across two hosts over the TE's TCP transport,
+// then cuts host A off in the middle of a second restore: the reader on
+// host B gets per-block failures, restores nothing wrong, and drops host
+// A's blocks once its lease expires. Host A's link is throttled for the
+// second restore, so that it takes seconds and the cut lands while bytes
+// are on the wire; after the checks the link comes back, which lets the
+// real engine's transfers (it has no timeout of its own on a silent link)
+// end before the reader closes.
 func TestMultiHost(t *testing.T) {
-	h := makeHosts(t)
-	j := baseJob(t, h.etcdClient, "host-a")
-	j.KRow, j.VRow = 8192, 8192 // blocks of several MiB, so a cut lands mid-transfer
-	j.Config.PoolBytes = 512 << 20
-	j.Config.Transport.LocalHostname = h.ipA
-	saver := startIn(t, h.a, "saver", j)
-	saver.expect(t, "saved", 8)
+	forImpls(t, func(t *testing.T, im impl) {
+		h := makeHosts(t)
+		j := baseJob(t, h.etcdClient, "host-a", im.lib)
+		j.KRow, j.VRow = 8192, 8192 // 1 MiB blocks: 8 MiB take 2 s on the throttled link
+		j.Config.PoolBytes = 512 << 20
+		j.Config.Transport.LocalHostname = h.ipA
+		saver := startIn(t, h.a, "saver", j)
+		saver.expect(t, "saved", 8)
 
-	rj := j
-	rj.Config.Owner = "host-b"
-	rj.Config.Transport.LocalHostname = h.ipB
-	tcp := []string{"MOCK_TE_PATH=tcp", "MOCK_TE_IO_TIMEOUT_MS=2000"}
-	whole := startIn(t, h.b, "restorer", rj, tcp...)
-	whole.expect(t, "restored", 128)
-	whole.finish(t)
+		rj := j
+		rj.Config.Owner = "host-b"
+		rj.Config.Transport.LocalHostname = h.ipB
+		// The mock's same-host path would read across the namespaces (they
+		// share the kernel and the pid namespace), past any cut link: the
+		// mock goes over TCP, which gives up on a silent link after 2 s.
+		var env []string
+		if im.mock() {
+			env = []string{"MOCK_TE_PATH=tcp", "MOCK_TE_IO_TIMEOUT_MS=2000"}
+		}
+		whole := startIn(t, h.b, "restorer", rj, env...)
+		whole.expect(t, "restored", 128)
+		whole.finish(t)
 
-	rj.Config.Owner = "host-b-cut"
-	cut := startIn(t, h.b, "cutreader", rj, tcp...)
-	cut.expect(t, "stalled", 0)
-	run(t, "ip", "netns", "exec", h.a, "ip", "link", "set", h.vethA, "down")
-	fmt.Fprintln(cut.stdin, "go")
-	line, err := cut.out.ReadString('\n')
-	require.NoError(t, err, "cut reader said %q", line)
-	require.True(t, strings.HasPrefix(line, "failed "), "cut reader said %q", line)
-	t.Logf("host A cut off mid-transfer: %s", strings.TrimSpace(line))
-	cut.expect(t, "dropped", 0)
-	cut.finish(t)
-	saver.kill()
+		rj.Config.Owner = "host-b-cut"
+		cut := startIn(t, h.b, "cutreader", rj, env...)
+		cut.expect(t, "ready", 0)
+		run(t, "ip", "netns", "exec", h.a, "tc", "qdisc", "add", "dev", h.vethA, "root", "tbf", "rate", "32mbit", "burst", "32kb", "latency", "2s")
+		fmt.Fprintln(cut.stdin, "load")
+		cut.expect(t, "loading", 0)
+		time.Sleep(500 * time.Millisecond)
+		run(t, "ip", "netns", "exec", h.a, "ip", "link", "set", h.vethA, "down")
+		line, err := cut.out.ReadString('\n')
+		if err != nil || !strings.HasPrefix(line, "failed ") {
+			t.Fatalf("cut reader said %q (%v)", line, err)
+		}
+		t.Logf("host A cut off mid-transfer: %s", strings.TrimSpace(line))
+		cut.expect(t, "dropped", 0)
+		run(t, "ip", "netns", "exec", h.a, "ip", "link", "set", h.vethA, "up")
+		cut.finish(t)
+		saver.kill()
+	})
 }
 
-// cutReader is the reader of TestMultiHost's cut: it holds its transfers
-// after a few MiB, says so, waits for the parent to cut the link, lets go,
-// and reports what arrived and when the mirror let go of host A.
-func cutReader(j job, m *bridge.Model, b *bridge.Bridge, h *kvtest.Host) int {
+// cutReader is the reader of TestMultiHost's cut: once its mirror is full
+// it says "ready", starts a load when told, says "loading", and reports
+// what arrived once the load ends, then when the mirror let go of host A.
+func cutReader(j job, m *bridge.Model, h *kvtest.Host) int {
 	tokens := j.tokens()
 	if n := waitMatched(m, tokens, j.Blocks, 20*time.Second); n < j.Blocks {
 		fmt.Fprintf(os.Stderr, "found %d of %d blocks\n", n, j.Blocks)
 		return 1
 	}
-	eng, ok := b.Transport().(*mooncake.Engine)
-	if !ok {
-		fmt.Fprintln(os.Stderr, "cut reader needs the mooncake transport")
-		return 2
-	}
-	if err := eng.SetFault(mooncake.FaultStallAfter, 3<<20); err != nil {
-		fmt.Fprintln(os.Stderr, err)
+	fmt.Println("ready 0")
+	in := bufio.NewReader(os.Stdin)
+	if _, err := in.ReadString('\n'); err != nil {
 		return 1
 	}
 	h.Scribble()
@@ -172,11 +188,7 @@ func cutReader(j job, m *bridge.Model, b *bridge.Bridge, h *kvtest.Host) int {
 		fmt.Fprintln(os.Stderr, "load begin:", err)
 		return 1
 	}
-	fmt.Println("stalled 0")
-	if _, err := bufio.NewReader(os.Stdin).ReadString('\n'); err != nil {
-		return 1
-	}
-	_ = eng.SetFault(mooncake.FaultStallAfter, -1)
+	fmt.Println("loading 0")
 	res, err := ld.End()
 	if err == nil || res.OKTokens == n {
 		fmt.Fprintf(os.Stderr, "load across a cut link succeeded: %+v\n", res)
@@ -196,5 +208,7 @@ func cutReader(j job, m *bridge.Model, b *bridge.Bridge, h *kvtest.Host) int {
 		time.Sleep(20 * time.Millisecond)
 	}
 	fmt.Println("dropped 0")
+	// The parent restores the link, then closes stdin: the bridge closes.
+	_, _ = io.Copy(io.Discard, in)
 	return 0
 }

@@ -19,12 +19,14 @@ func TestCArchive(t *testing.T) {
 	}
 	dir := t.TempDir()
 	archive := filepath.Join(dir, "libselftest.a")
-	msg, err := exec.Command("go", "build", "-buildmode=c-archive", "-o", archive, "./testdata/carchive").CombinedOutput()
-	require.NoError(t, err, "go build -buildmode=c-archive:\n%s", msg)
+	out, err := exec.Command("go", "build", "-buildmode=c-archive", "-o", archive, "./testdata/carchive").CombinedOutput()
+	require.NoError(t, err, "go build -buildmode=c-archive: %s", out)
 	prog := filepath.Join(dir, "selftest")
-	msg, err = exec.Command("cc", "-o", prog, "testdata/carchive/main.c", archive, "-lpthread", "-ldl").CombinedOutput()
-	require.NoError(t, err, "link:\n%s", msg)
-	out, err := exec.Command(prog, mockLib).CombinedOutput()
-	require.NoError(t, err, "the C program said:\n%s", out)
-	require.Contains(t, string(out), "selftest ok", "the C program's output")
+	out, err = exec.Command("cc", "-o", prog, "testdata/carchive/main.c", archive, "-lpthread", "-ldl").CombinedOutput()
+	require.NoError(t, err, "link: %s", out)
+	runScenarios(t, []scenario{{name: "Selftest", run: func(t *testing.T, lib string) {
+		out, err := exec.Command(prog, lib).CombinedOutput()
+		require.NoError(t, err, "the C program said: %s", out)
+		require.Contains(t, string(out), "selftest ok")
+	}}})
 }

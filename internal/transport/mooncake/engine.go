@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"time"
 	"unsafe"
 
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -73,6 +74,11 @@ type Config struct {
 	// ProtocolArgs are installTransport's arguments; for "rdma", the NIC
 	// priority matrix as JSON.
 	ProtocolArgs []string
+	// PeerTimeout is the deadline of the calls that wait on a peer when
+	// their caller gives none (OpenSegment, SyncSegmentCache, SendNotify,
+	// polls of a batch with a notification pending); 0 means
+	// DefaultPeerTimeout. The bridge passes its transfer_timeout_ms.
+	PeerTimeout time.Duration
 }
 
 // Engine is one Transfer Engine instance. It implements transport.Transport
@@ -80,13 +86,20 @@ type Config struct {
 type Engine struct {
 	lib     *Library
 	segment string
+	timeout time.Duration // deadline of peer calls whose caller gives none
 
-	mu     sync.RWMutex // shared by calls, exclusive for Close
-	handle uintptr      // 0 once closed
+	// Calls that return at once hold mu shared for their duration; Close
+	// holds it exclusively. Calls that wait on a peer run as flights
+	// instead (flight.go), which hold the handle without holding mu.
+	mu     sync.RWMutex
+	handle uintptr // 0 once closed
 
 	stateMu sync.Mutex
 	regions map[uintptr]struct{} // starts of registered regions
 	batches int                  // allocated and not yet freed
+	flights map[string]*flight   // shared flights in the air, by key
+	away    int                  // flights not yet returned from the library
+	closed  bool                 // Close ran: the last flight to land destroys
 }
 
 var _ transport.Transport = (*Engine)(nil)
@@ -133,7 +146,11 @@ func Open(cfg Config) (*Engine, error) {
 	if h == 0 {
 		return nil, status.Errorf(status.Transfer, "createTransferEngine(%q, %q) failed; the library's log says why", meta, local)
 	}
-	e := &Engine{lib: lib, handle: h, regions: make(map[uintptr]struct{})}
+	timeout := cfg.PeerTimeout
+	if timeout <= 0 {
+		timeout = DefaultPeerTimeout
+	}
+	e := &Engine{lib: lib, handle: h, timeout: timeout, regions: make(map[uintptr]struct{}), flights: make(map[string]*flight)}
 	if err := e.start(cfg, meta, local, proto); err != nil {
 		_, _ = lib.call("destroyTransferEngine", lib.sym.destroyTransferEngine, plain, h)
 		return nil, err
@@ -359,60 +376,34 @@ func (e *Engine) RegisterMemoryBatch(regions []Region, location string) error {
 	})
 }
 
-// UnregisterMemoryBatch unregisters the regions that start at addrs.
+// UnregisterMemoryBatch unregisters the regions that start at addrs. It
+// refuses, before calling the library, a list with a start this engine did
+// not register (or the same start twice): the real library then stops
+// serving the known starts but keeps them in its overlap check, so they can
+// be neither unregistered nor registered again.
 func (e *Engine) UnregisterMemoryBatch(addrs []uintptr) error {
 	if len(addrs) == 0 {
 		return nil
 	}
 	list := append([]uintptr(nil), addrs...)
 	return e.use("unregisterLocalMemoryBatch", func(h uintptr) error {
+		e.stateMu.Lock()
+		defer e.stateMu.Unlock()
+		seen := make(map[uintptr]bool, len(list))
+		for _, a := range list {
+			if _, ok := e.regions[a]; !ok || seen[a] {
+				return status.Errorf(status.InvalidArg, "unregister memory: %#x is not a registered start, or is listed twice", a)
+			}
+			seen[a] = true
+		}
 		if _, err := e.lib.call("unregisterLocalMemoryBatch", e.lib.sym.unregisterLocalMemoryBatch, negativeCode,
 			h, uintptr(unsafe.Pointer(&list[0])), uintptr(len(list))); err != nil {
 			return err
 		}
-		e.stateMu.Lock()
-		for _, a := range addrs {
+		for _, a := range list {
 			delete(e.regions, a)
 		}
-		e.stateMu.Unlock()
 		return nil
-	})
-}
-
-// OpenSegment implements transport.Transport.
-func (e *Engine) OpenSegment(name string) (transport.SegmentID, error) {
-	if name == "" {
-		return 0, status.Errorf(status.InvalidArg, "open segment: empty name")
-	}
-	cName, err := cString(name)
-	if err != nil {
-		return 0, err
-	}
-	var id int32
-	err = e.use("openSegment", func(h uintptr) error {
-		r, _ := e.lib.call("openSegment", e.lib.sym.openSegment, plain, h, uintptr(unsafe.Pointer(&cName[0])))
-		if id = int32(r); id < 0 {
-			return status.Errorf(status.Transfer, "open segment %q: unknown segment or unreachable peer (Transfer Engine code %d)", name, id)
-		}
-		return nil
-	})
-	return transport.SegmentID(id), err
-}
-
-// CloseSegment implements transport.Transport.
-func (e *Engine) CloseSegment(id transport.SegmentID) error {
-	return e.use("closeSegment", func(h uintptr) error {
-		_, err := e.lib.call("closeSegment", e.lib.sym.closeSegment, negativeCode, h, uintptr(int32(id)))
-		return err
-	})
-}
-
-// SyncSegmentCache refetches the descriptors of every opened segment, so
-// that memory a peer registered after OpenSegment becomes reachable.
-func (e *Engine) SyncSegmentCache() error {
-	return e.use("syncSegmentCache", func(h uintptr) error {
-		_, err := e.lib.call("syncSegmentCache", e.lib.sym.syncSegmentCache, negativeCode, h)
-		return err
 	})
 }
 
@@ -442,7 +433,10 @@ func (e *Engine) AllocateBatch(capacity int) (transport.Batch, error) {
 
 // Close implements transport.Transport. It refuses while batches or
 // registrations remain: destroying the engine under them would leave tasks
-// writing into memory that the caller believes idle.
+// writing into memory that the caller believes idle. While a call given up
+// at its deadline is still inside the library (a hung peer), Close returns
+// at once and the engine is destroyed when that call comes back: destroying
+// it under the call would free what the call is using.
 func (e *Engine) Close() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -451,12 +445,19 @@ func (e *Engine) Close() error {
 	}
 	e.stateMu.Lock()
 	batches, regions := e.batches, len(e.regions)
-	e.stateMu.Unlock()
 	if batches > 0 || regions > 0 {
+		e.stateMu.Unlock()
 		return status.Errorf(status.State, "close: %d batches and %d registered regions remain", batches, regions)
 	}
-	_, err := e.lib.call("destroyTransferEngine", e.lib.sym.destroyTransferEngine, plain, e.handle)
+	h := e.handle
 	e.handle = 0
+	e.closed = true
+	away := e.away
+	e.stateMu.Unlock()
+	if away > 0 {
+		return nil
+	}
+	_, err := e.lib.call("destroyTransferEngine", e.lib.sym.destroyTransferEngine, plain, h)
 	return err
 }
 
@@ -467,25 +468,6 @@ type Notification struct {
 
 // notifyLimit bounds the strings read back from the library.
 const notifyLimit = 1 << 20
-
-// SendNotify delivers (name, msg) to the engine behind segment id.
-func (e *Engine) SendNotify(id transport.SegmentID, name, msg string) error {
-	cName, err1 := cString(name)
-	cMsg, err2 := cString(msg)
-	if err1 != nil || err2 != nil {
-		return status.Errorf(status.InvalidArg, "notify: strings must not contain NUL bytes")
-	}
-	if id < 0 {
-		return status.Errorf(status.InvalidArg, "notify: segment %d", id)
-	}
-	return e.use("genNotifyInEngine", func(h uintptr) error {
-		// notify_msg_t, two pointers, travels by value in two integer
-		// registers on both supported ABIs: exactly as two pointer arguments.
-		_, err := e.lib.call("genNotifyInEngine", e.lib.sym.genNotifyInEngine, negativeCode,
-			h, uintptr(id), uintptr(unsafe.Pointer(&cName[0])), uintptr(unsafe.Pointer(&cMsg[0])))
-		return err
-	})
-}
 
 // Notifications returns and forgets the messages peers sent to this engine.
 func (e *Engine) Notifications() ([]Notification, error) {
@@ -520,151 +502,4 @@ func (e *Engine) Links(json bool) (string, error) {
 		return err
 	})
 	return goString(buf), err
-}
-
-// Batch owns one engine batch id. Every use of the id happens under mu and
-// only while id is non-zero, so the id is freed once and never used after.
-type Batch struct {
-	e        *Engine
-	capacity int
-
-	mu   sync.Mutex
-	id   uint64 // 0 once freed
-	done []bool // per task: a final state has been seen
-}
-
-var _ transport.Batch = (*Batch)(nil)
-
-// Submit implements transport.Batch.
-func (b *Batch) Submit(reqs []transport.Request) error {
-	return b.submit(reqs, nil)
-}
-
-// SubmitWithNotify submits reqs and has the engine deliver (name, msg) to
-// the first request's segment once all of them succeed.
-func (b *Batch) SubmitWithNotify(reqs []transport.Request, name, msg string) error {
-	cName, err1 := cString(name)
-	cMsg, err2 := cString(msg)
-	if err1 != nil || err2 != nil {
-		return status.Errorf(status.InvalidArg, "notify: strings must not contain NUL bytes")
-	}
-	return b.submit(reqs, &[2][]byte{cName, cMsg})
-}
-
-func (b *Batch) submit(reqs []transport.Request, notify *[2][]byte) error {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.id == 0 {
-		return status.Errorf(status.State, "submit: batch already freed")
-	}
-	if len(reqs) == 0 {
-		return nil
-	}
-	if len(b.done)+len(reqs) > b.capacity {
-		return status.Errorf(status.InvalidArg, "submit: %d tasks do not fit a batch of capacity %d holding %d", len(reqs), b.capacity, len(b.done))
-	}
-	cr := make([]cRequest, len(reqs))
-	for i, r := range reqs {
-		if r.Op != transport.Read && r.Op != transport.Write {
-			return status.Errorf(status.InvalidArg, "submit: request %d has op %d", i, r.Op)
-		}
-		if r.Local == 0 || r.Length == 0 {
-			return status.Errorf(status.InvalidArg, "submit: request %d moves [%#x, +%d)", i, r.Local, r.Length)
-		}
-		cr[i] = cRequest{opcode: int32(r.Op), source: r.Local, targetID: int32(r.Segment), targetOffset: r.Remote, length: r.Length}
-	}
-	err := b.e.use("submitTransfer", func(h uintptr) error {
-		var err error
-		if notify == nil {
-			_, err = b.e.lib.call("submitTransfer", b.e.lib.sym.submitTransfer, statusCode,
-				h, uintptr(b.id), uintptr(unsafe.Pointer(&cr[0])), uintptr(len(cr)))
-		} else {
-			_, err = b.e.lib.call("submitTransferWithNotify", b.e.lib.sym.submitTransferWithNotify, statusCode,
-				h, uintptr(b.id), uintptr(unsafe.Pointer(&cr[0])), uintptr(len(cr)),
-				uintptr(unsafe.Pointer(&notify[0][0])), uintptr(unsafe.Pointer(&notify[1][0])))
-		}
-		if err != nil && status.Of(err) != status.BadHandle && status.Of(err) != status.Unsupported {
-			// Some releases add tasks before a later step fails; Free must
-			// wait for those too.
-			b.adoptTasks(h, len(reqs))
-		}
-		return err
-	})
-	if err == nil {
-		b.done = append(b.done, make([]bool, len(reqs))...)
-	}
-	return err
-}
-
-// adoptTasks counts tasks the engine holds beyond the known ones, by asking
-// for their status. Caller holds mu and the engine.
-func (b *Batch) adoptTasks(h uintptr, max int) {
-	for i := 0; i < max; i++ {
-		st := new(cStatus)
-		if _, err := b.e.lib.call("getTransferStatus", b.e.lib.sym.getTransferStatus, statusCode,
-			h, uintptr(b.id), uintptr(len(b.done)), uintptr(unsafe.Pointer(st))); err != nil {
-			return
-		}
-		b.done = append(b.done, transport.State(st.state).Done())
-	}
-}
-
-// Status implements transport.Batch.
-func (b *Batch) Status(task int) (transport.TaskStatus, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.id == 0 {
-		return transport.TaskStatus{}, status.Errorf(status.State, "status: batch already freed")
-	}
-	if task < 0 || task >= len(b.done) {
-		return transport.TaskStatus{}, status.Errorf(status.InvalidArg, "status: task %d of %d", task, len(b.done))
-	}
-	st := new(cStatus)
-	err := b.e.use("getTransferStatus", func(h uintptr) error {
-		_, err := b.e.lib.call("getTransferStatus", b.e.lib.sym.getTransferStatus, statusCode,
-			h, uintptr(b.id), uintptr(task), uintptr(unsafe.Pointer(st)))
-		return err
-	})
-	if err != nil {
-		return transport.TaskStatus{}, err
-	}
-	s := transport.State(st.state)
-	if s.Done() {
-		b.done[task] = true
-	}
-	return transport.TaskStatus{State: s, Transferred: st.transferred}, nil
-}
-
-// Tasks implements transport.Batch.
-func (b *Batch) Tasks() int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return len(b.done)
-}
-
-// Free implements transport.Batch. A task counts as in flight until Status
-// has reported a final state for it; the engine applies the same rule.
-func (b *Batch) Free() error {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.id == 0 {
-		return status.Errorf(status.State, "free: batch already freed")
-	}
-	for i, d := range b.done {
-		if !d {
-			return status.Errorf(status.State, "free: task %d is still in flight (poll it to a final state first)", i)
-		}
-	}
-	err := b.e.use("freeBatchID", func(h uintptr) error {
-		_, err := b.e.lib.call("freeBatchID", b.e.lib.sym.freeBatchID, statusCode, h, uintptr(b.id))
-		return err
-	})
-	if err != nil {
-		return err
-	}
-	b.id = 0
-	b.e.stateMu.Lock()
-	b.e.batches--
-	b.e.stateMu.Unlock()
-	return nil
 }

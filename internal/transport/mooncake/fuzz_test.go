@@ -5,13 +5,12 @@ package mooncake
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"io"
 	"net"
 	"os"
 	"testing"
 	"time"
-
-	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/transport"
 )
@@ -20,7 +19,7 @@ import (
 // that the fuzz targets can start from valid frames.
 const (
 	wireMagic   = 0x4554434d
-	wireVersion = 1
+	wireVersion = 2
 	wireHello   = 1
 	wireRead    = 2
 	wireWrite   = 3
@@ -62,12 +61,16 @@ func newServerFixture(t testing.TB) *serverFixture {
 	}
 	f.region = f.mem[fixtureRegion : 2*fixtureRegion]
 	f.region.fill(3)
-	register(t, f.server, f.region, true)
+	register(t, f.server, f.region)
 	f.copy = newBuffer(t, fixtureRegion)
-	register(t, f.client, f.copy, false)
-	require.NoError(t, f.client.SetPath(PathTCP))
+	register(t, f.client, f.copy)
+	if err := f.client.SetPath(PathTCP); err != nil {
+		t.Fatal(err)
+	}
 	seg, err := f.client.OpenSegment(f.server.LocalSegment())
-	require.NoError(t, err)
+	if err != nil {
+		t.Fatal(err)
+	}
 	f.seg = seg
 	return f
 }
@@ -75,7 +78,9 @@ func newServerFixture(t testing.TB) *serverFixture {
 // send writes raw to the server, half-closes, and drains the replies.
 func (f *serverFixture) send(t *testing.T, raw []byte) {
 	conn, err := net.Dial("tcp", f.server.LocalSegment())
-	require.NoError(t, err, "dial")
+	if err != nil {
+		t.Fatalf("dial: %v", err)
+	}
 	defer conn.Close()
 	// A reset on close leaves no TIME_WAIT behind, however long the run.
 	_ = conn.(*net.TCPConn).SetLinger(0)
@@ -84,8 +89,9 @@ func (f *serverFixture) send(t *testing.T, raw []byte) {
 	_, _ = conn.Write(raw)
 	_ = conn.(*net.TCPConn).CloseWrite()
 	if _, err := io.Copy(io.Discard, conn); err != nil {
-		ne, ok := err.(net.Error)
-		require.False(t, ok && ne.Timeout(), "the server neither answered nor closed within %v", hangGuard)
+		if ne, ok := err.(net.Error); ok && ne.Timeout() {
+			t.Fatalf("the server neither answered nor closed within %v", hangGuard)
+		}
 	}
 }
 
@@ -93,12 +99,13 @@ func (f *serverFixture) send(t *testing.T, raw []byte) {
 func (f *serverFixture) check(t *testing.T) {
 	for i, b := range f.mem {
 		if (i < fixtureRegion || i >= 2*fixtureRegion) && b != 0xee {
-			require.FailNowf(t, "guard overwritten", "a frame wrote outside the registered region, at guard offset %d", i)
+			t.Fatalf("a frame wrote outside the registered region, at guard offset %d", i)
 		}
 	}
 	st := transfer(t, f.client, transport.Request{Op: transport.Read, Local: f.copy.addr(), Segment: f.seg, Remote: uint64(f.region.addr()), Length: fixtureRegion})
-	require.Equal(t, transport.Completed, st[0].State, "the server stopped serving after a hostile frame: %+v", st[0])
-	require.True(t, bytes.Equal(f.copy, f.region), "the server serves other bytes after a hostile frame")
+	if st[0].State != transport.Completed || !bytes.Equal(f.copy, f.region) {
+		t.Fatalf("the server stopped serving after a hostile frame: %+v", st[0])
+	}
 }
 
 // FuzzServerFrame sends one request built from fields, aimed around the
@@ -148,20 +155,16 @@ func FuzzServerBytes(f *testing.F) {
 	})
 }
 
-// helloReply is a valid HELLO answer as the mock's server writes it.
-func helloReply(tag uint64, pid int32, pidns uint64, bootID, name string, bufs [][2]uint64) []byte {
-	p := make([]byte, 56, 64+len(name)+16*len(bufs))
+// helloReply is a valid HELLO answer as the mock's server writes it; table
+// is where the peer claims its registration table is.
+func helloReply(tag uint64, pid int32, pidns uint64, bootID, name string, table uint64) []byte {
+	p := make([]byte, 56, 64+len(name))
 	binary.LittleEndian.PutUint32(p[0:], uint32(pid))
 	binary.LittleEndian.PutUint32(p[4:], uint32(len(name)))
 	binary.LittleEndian.PutUint64(p[8:], pidns)
 	copy(p[16:56], bootID)
 	p = append(p, name...)
-	p = binary.LittleEndian.AppendUint32(p, uint32(len(bufs)))
-	p = binary.LittleEndian.AppendUint32(p, 0)
-	for _, b := range bufs {
-		p = binary.LittleEndian.AppendUint64(p, b[0])
-		p = binary.LittleEndian.AppendUint64(p, b[1])
-	}
+	p = binary.LittleEndian.AppendUint64(p, table)
 	h := make([]byte, 32)
 	binary.LittleEndian.PutUint32(h[0:], wireMagic)
 	binary.LittleEndian.PutUint16(h[4:], wireVersion)
@@ -173,25 +176,43 @@ func helloReply(tag uint64, pid int32, pidns uint64, bootID, name string, bufs [
 
 // FuzzHelloReply plays a hostile peer: openSegment's handshake gets data as
 // the answer (with the request's tag patched in when echoTag is set), and
-// must end in an error or a segment, never a crash or a hang.
+// must end in an error or a segment, never a crash or a hang. A segment that
+// opens is then read from, which makes the same-host path read the table
+// the answer points at.
 func FuzzHelloReply(f *testing.F) {
 	e := openEngine(f, mockLib)
+	// Same-host copies only: the hostile peer serves no TCP transfers, and
+	// a read over TCP would wait out the mock's socket timeout.
+	if err := e.SetPath(PathVM); err != nil {
+		f.Fatal(err)
+	}
+	local := newBuffer(f, 4096)
+	register(f, e, local)
 	peer := newHostilePeer(f)
 	boot, _ := os.ReadFile("/proc/sys/kernel/random/boot_id")
-	f.Add(true, helloReply(0, int32(os.Getpid()), 1, string(bytes.TrimSpace(boot)), "127.0.0.1:9", [][2]uint64{{4096, 4096}}))
-	f.Add(true, helloReply(0, 1, 2, "x", "n", nil))
-	f.Add(true, helloReply(0, 1, 2, "x", "", nil))
-	f.Add(false, helloReply(0, 1, 2, "x", "n", [][2]uint64{{^uint64(0), 2}}))
-	f.Add(true, helloReply(0, 1, 2, "x", "n", [][2]uint64{{1, 0}})[:70])
+	pidns, _ := os.Readlink("/proc/self/ns/pid")
+	var ino uint64
+	_, _ = fmt.Sscanf(pidns, "pid:[%d]", &ino)
+	self := string(bytes.TrimSpace(boot))
+	f.Add(true, helloReply(0, int32(os.Getpid()), ino, self, "127.0.0.1:9", uint64(local.addr())))
+	f.Add(true, helloReply(0, int32(os.Getpid()), ino, self, "127.0.0.1:9", 0))
+	f.Add(true, helloReply(0, 1, 2, "x", "n", 0))
+	f.Add(true, helloReply(0, 1, 2, "x", "", 0))
+	f.Add(false, helloReply(0, 1, 2, "x", "n", ^uint64(0)))
+	f.Add(true, helloReply(0, 1, 2, "x", "n", 1)[:70])
 	f.Add(true, []byte("not a frame at all"))
 	f.Fuzz(func(t *testing.T, echoTag bool, data []byte) {
 		done := peer.answer(data, echoTag)
-		seg, err := e.OpenSegment(peer.addr)
-		if err == nil {
-			// Forget it, so that the next input is handshaken afresh.
-			require.NoError(t, e.CloseSegment(seg), "close a fuzzed segment")
-		}
+		// openSegmentNoCache handshakes afresh: a plain open of the same
+		// name would return the id cached from an earlier input.
+		seg := raw(t, e, "openSegmentNoCache", cstr(t, peer.addr))
 		<-done
+		if seg > 0 {
+			st := transfer(t, e, transport.Request{Op: transport.Read, Local: local.addr(), Segment: transport.SegmentID(seg), Remote: uint64(local.addr()), Length: 64})
+			if st[0].State != transport.Failed && st[0].State != transport.Completed {
+				t.Fatalf("a read from a fuzzed segment ended %+v", st[0])
+			}
+		}
 	})
 }
 
@@ -205,7 +226,9 @@ type hostilePeer struct {
 
 func newHostilePeer(tb testing.TB) *hostilePeer {
 	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
-	require.NoError(tb, err)
+	if err != nil {
+		tb.Fatal(err)
+	}
 	tb.Cleanup(func() { ln.Close() })
 	return &hostilePeer{ln: ln, addr: ln.Addr().String()}
 }
@@ -243,7 +266,9 @@ func (p *hostilePeer) answer(data []byte, echoTag bool) <-chan struct{} {
 // huge allocation or an unrecovered panic there would take llama.cpp down.
 func FuzzInspectELF(f *testing.F) {
 	lib, err := os.ReadFile(mockLib)
-	require.NoError(f, err)
+	if err != nil {
+		f.Fatal(err)
+	}
 	f.Add(lib)
 	f.Add(lib[:64])
 	f.Add(lib[:len(lib)/2])
@@ -251,8 +276,8 @@ func FuzzInspectELF(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		a, errA := inspectELF(bytes.NewReader(data))
 		b, errB := inspectELF(bytes.NewReader(data))
-		require.Equal(t, errA == nil, errB == nil, "two inspections disagree: %+v %v / %+v %v", a, errA, b, errB)
-		require.Equal(t, a.goRuntime, b.goRuntime, "two inspections disagree: %+v %v / %+v %v", a, errA, b, errB)
-		require.Equal(t, len(a.needed), len(b.needed), "two inspections disagree: %+v %v / %+v %v", a, errA, b, errB)
+		if (errA == nil) != (errB == nil) || a.goRuntime != b.goRuntime || len(a.needed) != len(b.needed) {
+			t.Fatalf("two inspections disagree: %+v %v / %+v %v", a, errA, b, errB)
+		}
 	})
 }

@@ -97,6 +97,49 @@ var libraries struct {
 	byPath map[string]*Library
 }
 
+// libraryEnvironment is what the real library reads from the environment
+// and the binding sets, before a library is loaded, where the host has not
+// set it. The library reads MC_LOG_LEVEL once per process and the pool
+// setting at each installTransport.
+var libraryEnvironment = []struct{ name, value string }{
+	// glog's INFO lines (about 100 per test run, several per engine) go;
+	// warnings and errors stay on stderr. MC_LOG_LEVEL=INFO brings them
+	// back, MC_LOG_DIR=<dir> sends every level to files there (errors still
+	// reach stderr too). GLOG_minloglevel does not work: the library
+	// overwrites glog's level with MC_LOG_LEVEL's.
+	{"MC_LOG_LEVEL", "WARNING"},
+	// Without the pool, submitTransfer connects to each request's peer
+	// before it returns, which an unreachable peer holds for the kernel's
+	// SYN retries (minutes). With it the TCP transport queues requests to a
+	// few reused connections per peer and returns at once, and restores run
+	// faster (bench_test.go).
+	{envTCPPool, "1"},
+}
+
+const envTCPPool = "MC_TCP_ENABLE_CONNECTION_POOL"
+
+// setLibraryEnvironment applies libraryEnvironment, and refuses a pool the
+// host switched off, which would let a hung peer block submitTransfer past
+// any deadline. setenv races getenv in threads already running, so it is
+// called only where a variable is unset, which after the first Load it is
+// not.
+func setLibraryEnvironment() error {
+	if v, ok := os.LookupEnv(envTCPPool); ok {
+		switch strings.ToLower(v) {
+		case "0", "false", "no":
+			return status.Errorf(status.Config, "%s=%s: without the connection pool the Transfer Engine's submitTransfer connects to the peer before it returns, which a hung peer blocks for minutes; unset it", envTCPPool, v)
+		}
+	}
+	for _, kv := range libraryEnvironment {
+		if _, ok := os.LookupEnv(kv.name); !ok {
+			if err := os.Setenv(kv.name, kv.value); err != nil {
+				return status.Wrap(status.Config, err, "setting "+kv.name)
+			}
+		}
+	}
+	return nil
+}
+
 // Load opens the Transfer Engine library at path, or at $MCB_MOONCAKE_LIB
 // when path is empty, once per file. A failed load is not remembered, so a
 // fixed file can be loaded by a later call.
@@ -113,6 +156,9 @@ func Load(path string) (*Library, error) {
 	}
 	libraries.Lock()
 	defer libraries.Unlock()
+	if err := setLibraryEnvironment(); err != nil {
+		return nil, err
+	}
 	if lib := libraries.byPath[canon]; lib != nil {
 		return lib, nil
 	}
@@ -150,6 +196,8 @@ func open(path string) (*Library, error) {
 	if err != nil {
 		return nil, err
 	}
+	// RTLD_LOCAL: the real library exports some 1,600 symbols (its own C++
+	// classes, asio, glog's flags), which must not bind the host's.
 	handle, err := purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_LOCAL)
 	if err != nil {
 		return nil, status.Wrap(status.Config, err, "dlopen "+path)

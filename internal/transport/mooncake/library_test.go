@@ -23,11 +23,14 @@ import (
 func cc(t *testing.T, dir, name, src string, flags ...string) string {
 	t.Helper()
 	c := filepath.Join(dir, name+".c")
-	require.NoError(t, os.WriteFile(c, []byte(src), 0o644))
+	if err := os.WriteFile(c, []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	out := filepath.Join(dir, name+".so")
 	args := append([]string{"-shared", "-fPIC", "-o", out, c}, flags...)
-	msg, err := exec.Command("cc", args...).CombinedOutput()
-	require.NoError(t, err, "cc %s:\n%s", name, msg)
+	if msg, err := exec.Command("cc", args...).CombinedOutput(); err != nil {
+		t.Fatalf("cc %s: %v\n%s", name, err, msg)
+	}
 	return out
 }
 
@@ -49,9 +52,9 @@ func TestLoadRefusesSecondGoRuntime(t *testing.T) {
 		{"needs a Go library", transitive, "needed by"},
 	} {
 		_, err := Load(c.path)
-		assert.Equal(t, status.Unsupported, status.Of(err), "%s: %v", c.name, err)
-		assert.ErrorContains(t, err, c.says, c.name)
-		assert.ErrorContains(t, err, "Go", c.name)
+		if status.Of(err) != status.Unsupported || !strings.Contains(err.Error(), c.says) || !strings.Contains(err.Error(), "Go") {
+			t.Errorf("%s: %v; want an Unsupported error naming %q", c.name, err, c.says)
+		}
 	}
 }
 
@@ -63,31 +66,39 @@ func TestLoadRefusesGoCShared(t *testing.T) {
 	}
 	dir := t.TempDir()
 	src := "package main\n\nimport \"C\"\n\n//export EtcdStoreWrapper\nfunc EtcdStoreWrapper() C.int { return 0 }\n\nfunc main() {}\n"
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "main.go"), []byte(src), 0o644))
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "go.mod"), []byte("module wrapper\n\ngo 1.26\n"), 0o644))
+	if err := os.WriteFile(filepath.Join(dir, "main.go"), []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "go.mod"), []byte("module wrapper\n\ngo 1.26\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	lib := filepath.Join(dir, "libgo_wrapper.so")
 	build := exec.Command("go", "build", "-buildmode=c-shared", "-o", lib, ".")
 	build.Dir = dir
-	msg, err := build.CombinedOutput()
-	require.NoError(t, err, "go build:\n%s", msg)
+	if msg, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, msg)
+	}
 	paths := []string{lib}
 	if strip, err := exec.LookPath("strip"); err == nil {
 		stripped := filepath.Join(dir, "libgo_stripped.so")
-		msg, err := exec.Command(strip, "--strip-all", "-o", stripped, lib).CombinedOutput()
-		require.NoError(t, err, "strip:\n%s", msg)
+		if msg, err := exec.Command(strip, "--strip-all", "-o", stripped, lib).CombinedOutput(); err != nil {
+			t.Fatalf("strip: %v\n%s", err, msg)
+		}
 		paths = append(paths, stripped)
 	}
 	for _, p := range paths {
-		_, err := Load(p)
-		assert.Equal(t, status.Unsupported, status.Of(err), "%s: %v", filepath.Base(p), err)
-		assert.ErrorContains(t, err, "second Go runtime", filepath.Base(p))
+		if _, err := Load(p); status.Of(err) != status.Unsupported || !strings.Contains(err.Error(), "second Go runtime") {
+			t.Errorf("%s: %v; want it refused", filepath.Base(p), err)
+		}
 	}
 }
 
 func TestLoadErrors(t *testing.T) {
 	dir := t.TempDir()
 	notELF := filepath.Join(dir, "notelf.so")
-	require.NoError(t, os.WriteFile(notELF, []byte("just text"), 0o644))
+	if err := os.WriteFile(notELF, []byte("just text"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	partial := cc(t, dir, "libpartial", "int createTransferEngine(void) { return 0; }\nint openSegment(void) { return 0; }\n")
 	t.Setenv(EnvLibrary, "")
 	for _, c := range []struct {
@@ -101,43 +112,61 @@ func TestLoadErrors(t *testing.T) {
 		{"missing symbols", partial, status.Unsupported, "missing destroyTransferEngine"},
 	} {
 		_, err := Load(c.path)
-		assert.Equal(t, c.code, status.Of(err), "%s: %v", c.name, err)
-		assert.ErrorContains(t, err, c.says, c.name)
+		if status.Of(err) != c.code || !strings.Contains(err.Error(), c.says) {
+			t.Errorf("%s: %v; want code %v saying %q", c.name, err, c.code, c.says)
+		}
 	}
-	assert.NotContains(t, func() string { _, err := Load(partial); return err.Error() }(), "openSegment", "a symbol the library has is reported missing")
+	if strings.Contains(func() string { _, err := Load(partial); return err.Error() }(), "openSegment") {
+		t.Errorf("a symbol the library has is reported missing")
+	}
 }
 
 func TestLoadOncePerFile(t *testing.T) {
 	lib, err := Load(mockLib)
-	require.NoError(t, err)
+	if err != nil {
+		t.Fatal(err)
+	}
 	link := filepath.Join(t.TempDir(), "libte_link.so")
-	require.NoError(t, os.Symlink(mockLib, link))
+	if err := os.Symlink(mockLib, link); err != nil {
+		t.Fatal(err)
+	}
 	t.Setenv(EnvLibrary, link)
 	for _, p := range []string{link, ""} {
 		again, err := Load(p)
-		require.NoError(t, err, "Load(%q)", p)
-		require.Same(t, lib, again, "Load(%q): want the library already loaded", p)
+		if err != nil || again != lib {
+			t.Fatalf("Load(%q) = %p, %v; want the library already loaded (%p)", p, again, err, lib)
+		}
 	}
 	for _, name := range []string{"createTransferEngine", "getLocalIpAndPort", "mock_te_set_fault"} {
-		assert.True(t, lib.Has(name), "the mock lacks %s", name)
+		if !lib.Has(name) {
+			t.Errorf("the mock lacks %s", name)
+		}
 	}
-	assert.False(t, lib.Has("enableGracefulShutdown"), "the binding resolves enableGracefulShutdown, which it must never call")
+	if lib.Has("enableGracefulShutdown") {
+		t.Errorf("the binding resolves enableGracefulShutdown, which it must never call")
+	}
 }
 
 // TestMockExportsHeader checks that the mock exports every function that
 // mooncake-capi/include/transfer_engine_c.h declares.
 func TestMockExportsHeader(t *testing.T) {
 	header, err := os.ReadFile("../../../mooncake-capi/include/transfer_engine_c.h")
-	require.NoError(t, err)
+	if err != nil {
+		t.Fatal(err)
+	}
 	lib, err := Load(mockLib)
-	require.NoError(t, err)
+	if err != nil {
+		t.Fatal(err)
+	}
 	decl := regexp.MustCompile(`(?m)^[a-z_]+[ *]+([A-Za-z]+)\(`)
 	names := decl.FindAllSubmatch(header, -1)
-	require.GreaterOrEqual(t, len(names), 20, "declarations found in the header")
+	if len(names) < 20 {
+		t.Fatalf("found only %d declarations in the header", len(names))
+	}
 	for _, m := range names {
-		sym, err := purego.Dlsym(lib.handle, string(m[1]))
-		assert.NoError(t, err, "the mock does not export %s", m[1])
-		assert.NotZero(t, sym, "the mock does not export %s", m[1])
+		if sym, err := purego.Dlsym(lib.handle, string(m[1])); err != nil || sym == 0 {
+			t.Errorf("the mock does not export %s", m[1])
+		}
 	}
 }
 
@@ -152,18 +181,22 @@ func TestOpenRefusesMetadata(t *testing.T) {
 		{"http://h:8080/metadata", "libcurl"},
 	} {
 		_, err := Open(Config{Library: mockLib, Metadata: c.meta})
-		assert.Equal(t, status.Config, status.Of(err), "metadata %q: %v", c.meta, err)
-		assert.ErrorContains(t, err, c.says, "metadata %q", c.meta)
+		if status.Of(err) != status.Config || !strings.Contains(err.Error(), c.says) {
+			t.Errorf("metadata %q: %v; want a Config error saying %q", c.meta, err, c.says)
+		}
 	}
-	_, err := Open(Config{Library: mockLib, Protocol: "carrier-pigeon"})
-	assert.Equal(t, status.Config, status.Of(err), "unknown protocol: %v", err)
+	if _, err := Open(Config{Library: mockLib, Protocol: "carrier-pigeon"}); status.Of(err) != status.Config {
+		t.Errorf("unknown protocol: %v", err)
+	}
 }
 
 // TestMockRefusesUnknownMetadata checks the mock's own answer below the
 // binding: where the real engine aborts, the mock returns NULL.
 func TestMockRefusesUnknownMetadata(t *testing.T) {
 	lib, err := Load(mockLib)
-	require.NoError(t, err)
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, meta := range []string{"zookeeper://h", "etcd://127.0.0.1:2379", ""} {
 		m, _ := cString(meta)
 		local, _ := cString("127.0.0.1")
@@ -171,22 +204,22 @@ func TestMockRefusesUnknownMetadata(t *testing.T) {
 			uintptr(unsafe.Pointer(&m[0])), uintptr(unsafe.Pointer(&local[0])), uintptr(unsafe.Pointer(&local[0])), 0, 0)
 		if h != 0 {
 			_, _ = lib.call("destroyTransferEngine", lib.sym.destroyTransferEngine, plain, h)
+			t.Errorf("metadata %q: the mock created an engine", meta)
 		}
-		assert.Zero(t, h, "metadata %q: the mock created an engine", meta)
 	}
 }
 
 func TestOpenListensWhereConfigured(t *testing.T) {
-	e, err := Open(Config{Library: mockLib, LocalServerName: "127.0.0.2:1234"})
-	if err != nil {
-		t.Skipf("127.0.0.2 is not usable here: %v", err)
-	}
-	defer e.Close()
-	require.True(t, strings.HasPrefix(e.LocalSegment(), "127.0.0.2:"), "segment %q, want it on 127.0.0.2", e.LocalSegment())
-	other := openEngine(t, mockLib)
-	require.True(t, strings.HasPrefix(other.LocalSegment(), "127.0.0.1:"), "default segment %q, want loopback", other.LocalSegment())
-	_, err = other.OpenSegment(e.LocalSegment())
-	require.NoError(t, err, "open a segment on 127.0.0.2")
+	runScenarios(t, []scenario{{name: "127.0.0.2", run: func(t *testing.T, lib string) {
+		e, err := Open(Config{Library: lib, LocalServerName: "127.0.0.2:1234"})
+		require.NoError(t, err, "an engine on 127.0.0.2 (loopback, always there on Linux)")
+		defer func() { assert.NoError(t, e.Close()) }()
+		assert.Regexp(t, `^127\.0\.0\.2:\d+$`, e.LocalSegment(), "segment on the configured host")
+		other := openEngine(t, lib)
+		assert.Regexp(t, `^127\.0\.0\.1:\d+$`, other.LocalSegment(), "default segment on loopback")
+		_, err = other.OpenSegment(e.LocalSegment())
+		require.NoError(t, err, "open a segment on 127.0.0.2")
+	}}})
 }
 
 func TestCodeError(t *testing.T) {
@@ -209,9 +242,9 @@ func TestCodeError(t *testing.T) {
 		{statusCode, 999, status.Unsupported, "not implemented"},
 	} {
 		err := codeError("op", c.conv, c.raw)
-		assert.Equal(t, c.want, status.Of(err), "code %d: %v", c.raw, err)
-		assert.ErrorContains(t, err, c.says, "code %d", c.raw)
-		assert.True(t, strings.HasPrefix(err.Error(), c.want.String()+": op"), "code %d: %v", c.raw, err)
+		if status.Of(err) != c.want || !strings.Contains(err.Error(), c.says) || !strings.HasPrefix(err.Error(), c.want.String()+": op") {
+			t.Errorf("code %d: %v; want %v saying %q", c.raw, err, c.want, c.says)
+		}
 	}
 }
 
@@ -221,11 +254,10 @@ func TestMockEnvironment(t *testing.T) {
 	for _, bad := range [][2]string{{"MOCK_TE_PATH", "carrier"}, {"MOCK_TE_WORKERS", "0"}, {"MOCK_TE_DELAY_US", "12x"}} {
 		t.Run(bad[0], func(t *testing.T) {
 			t.Setenv(bad[0], bad[1])
-			e, err := Open(Config{Library: mockLib})
-			if err == nil {
+			if e, err := Open(Config{Library: mockLib}); err == nil {
 				e.Close()
+				t.Fatalf("%s=%s accepted", bad[0], bad[1])
 			}
-			require.Error(t, err, "%s=%s accepted", bad[0], bad[1])
 		})
 	}
 	t.Setenv("MOCK_TE_PATH", "tcp")
@@ -233,25 +265,91 @@ func TestMockEnvironment(t *testing.T) {
 	p := newPair(t, mockLib, 4096)
 	st := transfer(t, p.a, read(p.seg, p.local, p.peer))
 	stats, err := p.a.MockStats()
-	require.NoError(t, err)
-	require.Equal(t, transport.Completed, st[0].State, "with MOCK_TE_PATH=tcp MOCK_TE_CORRUPT=1: %+v", st[0])
-	require.Equal(t, 1, countMismatches(p.local, 1), "with MOCK_TE_PATH=tcp MOCK_TE_CORRUPT=1: bytes that differ")
-	require.Equal(t, uint64(4096), stats.TCPBytes, "with MOCK_TE_PATH=tcp MOCK_TE_CORRUPT=1: stats %+v", stats)
-	require.Zero(t, stats.VMBytes, "with MOCK_TE_PATH=tcp MOCK_TE_CORRUPT=1: stats %+v", stats)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st[0].State != transport.Completed || countMismatches(p.local, 1) != 1 || stats.TCPBytes != 4096 || stats.VMBytes != 0 {
+		t.Fatalf("with MOCK_TE_PATH=tcp MOCK_TE_CORRUPT=1: %+v, %d bytes differ, stats %+v", st[0], countMismatches(p.local, 1), stats)
+	}
 }
 
+// TestOpenProtocols: without an RDMA NIC installTransport("rdma") fails,
+// as the real engine's does; auto-discovery installs TCP.
 func TestOpenProtocols(t *testing.T) {
-	for _, cfg := range []Config{
-		{Library: mockLib, Protocol: "rdma", ProtocolArgs: []string{`{"cpu:0": [["mlx5_0"], []]}`}},
-		{Library: mockLib, AutoDiscover: true},
-	} {
-		e, err := Open(cfg)
-		require.NoError(t, err, "%+v", cfg)
+	runScenarios(t, []scenario{{name: "Protocols", run: func(t *testing.T, lib string) {
+		_, err := Open(Config{Library: lib, Protocol: "rdma", ProtocolArgs: []string{`{"cpu:0": [["mlx5_0"], []]}`}})
+		wantCode(t, err, status.Unsupported, "rdma without a NIC")
+		e, err := Open(Config{Library: lib, AutoDiscover: true})
+		require.NoError(t, err, "auto-discovery")
 		local := newBuffer(t, 4096)
 		require.NoError(t, e.RegisterMemory(local.addr(), 4096, "cpu:0", true))
+		local.fill(9)
 		st := transfer(t, e, transport.Request{Op: transport.Write, Local: local.addr(), Segment: 0, Remote: uint64(local.addr()) + 2048, Length: 1024})
-		require.Equal(t, transport.Completed, st[0].State, "%+v: loopback write %+v", cfg, st[0])
+		assert.Equal(t, transport.Completed, st[0].State, "loopback write")
+		for i := 0; i < 1024; i++ {
+			require.Equal(t, pattern(9, i), local[2048+i], "byte %d", i)
+		}
 		require.NoError(t, e.UnregisterMemory(local.addr()))
 		require.NoError(t, e.Close())
+	}}})
+}
+
+// TestLoadSetsEnvironment: the binding sets what the real library reads
+// (quiet glog, the TCP connection pool) where the host did not, and refuses
+// a pool the host switched off.
+func TestLoadSetsEnvironment(t *testing.T) {
+	_, err := Load(mockLib)
+	require.NoError(t, err)
+	for _, kv := range libraryEnvironment {
+		_, ok := os.LookupEnv(kv.name)
+		assert.True(t, ok, "%s is set after Load", kv.name)
 	}
+	for _, off := range []string{"0", "false", "NO"} {
+		t.Setenv(envTCPPool, off)
+		_, err := Load(mockLib)
+		wantCode(t, err, status.Config, envTCPPool+"="+off)
+		assert.Contains(t, err.Error(), envTCPPool)
+	}
+}
+
+// TestLoadIsLocal: the libraries' symbols stay out of the global scope
+// (RTLD_LOCAL), so that the real library's 1,600 exports cannot bind the
+// host's own symbols.
+func TestLoadIsLocal(t *testing.T) {
+	runScenarios(t, []scenario{{name: "RTLD_LOCAL", run: func(t *testing.T, lib string) {
+		l, err := Load(lib)
+		require.NoError(t, err)
+		for _, name := range []string{"createTransferEngine", "getTransferStatus"} {
+			own, err := purego.Dlsym(l.handle, name)
+			require.NoError(t, err)
+			require.NotZero(t, own)
+			global, err := purego.Dlsym(purego.RTLD_DEFAULT, name)
+			assert.True(t, err != nil || global == 0, "%s is visible in the global scope", name)
+		}
+	}}})
+}
+
+// TestLibrarySideEffects pins what loading and opening do to a fresh
+// process (a child): the real library ignores SIGPIPE from dlopen on,
+// raises RLIMIT_NOFILE to its hard limit and starts threads when an engine
+// is created, and, with the binding's default MC_LOG_LEVEL, writes no glog
+// INFO lines; the mock does none of it.
+func TestLibrarySideEffects(t *testing.T) {
+	runScenarios(t, []scenario{{name: "Process", run: func(t *testing.T, lib string) {
+		real := lib != mockLib
+		fx := sideEffects(t, lib)
+		assert.Equal(t, real, fx.SigpipeIgnoredAfterLoad, "SIGPIPE ignored after dlopen")
+		assert.False(t, fx.SigpipeIgnoredBefore, "SIGPIPE ignored before dlopen")
+		if real {
+			assert.Equal(t, fx.NofileHard, fx.NofileAfterOpen, "RLIMIT_NOFILE after createTransferEngine")
+			assert.GreaterOrEqual(t, fx.ThreadsAfterOpen-fx.ThreadsAfterLoad, 2, "threads per engine")
+		} else {
+			assert.Equal(t, fx.NofileBefore, fx.NofileAfterOpen, "RLIMIT_NOFILE after createTransferEngine")
+		}
+		assert.NotRegexp(t, `(?m)^I\d{8} `, fx.stderr, "glog INFO lines with the binding's default MC_LOG_LEVEL")
+		if real {
+			loud := sideEffects(t, lib, "MC_LOG_LEVEL=INFO")
+			assert.Regexp(t, `(?m)^I\d{8} `, loud.stderr, "MC_LOG_LEVEL=INFO brings glog's INFO lines back")
+		}
+	}}})
 }

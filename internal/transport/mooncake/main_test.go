@@ -4,6 +4,7 @@ package mooncake
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -11,10 +12,10 @@ import (
 	"strconv"
 	"syscall"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/ebitengine/purego"
-	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -22,12 +23,17 @@ import (
 	"github.com/mcbridge/mcbridge/internal/transport/mooncake/mocklib"
 )
 
+// EnvRealLibrary names the real libtransfer_engine.so the tests run every
+// transport case against, beside the mock (make test sets it from
+// scripts/mooncake/build.sh te).
+const EnvRealLibrary = "MCB_TE_REAL_LIB"
+
 // mockLib is the mock library the tests run against.
 var mockLib string
 
 func TestMain(m *testing.M) {
-	if os.Getenv(envChild) != "" {
-		os.Exit(max(childMain(), leakCheck()))
+	if role := os.Getenv(envChild); role != "" {
+		os.Exit(max(childMain(role), leakCheck()))
 	}
 	cleanup, err := findMock()
 	if err != nil {
@@ -58,6 +64,53 @@ func findMock() (func(), error) {
 	p, cleanup, err := mocklib.Find()
 	mockLib = p
 	return cleanup, err
+}
+
+// realLib is the real library's path. A real variant that cannot run fails:
+// skipping it would report a suite that never ran as passing.
+func realLib(t testing.TB) string {
+	t.Helper()
+	p := os.Getenv(EnvRealLibrary)
+	require.NotEmpty(t, p, "%s is unset: it must name the real libtransfer_engine.so (make test sets it from scripts/mooncake/build.sh te); the real-library variant cannot run", EnvRealLibrary)
+	lib, err := Load(p)
+	require.NoError(t, err, "%s=%s does not load", EnvRealLibrary, p)
+	require.False(t, lib.Has("mock_te_set_fault"), "%s=%s is the mock, not the real library", EnvRealLibrary, p)
+	return p
+}
+
+// impl is one Transfer Engine library the tests run on.
+type impl struct {
+	name string
+	lib  func(testing.TB) string
+}
+
+func (i impl) mock() bool { return i.name == "mock" }
+
+var impls = []impl{
+	{"mock", func(testing.TB) string { return mockLib }},
+	{"real", realLib},
+}
+
+// scenario is a case that runs once per implementation, as subtests /mock
+// and /real. mockOnly, when set, says why the case runs on the mock alone:
+// it needs one of the mock's mock_te_* controls.
+type scenario struct {
+	name     string
+	mockOnly string
+	run      func(t *testing.T, lib string)
+}
+
+func runScenarios(t *testing.T, scs []scenario) {
+	for _, sc := range scs {
+		t.Run(sc.name, func(t *testing.T) {
+			for _, im := range impls {
+				if sc.mockOnly != "" && !im.mock() {
+					continue
+				}
+				t.Run(im.name, func(t *testing.T) { sc.run(t, im.lib(t)) })
+			}
+		})
+	}
 }
 
 // buffer is memory outside the Go heap, as the engines' worker threads may
@@ -98,16 +151,20 @@ func openEngine(t testing.TB, lib string) *Engine {
 	e, err := Open(Config{Library: lib})
 	require.NoError(t, err, "open engine on %s", lib)
 	t.Cleanup(func() {
-		assert.NoError(t, e.Close(), "close engine")
+		if err := e.Close(); err != nil {
+			t.Errorf("close engine: %v", err)
+		}
 	})
 	return e
 }
 
-func register(t testing.TB, e *Engine, b buffer, remote bool) {
+func register(t testing.TB, e *Engine, b buffer) {
 	t.Helper()
-	require.NoError(t, e.RegisterMemory(b.addr(), uint64(len(b)), "cpu:0", remote), "register %d bytes", len(b))
+	require.NoError(t, e.RegisterMemory(b.addr(), uint64(len(b)), "cpu:0", true), "register %d bytes", len(b))
 	t.Cleanup(func() {
-		assert.NoError(t, e.UnregisterMemory(b.addr()), "unregister")
+		if err := e.UnregisterMemory(b.addr()); err != nil {
+			t.Errorf("unregister: %v", err)
+		}
 	})
 }
 
@@ -118,8 +175,8 @@ func allocate(t testing.TB, e *Engine, capacity int) *Batch {
 	b := tb.(*Batch)
 	t.Cleanup(func() {
 		transport.WaitIdle(b, transport.DefaultBackoff)
-		if err := b.Free(); err != nil {
-			assert.Equal(t, status.State, status.Of(err), "free batch: %v", err)
+		if err := b.Free(); err != nil && status.Of(err) != status.State {
+			t.Errorf("free batch: %v", err)
 		}
 	})
 	return b
@@ -150,9 +207,13 @@ const (
 	childSeed    = 0x5a
 )
 
-// childMain registers a patterned buffer, prints "READY segment addr len",
-// and serves until its standard input closes.
-func childMain() int {
+// childMain runs the child's role: "serve" registers a patterned buffer,
+// prints "READY segment addr len", and serves until its standard input
+// closes; "sideeffects" reports what loading and opening did to the process.
+func childMain(role string) int {
+	if role == "sideeffects" {
+		return sideEffectsMain()
+	}
 	size, err := strconv.Atoi(os.Getenv(envChildSize))
 	if err != nil || size <= 0 {
 		fmt.Fprintln(os.Stderr, "child: bad size:", err)
@@ -199,7 +260,7 @@ type child struct {
 func startChild(t testing.TB, lib string, size int) *child {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), envChild+"=1", envChildLib+"="+lib, envChildSize+"="+strconv.Itoa(size))
+	cmd.Env = append(os.Environ(), envChild+"=serve", envChildLib+"="+lib, envChildSize+"="+strconv.Itoa(size))
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
 	require.NoError(t, err)
@@ -208,19 +269,20 @@ func startChild(t testing.TB, lib string, size int) *child {
 	require.NoError(t, cmd.Start(), "start child")
 	c := &child{cmd: cmd, stdin: stdin}
 	t.Cleanup(func() {
+		// A child left stopped by a failed test would never exit.
+		_ = c.cmd.Process.Signal(syscall.SIGCONT)
 		_ = c.stdin.Close()
 		_ = c.cmd.Wait()
 	})
 	line, err := bufio.NewReader(stdout).ReadString('\n')
 	if err != nil {
 		_ = cmd.Process.Kill()
+		require.NoError(t, err, "child did not report its segment")
 	}
-	require.NoError(t, err, "child did not report its segment")
-	_, err = fmt.Sscanf(line, "READY %s %d %d", &c.segment, &c.addr, &c.size)
-	if err != nil {
+	if _, err := fmt.Sscanf(line, "READY %s %d %d", &c.segment, &c.addr, &c.size); err != nil {
 		_ = cmd.Process.Kill()
+		require.NoError(t, err, "child said %q", line)
 	}
-	require.NoError(t, err, "child said %q", line)
 	return c
 }
 
@@ -229,4 +291,42 @@ func (c *child) stop(t testing.TB) {
 	t.Helper()
 	_ = c.stdin.Close()
 	require.NoError(t, c.cmd.Wait(), "child exit")
+}
+
+func (c *child) signal(t testing.TB, sig syscall.Signal) {
+	t.Helper()
+	require.NoError(t, c.cmd.Process.Signal(sig), "signal %v to the child", sig)
+}
+
+// halt stops the child (SIGSTOP) and waits until every thread of it is
+// stopped: kill returns before that, and a thread still running for a few
+// milliseconds can answer a handshake.
+func (c *child) halt(t testing.TB) {
+	t.Helper()
+	c.signal(t, syscall.SIGSTOP)
+	require.Eventually(t, func() bool { return stopped(c.cmd.Process.Pid) }, 5*time.Second, 100*time.Microsecond, "the child never stopped")
+}
+
+// stopped reports whether every thread of pid is in the stopped state.
+func stopped(pid int) bool {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil || len(tasks) == 0 {
+		return false
+	}
+	for _, task := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, task.Name()))
+		// The state follows the parenthesised command name.
+		i := bytes.LastIndexByte(b, ')')
+		if err != nil || i < 0 || i+2 >= len(b) || b[i+2] != 'T' {
+			return false
+		}
+	}
+	return true
+}
+
+// kill ends the child at once and reaps it.
+func (c *child) kill(t testing.TB) {
+	t.Helper()
+	require.NoError(t, c.cmd.Process.Kill())
+	_ = c.cmd.Wait()
 }
