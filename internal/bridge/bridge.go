@@ -59,6 +59,7 @@ type Bridge struct {
 	mu       sync.Mutex
 	resident *residency.Tree[slot] // blocks this process stores in its pool
 	segments map[string]transport.SegmentID
+	down     map[string]time.Time // peers planned around until then (peers.go)
 	models   map[key.Fingerprint]*Model
 	parked   []parked // batches still in flight after a timeout
 	active   int      // loads and saves begun and not ended
@@ -99,7 +100,7 @@ func Open(cfg config.Config, deps Deps) (*Bridge, error) {
 		return nil, err
 	}
 	b := &Bridge{cfg: cfg, owner: cfg.Owner, now: deps.Now, log: deps.Log, pub: newPublisher(), closeCh: make(chan struct{}),
-		segments: map[string]transport.SegmentID{}, models: map[key.Fingerprint]*Model{}}
+		segments: map[string]transport.SegmentID{}, down: map[string]time.Time{}, models: map[key.Fingerprint]*Model{}}
 	if b.now == nil {
 		b.now = time.Now
 	}
@@ -258,11 +259,12 @@ func (b *Bridge) Close() error {
 	// A batch still moving bytes may write into the pool: if one stays busy
 	// past the transfer timeout, the pool is left mapped rather than freed
 	// under it.
-	deadline := b.now().Add(2 * time.Duration(b.cfg.TransferTimeoutMS) * time.Millisecond)
+	// This waits in real time, whatever clock the bridge decides with.
+	deadline := time.Now().Add(2 * time.Duration(b.cfg.TransferTimeoutMS) * time.Millisecond)
 	busy := 0
 	for _, p := range parkedBatches {
 		freed := p.batch.Free() == nil
-		for !freed && b.now().Before(deadline) {
+		for !freed && time.Now().Before(deadline) {
 			pollAll(p.batch)
 			time.Sleep(time.Millisecond)
 			freed = p.batch.Free() == nil
@@ -349,17 +351,29 @@ func (b *Bridge) end() {
 	b.mu.Unlock()
 }
 
-// segment opens a peer's segment once and caches its id.
-func (b *Bridge) segment(name string) (transport.SegmentID, error) {
+// segment opens a peer's segment once and caches its id. An open that
+// outlives ctx fails with status.Timeout and marks the peer down.
+func (b *Bridge) segment(ctx context.Context, name string) (transport.SegmentID, error) {
 	b.mu.Lock()
 	id, ok := b.segments[name]
 	b.mu.Unlock()
 	if ok {
 		return id, nil
 	}
-	id, err := b.tr.OpenSegment(name)
+	var err error
+	if o, ok := b.tr.(transport.ContextOpener); ok {
+		id, err = o.OpenSegmentContext(ctx, name)
+	} else {
+		id, err = b.tr.OpenSegment(name)
+	}
 	if err != nil {
-		return 0, status.Wrap(status.Transfer, err, "opening segment "+name)
+		code := status.Transfer
+		if status.Of(err) == status.Timeout || ctx.Err() != nil {
+			code = status.Timeout
+		}
+		err = status.Wrap(code, err, "opening segment "+name)
+		b.peerFailed(name, err)
+		return 0, err
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()

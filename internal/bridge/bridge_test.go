@@ -134,6 +134,7 @@ func TestRestoreFaults(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := testConfig(t)
 			cfg.TransferTimeoutMS = 200
+			cfg.PeerDownMS = 0 // planning around a hung peer: TestHungPeerPlannedAround
 			a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
 			src := newHost(t, 3, 32, 32, 32, false)
 			dst := newHost(t, 3, 32, 32, 32, false)
@@ -158,6 +159,50 @@ func TestRestoreFaults(t *testing.T) {
 			require.NoError(t, dst.Check(tokens, cells, 16))
 		})
 	}
+}
+
+// A peer whose transfers time out costs one request its deadline: the
+// peer is then planned around (lookups match none of its blocks) until
+// peer_down_ms has passed, and counted once.
+func TestHungPeerPlannedAround(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.TransferTimeoutMS = 200
+	cfg.PeerDownMS = 10000
+	a := openBridge(t, cfg, "a")
+	var clock atomic.Int64
+	clock.Store(time.Now().UnixNano())
+	cfg.Owner = "b"
+	b, err := Open(cfg, Deps{Now: func() time.Time { return time.Unix(0, clock.Load()) }})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = b.Close() })
+	src := newHost(t, 3, 32, 32, 32, false)
+	dst := newHost(t, 3, 32, 32, 32, false)
+	ma, mb := register(t, a, src, 4), register(t, b, dst, 4)
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(6)), 16)
+	cells := kvtest.SeqCells(16)
+	src.Fill(tokens, cells)
+	saveAll(t, ma, src, key.Scope{}, tokens, cells)
+	a.tr.(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(time.Hour)})
+
+	_, err = loadAll(t, mb, dst, key.Scope{}, tokens, cells)
+	require.Equal(t, status.Timeout, status.Of(err), "load from the hung peer: %v", err)
+	require.Equal(t, int64(1), b.Stats().PeersDown)
+	p, err := mb.Lookup(key.Scope{}, tokens, 0)
+	require.NoError(t, err)
+	require.Zero(t, p.MatchedBlocks, "lookup while the peer is down: %+v", p.Decision)
+	_, err = mb.LoadBegin(key.Scope{}, dst.Layout(), tokens, cells)
+	require.Equal(t, status.NotFound, status.Of(err), "load while the peer is down: %v", err)
+
+	a.tr.(*transport.Loopback).SetFault(transport.Fault{})
+	clock.Add(int64(10 * time.Second))
+	p, err = mb.Lookup(key.Scope{}, tokens, 0)
+	require.NoError(t, err)
+	require.Equal(t, 3, p.MatchedBlocks, "lookup once the down period is over (the last token is computed): %+v", p.Decision)
+	res, err := loadAll(t, mb, dst, key.Scope{}, tokens, cells)
+	require.NoError(t, err)
+	require.Equal(t, 16, res.OKTokens)
+	require.NoError(t, dst.Check(tokens, cells, 16))
+	require.Equal(t, int64(1), b.Stats().PeersDown, "one hung period is counted once")
 }
 
 // A reader sent to a block that its owner evicted and reused meanwhile

@@ -166,7 +166,7 @@ func (ld *Load) submitRemote() error {
 			remote = remote[:j]
 			break
 		}
-		seg, err := b.segment(lb.entry.Loc.Segment)
+		seg, err := b.segment(ld.ctx, lb.entry.Loc.Segment)
 		if err != nil {
 			ld.fail(i, err)
 			remote = remote[:j]
@@ -267,11 +267,12 @@ func (ld *Load) layer(l int) {
 				if st.State == transport.TimedOut {
 					code = status.Timeout
 				}
+				err := status.Errorf(code, "block %s layer %d: transfer %s", lb.entry.Key, l, st.State)
 				if waitErr != nil {
-					ld.fail(i, status.Wrap(status.Of(waitErr), waitErr, fmt.Sprintf("block %s layer %d", lb.entry.Key, l)))
-				} else {
-					ld.fail(i, status.Errorf(code, "block %s layer %d: transfer %s", lb.entry.Key, l, st.State))
+					err = status.Wrap(status.Of(waitErr), waitErr, fmt.Sprintf("block %s layer %d", lb.entry.Key, l))
 				}
+				ld.fail(i, err)
+				ld.m.b.peerFailed(lb.entry.Loc.Segment, err)
 				break
 			}
 		}
@@ -378,7 +379,7 @@ func (ld *Load) recheck() {
 // staging, which holds the verified header copy no longer needed.
 func (ld *Load) remoteGeneration(lb *loadBlock) (uint64, error) {
 	b := ld.m.b
-	seg, err := b.segment(lb.entry.Loc.Segment)
+	seg, err := b.segment(ld.ctx, lb.entry.Loc.Segment)
 	if err != nil {
 		return 0, err
 	}
@@ -393,7 +394,8 @@ func (ld *Load) remoteGeneration(lb *loadBlock) (uint64, error) {
 	}
 	st, err := transport.Wait(ld.ctx, batch, 0, 1, transport.DefaultBackoff)
 	if err != nil {
-		ld.park(batch, nil)
+		ld.m.b.parkBatch(batch, nil)
+		b.peerFailed(lb.entry.Loc.Segment, err)
 		return 0, err
 	}
 	_ = batch.Free()
@@ -421,7 +423,7 @@ func (ld *Load) release() {
 		return
 	}
 	if err := ld.batch.Free(); err != nil {
-		ld.park(ld.batch, ld.staging)
+		ld.m.b.parkBatch(ld.batch, ld.staging)
 	} else {
 		ld.freeStaging(ld.staging)
 	}
@@ -434,10 +436,9 @@ func (ld *Load) freeStaging(ex []extent) {
 	}
 }
 
-// park keeps a batch that is still moving bytes, and the staging it moves
-// them into, until Close or the next reap finds it idle.
-func (ld *Load) park(batch transport.Batch, staging []extent) {
-	b := ld.m.b
+// parkBatch keeps a batch that is still moving bytes, with the pool
+// extents it moves them into, until Close or a reap finds it idle.
+func (b *Bridge) parkBatch(batch transport.Batch, staging []extent) {
 	b.mu.Lock()
 	b.parked = append(b.parked, parked{batch: batch, staging: staging})
 	b.mu.Unlock()

@@ -186,7 +186,7 @@ func (m *Model) match(root key.Hash, chain []key.BlockKey) []directory.Entry {
 // or unanswered, or one the publisher is settling into the mirror while
 // this walk runs).
 func (m *Model) walk(root key.Hash, chain []key.BlockKey, visit func(directory.Entry)) int {
-	n, parent := m.walkMirror(root, chain, visit)
+	n, parent := m.walkMirror(root, chain, m.b.downSegments(), visit)
 	b := m.b
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -201,13 +201,14 @@ func (m *Model) walk(root key.Hash, chain []key.BlockKey, visit func(directory.E
 	return n
 }
 
-func (m *Model) walkMirror(root key.Hash, chain []key.BlockKey, visit func(directory.Entry)) (int, key.Hash) {
+// walkMirror is walk's first part; entries held by a down peer end it.
+func (m *Model) walkMirror(root key.Hash, chain []key.BlockKey, down map[string]bool, visit func(directory.Entry)) (int, key.Hash) {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
 	parent := root
 	for i, k := range chain {
 		e, ok := m.mirror[k]
-		if !ok || e.Parent != parent {
+		if !ok || e.Parent != parent || down[e.Loc.Segment] {
 			return i, parent
 		}
 		visit(e)

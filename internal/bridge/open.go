@@ -35,6 +35,7 @@ func openTransport(cfg config.Config, owner string, now func() time.Time) (trans
 			LocalServerName: t.LocalHostname,
 			Protocol:        t.Protocol,
 			ProtocolArgs:    args,
+			PeerTimeout:     time.Duration(cfg.TransferTimeoutMS) * time.Millisecond,
 		})
 	}
 	return nil, status.Errorf(status.Unsupported, "transport %q is not built in", t.Kind)

@@ -2,6 +2,8 @@ package bridge
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"sync"
 	"time"
 
@@ -122,10 +124,12 @@ func (b *Bridge) copyBlock(e directory.Entry) {
 		return
 	}
 	block := b.pool.Bytes(off, size)
-	g, err := b.readVerified(e, block)
+	g, err := b.readVerified(e, extent{off, size})
 	if err != nil {
-		pool.BeginWrite(block, b.pool.NextGeneration())
-		_ = b.pool.Free(off, size)
+		if !errors.Is(err, errParked) {
+			pool.BeginWrite(block, b.pool.NextGeneration())
+			_ = b.pool.Free(off, size)
+		}
 		b.stats.add(&b.stats.replicationFailures, 1)
 		return
 	}
@@ -146,10 +150,11 @@ func (b *Bridge) copyBlock(e directory.Entry) {
 	b.stats.add(&b.stats.replicated, 1)
 }
 
-// readVerified reads a whole block into dst and checks that it is exactly
-// the block the entry names, every layer included.
-func (b *Bridge) readVerified(e directory.Entry, dst []byte) (pool.Geometry, error) {
-	g, err := b.readBlock(e, dst)
+// readVerified reads a whole block into the pool extent dst and checks
+// that it is exactly the block the entry names, every layer included.
+func (b *Bridge) readVerified(e directory.Entry, ext extent) (pool.Geometry, error) {
+	dst := b.pool.Bytes(ext.off, ext.n)
+	g, err := b.readBlock(e, ext)
 	if err != nil {
 		return g, err
 	}
@@ -169,10 +174,18 @@ func (b *Bridge) readVerified(e directory.Entry, dst []byte) (pool.Geometry, err
 	return g, nil
 }
 
-// readBlock reads the whole block an entry names into dst and parses the
-// geometry its header describes.
-func (b *Bridge) readBlock(e directory.Entry, dst []byte) (pool.Geometry, error) {
-	seg, err := b.segment(e.Loc.Segment)
+// errParked says that a copy timed out with its transfer still in flight:
+// the batch was parked with the extent it may write into, which the caller
+// must leave to the reaper.
+var errParked = errors.New("transfer parked in flight")
+
+// readBlock reads the whole block an entry names into the pool extent ext
+// and parses the geometry its header describes.
+func (b *Bridge) readBlock(e directory.Entry, ext extent) (pool.Geometry, error) {
+	dst := b.pool.Bytes(ext.off, ext.n)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(b.cfg.TransferTimeoutMS)*time.Millisecond)
+	defer cancel()
+	seg, err := b.segment(ctx, e.Loc.Segment)
 	if err != nil {
 		return pool.Geometry{}, err
 	}
@@ -185,14 +198,15 @@ func (b *Bridge) readBlock(e directory.Entry, dst []byte) (pool.Geometry, error)
 		_ = batch.Free()
 		return pool.Geometry{}, err
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(b.cfg.TransferTimeoutMS)*time.Millisecond)
 	st, err := transport.Wait(ctx, batch, 0, 1, transport.DefaultBackoff)
-	cancel()
 	if err != nil {
-		// The copy target is pool memory: wait until nothing writes into
-		// it before the caller frees it.
-		transport.WaitIdle(batch, transport.DefaultBackoff)
-		_ = batch.Free()
+		b.peerFailed(e.Loc.Segment, err)
+		// The copy target is pool memory: it stays allocated, parked with
+		// the batch, until nothing writes into it.
+		if batch.Free() != nil {
+			b.parkBatch(batch, []extent{ext})
+			return pool.Geometry{}, fmt.Errorf("copy of %s: %w: %w", e.Key, errParked, err)
+		}
 		return pool.Geometry{}, err
 	}
 	_ = batch.Free()

@@ -80,7 +80,7 @@ func (m *Model) SaveBegin(scope key.Scope, layout kvlayout.Layout, tokens []int3
 	chain := key.Chain(root, tokens, B)
 	// Known means known to the directory: blocks of ours it has not
 	// answered for are offered again below.
-	known, _ := m.walkMirror(root, chain, func(directory.Entry) {})
+	known, _ := m.walkMirror(root, chain, nil, func(directory.Entry) {})
 	sv.known = known
 	size := int64(m.geo.Size())
 	parent := root

@@ -33,6 +33,7 @@ type Stats struct {
 	Replicated       int64 // blocks a store node copied from their owners
 	TakenOver        int64 // copies a store node published when their owner let go
 	ReplicationFails int64
+	PeersDown        int64 // times a peer timed out and was planned around
 	// FailuresByStatus counts load failures by the status that ended them.
 	FailuresByStatus [status.Count]int64
 }
@@ -43,7 +44,7 @@ type counters struct {
 	loads, loadFailures, restoredTokens, restoredBytes                    atomic.Int64
 	saves, saveFailures, savedBlocks, dedupedBlocks                       atomic.Int64
 	evictions, directoryErrors, tornReads, parkedBatches                  atomic.Int64
-	replicated, takenOver, replicationFailures                            atomic.Int64
+	replicated, takenOver, replicationFailures, peersDown                 atomic.Int64
 	failuresByStatus                                                      [status.Count]atomic.Int64
 }
 
@@ -92,6 +93,7 @@ func (b *Bridge) Stats() Stats {
 		Evictions: c.evictions.Load(), DirectoryErrors: c.directoryErrors.Load(),
 		TornReads: c.tornReads.Load(), ParkedBatches: c.parkedBatches.Load(),
 		Replicated: c.replicated.Load(), TakenOver: c.takenOver.Load(), ReplicationFails: c.replicationFailures.Load(),
+		PeersDown: c.peersDown.Load(),
 	}
 	for i := range c.failuresByStatus {
 		s.FailuresByStatus[i] = c.failuresByStatus[i].Load()

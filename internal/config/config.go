@@ -27,8 +27,12 @@ type Config struct {
 	Transport Transport `json:"transport"`
 	Directory Directory `json:"directory"`
 	Arbiter   Arbiter   `json:"arbiter"`
-	// TransferTimeoutMS bounds a load's wait for its transfers.
+	// TransferTimeoutMS bounds a load's wait for its transfers, and every
+	// engine call that waits on a peer.
 	TransferTimeoutMS int `json:"transfer_timeout_ms"`
+	// PeerDownMS is how long a peer whose transfers timed out is planned
+	// around: lookups treat its blocks as absent meanwhile.
+	PeerDownMS int `json:"peer_down_ms"`
 }
 
 // Transport selects and configures the transfer engine.
@@ -86,6 +90,7 @@ func Default() Config {
 		Directory:         Directory{Kind: "memory", Name: "default", Prefix: "/mcbridge", LeaseTTLS: 10, OpTimeoutMS: 2000},
 		Arbiter:           Arbiter{Policy: "cost-model"},
 		TransferTimeoutMS: 5000,
+		PeerDownMS:        30000,
 	}
 }
 
@@ -153,6 +158,8 @@ func (c *Config) Validate() error {
 		return status.Errorf(status.Config, "directory lease_ttl_s and op_timeout_ms must be positive")
 	case c.TransferTimeoutMS <= 0:
 		return status.Errorf(status.Config, "transfer_timeout_ms must be positive")
+	case c.PeerDownMS < 0:
+		return status.Errorf(status.Config, "peer_down_ms must not be negative")
 	}
 	if _, err := arbiter.ParsePolicy(c.Arbiter.Policy); err != nil {
 		return status.Wrap(status.Config, err, "arbiter.policy")

@@ -112,6 +112,7 @@ var Vocabulary = []Series{
 	{Name: "replicated_blocks_total", Kind: "counter", Help: "Blocks a store node copied from their owners.", value: stat(func(s *bridge.Stats) int64 { return s.Replicated })},
 	{Name: "taken_over_blocks_total", Kind: "counter", Help: "Copies a store node published after their owner let go.", value: stat(func(s *bridge.Stats) int64 { return s.TakenOver })},
 	{Name: "replication_failures_total", Kind: "counter", Help: "Copies that failed to transfer or verify.", value: stat(func(s *bridge.Stats) int64 { return s.ReplicationFails })},
+	{Name: "peers_down_total", Kind: "counter", Help: "Times a peer's transfers timed out and lookups planned around its blocks for peer_down_ms.", value: stat(func(s *bridge.Stats) int64 { return s.PeersDown })},
 	{Name: "resident_blocks", Kind: "gauge", Help: "Blocks held in this process's pool.", value: one(func(s *snapshot) int64 { return int64(s.blocks) })},
 	{Name: "resident_bytes", Kind: "gauge", Help: "Bytes of the blocks held in this process's pool.", value: one(func(s *snapshot) int64 { return s.bytes })},
 	{Name: "pool_bytes", Kind: "gauge", Help: "Size of this process's pool.", value: one(func(s *snapshot) int64 { return s.pool })},

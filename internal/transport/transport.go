@@ -101,6 +101,13 @@ type Transport interface {
 	Close() error
 }
 
+// ContextOpener is a Transport whose OpenSegment can wait on the peer (a
+// handshake, a metadata lookup): OpenSegmentContext gives up when ctx ends,
+// with status.Timeout, so a hung peer costs a caller at most its deadline.
+type ContextOpener interface {
+	OpenSegmentContext(ctx context.Context, name string) (SegmentID, error)
+}
+
 // Batch is a set of requests submitted together and polled per task. A Batch
 // owns the engine's batch id: it can be freed once, never used after free.
 type Batch interface {
