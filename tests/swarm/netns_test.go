@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
 	"github.com/mcbridge/mcbridge/internal/key"
@@ -30,9 +32,8 @@ type hosts struct {
 
 func run(t *testing.T, args ...string) {
 	t.Helper()
-	if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
-		t.Fatalf("%s: %v\n%s", strings.Join(args, " "), err, out)
-	}
+	out, err := exec.Command(args[0], args[1:]...).CombinedOutput()
+	require.NoError(t, err, "%s\n%s", strings.Join(args, " "), out)
 }
 
 func makeHosts(t *testing.T) *hosts {
@@ -83,13 +84,9 @@ func (h *hosts) startEtcd(t *testing.T) {
 		"--listen-client-urls", h.etcdClient, "--advertise-client-urls", h.etcdClient,
 		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", "hostb="+peer)
 	logf, err := os.Create(filepath.Join(dir, "etcd.log"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	cmd.Stdout, cmd.Stderr = logf, logf
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, cmd.Start())
 	t.Cleanup(func() {
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
@@ -101,9 +98,7 @@ func (h *hosts) startEtcd(t *testing.T) {
 		if err == nil && strings.Contains(string(out), "true") {
 			return
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("etcd in host B never became reachable from host A: %v %s", err, out)
-		}
+		require.False(t, time.Now().After(deadline), "etcd in host B never became reachable from host A: %v %s", err, out)
 		time.Sleep(100 * time.Millisecond)
 	}
 }
@@ -155,9 +150,8 @@ func TestMultiHost(t *testing.T) {
 		time.Sleep(500 * time.Millisecond)
 		run(t, "ip", "netns", "exec", h.a, "ip", "link", "set", h.vethA, "down")
 		line, err := cut.out.ReadString('\n')
-		if err != nil || !strings.HasPrefix(line, "failed ") {
-			t.Fatalf("cut reader said %q (%v)", line, err)
-		}
+		require.NoError(t, err, "cut reader said %q", line)
+		require.True(t, strings.HasPrefix(line, "failed "), "cut reader said %q", line)
 		t.Logf("host A cut off mid-transfer: %s", strings.TrimSpace(line))
 		cut.expect(t, "dropped", 0)
 		run(t, "ip", "netns", "exec", h.a, "ip", "link", "set", h.vethA, "up")

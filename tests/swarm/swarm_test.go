@@ -101,23 +101,34 @@ func (j job) tokens() []int32 {
 	return kvtest.Tokens(rand.New(rand.NewSource(j.Seed)), j.Tokens)
 }
 
-func (j job) register(tb kvtest.TB, b *bridge.Bridge, h *kvtest.Host) *bridge.Model {
+func (j job) register(tb helperTB, b *bridge.Bridge, h *kvtest.Host) *bridge.Model {
 	p, krow, vrow, velem := h.Model(j.BlockTokens)
 	m, err := b.RegisterModel(bridge.ModelSpec{Params: p, KRow: krow, VRow: vrow, VElem: velem})
-	if err != nil {
-		tb.Fatal(err)
-	}
+	require.NoError(tb, err)
 	return m
 }
 
-// childTB lets a child process use kvtest: a failure ends the process
-// with its message on stderr, and memory lives until exit.
+// helperTB is what the helpers that run both in the test process (with a
+// *testing.T) and in a child (with childTB) need: kvtest's and testify's.
+type helperTB interface {
+	kvtest.TB
+	require.TestingT
+}
+
+// childTB lets a child process use kvtest and testify: a failure ends the
+// process with its message on stderr, and memory lives until exit.
 type childTB struct{}
 
 func (childTB) Fatal(args ...any) {
 	fmt.Fprintln(os.Stderr, args...)
 	os.Exit(1)
 }
+
+func (childTB) Errorf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, format+"\n", args...)
+}
+
+func (childTB) FailNow() { os.Exit(1) }
 
 func (childTB) Cleanup(func()) {}
 
@@ -179,26 +190,19 @@ func child(role string) int {
 
 // save seals the blocks of tokens, waits until the publisher has offered
 // them to the directory and returns how many this process published.
-func save(tb kvtest.TB, m *bridge.Model, h *kvtest.Host, tokens []int32, cells []uint32) int {
+func save(tb helperTB, m *bridge.Model, h *kvtest.Host, tokens []int32, cells []uint32) int {
 	b := m.Bridge()
 	before := b.Stats().SavedBlocks
 	sv, err := m.SaveBegin(key.Scope{}, h.Layout(), tokens, cells)
-	if err != nil {
-		tb.Fatal("save begin:", err)
-	}
+	require.NoError(tb, err, "save begin")
 	for l := range h.K {
-		if err := sv.SaveLayer(l); err != nil {
-			tb.Fatal("save layer:", err)
-		}
+		require.NoError(tb, sv.SaveLayer(l), "save layer")
 	}
-	if _, err := sv.End(); err != nil {
-		tb.Fatal("save end:", err)
-	}
+	_, err = sv.End()
+	require.NoError(tb, err, "save end")
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	if err := b.Flush(ctx); err != nil {
-		tb.Fatal("publishing:", err)
-	}
+	require.NoError(tb, b.Flush(ctx), "publishing")
 	return int(b.Stats().SavedBlocks - before)
 }
 
@@ -246,22 +250,14 @@ func start(t *testing.T, role string, j job) *proc {
 func startCmd(t *testing.T, cmd *exec.Cmd, role string, j job, env ...string) *proc {
 	t.Helper()
 	doc, err := json.Marshal(j)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	cmd.Env = append(append(os.Environ(), "MCB_SWARM_ROLE="+role, "MCB_SWARM_JOB="+string(doc)), env...)
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
 	p := &proc{cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout)}
 	t.Cleanup(func() {
 		_ = p.cmd.Process.Kill()
@@ -274,22 +270,15 @@ func startCmd(t *testing.T, cmd *exec.Cmd, role string, j job, env ...string) *p
 func (p *proc) expect(t *testing.T, word string, n int) {
 	t.Helper()
 	line, err := p.out.ReadString('\n')
-	if err != nil {
-		t.Fatalf("child said nothing (%v)", err)
-	}
-	f := strings.Fields(line)
-	if len(f) != 2 || f[0] != word || f[1] != strconv.Itoa(n) {
-		t.Fatalf("child said %q, want %q %d", line, word, n)
-	}
+	require.NoError(t, err, "child said nothing")
+	require.Equal(t, []string{word, strconv.Itoa(n)}, strings.Fields(line), "child said %q, want %q %d", line, word, n)
 }
 
 // finish closes the child's stdin and waits for a clean exit.
 func (p *proc) finish(t *testing.T) {
 	t.Helper()
 	_ = p.stdin.Close()
-	if err := p.cmd.Wait(); err != nil {
-		t.Fatalf("child: %v", err)
-	}
+	require.NoError(t, p.cmd.Wait(), "child")
 }
 
 // halt stops the child (SIGSTOP) and waits until every thread of it is
@@ -341,13 +330,9 @@ func openParent(t *testing.T, j job) (*bridge.Bridge, *mooncake.Engine) {
 	t.Helper()
 	eng, err := mooncake.Open(mooncake.Config{Library: j.Config.Transport.Lib, LocalServerName: "127.0.0.1",
 		PeerTimeout: time.Duration(j.Config.TransferTimeoutMS) * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	b, err := bridge.Open(j.Config, bridge.Deps{Transport: eng})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() {
 		_ = b.Close()
 		_ = eng.Close()

@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/transport"
 )
 
@@ -64,13 +66,9 @@ func newServerFixture(t testing.TB) *serverFixture {
 	register(t, f.server, f.region)
 	f.copy = newBuffer(t, fixtureRegion)
 	register(t, f.client, f.copy)
-	if err := f.client.SetPath(PathTCP); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, f.client.SetPath(PathTCP))
 	seg, err := f.client.OpenSegment(f.server.LocalSegment())
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	f.seg = seg
 	return f
 }
@@ -78,9 +76,7 @@ func newServerFixture(t testing.TB) *serverFixture {
 // send writes raw to the server, half-closes, and drains the replies.
 func (f *serverFixture) send(t *testing.T, raw []byte) {
 	conn, err := net.Dial("tcp", f.server.LocalSegment())
-	if err != nil {
-		t.Fatalf("dial: %v", err)
-	}
+	require.NoError(t, err, "dial")
 	defer conn.Close()
 	// A reset on close leaves no TIME_WAIT behind, however long the run.
 	_ = conn.(*net.TCPConn).SetLinger(0)
@@ -89,23 +85,25 @@ func (f *serverFixture) send(t *testing.T, raw []byte) {
 	_, _ = conn.Write(raw)
 	_ = conn.(*net.TCPConn).CloseWrite()
 	if _, err := io.Copy(io.Discard, conn); err != nil {
-		if ne, ok := err.(net.Error); ok && ne.Timeout() {
-			t.Fatalf("the server neither answered nor closed within %v", hangGuard)
-		}
+		ne, ok := err.(net.Error)
+		require.False(t, ok && ne.Timeout(), "the server neither answered nor closed within %v", hangGuard)
 	}
 }
 
 // check asserts the guards are intact and the server still serves.
 func (f *serverFixture) check(t *testing.T) {
+	// One assertion per check, not per byte: each costs a t.Helper call.
+	written := -1
 	for i, b := range f.mem {
 		if (i < fixtureRegion || i >= 2*fixtureRegion) && b != 0xee {
-			t.Fatalf("a frame wrote outside the registered region, at guard offset %d", i)
+			written = i
+			break
 		}
 	}
+	require.Equal(t, -1, written, "a frame wrote outside the registered region, at guard offset %d", written)
 	st := transfer(t, f.client, transport.Request{Op: transport.Read, Local: f.copy.addr(), Segment: f.seg, Remote: uint64(f.region.addr()), Length: fixtureRegion})
-	if st[0].State != transport.Completed || !bytes.Equal(f.copy, f.region) {
-		t.Fatalf("the server stopped serving after a hostile frame: %+v", st[0])
-	}
+	require.Equal(t, transport.Completed, st[0].State, "the server stopped serving after a hostile frame: %+v", st[0])
+	require.True(t, bytes.Equal(f.copy, f.region), "the server stopped serving after a hostile frame: %+v", st[0])
 }
 
 // FuzzServerFrame sends one request built from fields, aimed around the
@@ -183,9 +181,7 @@ func FuzzHelloReply(f *testing.F) {
 	e := openEngine(f, mockLib)
 	// Same-host copies only: the hostile peer serves no TCP transfers, and
 	// a read over TCP would wait out the mock's socket timeout.
-	if err := e.SetPath(PathVM); err != nil {
-		f.Fatal(err)
-	}
+	require.NoError(f, e.SetPath(PathVM))
 	local := newBuffer(f, 4096)
 	register(f, e, local)
 	peer := newHostilePeer(f)
@@ -209,9 +205,7 @@ func FuzzHelloReply(f *testing.F) {
 		<-done
 		if seg > 0 {
 			st := transfer(t, e, transport.Request{Op: transport.Read, Local: local.addr(), Segment: transport.SegmentID(seg), Remote: uint64(local.addr()), Length: 64})
-			if st[0].State != transport.Failed && st[0].State != transport.Completed {
-				t.Fatalf("a read from a fuzzed segment ended %+v", st[0])
-			}
+			require.Contains(t, []transport.State{transport.Failed, transport.Completed}, st[0].State, "a read from a fuzzed segment ended %+v", st[0])
 		}
 	})
 }
@@ -226,9 +220,7 @@ type hostilePeer struct {
 
 func newHostilePeer(tb testing.TB) *hostilePeer {
 	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
-	if err != nil {
-		tb.Fatal(err)
-	}
+	require.NoError(tb, err)
 	tb.Cleanup(func() { ln.Close() })
 	return &hostilePeer{ln: ln, addr: ln.Addr().String()}
 }
@@ -266,9 +258,7 @@ func (p *hostilePeer) answer(data []byte, echoTag bool) <-chan struct{} {
 // huge allocation or an unrecovered panic there would take llama.cpp down.
 func FuzzInspectELF(f *testing.F) {
 	lib, err := os.ReadFile(mockLib)
-	if err != nil {
-		f.Fatal(err)
-	}
+	require.NoError(f, err)
 	f.Add(lib)
 	f.Add(lib[:64])
 	f.Add(lib[:len(lib)/2])
@@ -276,8 +266,7 @@ func FuzzInspectELF(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		a, errA := inspectELF(bytes.NewReader(data))
 		b, errB := inspectELF(bytes.NewReader(data))
-		if (errA == nil) != (errB == nil) || a.goRuntime != b.goRuntime || len(a.needed) != len(b.needed) {
-			t.Fatalf("two inspections disagree: %+v %v / %+v %v", a, errA, b, errB)
-		}
+		agree := (errA == nil) == (errB == nil) && a.goRuntime == b.goRuntime && len(a.needed) == len(b.needed)
+		require.True(t, agree, "two inspections disagree: %+v %v / %+v %v", a, errA, b, errB)
 	})
 }

@@ -23,14 +23,11 @@ import (
 func cc(t *testing.T, dir, name, src string, flags ...string) string {
 	t.Helper()
 	c := filepath.Join(dir, name+".c")
-	if err := os.WriteFile(c, []byte(src), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, os.WriteFile(c, []byte(src), 0o644))
 	out := filepath.Join(dir, name+".so")
 	args := append([]string{"-shared", "-fPIC", "-o", out, c}, flags...)
-	if msg, err := exec.Command("cc", args...).CombinedOutput(); err != nil {
-		t.Fatalf("cc %s: %v\n%s", name, err, msg)
-	}
+	msg, err := exec.Command("cc", args...).CombinedOutput()
+	require.NoError(t, err, "cc %s\n%s", name, msg)
 	return out
 }
 
@@ -52,9 +49,10 @@ func TestLoadRefusesSecondGoRuntime(t *testing.T) {
 		{"needs a Go library", transitive, "needed by"},
 	} {
 		_, err := Load(c.path)
-		if status.Of(err) != status.Unsupported || !strings.Contains(err.Error(), c.says) || !strings.Contains(err.Error(), "Go") {
-			t.Errorf("%s: %v; want an Unsupported error naming %q", c.name, err, c.says)
-		}
+		why := []any{"%s: %v; want an Unsupported error naming %q", c.name, err, c.says}
+		assert.Equal(t, status.Unsupported, status.Of(err), why...)
+		assert.ErrorContains(t, err, c.says, why...)
+		assert.ErrorContains(t, err, "Go", why...)
 	}
 }
 
@@ -66,39 +64,32 @@ func TestLoadRefusesGoCShared(t *testing.T) {
 	}
 	dir := t.TempDir()
 	src := "package main\n\nimport \"C\"\n\n//export EtcdStoreWrapper\nfunc EtcdStoreWrapper() C.int { return 0 }\n\nfunc main() {}\n"
-	if err := os.WriteFile(filepath.Join(dir, "main.go"), []byte(src), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(dir, "go.mod"), []byte("module wrapper\n\ngo 1.26\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "main.go"), []byte(src), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "go.mod"), []byte("module wrapper\n\ngo 1.26\n"), 0o644))
 	lib := filepath.Join(dir, "libgo_wrapper.so")
 	build := exec.Command("go", "build", "-buildmode=c-shared", "-o", lib, ".")
 	build.Dir = dir
-	if msg, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, msg)
-	}
+	msg, err := build.CombinedOutput()
+	require.NoError(t, err, "go build\n%s", msg)
 	paths := []string{lib}
 	if strip, err := exec.LookPath("strip"); err == nil {
 		stripped := filepath.Join(dir, "libgo_stripped.so")
-		if msg, err := exec.Command(strip, "--strip-all", "-o", stripped, lib).CombinedOutput(); err != nil {
-			t.Fatalf("strip: %v\n%s", err, msg)
-		}
+		msg, err := exec.Command(strip, "--strip-all", "-o", stripped, lib).CombinedOutput()
+		require.NoError(t, err, "strip\n%s", msg)
 		paths = append(paths, stripped)
 	}
 	for _, p := range paths {
-		if _, err := Load(p); status.Of(err) != status.Unsupported || !strings.Contains(err.Error(), "second Go runtime") {
-			t.Errorf("%s: %v; want it refused", filepath.Base(p), err)
-		}
+		_, err := Load(p)
+		why := []any{"%s: %v; want it refused", filepath.Base(p), err}
+		assert.Equal(t, status.Unsupported, status.Of(err), why...)
+		assert.ErrorContains(t, err, "second Go runtime", why...)
 	}
 }
 
 func TestLoadErrors(t *testing.T) {
 	dir := t.TempDir()
 	notELF := filepath.Join(dir, "notelf.so")
-	if err := os.WriteFile(notELF, []byte("just text"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, os.WriteFile(notELF, []byte("just text"), 0o644))
 	partial := cc(t, dir, "libpartial", "int createTransferEngine(void) { return 0; }\nint openSegment(void) { return 0; }\n")
 	t.Setenv(EnvLibrary, "")
 	for _, c := range []struct {
@@ -112,60 +103,48 @@ func TestLoadErrors(t *testing.T) {
 		{"missing symbols", partial, status.Unsupported, "missing destroyTransferEngine"},
 	} {
 		_, err := Load(c.path)
-		if status.Of(err) != c.code || !strings.Contains(err.Error(), c.says) {
-			t.Errorf("%s: %v; want code %v saying %q", c.name, err, c.code, c.says)
-		}
+		why := []any{"%s: %v; want code %v saying %q", c.name, err, c.code, c.says}
+		assert.Equal(t, c.code, status.Of(err), why...)
+		assert.ErrorContains(t, err, c.says, why...)
 	}
-	if strings.Contains(func() string { _, err := Load(partial); return err.Error() }(), "openSegment") {
-		t.Errorf("a symbol the library has is reported missing")
-	}
+	_, err := Load(partial)
+	require.Error(t, err, "missing symbols")
+	assert.NotContains(t, err.Error(), "openSegment", "a symbol the library has is reported missing")
 }
 
 func TestLoadOncePerFile(t *testing.T) {
 	lib, err := Load(mockLib)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	link := filepath.Join(t.TempDir(), "libte_link.so")
-	if err := os.Symlink(mockLib, link); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, os.Symlink(mockLib, link))
 	t.Setenv(EnvLibrary, link)
 	for _, p := range []string{link, ""} {
 		again, err := Load(p)
-		if err != nil || again != lib {
-			t.Fatalf("Load(%q) = %p, %v; want the library already loaded (%p)", p, again, err, lib)
-		}
+		why := []any{"Load(%q) = %p, %v; want the library already loaded (%p)", p, again, err, lib}
+		require.NoError(t, err, why...)
+		require.Same(t, lib, again, why...)
 	}
 	for _, name := range []string{"createTransferEngine", "getLocalIpAndPort", "mock_te_set_fault"} {
-		if !lib.Has(name) {
-			t.Errorf("the mock lacks %s", name)
-		}
+		assert.True(t, lib.Has(name), "the mock lacks %s", name)
 	}
-	if lib.Has("enableGracefulShutdown") {
-		t.Errorf("the binding resolves enableGracefulShutdown, which it must never call")
-	}
+	assert.False(t, lib.Has("enableGracefulShutdown"), "the binding resolves enableGracefulShutdown, which it must never call")
 }
 
 // TestMockExportsHeader checks that the mock exports every function that
 // mooncake-capi/include/transfer_engine_c.h declares.
 func TestMockExportsHeader(t *testing.T) {
 	header, err := os.ReadFile("../../../mooncake-capi/include/transfer_engine_c.h")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	lib, err := Load(mockLib)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	decl := regexp.MustCompile(`(?m)^[a-z_]+[ *]+([A-Za-z]+)\(`)
 	names := decl.FindAllSubmatch(header, -1)
-	if len(names) < 20 {
-		t.Fatalf("found only %d declarations in the header", len(names))
-	}
+	require.GreaterOrEqual(t, len(names), 20, "found only %d declarations in the header", len(names))
 	for _, m := range names {
-		if sym, err := purego.Dlsym(lib.handle, string(m[1])); err != nil || sym == 0 {
-			t.Errorf("the mock does not export %s", m[1])
+		sym, err := purego.Dlsym(lib.handle, string(m[1]))
+		why := []any{"the mock does not export %s", m[1]}
+		if assert.NoError(t, err, why...) {
+			assert.NotZero(t, sym, why...)
 		}
 	}
 }
@@ -181,30 +160,26 @@ func TestOpenRefusesMetadata(t *testing.T) {
 		{"http://h:8080/metadata", "libcurl"},
 	} {
 		_, err := Open(Config{Library: mockLib, Metadata: c.meta})
-		if status.Of(err) != status.Config || !strings.Contains(err.Error(), c.says) {
-			t.Errorf("metadata %q: %v; want a Config error saying %q", c.meta, err, c.says)
-		}
+		why := []any{"metadata %q: %v; want a Config error saying %q", c.meta, err, c.says}
+		assert.Equal(t, status.Config, status.Of(err), why...)
+		assert.ErrorContains(t, err, c.says, why...)
 	}
-	if _, err := Open(Config{Library: mockLib, Protocol: "carrier-pigeon"}); status.Of(err) != status.Config {
-		t.Errorf("unknown protocol: %v", err)
-	}
+	_, err := Open(Config{Library: mockLib, Protocol: "carrier-pigeon"})
+	assert.Equal(t, status.Config, status.Of(err), "unknown protocol: %v", err)
 }
 
 // TestMockRefusesUnknownMetadata checks the mock's own answer below the
 // binding: where the real engine aborts, the mock returns NULL.
 func TestMockRefusesUnknownMetadata(t *testing.T) {
 	lib, err := Load(mockLib)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	for _, meta := range []string{"zookeeper://h", "etcd://127.0.0.1:2379", ""} {
 		m, _ := cString(meta)
 		local, _ := cString("127.0.0.1")
 		h, _ := lib.call("createTransferEngine", lib.sym.createTransferEngine, plain,
 			uintptr(unsafe.Pointer(&m[0])), uintptr(unsafe.Pointer(&local[0])), uintptr(unsafe.Pointer(&local[0])), 0, 0)
-		if h != 0 {
+		if !assert.Zero(t, h, "metadata %q: the mock created an engine", meta) {
 			_, _ = lib.call("destroyTransferEngine", lib.sym.destroyTransferEngine, plain, h)
-			t.Errorf("metadata %q: the mock created an engine", meta)
 		}
 	}
 }
@@ -242,9 +217,10 @@ func TestCodeError(t *testing.T) {
 		{statusCode, 999, status.Unsupported, "not implemented"},
 	} {
 		err := codeError("op", c.conv, c.raw)
-		if status.Of(err) != c.want || !strings.Contains(err.Error(), c.says) || !strings.HasPrefix(err.Error(), c.want.String()+": op") {
-			t.Errorf("code %d: %v; want %v saying %q", c.raw, err, c.want, c.says)
-		}
+		why := []any{"code %d: %v; want %v saying %q", c.raw, err, c.want, c.says}
+		assert.Equal(t, c.want, status.Of(err), why...)
+		assert.ErrorContains(t, err, c.says, why...)
+		assert.True(t, err != nil && strings.HasPrefix(err.Error(), c.want.String()+": op"), why...)
 	}
 }
 
@@ -254,9 +230,9 @@ func TestMockEnvironment(t *testing.T) {
 	for _, bad := range [][2]string{{"MOCK_TE_PATH", "carrier"}, {"MOCK_TE_WORKERS", "0"}, {"MOCK_TE_DELAY_US", "12x"}} {
 		t.Run(bad[0], func(t *testing.T) {
 			t.Setenv(bad[0], bad[1])
-			if e, err := Open(Config{Library: mockLib}); err == nil {
+			e, err := Open(Config{Library: mockLib})
+			if !assert.Error(t, err, "%s=%s accepted", bad[0], bad[1]) {
 				e.Close()
-				t.Fatalf("%s=%s accepted", bad[0], bad[1])
 			}
 		})
 	}
@@ -265,12 +241,12 @@ func TestMockEnvironment(t *testing.T) {
 	p := newPair(t, mockLib, 4096)
 	st := transfer(t, p.a, read(p.seg, p.local, p.peer))
 	stats, err := p.a.MockStats()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if st[0].State != transport.Completed || countMismatches(p.local, 1) != 1 || stats.TCPBytes != 4096 || stats.VMBytes != 0 {
-		t.Fatalf("with MOCK_TE_PATH=tcp MOCK_TE_CORRUPT=1: %+v, %d bytes differ, stats %+v", st[0], countMismatches(p.local, 1), stats)
-	}
+	require.NoError(t, err)
+	why := []any{"with MOCK_TE_PATH=tcp MOCK_TE_CORRUPT=1: %+v, %d bytes differ, stats %+v", st[0], countMismatches(p.local, 1), stats}
+	assert.Equal(t, transport.Completed, st[0].State, why...)
+	assert.Equal(t, 1, countMismatches(p.local, 1), why...)
+	assert.EqualValues(t, 4096, stats.TCPBytes, why...)
+	assert.Zero(t, stats.VMBytes, why...)
 }
 
 // TestOpenProtocols: without an RDMA NIC installTransport("rdma") fails,

@@ -16,6 +16,7 @@ import (
 	"unsafe"
 
 	"github.com/ebitengine/purego"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -150,22 +151,14 @@ func openEngine(t testing.TB, lib string) *Engine {
 	t.Helper()
 	e, err := Open(Config{Library: lib})
 	require.NoError(t, err, "open engine on %s", lib)
-	t.Cleanup(func() {
-		if err := e.Close(); err != nil {
-			t.Errorf("close engine: %v", err)
-		}
-	})
+	t.Cleanup(func() { assert.NoError(t, e.Close(), "close engine") })
 	return e
 }
 
 func register(t testing.TB, e *Engine, b buffer) {
 	t.Helper()
 	require.NoError(t, e.RegisterMemory(b.addr(), uint64(len(b)), "cpu:0", true), "register %d bytes", len(b))
-	t.Cleanup(func() {
-		if err := e.UnregisterMemory(b.addr()); err != nil {
-			t.Errorf("unregister: %v", err)
-		}
-	})
+	t.Cleanup(func() { assert.NoError(t, e.UnregisterMemory(b.addr()), "unregister") })
 }
 
 func allocate(t testing.TB, e *Engine, capacity int) *Batch {
@@ -175,8 +168,8 @@ func allocate(t testing.TB, e *Engine, capacity int) *Batch {
 	b := tb.(*Batch)
 	t.Cleanup(func() {
 		transport.WaitIdle(b, transport.DefaultBackoff)
-		if err := b.Free(); err != nil && status.Of(err) != status.State {
-			t.Errorf("free batch: %v", err)
+		if err := b.Free(); status.Of(err) != status.State {
+			assert.NoError(t, err, "free batch")
 		}
 	})
 	return b
