@@ -38,15 +38,15 @@ func run(t *testing.T, args ...string) {
 
 func makeHosts(t *testing.T) *hosts {
 	if os.Geteuid() != 0 {
-		t.Skip("multi-host test: needs root to create network namespaces")
+		require.FailNow(t, "multi-host test: needs root to create network namespaces (make test runs as root in CI)")
 	}
 	if _, err := exec.LookPath("ip"); err != nil {
-		t.Skip("multi-host test: no ip command (Debian package iproute2)")
+		require.FailNow(t, "multi-host test: no ip command (Debian package iproute2; scripts/bootstrap.sh installs it)")
 	}
 	tag := strconv.Itoa(os.Getpid() % 100000)
 	h := &hosts{a: "mcb" + tag + "a", b: "mcb" + tag + "b", ipA: "10.213.7.1", ipB: "10.213.7.2", vethA: "mcb" + tag + "va"}
 	if out, err := exec.Command("ip", "netns", "add", h.a).CombinedOutput(); err != nil {
-		t.Skipf("multi-host test: this machine does not allow network namespaces: %v %s", err, out)
+		require.FailNowf(t, "multi-host test: this machine does not allow network namespaces", "%v %s", err, out)
 	}
 	t.Cleanup(func() {
 		_ = exec.Command("ip", "netns", "del", h.a).Run()
@@ -75,7 +75,7 @@ func makeHosts(t *testing.T) *hosts {
 func (h *hosts) startEtcd(t *testing.T) {
 	bin := etcdtest.Binary()
 	if bin == "" {
-		t.Skip("multi-host test: no etcd server binary (Debian package etcd-server)")
+		require.FailNow(t, "multi-host test: no etcd server binary (Debian package etcd-server; scripts/bootstrap.sh installs it)")
 	}
 	dir := t.TempDir()
 	h.etcdClient = "http://" + h.ipB + ":2379"
