@@ -16,7 +16,9 @@ import (
 )
 
 // Load restores a prompt's leading blocks into a host's KV tensors, layer
-// by layer. One goroutine drives a Load at a time.
+// by layer. A worker goroutine of its own waits for each layer's transfers,
+// verifies and places it, so the host's thread only waits for layers it
+// needs while later layers arrive. One goroutine drives a Load at a time.
 type Load struct {
 	m      *Model
 	layout kvlayout.Layout
@@ -25,14 +27,18 @@ type Load struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
-	mu        sync.Mutex
-	batch     transport.Batch
-	remote    int      // blocks read through the transport
-	staging   []extent // pool memory the transport writes into
-	nextLayer int      // layers below it are placed for blocks [0, ok)
-	ok        int      // leading blocks still good
-	err       error    // why block ok failed
-	ended     bool
+	batch   transport.Batch
+	remote  int      // blocks read through the transport
+	staging []extent // pool memory the transport writes into
+
+	// The worker owns blocks and writes ok and err under mu until placed
+	// reaches the layer count; the host reads them under mu.
+	mu     sync.Mutex
+	placed sync.Cond // signalled as layers reaches each layer
+	layers int       // layers below it are placed for blocks [0, ok)
+	ok     int       // leading blocks still good
+	err    error     // why block ok failed
+	ended  bool
 }
 
 type loadBlock struct {
@@ -110,13 +116,34 @@ func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, l
 		parent = e.Key
 	}
 	ld.ok = len(ld.blocks)
+	ld.placed.L = &ld.mu
 	ld.pinLocal()
 	if err := ld.submitRemote(); err != nil {
 		ld.release()
 		b.end()
 		return nil, err
 	}
+	go ld.run()
 	return ld, nil
+}
+
+// run is the load's worker: every layer in order, then done. It is bounded
+// by the load's deadline, which every wait for a transfer honours.
+func (ld *Load) run() {
+	for l := 0; l < ld.m.geo.Layers(); l++ {
+		ld.layer(l)
+		ld.mu.Lock()
+		ld.layers = l + 1
+		ld.placed.Broadcast()
+		ld.mu.Unlock()
+	}
+}
+
+// failPlacing is fail for the worker, which shares ok and err with the host.
+func (ld *Load) failPlacing(i int, err error) {
+	ld.mu.Lock()
+	ld.fail(i, err)
+	ld.mu.Unlock()
 }
 
 // pinLocal points local blocks at their pool memory and pins them so that
@@ -243,13 +270,14 @@ func (ld *Load) WaitLayer(il int) (int, error) {
 	if il < 0 || il >= ld.m.geo.Layers() {
 		return 0, status.Errorf(status.InvalidArg, "layer %d of %d", il, ld.m.geo.Layers())
 	}
-	for ; ld.nextLayer <= il; ld.nextLayer++ {
-		ld.layer(ld.nextLayer)
+	for ld.layers <= il {
+		ld.placed.Wait()
 	}
 	return ld.ok * ld.m.geo.BlockTokens, nil
 }
 
-// layer verifies and places layer l of every block still good.
+// layer verifies and places layer l of every block still good; the
+// worker runs it, reading ok without the lock as only it writes ok.
 func (ld *Load) layer(l int) {
 	g := &ld.m.geo
 	// One wait covers the layer's requests of every remote block: they are
@@ -271,7 +299,7 @@ func (ld *Load) layer(l int) {
 				if waitErr != nil {
 					err = status.Wrap(status.Of(waitErr), waitErr, fmt.Sprintf("block %s layer %d", lb.entry.Key, l))
 				}
-				ld.fail(i, err)
+				ld.failPlacing(i, err)
 				ld.m.b.peerFailed(lb.entry.Loc.Segment, err)
 				break
 			}
@@ -279,7 +307,7 @@ func (ld *Load) layer(l int) {
 		if l == 0 {
 			h, err := pool.VerifyHeader(lb.src[:g.HeaderSize()], g, &lb.expect)
 			if err != nil {
-				ld.fail(i, err)
+				ld.failPlacing(i, err)
 				break
 			}
 			lb.header = h
@@ -290,7 +318,7 @@ func (ld *Load) layer(l int) {
 		off := g.LayerOffset(l)
 		payload := lb.src[off : off+g.LayerSize(l)]
 		if ld.layout.PlaceSum(&ld.m.shape, l, payload, lb.runs) != lb.header.LayerSums[l] {
-			ld.fail(i, status.Errorf(status.Corrupt, "block %s layer %d: checksum mismatch", lb.entry.Key, l))
+			ld.failPlacing(i, status.Errorf(status.Corrupt, "block %s layer %d: checksum mismatch", lb.entry.Key, l))
 			break
 		}
 	}
@@ -305,8 +333,8 @@ func (ld *Load) End() (LoadResult, error) {
 	if ld.ended {
 		return LoadResult{}, status.Errorf(status.State, "load ended twice")
 	}
-	for ; ld.nextLayer < ld.m.geo.Layers(); ld.nextLayer++ {
-		ld.layer(ld.nextLayer)
+	for ld.layers < ld.m.geo.Layers() {
+		ld.placed.Wait()
 	}
 	ld.recheck()
 	ld.release()
