@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# e2e.sh: the end-to-end llama-server benchmark (TTFT with and without mcbridge at
-# shared prefixes of 1k, 4k and 8k tokens, and decode tokens/s at 0% hits, measured in
-# the same run on the bench model). It lives with the server scripts it shares helpers
-# with; this entry point sits beside the other benchmarks, and its JSON
-# (bench/out/e2e.json) is what `make bench-report` renders.
-exec "$(dirname "${BASH_SOURCE[0]}")/../scripts/server/bench.sh" "$@"
+# e2e.sh: the end-to-end benchmark alone (bench/e2e BenchmarkTTFT: stock, slot-file
+# restore, own-slot, cross-process over the mock and the real Transfer Engine, the
+# proxy; 0%-hit overhead), writing bench/out/e2e.json. `make bench-report` runs it
+# with every other benchmark and renders the report; this is for rerunning just it.
+# Needs the builds `make deps` makes (build/e2e.env).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=/dev/null
+. build/e2e.env
+exec go test -run '^$' -bench 'TTFT' -benchtime 1x -timeout 60m ./bench/e2e/ "$@"

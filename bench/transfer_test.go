@@ -3,7 +3,6 @@ package bench
 import (
 	"fmt"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -44,26 +43,6 @@ func BenchmarkRestore(b *testing.B) {
 				}
 			})
 		}
-	}
-}
-
-// BenchmarkRestoreSlot restores 4096 tokens of the bench model (48 MiB),
-// the restore that llama-server's slot restore does in 12.6 ms here
-// (docs/design.md §15); x_slot_restore is how many times faster the bridge's
-// side of it is. The host's share (state_read's bookkeeping) is not in it.
-func BenchmarkRestoreSlot(b *testing.B) {
-	const slotRestore = 12600 * time.Microsecond
-	for _, l := range []link{linkLocal, linkUnshaped} {
-		b.Run("link="+l.name, func(b *testing.B) {
-			r := newRestoreRig(b, geoBench, 4096/blockTokens, l)
-			require.NoError(b, r.restore())
-			b.SetBytes(r.payload)
-			b.ResetTimer()
-			for range b.N {
-				require.NoError(b, r.restore())
-			}
-			b.ReportMetric(float64(slotRestore)*float64(b.N)/float64(b.Elapsed()), "x_slot_restore")
-		})
 	}
 }
 

@@ -37,6 +37,8 @@ type Timings struct {
 	PromptN   int     `json:"prompt_n"`
 	PromptMS  float64 `json:"prompt_ms"`
 	Predicted int     `json:"predicted_n"`
+	// PredictedPerSecond is the server's decode rate.
+	PredictedPerSecond float64 `json:"predicted_per_second"`
 
 	Decision      string  `json:"mcb_decision"`
 	Reason        string  `json:"mcb_reason"`
@@ -46,6 +48,7 @@ type Timings struct {
 	RestoreMS     float64 `json:"mcb_restore_ms"`
 	LookupMS      float64 `json:"mcb_lookup_ms"`
 	SavedBlocks   int     `json:"mcb_saved_blocks"`
+	SaveMS        float64 `json:"mcb_save_ms"`
 	Error         string  `json:"mcb_error"`
 }
 
@@ -66,7 +69,8 @@ type Request struct {
 	Extra    map[string]any
 }
 
-func (r Request) body() map[string]any {
+// Body is the JSON object a completion request posts.
+func (r Request) Body() map[string]any {
 	b := map[string]any{"prompt": r.Prompt, "n_predict": r.NPredict, "temperature": 0, "seed": 42,
 		"return_tokens": true, "cache_prompt": true, "id_slot": r.Slot}
 	for k, v := range r.Extra {
@@ -79,7 +83,7 @@ func (r Request) body() map[string]any {
 func Complete(tb testing.TB, url string, r Request) Completion {
 	tb.Helper()
 	var c Completion
-	Post(tb, url+"/completion", r.body(), &c)
+	Post(tb, url+"/completion", r.Body(), &c)
 	return c
 }
 

@@ -18,7 +18,7 @@ import (
 // top-level object as a table of its (flattened) fields, each top-level
 // array of objects as a table with a row per element. A top-level boolean
 // named NAME_met becomes a row of the targets table, with the top-level
-// object NAME, if any, as its target.
+// value NAME, if any, as its target and NAME_measured as what was measured.
 
 // jsonValue is a decoded JSON value that keeps its objects' key order, so
 // tables come out in the order the benchmark wrote them.
@@ -264,11 +264,14 @@ func e2eTargets(v jsonValue) [][4]string {
 		if !ok || !isBool || v.fields[i].kind != 's' {
 			continue
 		}
-		target := ""
+		target, measured := "", "see the end-to-end section"
 		if t, ok := v.field(name); ok {
 			target = t.text()
 		}
-		out = append(out, [4]string{"end-to-end: " + name, target, "see the end-to-end section", judge(met)})
+		if m, ok := v.field(name + "_measured"); ok {
+			measured = m.text()
+		}
+		out = append(out, [4]string{"end-to-end: " + strings.ReplaceAll(name, "_", " "), target, measured, judge(met)})
 	}
 	return out
 }

@@ -150,11 +150,11 @@ func (r *report) writeTargets(m *md) {
 	}
 	if x, at, ok := minX("unshaped"); ok {
 		local, atLocal, _ := minX("local")
-		add("restore throughput, mock RDMA, >= 1 MiB blocks", ">= 0.8 x memcpy",
-			fmt.Sprintf("%s x at worst (%s blocks, from a peer over unshaped Loopback); %s x from the own pool (%s)", num(x, 2), at, num(local, 2), atLocal),
-			judge(x >= 0.8))
+		add("restore throughput in one process, >= 1 MiB blocks", ">= 0.8 x memcpy from a peer, >= 0.9 x from the own pool",
+			fmt.Sprintf("%s x at worst (%s blocks, from a peer's pool over unshaped Loopback); %s x from the own pool (%s)", num(x, 2), at, num(local, 2), atLocal),
+			judge(x >= 0.8 && local >= 0.9))
 	} else {
-		add("restore throughput, mock RDMA, >= 1 MiB blocks", ">= 0.8 x memcpy", "", notMeasured)
+		add("restore throughput in one process, >= 1 MiB blocks", ">= 0.8 x memcpy from a peer, >= 0.9 x from the own pool", "", notMeasured)
 	}
 
 	stallWhat, stallTarget := "layer-wise load stall", "<= one layer's transfer time"
@@ -218,14 +218,16 @@ func (r *report) writeTargets(m *md) {
 			fmt.Sprintf("0 wrong rows in %d restored tokens, every row checked (no faults injected here; fault tests live in bridge/orchestrator)", restored),
 			"met without faults")
 	} else {
-		add("trace replay hit ratio, unbounded pool", ">= 99% of the ideal prefix ceiling", "trace not found: "+r.TraceErr, notMeasured)
+		add("trace replay hit ratio, unbounded pool", ">= 99% of the ideal prefix ceiling", "not run", notMeasured)
 	}
 
-	if b, ok := r.bench("RestoreSlot/link=local"); ok {
-		x := b.Metrics["x_slot_restore"]
-		add("against llama-server's slot restore (12.6 ms for 4096 tokens)", "restore step >= 3x faster",
-			fmt.Sprintf("the bridge's side alone takes %s ms from its own pool, %s x slot restore's speed; the llama-server side is in the end-to-end results", num(b.Metrics["ns/op"]/1e6, 2), num(x, 2)),
-			judge(x >= 3))
+	if b, ok := r.bench("EtcdStopped"); ok {
+		miss, hit := b.Metrics["miss-stopped/running"], b.Metrics["hit-stopped/running"]
+		worst := math.Max(math.Abs(miss-1), math.Abs(hit-1))
+		add("etcd stopped (SIGSTOP), patched llama-server", "TTFT within 5% of etcd running",
+			fmt.Sprintf("misses %s x, hits %s x of etcd running (medians of interleaved rounds)", num(miss, 3), num(hit, 3)), judge(worst <= 0.05))
+	} else {
+		add("etcd stopped (SIGSTOP), patched llama-server", "TTFT within 5% of etcd running", "BenchmarkEtcdStopped did not run", notMeasured)
 	}
 
 	var e2eRows [][4]string
@@ -238,8 +240,8 @@ func (r *report) writeTargets(m *md) {
 		add(t[0], t[1], t[2], t[3])
 	}
 	if len(e2eRows) == 0 {
-		for _, t := range []string{"end-to-end, llama-server, shared prefix", "restore close to the limit, llama-server"} {
-			add(t, "see docs/design.md §15", "end-to-end benchmark not run or not judged", notMeasured)
+		for _, t := range []string{"restore step", "end-to-end TTFT cut", "restore limit", "restore throughput across processes", "0% hit overhead, llama-server"} {
+			add("end-to-end: "+t, "see docs/design.md §15", "BenchmarkTTFT did not run: "+r.E2EErr, notMeasured)
 		}
 	}
 	m.table([]string{"what", "target", "measured", "verdict"}, rows)
@@ -271,10 +273,10 @@ func (r *report) writeLookup(m *md) {
 
 func (r *report) writeIndex(m *md) {
 	m.p("## Radix index\n")
-	m.p("`bridge/index`'s own benchmarks: insert 64-block chains, match a 512-block chain, evict 64 blocks, at 1e3 to 1e6 blocks.\n")
+	m.p("`internal/residency`'s own benchmarks (the pool's radix tree): insert 64-block chains, match a 512-block chain, evict 64 blocks, at 1e3 to 1e6 blocks.\n")
 	var rows [][]string
 	for _, b := range r.Bench {
-		if !strings.HasSuffix(b.Pkg, "bridge/index") {
+		if !strings.HasSuffix(b.Pkg, "internal/residency") {
 			continue
 		}
 		pol := b.Param("policy")
@@ -333,12 +335,42 @@ func (r *report) writeThroughput(m *md) {
 	}
 	m.table([]string{"block", "GB/s", "x memcpy"}, rows)
 
-	m.p("`BenchmarkRestoreSlot`: 4096 tokens of the bench model (48 MiB), which llama-server's slot restore takes 12.6 ms for on this machine (docs/design.md §15).\n")
-	rows = nil
-	for _, b := range r.family("RestoreSlot") {
-		rows = append(rows, []string{b.Param("link"), num(b.Metrics["ns/op"]/1e6, 2), num(b.Metrics["MB/s"]/1e3, 2), num(b.Metrics["x_slot_restore"], 2)})
+	r.writePeerRead(m)
+}
+
+// writePeerRead is the Transfer Engine's own side of a restore from
+// another process: the real library over TCP, the mock's paths, memcpy.
+func (r *report) writePeerRead(m *md) {
+	m.p("`BenchmarkPeerRead` (internal/transport/mooncake): 48 MiB read from a peer *process* into registered memory, cut into requests as the bridge cuts a restore (`prefix48MiB`: 16 blocks of 3 MiB, one request per block and layer) or in 1 and 16 MiB requests, through the real Transfer Engine's TCP transport over loopback, the mock's same-host path (`process_vm_readv`) and TCP path, and a memcpy of the same requests in one process; `x memcpy` is against that memcpy, same run. No verification or placement: the engine alone.\n")
+	ways, shapes := []string{}, []string{}
+	cell := map[[2]string]benchResult{}
+	for _, b := range r.family("PeerRead") {
+		w, sh := b.Param("way"), b.Param("shape")
+		if !contains(ways, w) {
+			ways = append(ways, w)
+		}
+		if !contains(shapes, sh) {
+			shapes = append(shapes, sh)
+		}
+		cell[[2]string{w, sh}] = b
 	}
-	m.table([]string{"source", "ms", "GB/s", "x faster than slot restore"}, rows)
+	var rows [][]string
+	for _, sh := range shapes {
+		row := []string{sh}
+		for _, w := range ways {
+			b, ok := cell[[2]string{w, sh}]
+			switch {
+			case !ok:
+				row = append(row, "")
+			case w == "memcpy":
+				row = append(row, num(b.Metrics["MB/s"]/1e3, 2)+" GB/s")
+			default:
+				row = append(row, fmt.Sprintf("%s GB/s, %s x memcpy", num(b.Metrics["MB/s"]/1e3, 2), num(b.Metrics["x_memcpy"], 2)))
+			}
+		}
+		rows = append(rows, row)
+	}
+	m.table(append([]string{"shape"}, ways...), rows)
 }
 
 func contains(ss []string, s string) bool {
@@ -377,7 +409,7 @@ func (r *report) writeReplay(m *md) {
 	m.p("## Trace replay\n")
 	rp := r.Replay
 	if rp == nil {
-		m.p("Not run: %s\n", r.TraceErr)
+		m.p("Not run.\n")
 		return
 	}
 	m.p("`mcbridge replay` of `%s`: %d requests, %d input tokens, %d distinct blocks of %d tokens, over %d simulated servers (request i on server i mod %d) sharing a memory directory, each with its own pool and arbiter, over the Loopback transport. Keys, mirror matching, pool allocation and eviction, loads (verification included) and saves are the real code; the KV moved is a tiny stand-in geometry and every restored row is checked. Times are modelled from the preset (see `bench/replay`'s package documentation): TTFT = restore (own pool at the preset's local bandwidth, peers over the link) + the preset's prefill of the rest. Default link %g GB/s + %g µs.\n",

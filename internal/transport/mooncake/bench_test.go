@@ -45,7 +45,7 @@ func (s restoreShape) requests(local uintptr, seg transport.SegmentID, remote ui
 	return reqs
 }
 
-// BenchmarkRestore reads 48 MiB from a peer PROCESS into local registered
+// BenchmarkPeerRead reads 48 MiB from a peer PROCESS into local registered
 // memory, in each shape, through the real engine's TCP transport over
 // loopback, the mock's same-host path (process_vm_readv), the mock's TCP
 // path, and as a memcpy of the same requests within this process; all in
@@ -60,14 +60,14 @@ func (s restoreShape) requests(local uintptr, seg transport.SegmentID, remote ui
 // run-to-run noise (1.2-2.8 GB/s for all three), and 1 or 2 lanes were
 // slower (0.86-0.89 GB/s for the prefix), 8 no faster. Set them around
 // `go test` to try others; both sides read them once per process.
-func BenchmarkRestore(b *testing.B) {
+func BenchmarkPeerRead(b *testing.B) {
 	memcpyNs := map[string]float64{}
-	b.Run("memcpy", func(b *testing.B) {
+	b.Run("way=memcpy", func(b *testing.B) {
 		src, dst := newBuffer(b, restoreBytes), newBuffer(b, restoreBytes)
 		src.fill(childSeed)
 		dst.fill(0) // page faults out of the timed loop
 		for _, s := range restoreShapes {
-			b.Run(s.name, func(b *testing.B) {
+			b.Run("shape="+s.name, func(b *testing.B) {
 				reqs := s.requests(dst.addr(), 0, uint64(src.addr()))
 				b.SetBytes(restoreBytes)
 				start := time.Now()
@@ -91,7 +91,7 @@ func BenchmarkRestore(b *testing.B) {
 		{"mock-tcp", func(testing.TB) string { return mockLib }, PathTCP},
 		{"real-tcp", realLib, PathAuto},
 	} {
-		b.Run(way.name, func(b *testing.B) {
+		b.Run("way="+way.name, func(b *testing.B) {
 			lib := way.lib(b)
 			c := startChild(b, lib, restoreBytes)
 			e := openEngine(b, lib)
@@ -103,7 +103,7 @@ func BenchmarkRestore(b *testing.B) {
 			seg, err := e.OpenSegment(c.segment)
 			require.NoError(b, err)
 			for _, s := range restoreShapes {
-				b.Run(s.name, func(b *testing.B) {
+				b.Run("shape="+s.name, func(b *testing.B) {
 					reqs := s.requests(local.addr(), seg, c.addr)
 					restore := func() {
 						tb, err := e.AllocateBatch(len(reqs))
