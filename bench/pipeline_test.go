@@ -67,11 +67,11 @@ func stallLinks() []float64 {
 	if quick() {
 		return []float64{10}
 	}
-	return []float64{1, 10}
+	return []float64{1, 10, 25, 50}
 }
 
-// BenchmarkLayerStall restores the bench model's 4096 tokens over a 1 or
-// 10 GB/s link while the compute side computes each layer for a fixed
+// BenchmarkLayerStall restores the bench model's 4096 tokens over a 1, 10,
+// 25 or 50 GB/s link while the compute side computes each layer for a fixed
 // multiple of one layer's transfer time (the layer's bytes at the link's
 // rate). It reports stalls (time in WaitLayer) as multiples of that
 // transfer time, means over the iterations: stall_layers for all layers
@@ -81,9 +81,10 @@ func stallLinks() []float64 {
 // best_first_layers. compute_layers is the busy-wait measured in the same
 // run, and path_layers the time per layer of the same restore with no
 // compute at all: above 1, the restore path itself (copy, verification,
-// placement, all in the thread that waits) is slower than the link. The
-// Loopback engine copies in the polling thread, where a NIC would copy by
-// DMA.
+// placement, in the load's worker) is slower than the link. The Loopback
+// engine copies in the thread that polls it, the load's worker, where a NIC
+// would copy by DMA: on this 2-core machine the worker and the computing
+// host thread each take a core.
 func BenchmarkLayerStall(b *testing.B) {
 	for _, gbps := range stallLinks() {
 		for _, factor := range []float64{0.5, 1, 2} {
