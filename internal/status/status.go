@@ -64,15 +64,22 @@ type Error struct {
 }
 
 func (e *Error) Error() string {
-	switch {
-	case e.Msg != "" && e.Err != nil:
-		return fmt.Sprintf("%s: %s: %v", e.Code, e.Msg, e.Err)
-	case e.Msg != "":
-		return fmt.Sprintf("%s: %s", e.Code, e.Msg)
-	case e.Err != nil:
-		return fmt.Sprintf("%s: %v", e.Code, e.Err)
+	return e.Code.String() + e.detail()
+}
+
+// detail is the message after the code: a wrapped error of the same code
+// says its own without repeating the code.
+func (e *Error) detail() string {
+	var inner string
+	if in, ok := e.Err.(*Error); ok && in.Code == e.Code {
+		inner = in.detail()
+	} else if e.Err != nil {
+		inner = ": " + e.Err.Error()
 	}
-	return e.Code.String()
+	if e.Msg != "" {
+		return ": " + e.Msg + inner
+	}
+	return inner
 }
 
 func (e *Error) Unwrap() error { return e.Err }
