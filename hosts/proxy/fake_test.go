@@ -16,6 +16,8 @@ import (
 
 	"github.com/zeebo/xxh3"
 
+	"github.com/mcbridge/mcbridge/internal/gguf"
+	"github.com/mcbridge/mcbridge/internal/host"
 	"github.com/mcbridge/mcbridge/internal/llamastate"
 )
 
@@ -62,7 +64,7 @@ type fakeSlot struct {
 // the testdata slot file (n streams when streams > 1).
 func newFake(t testing.TB, file string, slots, streams int, seed uint64) *fakeServer {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join("..", "llamastate", "testdata", file))
+	b, err := os.ReadFile(filepath.Join("..", "..", "internal", "llamastate", "testdata", file))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -77,7 +79,10 @@ func newFake(t testing.TB, file string, slots, streams int, seed uint64) *fakeSe
 	f.NStream = streams
 	dir := t.TempDir()
 	model := filepath.Join(dir, "model.gguf")
-	if err := os.WriteFile(model, []byte(fmt.Sprintf("fake gguf, seed %d", seed)), 0o644); err != nil {
+	// A real GGUF: the fingerprint reads its architecture and digests it.
+	cfg := gguf.Presets["tiny"]
+	cfg.Seed = seed
+	if err := gguf.WriteFile(model, cfg); err != nil {
 		t.Fatal(err)
 	}
 	slotDir := filepath.Join(dir, "slots")
@@ -92,6 +97,18 @@ func newFake(t testing.TB, file string, slots, streams int, seed uint64) *fakeSe
 }
 
 func (fs *fakeServer) url() string { return fs.srv.URL }
+
+// kvFormat is the fake's KV cache: the rows of a real one, and its stream
+// count (one per slot, or one shared).
+type kvFormat struct {
+	host.Format
+	NStream int
+}
+
+func formatOf(st *llamastate.State) (kvFormat, int, error) {
+	f, si, err := host.FormatOf(st)
+	return kvFormat{Format: f, NStream: len(st.Streams)}, si, err
+}
 
 // row is the K or V row of layer l at position p after prefix hash h.
 func (fs *fakeServer) row(h uint64, l int, kind byte, size int) []byte {
@@ -130,7 +147,7 @@ func cellPos(c, n int) int { return (c + n/3) % n }
 func (fs *fakeServer) slotFile(id int, tokens []int32) []byte {
 	n := len(tokens)
 	f := fs.format
-	st := &llamastate.State{Kind: llamastate.SlotFile, Words: serverWords(tokens), Streams: make([]llamastate.Stream, f.NStream)}
+	st := &llamastate.State{Kind: llamastate.SlotFile, Words: host.ServerWords(tokens), Streams: make([]llamastate.Stream, f.NStream)}
 	if n == 0 {
 		b, err := st.Build()
 		if err != nil {
@@ -193,7 +210,7 @@ func (fs *fakeServer) load(b []byte) ([]int32, error) {
 	if err != nil {
 		return nil, err
 	}
-	if !f.equal(&fs.format) {
+	if !f.Equal(&fs.format.Format) {
 		return nil, fmt.Errorf("format differs")
 	}
 	s := &st.Streams[si]
