@@ -321,10 +321,12 @@ func (fs *fakeServer) handler() http.Handler {
 		fs.mu.Lock()
 		defer fs.mu.Unlock()
 		var out []map[string]any
+		fs.tasks++ // every call is a task of the server's queue
 		for i, s := range fs.slots {
 			e := map[string]any{"id": i, "n_ctx": fs.nCtx, "is_processing": s.computing || fs.busy[i]}
 			if s.task != nil {
 				e["id_task"] = *s.task
+				e["n_prompt_tokens"] = len(s.tokens)
 			}
 			out = append(out, e)
 		}
@@ -368,7 +370,12 @@ func (fs *fakeServer) slotAction(w http.ResponseWriter, r *http.Request) {
 		fs.t.Errorf("slot %s on slot %d while it computes", r.URL.Query().Get("action"), id)
 	}
 	path := fs.dir + body.Filename
+	fs.tasks++
 	switch r.URL.Query().Get("action") {
+	case "erase":
+		n := len(fs.slots[id].tokens)
+		fs.slots[id].tokens = nil
+		writeJSON(w, map[string]any{"id_slot": id, "n_erased": n})
 	case "save":
 		b := fs.slotFile(id, fs.slots[id].tokens)
 		if err := os.WriteFile(path, b, 0o644); err != nil {
