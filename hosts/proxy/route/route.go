@@ -383,8 +383,7 @@ func (r *Router) restoreTransfer(req *Request) time.Duration {
 }
 
 // reason explains a cache-aware pick: Spread when the load moved it away
-// from the upstream that would win if nothing were in flight, and that one
-// had more of the prompt in place.
+// from the upstream that would be fastest if nothing were in flight.
 func (r *Router) reason(costs []Cost, pick int, req *Request, eligible int) Reason {
 	if eligible == 1 {
 		return Only
@@ -395,7 +394,7 @@ func (r *Router) reason(costs []Cost, pick int, req *Request, eligible int) Reas
 	idle := argmin(costs, func(k *Cost) float64 { return k.Own.Seconds() })
 	k := costs[pick]
 	switch {
-	case idle != pick && costs[idle].Start > k.Start:
+	case idle != pick && costs[idle].Own < k.Own:
 		return Spread
 	case k.Restore:
 		return Restore
