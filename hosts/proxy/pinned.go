@@ -96,6 +96,11 @@ func (be *backend) pinnedOnce(w http.ResponseWriter, r *http.Request, req *reque
 			ru.plan = plan
 		}
 	}
+	if ru.all && ru.infos == nil {
+		// The slot the server picks is found afterwards as the one whose
+		// task changed: this is before.
+		ru.infos, _ = be.up.slots(ctx)
+	}
 	return ru.serve(w, r, body)
 }
 

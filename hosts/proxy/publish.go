@@ -44,7 +44,8 @@ func (ru *run) after() {
 		for i := range others {
 			others[i] = tab.view(i).contents
 		}
-		slot, ok := tab.ranSince(infos)
+		slot, ok := ranSince(ru.infos, infos)
+		ok = ok && infos != nil && ru.infos != nil && slot < len(others)
 		defer func() {
 			for i, c := range others {
 				if !ok || i != slot {
@@ -54,6 +55,7 @@ func (ru *run) after() {
 		}()
 		if !ok {
 			others = make([]contents, tab.len()) // which slot ran is not known: none is
+			p.log.Debug("mcbridge proxy: which slot the server chose is not known", "upstream", be.name)
 			return
 		}
 		if slot != ru.slot {
@@ -76,6 +78,8 @@ func (ru *run) after() {
 	defer func() { tab.release(ru.slot, final) }()
 	prompt := final.tokens
 	if final.dirty || prompt == nil || !be.publishingFor(ru.lm) {
+		p.log.Debug("mcbridge proxy: nothing to publish", "upstream", be.name, "slot", ru.slot,
+			"dirty", final.dirty, "known", prompt != nil, "publishing", be.publishingFor(ru.lm))
 		return
 	}
 	predicted := 0

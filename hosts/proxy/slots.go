@@ -214,20 +214,24 @@ func (t *slotTable) checkTasks(infos []slotInfo) error {
 	return nil
 }
 
-// ranSince is the one slot that ran a task since the tasks were last
-// recorded; false when none or several did.
-func (t *slotTable) ranSince(infos []slotInfo) (int, bool) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+// ranSince is the one slot whose task changed from before to after (two
+// GET /slots); false when none or several did.
+func ranSince(before, after []slotInfo) (int, bool) {
+	prev := map[int]int{}
+	for _, in := range before {
+		if in.IDTask != nil {
+			prev[in.ID] = *in.IDTask
+		}
+	}
 	slot := -1
-	for _, in := range infos {
+	for _, in := range after {
 		if in.IDTask == nil {
 			continue
 		}
-		if prev, seen := t.tasks[in.ID]; seen && *in.IDTask == prev {
+		if p, seen := prev[in.ID]; seen && p == *in.IDTask {
 			continue
 		}
-		if slot >= 0 || in.ID < 0 || in.ID >= len(t.slots) {
+		if slot >= 0 {
 			return 0, false
 		}
 		slot = in.ID
