@@ -183,6 +183,11 @@ func (ru *run) serve(w http.ResponseWriter, r *http.Request, body []byte) served
 	}
 	ru.learnFromAnswer()
 	handedOff = true
+	if !ru.all {
+		// The next turn of this conversation waits for the save rather
+		// than restoring into another slot.
+		tab.markSaving(ru.slot, contents{tokens: ru.holds(), dirty: true})
+	}
 	p.workers.Add(1)
 	go ru.after()
 	return res

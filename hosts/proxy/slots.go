@@ -27,6 +27,9 @@ type slotTable struct {
 
 type slotState struct {
 	held bool
+	// saving: held only while the answer's save and publish finish; it
+	// frees in moments, so a prompt that shares more with it waits for it.
+	saving bool
 	contents
 	lastUsed uint64
 }
@@ -69,34 +72,41 @@ func lcp(a, b []int32) int {
 
 // best is the slot acquire would take for tokens (want < 0) and its common
 // prefix with them: the free slot sharing the longest prefix, the least
-// recently used among equals; -1 when none is free.
-func (t *slotTable) best(want int, tokens []int32) (int, int) {
+// recently used among equals, or a saving slot sharing more than any free
+// one (wait: the caller waits for it); -1 when none is free.
+func (t *slotTable) best(want int, tokens []int32) (slot, prefix int, wait bool) {
 	best, bestLCP := -1, -1
 	for i := range t.slots {
 		s := &t.slots[i]
-		if s.held || (want >= 0 && i != want) {
+		if (s.held && !s.saving) || (want >= 0 && i != want) {
 			continue
 		}
 		l := lcp(s.tokens, tokens)
-		if l > bestLCP || (l == bestLCP && s.lastUsed < t.slots[best].lastUsed) {
+		switch {
+		case l > bestLCP,
+			l == bestLCP && t.slots[best].held && !s.held,
+			l == bestLCP && t.slots[best].held == s.held && s.lastUsed < t.slots[best].lastUsed:
 			best, bestLCP = i, l
 		}
 	}
-	return best, bestLCP
+	if best >= 0 && t.slots[best].held {
+		return best, bestLCP, true
+	}
+	return best, bestLCP, false
 }
 
 // acquire waits until a slot is free and holds it: the given slot when
 // want >= 0, else the free slot sharing the longest prefix with tokens
-// (the least recently used among equals). It returns the slot and that
-// prefix length.
+// (the least recently used among equals), or the saving slot sharing more
+// once its save is done. It returns the slot and that prefix length.
 func (t *slotTable) acquire(ctx context.Context, want int, tokens []int32) (int, int, error) {
 	if want >= len(t.slots) {
 		return 0, 0, status.Errorf(status.InvalidArg, "slot %d of %d", want, len(t.slots))
 	}
 	for {
 		t.mu.Lock()
-		best, bestLCP := t.best(want, tokens)
-		if best >= 0 {
+		best, bestLCP, saving := t.best(want, tokens)
+		if best >= 0 && !saving {
 			t.tick++
 			t.slots[best].held = true
 			t.slots[best].lastUsed = t.tick
@@ -119,7 +129,7 @@ func (t *slotTable) acquire(ctx context.Context, want int, tokens []int32) (int,
 func (t *slotTable) peek(tokens []int32) int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if i, l := t.best(-1, tokens); i >= 0 {
+	if i, l, _ := t.best(-1, tokens); i >= 0 {
 		return l
 	}
 	n := 0
@@ -144,11 +154,19 @@ func (t *slotTable) serverChoice(tokens []int32) (int, int) {
 	return best, bestLCP
 }
 
+// markSaving says that held slot id only finishes its save now, with c
+// what it holds meanwhile.
+func (t *slotTable) markSaving(id int, c contents) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.slots[id].saving, t.slots[id].contents = true, c
+}
+
 // release frees a held slot, recording what it now holds.
 func (t *slotTable) release(id int, c contents) {
 	t.mu.Lock()
 	s := &t.slots[id]
-	s.held, s.contents = false, c
+	s.held, s.saving, s.contents = false, false, c
 	close(t.changed)
 	t.changed = make(chan struct{})
 	t.mu.Unlock()

@@ -4,6 +4,9 @@ import (
 	"context"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 func TestAcquirePrefersTheLongestCachedPrefix(t *testing.T) {
@@ -131,4 +134,34 @@ func TestNextDirty(t *testing.T) {
 			t.Errorf("%s: dirty %v, want %v", tc.name, got, tc.want)
 		}
 	}
+}
+
+// A slot finishing its save frees in moments: a prompt sharing more with
+// it than with any free slot waits for it instead of restoring elsewhere.
+func TestAcquireWaitsForASavingSlotWithMore(t *testing.T) {
+	tab := newSlotTable(2)
+	ctx := context.Background()
+	id, _, err := tab.acquire(ctx, 0, nil)
+	require.NoError(t, err)
+	tab.markSaving(id, contents{tokens: []int32{1, 2, 3}})
+	assert.Equal(t, 3, tab.peek([]int32{1, 2, 3, 4}), "the router counts on the saving slot's prefix")
+
+	got := make(chan int)
+	go func() {
+		id, _, _ := tab.acquire(ctx, -1, []int32{1, 2, 3, 4})
+		got <- id
+	}()
+	select {
+	case id := <-got:
+		require.FailNow(t, "took a slot while the one sharing more was saving", "slot %d", id)
+	case <-time.After(10 * time.Millisecond):
+	}
+	tab.release(0, contents{tokens: []int32{1, 2, 3, 9}})
+	assert.Equal(t, 0, <-got)
+
+	// A prompt sharing nothing more with the saving slot takes a free one.
+	tab.markSaving(0, contents{tokens: []int32{1, 2, 3}})
+	id, l, err := tab.acquire(ctx, -1, []int32{7})
+	require.NoError(t, err)
+	assert.Equal(t, []int{1, 0}, []int{id, l})
 }
