@@ -39,58 +39,6 @@ func modelConfig() gguf.Config {
 	return c
 }
 
-// Request is one replayed request as the client saw it.
-type Request struct {
-	Agent, Turn int
-	Prompt      int     `json:"prompt_tokens"`
-	CacheN      int     `json:"cache_n"`
-	Restored    int     `json:"restored"`
-	Upstream    int     `json:"upstream"`
-	TTFTMS      float64 `json:"ttft_ms"`
-	answer      []int32
-}
-
-// Percentiles of TTFT, in ms.
-type Percentiles struct {
-	Mean float64 `json:"mean"`
-	P50  float64 `json:"p50"`
-	P90  float64 `json:"p90"`
-}
-
-// Result is one policy's run.
-type Result struct {
-	Policy         string           `json:"policy"`
-	Requests       int              `json:"requests"`
-	PromptTokens   int              `json:"prompt_tokens"`
-	CachedTokens   int              `json:"cached_tokens"`   // the servers' cache_n: held or restored
-	RestoredTokens int              `json:"restored_tokens"` // of which restored from the bridge
-	PrefixHitRatio float64          `json:"prefix_hit_ratio"`
-	LocalHitRatio  float64          `json:"local_hit_ratio"` // held by the slot, nothing moved
-	TTFT           Percentiles      `json:"ttft_ms"`
-	RestoredBytes  int64            `json:"restored_bytes"`
-	SavedBytes     int64            `json:"saved_bytes"`
-	BytesMoved     int64            `json:"bytes_moved"`
-	PerUpstream    []int            `json:"per_upstream"`
-	Decisions      map[string]int64 `json:"decisions"`
-	Seconds        float64          `json:"seconds"`
-	Trace          []Request        `json:"requests_trace"`
-}
-
-// Report is what bench/out/route.json holds.
-type Report struct {
-	Note             string   `json:"note"`
-	Date             string   `json:"date"`
-	LoadStart        string   `json:"loadavg_start"`
-	LoadEnd          string   `json:"loadavg_end"`
-	Workload         Workload `json:"workload"`
-	Model            string   `json:"model"`
-	Upstreams        int      `json:"upstreams"`
-	Slots            int      `json:"slots_per_upstream"`
-	Results          []Result `json:"results"`
-	OutputsIdentical bool     `json:"outputs_identical"`
-	Seconds          float64  `json:"seconds"`
-}
-
 func loadAverage() string {
 	b, _ := os.ReadFile("/proc/loadavg")
 	f := strings.Fields(string(b))
@@ -202,7 +150,7 @@ func replay(b *testing.B, model string, swarm Swarm, w Workload, policy string) 
 					return
 				}
 				r.Agent, r.Turn = a, k
-				answers = append(answers, r.answer)
+				answers = append(answers, r.Answer)
 				mu.Lock()
 				res.Trace = append(res.Trace, r)
 				mu.Unlock()
@@ -302,7 +250,7 @@ func stream(url string, prompt []int32, predict int) (Request, error) {
 		if len(ev.Tokens) > 0 && r.TTFTMS == 0 {
 			r.TTFTMS = float64(time.Since(t0).Microseconds()) / 1000
 		}
-		r.answer = append(r.answer, ev.Tokens...)
+		r.Answer = append(r.Answer, ev.Tokens...)
 		if ev.Timings != nil {
 			r.CacheN = ev.Timings.CacheN
 		}
@@ -317,7 +265,7 @@ func sameAnswers(rs []Result) bool {
 			return false
 		}
 		for i := range r.Trace {
-			a, b := r.Trace[i].answer, rs[0].Trace[i].answer
+			a, b := r.Trace[i].Answer, rs[0].Trace[i].Answer
 			if len(a) != len(b) || len(a) == 0 {
 				return false
 			}
