@@ -10,10 +10,12 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/mcbridge/mcbridge/hosts/proxy"
+	"github.com/mcbridge/mcbridge/hosts/proxy/route"
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/key"
@@ -23,11 +25,37 @@ func init() {
 	commands["proxy"] = command{"share KV between stock llama-servers: a reverse proxy that restores and publishes slot files", runProxy}
 }
 
+// upstreamFlags collects --upstream URL[,slots=DIR][,patched], repeated.
+type upstreamFlags []proxy.Upstream
+
+func (u *upstreamFlags) String() string { return fmt.Sprint(*u) }
+
+func (u *upstreamFlags) Set(v string) error {
+	parts := strings.Split(v, ",")
+	up := proxy.Upstream{URL: parts[0]}
+	for _, opt := range parts[1:] {
+		switch k, val, _ := strings.Cut(opt, "="); {
+		case k == "slots" && val != "":
+			up.SlotDir = val
+		case k == "patched" && val == "":
+			up.Patched = true
+		default:
+			return fmt.Errorf("upstream %q: unknown option %q (want slots=DIR or patched)", v, opt)
+		}
+	}
+	*u = append(*u, up)
+	return nil
+}
+
 func runProxy(args []string) error {
 	fs := flag.NewFlagSet("proxy", flag.ContinueOnError)
-	upstream := fs.String("upstream", "http://127.0.0.1:8080", "llama-server's base URL")
+	var ups upstreamFlags
+	fs.Var(&ups, "upstream", "a llama-server behind the proxy: URL[,slots=DIR][,patched]; repeat for several (default http://127.0.0.1:8080)")
 	listen := fs.String("listen", "127.0.0.1:8081", "address clients connect to")
-	slotDir := fs.String("slot-dir", "", "the server's --slot-save-path, on this host (required)")
+	slotDir := fs.String("slot-dir", "", "the --slot-save-path of the one upstream, on this host (several: give each its slots=DIR)")
+	policy := fs.String("route", "cache-aware", "how requests choose an upstream: cache-aware, round-robin or least-loaded")
+	health := fs.Duration("health-interval", time.Second, "how often each upstream's health is checked")
+	similarity := fs.Float64("upstream-slot-similarity", proxy.DefaultSlotSimilarity, "the servers' --slot-prompt-similarity (0: they run with it off)")
 	cfgDoc := fs.String("config", "", "bridge configuration: JSON or a file path (default $MCB_CONFIG)")
 	modelPath := fs.String("model-path", "", "the GGUF the server runs, when /props' path is relative or not readable here")
 	noPublish := fs.Bool("no-publish", false, "restore only, never publish")
@@ -44,8 +72,29 @@ func runProxy(args []string) error {
 	if *apiKey == "" {
 		*apiKey = os.Getenv("MCB_UPSTREAM_API_KEY")
 	}
-	if *slotDir == "" {
-		return fmt.Errorf("--slot-dir is required (the directory llama-server was given with --slot-save-path)")
+	if len(ups) == 0 {
+		ups = upstreamFlags{{URL: "http://127.0.0.1:8080"}}
+	}
+	if *slotDir != "" {
+		if len(ups) != 1 || ups[0].SlotDir != "" {
+			return fmt.Errorf("--slot-dir names the slot directory of one upstream; with several, give each --upstream URL,slots=DIR")
+		}
+		ups[0].SlotDir = *slotDir
+	}
+	stock := false
+	for _, u := range ups {
+		stock = stock || u.SlotDir != ""
+	}
+	if !stock {
+		return fmt.Errorf("no upstream has a slot directory: give --slot-dir (one upstream) or --upstream URL,slots=DIR (the directory llama-server was given with --slot-save-path)")
+	}
+	pol, err := route.ParsePolicy(*policy)
+	if err != nil {
+		return err
+	}
+	sim := *similarity
+	if sim == 0 {
+		sim = -1 // the servers' similarity is off
 	}
 	cfg, err := config.Load(*cfgDoc)
 	if err != nil {
@@ -68,22 +117,26 @@ func runProxy(args []string) error {
 		}
 	}()
 	p, err := proxy.New(b, proxy.Options{
-		Upstream: *upstream, SlotDir: *slotDir, ModelPath: *modelPath, APIKey: *apiKey,
+		Upstreams: ups, ModelPath: *modelPath, APIKey: *apiKey,
 		NoPublish: *noPublish, UpstreamContextShift: *ctxShift, UpstreamCacheReuse: *cacheReuse,
+		SlotSimilarity: sim, Route: route.Config{Policy: pol}, HealthInterval: *health,
 		Scope: key.Scope{TenantSalt: []byte(*tenant)}, Log: log,
 	})
 	if err != nil {
 		return err
 	}
 	// Learning now reports a misconfiguration at start; the proxy serves
-	// (without the bridge) either way and tries again later.
-	if err := waitHealthy(*upstream, *wait); err != nil {
-		log.Warn("upstream not healthy yet; forwarding without the bridge until it is", "err", err)
-	} else {
-		ctx, cancel := context.WithTimeout(context.Background(), *wait)
-		_ = p.Learn(ctx)
-		cancel()
+	// (without the bridge where it did not learn) either way and tries
+	// again later.
+	deadline := time.Now().Add(*wait)
+	for _, u := range ups {
+		if err := waitHealthy(u.URL, time.Until(deadline)); err != nil {
+			log.Warn("upstream not healthy yet; forwarding without the bridge until it is", "upstream", u.URL, "err", err)
+		}
 	}
+	ctx, cancel := context.WithTimeout(context.Background(), max(time.Until(deadline), time.Second))
+	_ = p.Learn(ctx)
+	cancel()
 
 	ln, err := net.Listen("tcp", *listen)
 	if err != nil {
@@ -93,7 +146,7 @@ func runProxy(args []string) error {
 	srv := &http.Server{Handler: p, ReadHeaderTimeout: 10 * time.Second}
 	go func() { _ = srv.Serve(ln) }()
 	st := p.State()
-	log.Info("proxy serving", "listen", ln.Addr().String(), "upstream", *upstream, "segment", b.Segment(),
+	log.Info("proxy serving", "listen", ln.Addr().String(), "upstreams", len(ups), "route", pol.String(), "segment", b.Segment(),
 		"owner", b.Owner(), "directory", cfg.Directory.Kind, "transport", cfg.Transport.Kind,
 		"bridge", st.Bridge, "publishing", st.Publishing)
 	// The first line on stdout is machine-readable, for scripts.
@@ -104,9 +157,9 @@ func runProxy(args []string) error {
 	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
 	<-sig
 	log.Info("shutting down: finishing publishes, then unpublishing this proxy's blocks")
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	_ = srv.Shutdown(ctx)
-	cancel()
+	sctx, scancel := context.WithTimeout(context.Background(), 30*time.Second)
+	_ = srv.Shutdown(sctx)
+	scancel()
 	perr := p.Close()
 	bridgeOpen = false
 	if err := b.Close(); err != nil {

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -16,6 +17,8 @@ import (
 
 	"github.com/zeebo/xxh3"
 
+	"github.com/mcbridge/mcbridge/internal/gguf"
+	"github.com/mcbridge/mcbridge/internal/host"
 	"github.com/mcbridge/mcbridge/internal/llamastate"
 )
 
@@ -50,6 +53,7 @@ type fakeServer struct {
 	overlaps       int              // pinned requests that found their slot computing
 	requests       []map[string]any // completion bodies as received
 	apiKey         string           // when set, every call but /health must carry it
+	tokenShift     int              // /tokenize adds this many tokens completions do not compute
 }
 
 type fakeSlot struct {
@@ -62,7 +66,7 @@ type fakeSlot struct {
 // the testdata slot file (n streams when streams > 1).
 func newFake(t testing.TB, file string, slots, streams int, seed uint64) *fakeServer {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join("..", "llamastate", "testdata", file))
+	b, err := os.ReadFile(filepath.Join("..", "..", "internal", "llamastate", "testdata", file))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -77,7 +81,10 @@ func newFake(t testing.TB, file string, slots, streams int, seed uint64) *fakeSe
 	f.NStream = streams
 	dir := t.TempDir()
 	model := filepath.Join(dir, "model.gguf")
-	if err := os.WriteFile(model, []byte(fmt.Sprintf("fake gguf, seed %d", seed)), 0o644); err != nil {
+	// A real GGUF: the fingerprint reads its architecture and digests it.
+	cfg := gguf.Presets["tiny"]
+	cfg.Seed = seed
+	if err := gguf.WriteFile(model, cfg); err != nil {
 		t.Fatal(err)
 	}
 	slotDir := filepath.Join(dir, "slots")
@@ -92,6 +99,18 @@ func newFake(t testing.TB, file string, slots, streams int, seed uint64) *fakeSe
 }
 
 func (fs *fakeServer) url() string { return fs.srv.URL }
+
+// kvFormat is the fake's KV cache: the rows of a real one, and its stream
+// count (one per slot, or one shared).
+type kvFormat struct {
+	host.Format
+	NStream int
+}
+
+func formatOf(st *llamastate.State) (kvFormat, int, error) {
+	f, si, err := host.FormatOf(st)
+	return kvFormat{Format: f, NStream: len(st.Streams)}, si, err
+}
 
 // row is the K or V row of layer l at position p after prefix hash h.
 func (fs *fakeServer) row(h uint64, l int, kind byte, size int) []byte {
@@ -130,7 +149,7 @@ func cellPos(c, n int) int { return (c + n/3) % n }
 func (fs *fakeServer) slotFile(id int, tokens []int32) []byte {
 	n := len(tokens)
 	f := fs.format
-	st := &llamastate.State{Kind: llamastate.SlotFile, Words: serverWords(tokens), Streams: make([]llamastate.Stream, f.NStream)}
+	st := &llamastate.State{Kind: llamastate.SlotFile, Words: host.ServerWords(tokens), Streams: make([]llamastate.Stream, f.NStream)}
 	if n == 0 {
 		b, err := st.Build()
 		if err != nil {
@@ -193,7 +212,7 @@ func (fs *fakeServer) load(b []byte) ([]int32, error) {
 	if err != nil {
 		return nil, err
 	}
-	if !f.equal(&fs.format) {
+	if !f.Equal(&fs.format.Format) {
 		return nil, fmt.Errorf("format differs")
 	}
 	s := &st.Streams[si]
@@ -304,10 +323,12 @@ func (fs *fakeServer) handler() http.Handler {
 		fs.mu.Lock()
 		defer fs.mu.Unlock()
 		var out []map[string]any
+		fs.tasks++ // every call is a task of the server's queue
 		for i, s := range fs.slots {
 			e := map[string]any{"id": i, "n_ctx": fs.nCtx, "is_processing": s.computing || fs.busy[i]}
 			if s.task != nil {
 				e["id_task"] = *s.task
+				e["n_prompt_tokens"] = len(s.tokens)
 			}
 			out = append(out, e)
 		}
@@ -316,7 +337,10 @@ func (fs *fakeServer) handler() http.Handler {
 	m.HandleFunc("POST /tokenize", func(w http.ResponseWriter, r *http.Request) {
 		var body map[string]any
 		_ = json.NewDecoder(r.Body).Decode(&body)
-		writeJSON(w, map[string]any{"tokens": tokenize(body["content"])})
+		fs.mu.Lock()
+		extra := make([]int32, fs.tokenShift)
+		fs.mu.Unlock()
+		writeJSON(w, map[string]any{"tokens": append(tokenize(body["content"]), extra...)})
 	})
 	m.HandleFunc("POST /apply-template", func(w http.ResponseWriter, r *http.Request) {
 		var body map[string]any
@@ -324,8 +348,10 @@ func (fs *fakeServer) handler() http.Handler {
 		writeJSON(w, map[string]any{"prompt": chatPrompt(body)})
 	})
 	m.HandleFunc("POST /slots/{id}", fs.slotAction)
-	m.HandleFunc("POST /completion", fs.complete(false))
-	m.HandleFunc("POST /v1/chat/completions", fs.complete(true))
+	m.HandleFunc("POST /completion", fs.complete(completion))
+	m.HandleFunc("POST /v1/chat/completions", fs.complete(chat))
+	m.HandleFunc("POST /v1/responses", fs.complete(responses))
+	m.HandleFunc("POST /v1/messages", fs.complete(messages))
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if fs.apiKey != "" && r.URL.Path != "/health" && r.Header.Get("Authorization") != "Bearer "+fs.apiKey {
 			fakeError(w, 401, "Invalid API Key")
@@ -351,7 +377,12 @@ func (fs *fakeServer) slotAction(w http.ResponseWriter, r *http.Request) {
 		fs.t.Errorf("slot %s on slot %d while it computes", r.URL.Query().Get("action"), id)
 	}
 	path := fs.dir + body.Filename
+	fs.tasks++
 	switch r.URL.Query().Get("action") {
+	case "erase":
+		n := len(fs.slots[id].tokens)
+		fs.slots[id].tokens = nil
+		writeJSON(w, map[string]any{"id_slot": id, "n_erased": n})
 	case "save":
 		b := fs.slotFile(id, fs.slots[id].tokens)
 		if err := os.WriteFile(path, b, 0o644); err != nil {
@@ -378,25 +409,87 @@ func (fs *fakeServer) slotAction(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-func (fs *fakeServer) complete(chat bool) http.HandlerFunc {
+// fakePrompt is the prompt the fake computes for a request of ep: the
+// body converted as llama-server converts it, then its chat template.
+func fakePrompt(t testing.TB, ep endpoint, raw []byte, body map[string]any) []int32 {
+	switch ep {
+	case completion:
+		return tokenize(body["prompt"])
+	case responses, messages:
+		conv := responsesToChat
+		if ep == messages {
+			conv = messagesToChat
+		}
+		b, err := conv(raw)
+		if err != nil {
+			return nil
+		}
+		var chatBody map[string]any
+		if err := json.Unmarshal(b, &chatBody); err != nil {
+			t.Error(err)
+		}
+		body = chatBody
+	}
+	return tokenize(chatPrompt(body))
+}
+
+// pickSlot is llama-server's own choice of a slot (get_available_slot):
+// the idle slot whose tokens share the largest part of the prompt, above
+// the similarity threshold, else the first idle one.
+func (fs *fakeServer) pickSlot(prompt []int32) int {
+	best, bestSim := -1, DefaultSlotSimilarity
+	for i, sl := range fs.slots {
+		if sl.computing || len(sl.tokens) == 0 {
+			continue
+		}
+		if sim := float64(lcp(sl.tokens, prompt)) / float64(len(prompt)); sim > bestSim {
+			best, bestSim = i, sim
+		}
+	}
+	if best >= 0 {
+		return best
+	}
+	for i := range fs.slots {
+		if !fs.slots[i].computing {
+			return i
+		}
+	}
+	return -1
+}
+
+// restart makes the fake a new server process on the same port: no slot
+// holds anything, and task ids start again.
+func (fs *fakeServer) restart() {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	fs.slots = make([]fakeSlot, len(fs.slots))
+	fs.tasks = 0
+}
+
+// kill stops the fake as a killed process stops: connections drop and the
+// port refuses new ones.
+func (fs *fakeServer) kill() {
+	fs.srv.Listener.Close()
+	fs.srv.CloseClientConnections()
+}
+
+func (fs *fakeServer) complete(ep endpoint) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
+		raw, _ := io.ReadAll(r.Body)
 		var body map[string]any
-		if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
+		if err := json.Unmarshal(raw, &body); err != nil {
 			fakeError(w, 400, "bad json")
 			return
 		}
-		var prompt []int32
-		if chat {
-			prompt = tokenize(chatPrompt(body))
-		} else {
-			prompt = tokenize(body["prompt"])
-		}
+		prompt := fakePrompt(fs.t, ep, raw, body)
 		nPredict := 4
-		if v, ok := body["n_predict"].(float64); ok {
-			nPredict = int(v)
+		for _, k := range []string{"n_predict", "max_tokens", "max_output_tokens"} {
+			if v, ok := body[k].(float64); ok {
+				nPredict = int(v)
+			}
 		}
 		cache := true
-		if v, ok := body["cache_prompt"].(bool); ok {
+		if v, ok := body["cache_prompt"].(bool); ok && ep != messages {
 			cache = v
 		}
 		stream, _ := body["stream"].(bool)
@@ -408,18 +501,13 @@ func (fs *fakeServer) complete(chat bool) http.HandlerFunc {
 			return
 		}
 		id := -1
-		if v, ok := body["id_slot"].(float64); ok && v >= 0 {
+		if v, ok := body["id_slot"].(float64); ok && v >= 0 && ep != messages {
 			id = int(v) % len(fs.slots)
 			if fs.slots[id].computing {
 				fs.overlaps++
 			}
 		} else {
-			for i := range fs.slots {
-				if !fs.slots[i].computing {
-					id = i
-					break
-				}
-			}
+			id = fs.pickSlot(prompt)
 		}
 		if id < 0 {
 			fs.mu.Unlock()
@@ -445,7 +533,7 @@ func (fs *fakeServer) complete(chat bool) http.HandlerFunc {
 		fs.mu.Unlock()
 
 		gen := fs.answerTokens(prompt, nPredict)
-		tm := map[string]any{"cache_n": nPast, "prompt_n": len(prompt) - nPast, "prompt_ms": 1.5, "predicted_n": nPredict}
+		tm := map[string]any{"cache_n": nPast, "prompt_n": len(prompt) - nPast, "prompt_ms": 1.5, "predicted_n": nPredict, "predicted_ms": 2.0 * float64(nPredict)}
 		finish := func() {
 			fs.mu.Lock()
 			sl.tokens = append(append([]int32(nil), prompt...), gen[:max(nPredict-1, 0)]...)
@@ -453,28 +541,49 @@ func (fs *fakeServer) complete(chat bool) http.HandlerFunc {
 			sl.task = &task
 			fs.mu.Unlock()
 		}
+		text := fmt.Sprint(gen)
 		if !stream {
 			finish()
-			if chat {
-				writeJSON(w, map[string]any{"choices": []any{map[string]any{"message": map[string]any{"content": fmt.Sprint(gen)}}}, "timings": tm})
-				return
+			switch ep {
+			case chat:
+				writeJSON(w, map[string]any{"choices": []any{map[string]any{"message": map[string]any{"content": text}}}, "timings": tm})
+			case responses:
+				writeJSON(w, map[string]any{"object": "response", "output": []any{map[string]any{"type": "message", "content": []any{map[string]any{"type": "output_text", "text": text}}}},
+					"usage": map[string]any{"input_tokens": len(prompt), "output_tokens": nPredict, "input_tokens_details": map[string]any{"cached_tokens": nPast}}})
+			case messages:
+				writeJSON(w, map[string]any{"type": "message", "role": "assistant", "content": []any{map[string]any{"type": "text", "text": text}},
+					"usage": map[string]any{"cache_read_input_tokens": nPast, "input_tokens": len(prompt) - nPast, "output_tokens": nPredict}})
+			default:
+				writeJSON(w, map[string]any{"content": text, "tokens": gen, "id_slot": id, "stop": true, "truncated": false, "timings": tm})
 			}
-			writeJSON(w, map[string]any{"content": fmt.Sprint(gen), "tokens": gen, "id_slot": id, "stop": true, "truncated": false, "timings": tm})
 			return
 		}
 		w.Header().Set("Content-Type", "text/event-stream")
 		fl := w.(http.Flusher)
+		event := func(v any) {
+			ev, _ := json.Marshal(v)
+			fmt.Fprintf(w, "data: %s\n\n", ev)
+			fl.Flush()
+		}
+		if ep == messages {
+			event(map[string]any{"type": "message_start", "message": map[string]any{"usage": map[string]any{
+				"cache_read_input_tokens": nPast, "input_tokens": len(prompt) - nPast, "output_tokens": 0}}})
+		}
 		for i, g := range gen {
 			if i > 0 && gate != nil {
 				<-gate
 			}
-			ev, _ := json.Marshal(map[string]any{"content": fmt.Sprint(g), "tokens": []int32{g}, "stop": false})
-			fmt.Fprintf(w, "data: %s\n\n", ev)
-			fl.Flush()
+			event(map[string]any{"content": fmt.Sprint(g), "tokens": []int32{g}, "stop": false})
 		}
 		finish()
-		ev, _ := json.Marshal(map[string]any{"content": "", "stop": true, "timings": tm})
-		fmt.Fprintf(w, "data: %s\n\n", ev)
-		fl.Flush()
+		switch ep {
+		case messages:
+			event(map[string]any{"type": "message_delta", "usage": map[string]any{"output_tokens": nPredict}})
+		case responses:
+			event(map[string]any{"type": "response.completed", "response": map[string]any{"usage": map[string]any{
+				"input_tokens": len(prompt), "output_tokens": nPredict, "input_tokens_details": map[string]any{"cached_tokens": nPast}}}, "timings": tm})
+		default:
+			event(map[string]any{"content": "", "stop": true, "timings": tm})
+		}
 	}
 }

@@ -16,8 +16,26 @@ import (
 // the digest of the probe's KV. Together they are the model's fingerprint:
 // another model, K/V type, flash-attention setting, rope override or
 // server-wide adapter gives other keys, so it restores nothing.
-func (p *Proxy) learn(ctx context.Context) (*learned, error) {
-	pr, err := p.up.props(ctx)
+//
+// Without a slot directory it learns only the slots (nil, nil): the proxy
+// schedules them and routes to the server, but keys nothing there.
+func (be *backend) learn(ctx context.Context) (*learned, error) {
+	infos, err := be.up.slots(ctx)
+	if err != nil {
+		return nil, status.Wrap(status.Unsupported, err, "GET /slots (do not start the server with --no-slots)")
+	}
+	if len(infos) == 0 {
+		return nil, status.Errorf(status.Unsupported, "the upstream has no slots")
+	}
+	tab := be.tableFor(len(infos))
+	if err := tab.checkTasks(infos); err != nil {
+		tab.forgetAll()
+		_ = tab.checkTasks(infos)
+	}
+	if be.spec.SlotDir == "" {
+		return nil, nil
+	}
+	pr, err := be.up.props(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -26,40 +44,34 @@ func (p *Proxy) learn(ctx context.Context) (*learned, error) {
 			return nil, status.Errorf(status.Unsupported, "the upstream takes %s input: multimodal prompts are not keyed", kind)
 		}
 	}
-	path, digest, err := p.modelDigest(pr)
+	path, digest, err := be.p.modelDigest(pr)
 	if err != nil {
 		return nil, err
 	}
-	infos, err := p.up.slots(ctx)
-	if err != nil {
-		return nil, status.Wrap(status.Unsupported, err, "GET /slots (do not start the server with --no-slots)")
-	}
-	if len(infos) == 0 {
-		return nil, status.Errorf(status.Unsupported, "the upstream has no slots")
-	}
-	tab := p.tableFor(len(infos))
-
 	slot, _, err := tab.acquire(ctx, -1, nil)
 	if err != nil {
 		return nil, err
 	}
-	before := tab.view(slot)
-	data, err := p.probe(ctx, slot)
+	data, err := be.probe(ctx, slot)
+	// The probe's slot holds the probe now, which no prompt is worth
+	// counting on; its task is the server's newest.
+	tab.release(slot, contents{})
+	if infos, err := be.up.slots(ctx); err == nil {
+		_ = tab.checkTasks(infos)
+	}
 	if err != nil {
-		tab.release(slot, nil, before.dirty)
 		return nil, err
 	}
-	tab.release(slot, host.ProbeTokens(), false)
 	// The same registration as every other host's: the library reads the
 	// KV format and the probe's KV from the slot file.
-	m, nStream, err := host.RegisterState(p.b, host.Identity{GGUFPath: path}, data)
+	m, nStream, err := host.RegisterState(be.p.b, host.Identity{GGUFPath: path}, data)
 	if err != nil {
 		return nil, err
 	}
 	if nStream != 1 && nStream != len(infos) {
 		return nil, status.Errorf(status.Unsupported, "%d KV streams for %d slots", nStream, len(infos))
 	}
-	return &learned{m: m, nStream: nStream, props: pr, path: path, digest: digest, tasks: map[int]int{}}, nil
+	return &learned{m: m, nStream: nStream, props: pr, path: path, digest: digest}, nil
 }
 
 // modelDigest digests the model file: the path /props gives when it is
@@ -81,32 +93,32 @@ func (p *Proxy) modelDigest(pr props) (string, key.Hash, error) {
 }
 
 // tableFor returns the slot table, new when the slot count changed.
-func (p *Proxy) tableFor(n int) *slotTable {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.slots == nil || p.slots.len() != n {
-		p.slots = newSlotTable(n)
+func (be *backend) tableFor(n int) *slotTable {
+	be.mu.Lock()
+	defer be.mu.Unlock()
+	if be.slots == nil || be.slots.len() != n {
+		be.slots = newSlotTable(n)
 	}
-	return p.slots
+	return be.slots
 }
 
 // probe computes the probe prompt from scratch in a held slot and returns
 // the slot's file.
-func (p *Proxy) probe(ctx context.Context, slot int) ([]byte, error) {
+func (be *backend) probe(ctx context.Context, slot int) ([]byte, error) {
 	req := map[string]any{"prompt": host.ProbeTokens(), "n_predict": 1, "temperature": 0, "cache_prompt": false, "id_slot": slot}
-	if err := p.up.complete(ctx, req); err != nil {
+	if err := be.up.complete(ctx, req); err != nil {
 		return nil, status.Wrap(status.Unsupported, err, "probe completion")
 	}
-	_, data, err := p.save(ctx, slot)
+	_, data, err := be.save(ctx, slot)
 	return data, err
 }
 
 // save has the server write slot into a file, reads and parses it, and
 // removes it.
-func (p *Proxy) save(ctx context.Context, slot int) (*llamastate.State, []byte, error) {
-	name := p.fileName("s", slot)
-	path := p.slotPath(name)
-	_, err := p.up.slotAction(ctx, slot, "save", name)
+func (be *backend) save(ctx context.Context, slot int) (*llamastate.State, []byte, error) {
+	name := be.p.fileName("s", slot)
+	path := be.slotPath(name)
+	_, err := be.up.slotAction(ctx, slot, "save", name)
 	defer os.Remove(path)
 	if err != nil {
 		return nil, nil, status.Wrap(status.Unsupported, err, "slot save")
@@ -123,47 +135,32 @@ func (p *Proxy) save(ctx context.Context, slot int) (*llamastate.State, []byte, 
 }
 
 // checkUpstream confirms, before a restore, that the upstream is still the
-// server the model was learned from and that slot is idle. A changed
+// server the model was learned from and that slot is idle; infos is its
+// GET /slots when the caller has just asked (nil: ask now). A changed
 // server drops the model.
-func (p *Proxy) checkUpstream(ctx context.Context, lm *learned, slot int) error {
-	pr, err := p.up.props(ctx)
+func (be *backend) checkUpstream(ctx context.Context, lm *learned, slot int, infos []slotInfo) error {
+	pr, err := be.up.props(ctx)
 	if err != nil {
 		return err
 	}
-	_, digest, err := p.modelDigest(pr)
+	_, digest, err := be.p.modelDigest(pr)
 	if err != nil || digest != lm.digest || pr.ModelPath != lm.props.ModelPath || pr.BuildInfo != lm.props.BuildInfo ||
 		pr.TotalSlots != lm.props.TotalSlots || pr.Settings.NCtx != lm.props.Settings.NCtx {
-		p.forget(lm, "the upstream's model, build or slots changed")
+		be.forget(lm, "the upstream's model, build or slots changed")
 		return &fallback{"upstream_changed", status.Errorf(status.ModelMismatch, "the upstream changed since it was learned")}
 	}
-	infos, err := p.up.slots(ctx)
-	if err != nil {
-		return err
-	}
-	if err := lm.checkTasks(infos); err != nil {
-		p.forget(lm, err.Error())
-		return &fallback{"upstream_changed", err}
+	if infos == nil {
+		if infos, err = be.up.slots(ctx); err != nil {
+			return err
+		}
+		if err := be.table().checkTasks(infos); err != nil {
+			be.restarted(err.Error())
+			return &fallback{"upstream_changed", err}
+		}
 	}
 	for _, in := range infos {
 		if in.ID == slot && in.IsProcessing {
 			return &fallback{"slot_busy", status.Errorf(status.State, "slot %d is busy outside the proxy", slot)}
-		}
-	}
-	return nil
-}
-
-// checkTasks spots a restarted server: its slots forget their last task,
-// or number tasks from zero again.
-func (lm *learned) checkTasks(infos []slotInfo) error {
-	lm.mu.Lock()
-	defer lm.mu.Unlock()
-	for _, in := range infos {
-		prev, seen := lm.tasks[in.ID]
-		if seen && (in.IDTask == nil || *in.IDTask < prev) {
-			return status.Errorf(status.ModelMismatch, "slot %d forgot its last task: the upstream restarted", in.ID)
-		}
-		if in.IDTask != nil {
-			lm.tasks[in.ID] = *in.IDTask
 		}
 	}
 	return nil

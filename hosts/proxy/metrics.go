@@ -4,24 +4,34 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"net/http"
+	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/mcbridge/mcbridge/hosts/proxy/route"
 	"github.com/mcbridge/mcbridge/internal/metrics"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
 // fallbackReasons are the reasons a restore falls back, as counted.
-var fallbackReasons = [...]string{"check_failed", "upstream_changed", "slot_busy", "evicted", "load_failed", "file_error", "restore_refused", "other"}
+var fallbackReasons = [...]string{"check_failed", "upstream_changed", "slot_busy", "evicted", "load_failed", "file_error",
+	"restore_refused", "server_picks", "other"}
+
+// unconfirmedReasons are why GET /slots did not confirm a slot.
+var unconfirmedReasons = [...]string{"unseen", "task", "tokens", "missing", "unreachable"}
 
 type counters struct {
 	requests, pinned, plain, exclusive, noTokens     atomic.Int64
 	restores, restoredTokens                         atomic.Int64
-	saves, savesSkipped, saveFailures, saveMismatch  atomic.Int64
+	saves, savedBytes, savesSkipped, saveFailures    atomic.Int64
+	saveMismatch, answerMismatches                   atomic.Int64
 	publishedBlocks, publishFailures, publishDropped atomic.Int64
+	retries                                          atomic.Int64
 	fallbacks                                        [len(fallbackReasons)]atomic.Int64
+	unconfirmedBy                                    [len(unconfirmedReasons)]atomic.Int64
+	routeMu                                          sync.Mutex
+	routes                                           map[route.Reason]int64
 }
 
 func (c *counters) fallback(err error) {
@@ -39,23 +49,45 @@ func (c *counters) fallback(err error) {
 	c.fallbacks[len(fallbackReasons)-1].Add(1)
 }
 
+func (c *counters) unconfirmed(why string) {
+	for i, r := range unconfirmedReasons {
+		if r == why {
+			c.unconfirmedBy[i].Add(1)
+		}
+	}
+}
+
+func (c *counters) routed(r route.Reason) {
+	c.routeMu.Lock()
+	defer c.routeMu.Unlock()
+	if c.routes == nil {
+		c.routes = map[route.Reason]int64{}
+	}
+	c.routes[r]++
+}
+
 // Stats are the proxy's counters since New.
 type Stats struct {
-	Requests        int64 // completion, chat and infill requests
-	Pinned          int64 // forwarded pinned to a slot the proxy held
-	Plain           int64 // forwarded as they came: no slot table yet
-	Exclusive       int64 // forwarded holding every slot
-	NoTokens        int64 // prompts the proxy could not tokenize
-	Restores        int64
-	RestoredTokens  int64
-	Fallbacks       map[string]int64 // restores that fell back, by reason
-	Saves           int64
-	SavesSkipped    int64 // answers with no block the directory lacked
-	SaveFailures    int64
-	SaveMismatch    int64 // saved files that were not the request's work
-	PublishedBlocks int64
-	PublishFailures int64
-	PublishDropped  int64 // files dropped with the publish queue full
+	Requests         int64 // completion, chat, infill, responses and messages requests
+	Pinned           int64 // forwarded pinned to a slot the proxy held
+	Plain            int64 // forwarded as they came: no slot table yet
+	Exclusive        int64 // forwarded holding every slot
+	NoTokens         int64 // prompts the proxy could not tokenize
+	Restores         int64
+	RestoredTokens   int64
+	Fallbacks        map[string]int64 // restores that fell back, by reason
+	Unconfirmed      map[string]int64 // slots /slots did not confirm, by why
+	Saves            int64
+	SavedBytes       int64
+	SavesSkipped     int64 // answers with no block the directory lacked
+	SaveFailures     int64
+	SaveMismatch     int64 // saved files that were not the request's work
+	AnswerMismatches int64 // answers that counted another prompt than the proxy's tokens
+	PublishedBlocks  int64
+	PublishFailures  int64
+	PublishDropped   int64            // files dropped with the publish queue full
+	Routes           map[string]int64 // routing choices by reason
+	Retries          int64            // requests sent to another upstream after theirs did not answer
 }
 
 // Stats returns a snapshot of the counters.
@@ -64,64 +96,121 @@ func (p *Proxy) Stats() Stats {
 	s := Stats{
 		Requests: c.requests.Load(), Pinned: c.pinned.Load(), Plain: c.plain.Load(), Exclusive: c.exclusive.Load(),
 		NoTokens: c.noTokens.Load(), Restores: c.restores.Load(), RestoredTokens: c.restoredTokens.Load(),
-		Saves: c.saves.Load(), SavesSkipped: c.savesSkipped.Load(), SaveFailures: c.saveFailures.Load(),
-		SaveMismatch: c.saveMismatch.Load(), PublishedBlocks: c.publishedBlocks.Load(),
-		PublishFailures: c.publishFailures.Load(), PublishDropped: c.publishDropped.Load(),
-		Fallbacks: map[string]int64{},
+		Saves: c.saves.Load(), SavedBytes: c.savedBytes.Load(), SavesSkipped: c.savesSkipped.Load(), SaveFailures: c.saveFailures.Load(),
+		SaveMismatch: c.saveMismatch.Load(), AnswerMismatches: c.answerMismatches.Load(), PublishedBlocks: c.publishedBlocks.Load(),
+		PublishFailures: c.publishFailures.Load(), PublishDropped: c.publishDropped.Load(), Retries: c.retries.Load(),
+		Fallbacks: map[string]int64{}, Unconfirmed: map[string]int64{}, Routes: map[string]int64{},
 	}
 	for i, r := range fallbackReasons {
 		if n := c.fallbacks[i].Load(); n > 0 {
 			s.Fallbacks[r] = n
 		}
 	}
+	for i, r := range unconfirmedReasons {
+		if n := c.unconfirmedBy[i].Load(); n > 0 {
+			s.Unconfirmed[r] = n
+		}
+	}
+	c.routeMu.Lock()
+	for r, n := range c.routes {
+		s.Routes[r.String()] = n
+	}
+	c.routeMu.Unlock()
 	return s
 }
 
-// State says whether the bridge and publishing are on, and why not.
-type State struct {
+// UpstreamState is one upstream's part of State.
+type UpstreamState struct {
+	URL         string `json:"url"`
+	Up          bool   `json:"up"`
+	InFlight    int    `json:"in_flight"`
 	Bridge      bool   `json:"bridge"`
 	BridgeOff   string `json:"bridge_off,omitempty"`
 	Publishing  bool   `json:"publishing"`
 	PublishOff  string `json:"publish_off,omitempty"`
 	Fingerprint string `json:"fingerprint,omitempty"`
 	Slots       int    `json:"slots"`
+	Routed      int64  `json:"routed"`
+	Restarts    int64  `json:"restarts"`
+}
+
+// State says whether the bridge and publishing are on, and why not: for
+// the first upstream with the bridge on (else the first), with every
+// upstream's own in Upstreams.
+type State struct {
+	Bridge      bool   `json:"bridge"`
+	BridgeOff   string `json:"bridge_off,omitempty"`
+	Publishing  bool   `json:"publishing"`
+	PublishOff  string `json:"publish_off,omitempty"`
+	Fingerprint string `json:"fingerprint,omitempty"`
+	Slots       int    `json:"slots"` // over every upstream
 	// Mirrored is how many blocks of the model the directory holds, as
 	// this proxy's mirror of it knows.
 	Mirrored int `json:"mirrored_blocks"`
 	// Pending counts answers whose save or publish is not done.
-	Pending int64 `json:"pending"`
+	Pending   int64           `json:"pending"`
+	Policy    string          `json:"policy"`
+	Upstreams []UpstreamState `json:"upstreams"`
 }
 
 // State reports the proxy's state.
 func (p *Proxy) State() State {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	s := State{Bridge: p.model != nil, BridgeOff: p.offWhy, Publishing: p.publishOff == "" && !p.closed, PublishOff: p.publishOff,
-		Pending: p.pending.Load()}
-	if p.model != nil {
-		s.Fingerprint = p.model.m.Fingerprint().String()
-		s.Mirrored = p.model.m.Mirrored()
+	s := State{Pending: p.pending.Load(), Policy: p.router.Policy().String()}
+	rs := p.router.States()
+	lead := -1
+	for i, be := range p.ups {
+		be.mu.Lock()
+		u := UpstreamState{URL: be.name, Up: rs[i].Up, InFlight: rs[i].InFlight, Bridge: be.model != nil, BridgeOff: be.offWhy,
+			Publishing: be.publishOff == "" && be.model != nil && !p.isClosed(), PublishOff: be.publishOff,
+			Routed: be.routed.Load(), Restarts: be.restarts.Load()}
+		if be.model != nil {
+			u.Fingerprint = be.model.m.Fingerprint().String()
+			if lead < 0 {
+				lead = i
+				s.Mirrored = be.model.m.Mirrored()
+			}
+		}
+		if be.slots != nil {
+			u.Slots = be.slots.len()
+			s.Slots += u.Slots
+		}
+		be.mu.Unlock()
+		s.Upstreams = append(s.Upstreams, u)
 	}
-	if p.slots != nil {
-		s.Slots = p.slots.len()
+	if lead < 0 {
+		lead = 0
+	}
+	u := s.Upstreams[lead]
+	s.Bridge, s.BridgeOff, s.Fingerprint = u.Bridge, u.BridgeOff, u.Fingerprint
+	s.Publishing, s.PublishOff = u.Publishing, u.PublishOff
+	if p.isClosed() && s.PublishOff == "" {
+		s.PublishOff = "the proxy is closed"
 	}
 	return s
 }
 
-// healthz answers 200 with the proxy's state while the upstream is
+// healthz answers 200 with the proxy's state while an upstream is
 // healthy, 503 otherwise.
 func (p *Proxy) healthz(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
 	defer cancel()
-	err := p.up.call(ctx, http.MethodGet, "/health", nil, nil, nil)
+	var errs []string
+	for _, be := range p.ups {
+		err := be.up.call(ctx, http.MethodGet, "/health", nil, nil, nil)
+		if err == nil {
+			errs = nil
+			break
+		}
+		errs = append(errs, be.name+": "+err.Error())
+	}
 	body := struct {
 		Status   string `json:"status"`
 		Upstream string `json:"upstream"`
 		State
 	}{Status: "ok", Upstream: "ok", State: p.State()}
 	code := http.StatusOK
-	if err != nil {
-		body.Status, body.Upstream, code = "unavailable", err.Error(), http.StatusServiceUnavailable
+	if errs != nil {
+		body.Status, body.Upstream, code = "unavailable", errs[0], http.StatusServiceUnavailable
 	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(code)
@@ -129,8 +218,7 @@ func (p *Proxy) healthz(w http.ResponseWriter, r *http.Request) {
 }
 
 // metrics writes the bridge's series, the same vocabulary every host
-// writes, then the proxy's own, named mcproxy_ so that the mcbridge_ set is
-// the same here as in a patched llama-server or a store node.
+// writes, then the proxy's own (internal/metrics' ProxyVocabulary).
 func (p *Proxy) metrics(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "text/plain; version=0.0.4")
 	st := p.State()
@@ -142,39 +230,48 @@ func (p *Proxy) metrics(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	s := p.Stats()
-	gauge := func(b bool) int64 {
+	one := func(v int64) []metrics.Sample { return []metrics.Sample{{Value: v}} }
+	flag := func(b bool) int64 {
 		if b {
 			return 1
 		}
 		return 0
 	}
-	for _, m := range []struct {
-		name, kind, help string
-		v                int64
-	}{
-		{"requests_total", "counter", "Completion, chat and infill requests.", s.Requests},
-		{"pinned_total", "counter", "Requests forwarded pinned to a slot the proxy held.", s.Pinned},
-		{"plain_total", "counter", "Requests forwarded as they came.", s.Plain},
-		{"exclusive_total", "counter", "Requests forwarded holding every slot.", s.Exclusive},
-		{"untokenized_total", "counter", "Prompts the proxy could not tokenize.", s.NoTokens},
-		{"restores_total", "counter", "Slot restores of bridge blocks.", s.Restores},
-		{"restored_tokens_total", "counter", "Tokens restored into slots.", s.RestoredTokens},
-		{"saves_total", "counter", "Slots saved to publish their blocks.", s.Saves},
-		{"saves_skipped_total", "counter", "Answers whose blocks the directory already had.", s.SavesSkipped},
-		{"save_failures_total", "counter", "Slot saves that failed.", s.SaveFailures},
-		{"save_mismatches_total", "counter", "Saved slots that did not hold the request's tokens.", s.SaveMismatch},
-		{"queued_blocks_total", "counter", "Blocks of saved slots handed to the bridge's publisher.", s.PublishedBlocks},
-		{"publish_failures_total", "counter", "Saved slots that failed to publish.", s.PublishFailures},
-		{"publish_dropped_total", "counter", "Saved slots dropped with the publish queue full.", s.PublishDropped},
-		{"publishing", "gauge", "1 while saved slots are published.", gauge(st.Publishing)},
-	} {
-		if _, err := fmt.Fprintf(w, "# HELP mcproxy_%s %s\n# TYPE mcproxy_%s %s\nmcproxy_%s %d\n",
-			m.name, m.help, m.name, m.kind, m.name, m.v); err != nil {
-			return
+	perUpstream := func(f func(u UpstreamState) int64) []metrics.Sample {
+		var out []metrics.Sample
+		for _, u := range st.Upstreams {
+			out = append(out, metrics.Sample{Label: u.URL, Value: f(u)})
 		}
+		return out
 	}
-	fmt.Fprintf(w, "# HELP mcproxy_restore_fallbacks_total Restores that fell back to computing, by reason.\n# TYPE mcproxy_restore_fallbacks_total counter\n")
-	for _, r := range fallbackReasons {
-		fmt.Fprintf(w, "mcproxy_restore_fallbacks_total{reason=%q} %d\n", r, s.Fallbacks[r])
+	byName := func(names []string, m map[string]int64) []metrics.Sample {
+		var out []metrics.Sample
+		for _, n := range names {
+			out = append(out, metrics.Sample{Label: n, Value: m[n]})
+		}
+		return out
 	}
+	var reasons []string
+	for _, r := range route.Reasons {
+		reasons = append(reasons, r.String())
+	}
+	values := map[string][]metrics.Sample{
+		"requests_total": one(s.Requests), "pinned_total": one(s.Pinned), "plain_total": one(s.Plain),
+		"exclusive_total": one(s.Exclusive), "untokenized_total": one(s.NoTokens), "restores_total": one(s.Restores),
+		"restored_tokens_total": one(s.RestoredTokens), "saves_total": one(s.Saves), "saved_bytes_total": one(s.SavedBytes),
+		"saves_skipped_total": one(s.SavesSkipped), "save_failures_total": one(s.SaveFailures),
+		"save_mismatches_total": one(s.SaveMismatch), "queued_blocks_total": one(s.PublishedBlocks),
+		"publish_failures_total": one(s.PublishFailures), "publish_dropped_total": one(s.PublishDropped),
+		"publishing":              one(flag(st.Publishing)),
+		"restore_fallbacks_total": byName(fallbackReasons[:], s.Fallbacks),
+		"slots_unconfirmed_total": byName(unconfirmedReasons[:], s.Unconfirmed),
+		"answer_mismatches_total": one(s.AnswerMismatches),
+		"route_decisions_total":   byName(reasons, s.Routes),
+		"route_retries_total":     one(s.Retries),
+		"upstream_up":             perUpstream(func(u UpstreamState) int64 { return flag(u.Up) }),
+		"upstream_in_flight":      perUpstream(func(u UpstreamState) int64 { return int64(u.InFlight) }),
+		"upstream_routed_total":   perUpstream(func(u UpstreamState) int64 { return u.Routed }),
+		"upstream_restarts_total": perUpstream(func(u UpstreamState) int64 { return u.Restarts }),
+	}
+	_ = metrics.WriteProxy(w, func(name string) []metrics.Sample { return values[name] })
 }

@@ -1,20 +1,31 @@
-// Package proxy puts the bridge in front of a stock llama-server (v0.5.0)
-// without rebuilding it, through the server's slot files.
+// Package proxy puts the bridge in front of stock llama-servers (v0.5.0)
+// without rebuilding them, through the servers' slot files.
 //
-// For a completion it finds the prompt's tokens, looks its leading blocks
-// up, and on a hit fetches them into a slot file holding exactly the
-// restored prefix, has the server restore that file into a free slot and
-// pins the request to that slot, so the server computes only the rest.
-// After the answer it saves the slot into a file and publishes the new
-// full blocks from it, off the request's path. The client sees the
-// server's answer, with timings.mcb_restored_n and timings.mcb_restore_ms
-// added to non-streaming JSON answers; anything that fails falls back to
-// forwarding the request as it came.
+// One proxy serves one model from several upstream servers. For a
+// completion it finds the prompt's tokens, looks its leading blocks up, and
+// routes it (package route) to the upstream with the lowest expected time
+// to first token: one whose slot already holds the prefix, else one that
+// restores it fastest, else the least loaded. There, on a hit, it fetches
+// the blocks into a slot file holding exactly the restored prefix, has the
+// server restore that file into a free slot and pins the request to that
+// slot, so the server computes only the rest. After the answer it saves the
+// slot into a file and publishes the new full blocks from it, off the
+// request's path. The client sees the server's answer, with
+// timings.mcb_restored_n and timings.mcb_restore_ms added to non-streaming
+// completion and chat answers and Mcb-* headers on every answer; anything
+// that fails falls back to forwarding the request as it came, and an
+// upstream that does not answer leaves the rotation while the request goes
+// to another.
 //
-// The proxy schedules the server's slots: every request that computes is
+// The proxy schedules the servers' slots: every request that computes is
 // pinned to a slot the proxy holds for its whole run (restore, compute,
-// save), so it never restores into a slot another request uses. It must
-// therefore be the server's only client.
+// save), so it never restores into a slot another request uses. It
+// verifies before it relies: what it remembers of a slot counts only when
+// the server's GET /slots confirms it (the slot's last task and token
+// count are the ones the proxy saw after its own request), a server whose
+// slots forget their tasks has restarted and is learned again, and what a
+// slot holds after a request is taken from the answer's own counts, never
+// from the plan. Anything unconfirmed is unknown: the prefix is restored.
 //
 // Only clean KV is published (docs/design.md §5.4): cells computed from
 // position 0 over exactly the slot's tokens, by the registered model. A
@@ -23,7 +34,7 @@
 // when the server reused more of it than the proxy knows the origin of;
 // a dirty slot publishes nothing until a request recomputes it from
 // position 0. Server-wide context shift and cache reuse are not visible in
-// /props: Options says whether the upstream has them, and then nothing is
+// /props: Options says whether the upstreams have them, and then nothing is
 // published at all.
 package proxy
 
@@ -32,64 +43,87 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
-	"net/http/httputil"
-	"net/url"
 	"os"
-	"path/filepath"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/mcbridge/mcbridge/hosts/proxy/route"
 	"github.com/mcbridge/mcbridge/internal/bridge"
-	"github.com/mcbridge/mcbridge/internal/host"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
+// Upstream is one llama-server behind the proxy.
+type Upstream struct {
+	// URL is the server's base URL.
+	URL string
+	// SlotDir is the server's --slot-save-path, on this host: the proxy
+	// restores into its slots and publishes from them. Without one the
+	// server is routed to and its slots are scheduled, but the proxy
+	// neither restores nor saves there.
+	SlotDir string
+	// Patched: a patched llama-server of the same swarm, which restores
+	// from the directory by itself; the router counts on that.
+	Patched bool
+}
+
 // Options configure a Proxy.
 type Options struct {
-	// Upstream is the llama-server's base URL.
+	// Upstreams are the servers behind the proxy, all of one model.
+	Upstreams []Upstream
+	// Upstream and SlotDir name the one upstream when Upstreams is empty.
 	Upstream string
-	// SlotDir is the server's --slot-save-path, on this host.
-	SlotDir string
-	// APIKey is the server's --api-key, sent with the proxy's own calls
+	SlotDir  string
+	// APIKey is the servers' --api-key, sent with the proxy's own calls
 	// (slot files, tokenizer, probe); clients send their own.
 	APIKey string
 	// ModelPath is the GGUF to digest for the fingerprint when the path in
-	// the server's /props is not absolute or not readable here.
+	// a server's /props is not absolute or not readable here.
 	ModelPath string
 	// NoPublish turns publishing off: restores only.
 	NoPublish bool
-	// UpstreamContextShift and UpstreamCacheReuse mirror the server's
+	// UpstreamContextShift and UpstreamCacheReuse mirror the servers'
 	// --context-shift and --cache-reuse, which /props does not report:
 	// with either, cells may hold KV computed over other tokens, and
 	// nothing is published.
 	UpstreamContextShift bool
 	UpstreamCacheReuse   int
+	// SlotSimilarity is the servers' --slot-prompt-similarity (0 takes
+	// llama-server's default, 0.1; negative: the servers run with it off).
+	// A /v1/messages request reaches a slot of the server's choosing; the
+	// proxy restores for it only where that choice is then the restored
+	// slot.
+	SlotSimilarity float64
 	// Scope salts every key (tenant isolation); empty shares with everyone
 	// using the same model.
 	Scope key.Scope
-	// Transport carries requests to the upstream; nil uses a clone of
+	// Route configures the router; its clock is Now.
+	Route route.Config
+	// HealthInterval is how often every upstream's health is checked (0:
+	// 1s; negative: never, the tests call CheckHealth).
+	HealthInterval time.Duration
+	// Transport carries requests to the upstreams; nil uses a clone of
 	// http.DefaultTransport.
 	Transport http.RoundTripper
 	// Log receives the proxy's events; nil discards them.
 	Log *slog.Logger
-	// Now times restores; nil uses time.Now.
+	// Now times restores and routing; nil uses time.Now.
 	Now func() time.Time
 	// PublishQueue bounds the saved slot files waiting to be published;
 	// beyond it a file is dropped (0: 4).
 	PublishQueue int
 	// RetryLearn is how long the proxy forwards plainly after it failed to
-	// learn the upstream's model before trying again (0: 10s).
+	// learn an upstream's model before trying again (0: 10s).
 	RetryLearn time.Duration
 }
+
+// DefaultSlotSimilarity is llama-server's --slot-prompt-similarity.
+const DefaultSlotSimilarity = 0.1
 
 // maxRequestBody bounds the body the proxy reads to find the prompt;
 // larger requests are forwarded without the bridge.
@@ -99,55 +133,47 @@ const maxRequestBody = 256 << 20
 // answer (the client is gone by then).
 const controlTimeout = 5 * time.Minute
 
-// Proxy is an http.Handler in front of one llama-server.
+// Proxy is an http.Handler in front of the upstreams.
 type Proxy struct {
-	b    *bridge.Bridge
-	opts Options
-	up   *upstream
-	rp   *httputil.ReverseProxy
-	mux  *http.ServeMux
-	log  *slog.Logger
-	inst string // names this proxy's files in the slot directory
-	seq  atomic.Uint64
+	b      *bridge.Bridge
+	opts   Options
+	log    *slog.Logger
+	inst   string // names this proxy's files in the slot directories
+	seq    atomic.Uint64
+	ups    []*backend
+	router *route.Router
+	mux    *http.ServeMux
 
-	learnMu sync.Mutex // one learner at a time
-	mu      sync.Mutex
-	model   *learned // nil until learned, or after the upstream changed
-	slots   *slotTable
-	learnAt time.Time
-	offWhy  string // why the bridge is off (model == nil)
-	// publishOff says why nothing is published any more ("" while on).
-	publishOff string
-	closed     bool
+	mu     sync.Mutex
+	closed bool
 
 	queue   chan publishJob
-	workers sync.WaitGroup // the publisher and the savers still running
+	workers sync.WaitGroup // the publisher, the savers and the health checker
 	pending atomic.Int64   // answers whose save or publish is not done
+	stop    chan struct{}  // closed by Close
 	stats   counters
 }
 
-// learned is what the proxy found out about the upstream: its identity,
-// KV format and the bridge model registered for it.
-type learned struct {
-	m       *host.Model
-	nStream int
-	props   props
-	path    string
-	digest  key.Hash
-
-	mu    sync.Mutex
-	tasks map[int]int // per slot, the last id_task /slots showed
-}
-
-// New builds a proxy in front of opts.Upstream that uses b. It contacts
-// nothing: the upstream's model is learned on first use (or by Learn).
+// New builds a proxy in front of opts' upstreams that uses b. It contacts
+// nothing: the upstreams' model is learned on first use (or by Learn).
 func New(b *bridge.Bridge, opts Options) (*Proxy, error) {
-	base, err := url.Parse(opts.Upstream)
-	if err != nil || (base.Scheme != "http" && base.Scheme != "https") || base.Host == "" {
-		return nil, status.Errorf(status.Config, "upstream %q: an http:// or https:// URL", opts.Upstream)
+	if len(opts.Upstreams) == 0 {
+		opts.Upstreams = []Upstream{{URL: opts.Upstream, SlotDir: opts.SlotDir}}
+	} else if opts.Upstream != "" || opts.SlotDir != "" {
+		return nil, status.Errorf(status.Config, "give the upstreams either as Upstreams or as Upstream and SlotDir")
 	}
-	if st, err := os.Stat(opts.SlotDir); err != nil || !st.IsDir() {
-		return nil, status.Errorf(status.Config, "slot directory %q: not a directory (%v)", opts.SlotDir, err)
+	seen := map[string]bool{}
+	for _, u := range opts.Upstreams {
+		if seen[u.URL] {
+			return nil, status.Errorf(status.Config, "upstream %q given twice", u.URL)
+		}
+		seen[u.URL] = true
+		if u.SlotDir == "" {
+			continue
+		}
+		if st, err := os.Stat(u.SlotDir); err != nil || !st.IsDir() {
+			return nil, status.Errorf(status.Config, "slot directory %q: not a directory (%v)", u.SlotDir, err)
+		}
 	}
 	if opts.Transport == nil {
 		opts.Transport = http.DefaultTransport.(*http.Transport).Clone()
@@ -164,31 +190,37 @@ func New(b *bridge.Bridge, opts Options) (*Proxy, error) {
 	if opts.RetryLearn <= 0 {
 		opts.RetryLearn = 10 * time.Second
 	}
+	if opts.HealthInterval == 0 {
+		opts.HealthInterval = time.Second
+	}
+	if opts.SlotSimilarity == 0 {
+		opts.SlotSimilarity = DefaultSlotSimilarity
+	}
+	opts.Route.Now = opts.Now
+	router, err := route.New(opts.Route, len(opts.Upstreams))
+	if err != nil {
+		return nil, err
+	}
 	var id [6]byte
 	_, _ = rand.Read(id[:])
 	p := &Proxy{
-		b: b, opts: opts, log: opts.Log, inst: hex.EncodeToString(id[:]),
-		up:    &upstream{base: base, client: &http.Client{Transport: opts.Transport}, apiKey: opts.APIKey},
-		queue: make(chan publishJob, opts.PublishQueue),
+		b: b, opts: opts, log: opts.Log, inst: hex.EncodeToString(id[:]), router: router,
+		queue: make(chan publishJob, opts.PublishQueue), stop: make(chan struct{}),
 	}
-	switch {
-	case opts.NoPublish:
-		p.publishOff = "publishing disabled by option"
-	case opts.UpstreamContextShift:
-		p.publishOff = "the upstream shifts context (cells may hold KV of other tokens)"
-	case opts.UpstreamCacheReuse > 0:
-		p.publishOff = "the upstream reuses cache chunks by KV shifting"
-	}
-	p.rp = &httputil.ReverseProxy{
-		Rewrite:        func(pr *httputil.ProxyRequest) { pr.SetURL(base) },
-		Transport:      opts.Transport,
-		FlushInterval:  -1, // server-sent events go out as they come
-		ModifyResponse: p.modifyResponse,
-		ErrorLog:       slog.NewLogLogger(opts.Log.Handler(), slog.LevelWarn),
+	for i, u := range opts.Upstreams {
+		be, err := newBackend(p, i, u)
+		if err != nil {
+			return nil, err
+		}
+		p.ups = append(p.ups, be)
 	}
 	p.routes()
 	p.workers.Add(1)
 	go p.publisher()
+	if opts.HealthInterval > 0 {
+		p.workers.Add(1)
+		go p.healthLoop()
+	}
 	return p, nil
 }
 
@@ -196,120 +228,74 @@ func (p *Proxy) routes() {
 	m := http.NewServeMux()
 	m.HandleFunc("GET /healthz", p.healthz)
 	m.HandleFunc("GET /metrics", p.metrics)
-	for _, path := range []string{"/completion", "/completions", "/v1/completions"} {
-		m.HandleFunc("POST "+path, p.completion(completion))
+	for path, ep := range map[string]endpoint{
+		"/completion": completion, "/completions": completion, "/v1/completions": completion,
+		"/chat/completions": chat, "/v1/chat/completions": chat, "/infill": infill,
+		"/responses": responses, "/v1/responses": responses, "/v1/messages": messages,
+	} {
+		m.HandleFunc("POST "+path, p.keyed(ep))
 	}
-	for _, path := range []string{"/chat/completions", "/v1/chat/completions"} {
-		m.HandleFunc("POST "+path, p.completion(chat))
-	}
-	m.HandleFunc("POST /infill", p.completion(infill))
-	m.HandleFunc("POST /slots/{id}", p.slotFile)
-	m.HandleFunc("POST /lora-adapters", p.loraAdapters)
+	m.HandleFunc("POST /slots/{id}", p.oneUpstream(func(be *backend) http.HandlerFunc { return be.slotFile }))
+	m.HandleFunc("POST /lora-adapters", p.oneUpstream(func(be *backend) http.HandlerFunc { return be.loraAdapters }))
 	// Routes that never compute in a slot. Anything else that is not a GET
-	// may (embeddings, responses, messages): it runs holding every slot.
+	// may (embeddings, reranking): it runs holding every slot.
 	for _, path := range []string{"/tokenize", "/detokenize", "/apply-template", "/props",
 		"/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
 		"/responses/input_tokens", "/v1/responses/input_tokens", "/v1/messages/count_tokens",
 		"/v1/chat/completions/control"} {
-		m.HandleFunc("POST "+path, p.passthroughAll)
+		m.HandleFunc("POST "+path, p.anyUpstream)
 	}
-	m.HandleFunc("GET /", p.passthroughAll)
-	m.HandleFunc("OPTIONS /", p.passthroughAll)
-	m.HandleFunc("/", p.exclusiveAll)
+	m.HandleFunc("GET /", p.anyUpstream)
+	m.HandleFunc("OPTIONS /", p.anyUpstream)
+	m.HandleFunc("/", p.computing)
 	p.mux = m
 }
 
 // ServeHTTP serves the proxy's own endpoints and forwards the rest.
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) { p.mux.ServeHTTP(w, r) }
 
-// Learn contacts the upstream now and learns its model; requests do it on
-// their own when it has not been done.
+// Learn contacts every upstream now and learns its model; requests do it
+// on their own when it has not been done. It fails when none learned.
 func (p *Proxy) Learn(ctx context.Context) error {
-	p.learnMu.Lock()
-	defer p.learnMu.Unlock()
-	return p.relearn(ctx)
-}
-
-// relearn runs with learnMu held.
-func (p *Proxy) relearn(ctx context.Context) error {
-	lm, err := p.learn(ctx)
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.learnAt = p.opts.Now()
-	p.model = lm
-	if err != nil {
-		p.offWhy = err.Error()
-		p.log.Warn("mcbridge proxy: bridge off", "reason", err)
-		return err
+	var errs []error
+	for _, be := range p.ups {
+		be.learnMu.Lock()
+		err := be.relearn(ctx)
+		be.learnMu.Unlock()
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", be.name, err))
+		}
 	}
-	p.offWhy = ""
-	p.log.Info("mcbridge proxy: bridge on", "model", lm.m.Fingerprint().String(), "layers", len(lm.m.Format.Layers),
-		"v_trans", lm.m.Format.VTrans, "streams", lm.nStream, "block_tokens", lm.m.BlockTokens())
+	if len(errs) == len(p.ups) {
+		return errs[0]
+	}
 	return nil
 }
 
-// current returns the learned model, learning it first when that is due;
-// nil means the bridge is off for this request. Requests that find a
-// learner at work wait for it: it takes one short completion.
-func (p *Proxy) current() *learned {
-	due := func() (*learned, bool) {
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		return p.model, p.model == nil && (p.learnAt.IsZero() || p.opts.Now().Sub(p.learnAt) >= p.opts.RetryLearn)
-	}
-	if lm, ok := due(); !ok {
-		return lm
-	}
-	p.learnMu.Lock()
-	defer p.learnMu.Unlock()
-	lm, ok := due()
-	if !ok {
-		return lm
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), controlTimeout)
-	defer cancel()
-	_ = p.relearn(ctx)
-	lm, _ = due()
-	return lm
-}
-
-// forget drops a model the upstream no longer matches; the next request
-// learns again.
-func (p *Proxy) forget(lm *learned, why string) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.model == lm {
-		p.model, p.offWhy, p.learnAt = nil, why, time.Time{}
-		p.log.Warn("mcbridge proxy: upstream changed, learning it again", "reason", why)
+// CheckHealth checks every upstream once, as the health loop does.
+func (p *Proxy) CheckHealth(ctx context.Context) {
+	for _, be := range p.ups {
+		be.checkHealth(ctx)
 	}
 }
 
-func (p *Proxy) table() *slotTable {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.slots
-}
-
-// stopPublishing turns publishing off for good: the upstream did something
-// that may leave KV of other tokens in its cells.
-func (p *Proxy) stopPublishing(why string) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.publishOff == "" {
-		p.publishOff = why
-		p.log.Warn("mcbridge proxy: publishing off", "reason", why)
+func (p *Proxy) healthLoop() {
+	defer p.workers.Done()
+	t := time.NewTicker(p.opts.HealthInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-p.stop:
+			return
+		case <-t.C:
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), min(2*p.opts.HealthInterval, 5*time.Second))
+		p.CheckHealth(ctx)
+		cancel()
 	}
 }
 
-// publishingFor says whether KV computed under lm may be published: not
-// once the upstream was found to have changed since.
-func (p *Proxy) publishingFor(lm *learned) bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.publishOff == "" && !p.closed && lm != nil && p.model == lm
-}
-
-// fileName names a file of this proxy in the slot directory; llama-server
+// fileName names a file of this proxy in a slot directory; llama-server
 // accepts letters, digits, '-', '_' and '.'.
 func (p *Proxy) fileName(kind string, slot int) string {
 	return fmt.Sprintf("mcb-%s-%s%d-%d.bin", p.inst, kind, slot, p.seq.Add(1))
@@ -329,8 +315,9 @@ func (p *Proxy) Flush(ctx context.Context) error {
 	return nil
 }
 
-// Close waits for pending saves and publishes and stops the publisher. The
-// HTTP server in front must be shut down first; the bridge stays open.
+// Close waits for pending saves and publishes and stops the publisher and
+// the health checks. The HTTP server in front must be shut down first; the
+// bridge stays open.
 func (p *Proxy) Close() error {
 	p.mu.Lock()
 	if p.closed {
@@ -339,6 +326,7 @@ func (p *Proxy) Close() error {
 	}
 	p.closed = true
 	p.mu.Unlock()
+	close(p.stop)
 	ctx, cancel := context.WithTimeout(context.Background(), controlTimeout)
 	err := p.Flush(ctx)
 	cancel()
@@ -348,6 +336,12 @@ func (p *Proxy) Close() error {
 	p.mu.Unlock()
 	p.workers.Wait()
 	return err
+}
+
+func (p *Proxy) isClosed() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.closed
 }
 
 // enqueue hands a saved file to the publisher; false when the queue is
@@ -366,313 +360,146 @@ func (p *Proxy) enqueue(job publishJob) bool {
 	}
 }
 
-// exchange is one pinned request's record, shared with modifyResponse
-// through the request's context.
-type exchange struct {
-	restored  int
-	restoreMS float64
-	status    int
-	ans       answer
-	haveAns   bool
-	complete  bool // the whole answer went through
+// readBody reads a request's body up to maxRequestBody; rest is what is
+// left of a larger one (nil when it all fit).
+func readBody(r *http.Request) (body []byte, rest io.Reader, err error) {
+	body, err = io.ReadAll(io.LimitReader(r.Body, maxRequestBody+1))
+	if err != nil {
+		return nil, nil, err
+	}
+	if len(body) > maxRequestBody {
+		return nil, io.MultiReader(bytes.NewReader(body), r.Body), nil
+	}
+	return body, nil, nil
 }
 
-type exchangeKey struct{}
-
-// completion serves the routes whose prompt the proxy can read.
-func (p *Proxy) completion(ep endpoint) http.HandlerFunc {
+// keyed serves the routes whose prompt the proxy can read.
+func (p *Proxy) keyed(ep endpoint) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		p.stats.requests.Add(1)
-		body, err := io.ReadAll(io.LimitReader(r.Body, maxRequestBody+1))
-		if err != nil {
+		body, rest, err := readBody(r)
+		switch {
+		case err != nil:
 			http.Error(w, "mcbridge proxy: reading the request: "+err.Error(), http.StatusBadRequest)
 			return
-		}
-		if len(body) > maxRequestBody {
-			p.exclusive(w, r, io.MultiReader(bytes.NewReader(body), r.Body))
+		case rest != nil:
+			p.dispatch(w, r, nil, rest, nil, holdAll)
 			return
 		}
 		req, err := parseRequest(ep, body)
 		switch {
 		case err != nil:
 			// The server answers with its own error and computes nothing.
-			p.passthrough(w, r, bytes.NewReader(body))
+			p.dispatch(w, r, body, nil, nil, plain)
 		case req.multi:
-			p.exclusive(w, r, bytes.NewReader(body))
+			p.dispatch(w, r, body, nil, nil, holdAll)
 		default:
-			p.pinned(w, r, req, body)
+			p.dispatch(w, r, body, nil, req, pin)
 		}
 	}
 }
 
-// pinned runs one request in a slot the proxy holds, restoring its prefix
-// first when the bridge has it.
-func (p *Proxy) pinned(w http.ResponseWriter, r *http.Request, req *request, body []byte) {
-	ctx := r.Context()
-	lm := p.current()
-	tab := p.table()
-	if tab == nil {
-		p.stats.plain.Add(1)
-		p.passthrough(w, r, bytes.NewReader(body))
-		return
-	}
-	var tokens []int32
-	if lm != nil && !req.dirty && req.ep != infill {
-		var err error
-		if tokens, err = p.promptTokens(ctx, req, body); err != nil {
-			p.log.Debug("mcbridge proxy: no tokens for the prompt", "err", err)
-			p.stats.noTokens.Add(1)
-		}
-	}
-	want := -1
-	if req.idSlot >= 0 {
-		want = req.idSlot % tab.len() // llama-server wraps slot ids the same way
-	}
-	slot, local, err := tab.acquire(ctx, want, tokens)
+// computing serves requests the proxy does not read that may compute in
+// slots the server picks (embeddings, reranking, unknown routes): each
+// runs holding every slot of its upstream.
+func (p *Proxy) computing(w http.ResponseWriter, r *http.Request) {
+	body, rest, err := readBody(r)
 	if err != nil {
-		return // the client went away while waiting
+		http.Error(w, "mcbridge proxy: reading the request: "+err.Error(), http.StatusBadRequest)
+		return
 	}
-	// The slot's own prefix is what the server would reuse: the decision
-	// weighs a restore against computing only past it.
-	var lk *bridge.Plan
-	if tokens != nil {
-		if lk, err = lm.m.Lookup(p.opts.Scope, tokens, local); err != nil {
-			tokens, lk = nil, nil
-		}
-	}
-	// Counted from here, so that Flush after an answer waits for its save.
-	p.pending.Add(1)
-	handedOff := false
-	defer func() {
-		if !handedOff {
-			p.pending.Add(-1)
-		}
-	}()
-	before := tab.view(slot)
-	x := &exchange{}
-	if lk != nil && req.cachePrompt && lk.RestoreTokens > 0 {
-		t0 := p.opts.Now()
-		n, restoreErr := p.restore(ctx, lm, slot, lk)
-		x.restoreMS = float64(p.opts.Now().Sub(t0).Microseconds()) / 1000
-		switch {
-		case restoreErr == nil:
-			x.restored = n
-			before = slotState{tokens: tokens[:n]}
-			p.stats.restores.Add(1)
-			p.stats.restoredTokens.Add(int64(n))
-		case errors.As(restoreErr, new(*slotTouched)):
-			// The server may have cleared the slot or restored part of
-			// it: what it holds is unknown, but no dirtier than before.
-			before.tokens = nil
-			p.stats.fallback(restoreErr)
-			p.log.Info("mcbridge proxy: restore fell back", "slot", slot, "err", restoreErr)
-		default:
-			p.stats.fallback(restoreErr)
-			p.log.Debug("mcbridge proxy: restore fell back", "slot", slot, "err", restoreErr)
-		}
-	}
-	out, err := req.pinned(slot)
+	p.dispatch(w, r, body, rest, nil, holdAll)
+}
+
+// anyUpstream forwards a request that computes nothing (tokenizer, props,
+// model list) to the first upstream in the rotation.
+func (p *Proxy) anyUpstream(w http.ResponseWriter, r *http.Request) {
+	body, rest, err := readBody(r)
 	if err != nil {
-		tab.release(slot, nil, true)
-		p.passthrough(w, r, bytes.NewReader(body))
+		http.Error(w, "mcbridge proxy: reading the request: "+err.Error(), http.StatusBadRequest)
 		return
 	}
-	r2 := r.Clone(context.WithValue(ctx, exchangeKey{}, x))
-	r2.Body, r2.ContentLength = io.NopCloser(bytes.NewReader(out)), int64(len(out))
-	r2.Header.Del("Content-Length")
-	// The proxy reads the answer's timings: it asks for it uncompressed
-	// (Go's transport negotiates and undoes compression on its own).
-	r2.Header.Del("Accept-Encoding")
-	p.stats.pinned.Add(1)
-	p.rp.ServeHTTP(w, r2)
-	if !x.complete || x.status/100 != 2 {
-		// What the server did with the slot is not known; it computed over
-		// at most what it held.
-		tab.release(slot, nil, before.dirty || req.dirty)
-		return
-	}
-	if x.haveAns && x.ans.Timings != nil {
-		p.observe(x.ans.Timings)
-		if x.ans.Truncated {
-			p.stopPublishing("the upstream truncated a prompt")
+	states := p.router.States()
+	for i, be := range p.ups {
+		if !states[i].Up {
+			continue
 		}
-	}
-	dirty := nextDirty(before, tokens, req.dirty, x)
-	matched := 0
-	if lk != nil {
-		matched = lk.MatchedBlocks
-	}
-	handedOff = true
-	p.workers.Add(1)
-	go p.after(lm, tab, slot, tokens, dirty, x, matched)
-}
-
-// nextDirty says whether a slot may hold unclean KV after a request that
-// had before in it: the request's own cells are clean unless it shifts or
-// adapts them, and reused cells are as clean as the slot was, as long as
-// the server reused no more than the proxy knows the slot held.
-func nextDirty(before slotState, prompt []int32, reqDirty bool, x *exchange) bool {
-	if reqDirty {
-		return true
-	}
-	if !x.haveAns || x.ans.Timings == nil {
-		return true
-	}
-	c := x.ans.Timings.CacheN
-	if c == 0 {
-		return false
-	}
-	if prompt == nil || c > lcp(before.tokens, prompt) {
-		return true
-	}
-	return before.dirty
-}
-
-// observe feeds the arbiter's prefill model with the server's timings.
-func (p *Proxy) observe(t *timings) {
-	if t.PromptN <= 0 || t.PromptMS <= 0 {
-		return
-	}
-	p.b.Arbiter().ObservePrefill(t.CacheN, t.CacheN+t.PromptN, time.Duration(t.PromptMS*float64(time.Millisecond)))
-}
-
-// promptTokens finds the tokens the server will compute for a request.
-func (p *Proxy) promptTokens(ctx context.Context, req *request, body []byte) ([]int32, error) {
-	switch {
-	case req.tokens != nil:
-		return req.tokens, nil
-	case req.ep == chat:
-		prompt, err := p.up.applyTemplate(ctx, body)
-		if err != nil {
-			return nil, err
-		}
-		return p.up.tokenize(ctx, prompt)
-	case req.prompt != nil:
-		return p.up.tokenize(ctx, req.prompt)
-	}
-	return nil, status.Errorf(status.Unsupported, "no single prompt")
-}
-
-// modifyResponse reads a pinned answer's timings and adds the proxy's to
-// non-streaming JSON answers; other answers pass untouched.
-func (p *Proxy) modifyResponse(resp *http.Response) error {
-	x, _ := resp.Request.Context().Value(exchangeKey{}).(*exchange)
-	if x == nil {
-		return nil
-	}
-	x.status = resp.StatusCode
-	if resp.StatusCode/100 != 2 {
-		return nil
-	}
-	if isEventStream(resp.Header.Get("Content-Type")) {
-		resp.Body = &sseSniffer{rc: resp.Body, onClose: func(s *sseSniffer) {
-			x.ans, x.haveAns, x.complete = s.last, s.seen, s.atEOF
-		}}
-		return nil
-	}
-	b, err := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	if err != nil {
-		return err
-	}
-	x.ans, x.haveAns = readAnswer(b)
-	x.complete = true
-	if out, ok := spliceTimings(b, mcbMembers(x.restored, x.restoreMS)); ok {
-		b = out
-	}
-	resp.Body = io.NopCloser(bytes.NewReader(b))
-	resp.ContentLength = int64(len(b))
-	resp.Header.Set("Content-Length", strconv.Itoa(len(b)))
-	return nil
-}
-
-func isEventStream(ct string) bool {
-	mt, _, _ := strings.Cut(ct, ";")
-	return strings.EqualFold(strings.TrimSpace(mt), "text/event-stream")
-}
-
-// passthrough forwards a request as it came.
-func (p *Proxy) passthrough(w http.ResponseWriter, r *http.Request, body io.Reader) {
-	r2 := r.Clone(r.Context())
-	r2.Body = io.NopCloser(body)
-	p.rp.ServeHTTP(w, r2)
-}
-
-func (p *Proxy) passthroughAll(w http.ResponseWriter, r *http.Request) {
-	p.rp.ServeHTTP(w, r)
-}
-
-func (p *Proxy) exclusiveAll(w http.ResponseWriter, r *http.Request) {
-	p.exclusive(w, r, r.Body)
-}
-
-// exclusive forwards a request that may compute in slots the server picks
-// (several completions at once, embeddings, other APIs) while holding every
-// slot; afterwards what the slots hold is unknown.
-func (p *Proxy) exclusive(w http.ResponseWriter, r *http.Request, body io.Reader) {
-	p.stats.exclusive.Add(1)
-	tab := p.table()
-	if tab == nil {
-		p.passthrough(w, r, body)
-		return
-	}
-	if err := tab.holdAll(r.Context()); err != nil {
-		return
-	}
-	p.passthrough(w, r, body)
-	for i := 0; i < tab.len(); i++ {
-		tab.release(i, nil, false)
-	}
-}
-
-// slotFile forwards a client's own slot save, restore or erase, holding
-// that slot. A restored file is KV of unknown origin: the slot is dirty.
-func (p *Proxy) slotFile(w http.ResponseWriter, r *http.Request) {
-	tab := p.table()
-	id, err := strconv.Atoi(r.PathValue("id"))
-	if tab == nil || err != nil || id < 0 {
-		p.passthroughAll(w, r)
-		return
-	}
-	id %= tab.len()
-	if _, _, err := tab.acquire(r.Context(), id, nil); err != nil {
-		return
-	}
-	before := tab.view(id)
-	p.passthroughAll(w, r)
-	switch r.URL.Query().Get("action") {
-	case "save":
-		tab.release(id, before.tokens, before.dirty)
-	case "erase":
-		tab.release(id, []int32{}, false)
-	default:
-		tab.release(id, nil, true)
-	}
-}
-
-// loraAdapters forwards a change of the server-wide adapter scales. Every
-// slot's KV was computed under the old scales and the model's KV changes:
-// the slots turn dirty and the model is learned again.
-func (p *Proxy) loraAdapters(w http.ResponseWriter, r *http.Request) {
-	tab := p.table()
-	if tab != nil {
-		if err := tab.holdAll(r.Context()); err != nil {
+		if res := be.forward(w, r, body, rest, rest == nil); !res.unreachable {
 			return
 		}
+		p.router.Health(i, false)
 	}
-	p.passthroughAll(w, r)
-	if tab != nil {
-		for i := 0; i < tab.len(); i++ {
-			tab.release(i, nil, true)
+	http.Error(w, "mcbridge proxy: no upstream in the rotation", http.StatusServiceUnavailable)
+}
+
+// oneUpstream serves routes that act on one server's slots or adapters:
+// with several upstreams the proxy cannot tell which is meant.
+func (p *Proxy) oneUpstream(h func(be *backend) http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if len(p.ups) != 1 {
+			http.Error(w, "mcbridge proxy: this proxy has several upstreams; act on a server's slots or adapters at the server itself",
+				http.StatusBadRequest)
+			return
 		}
-	}
-	p.mu.Lock()
-	lm := p.model
-	p.mu.Unlock()
-	if lm != nil {
-		p.forget(lm, "the server's LoRA adapters changed")
+		h(p.ups[0])(w, r)
 	}
 }
 
-// slotPath is a file of the slot directory.
-func (p *Proxy) slotPath(name string) string { return filepath.Join(p.opts.SlotDir, name) }
+// mode is how a request runs on its upstream.
+type mode int
+
+const (
+	plain   mode = iota // forwarded as it came
+	holdAll             // forwarded while the proxy holds every slot
+	pin                 // pinned to a slot the proxy holds, restored first
+)
+
+// served is how a request went on one upstream.
+type served struct {
+	// unreachable: nothing reached the client; another upstream may take
+	// the request.
+	unreachable bool
+	outcome     route.Outcome
+}
+
+// dispatch routes a request and serves it, on the next upstream when the
+// chosen one does not answer. body is the request's body, or rest when it
+// was too large to read (then it goes once, unread).
+func (p *Proxy) dispatch(w http.ResponseWriter, r *http.Request, body []byte, rest io.Reader, req *request, m mode) {
+	ctx := r.Context()
+	var tk *tokenized
+	if m == pin && !req.dirty && req.ep != infill {
+		tk = p.tokenize(ctx, req, body)
+	}
+	var look *lookup
+	skip := make([]bool, len(p.ups))
+	for {
+		rq, l := p.routeRequest(req, tk, look, skip)
+		look = l
+		ch, err := p.router.Choose(rq)
+		p.stats.routed(ch.Reason)
+		if err != nil {
+			http.Error(w, "mcbridge proxy: "+err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		p.log.Debug("mcbridge proxy: routed", "choice", ch.String())
+		be := p.ups[ch.Upstream]
+		be.routed.Add(1)
+		var res served
+		switch m {
+		case pin:
+			res = be.pinned(w, r, req, body, tk, look, ch)
+		case holdAll:
+			res = be.exclusive(w, r, body, rest)
+		default:
+			res = be.forward(w, r, body, nil, true)
+		}
+		p.router.Done(ch.Ticket, res.outcome)
+		if !res.unreachable || ctx.Err() != nil {
+			return
+		}
+		p.log.Warn("mcbridge proxy: upstream did not answer; it leaves the rotation and the request goes to another", "upstream", be.name)
+		skip[ch.Upstream] = true
+		p.stats.retries.Add(1)
+	}
+}

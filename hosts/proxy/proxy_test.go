@@ -530,8 +530,8 @@ func TestHealthzAndMetrics(t *testing.T) {
 	}
 	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	for _, want := range []string{"mcbridge_saved_blocks_total 2", "mcbridge_proxy_requests_total 1",
-		"mcbridge_proxy_published_blocks_total 2", `mcbridge_proxy_restore_fallbacks_total{reason="slot_busy"} 0`} {
+	for _, want := range []string{"mcbridge_saved_blocks_total 2", "mcproxy_requests_total 1",
+		"mcproxy_queued_blocks_total 2", `mcproxy_restore_fallbacks_total{reason="slot_busy"} 0`} {
 		if !strings.Contains(string(b), want+"\n") {
 			t.Errorf("metrics lack %q:\n%s", want, b)
 		}

@@ -10,6 +10,7 @@ import (
 
 // publishJob is a saved slot file on its way into the bridge.
 type publishJob struct {
+	be     *backend
 	lm     *learned
 	data   []byte
 	st     *llamastate.State
@@ -17,10 +18,12 @@ type publishJob struct {
 }
 
 // after runs once the client has its answer, still holding the slot: it
-// saves the slot when that can publish a block the directory lacks, and
-// hands the file to the publisher. The slot is released as soon as the
-// file is written, with what the file says the slot holds.
-func (p *Proxy) after(lm *learned, tab *slotTable, slot int, prompt []int32, dirty bool, x *exchange, matched int) {
+// asks the server what the slot holds now (GET /slots, which also shows a
+// restart), saves the slot when that can publish a block the directory
+// lacks, and hands the file to the publisher. The slot is released as soon
+// as that is done, with what the answer and the file say it holds.
+func (ru *run) after() {
+	be, p, x := ru.be, ru.be.p, ru.x
 	defer p.workers.Done()
 	queued := false
 	defer func() {
@@ -28,51 +31,101 @@ func (p *Proxy) after(lm *learned, tab *slotTable, slot int, prompt []int32, dir
 			p.pending.Add(-1)
 		}
 	}()
-	holds := prompt // what the slot is known to start with
-	defer func() { tab.release(slot, holds, dirty) }()
-	if dirty || prompt == nil || !p.publishingFor(lm) {
+	tab := be.table()
+	ctx, cancel := context.WithTimeout(context.Background(), controlTimeout)
+	defer cancel()
+	infos, err := be.up.slots(ctx)
+	if err != nil {
+		infos = nil
+	}
+	if ru.all {
+		// The server chose the slot: the one that ran a task since.
+		others := make([]contents, tab.len())
+		for i := range others {
+			others[i] = tab.view(i).contents
+		}
+		slot, ok := ranSince(ru.infos, infos)
+		ok = ok && infos != nil && ru.infos != nil && slot < len(others)
+		defer func() {
+			for i, c := range others {
+				if !ok || i != slot {
+					tab.release(i, c)
+				}
+			}
+		}()
+		if !ok {
+			others = make([]contents, tab.len()) // which slot ran is not known: none is
+			p.log.Debug("mcbridge proxy: which slot the server chose is not known", "upstream", be.name)
+			return
+		}
+		if slot != ru.slot {
+			// Not the slot the proxy restored into (that one holds the
+			// restore now, unconfirmed).
+			others[ru.slot] = contents{}
+			ru.slot, ru.before = slot, others[slot]
+		}
+	}
+	if infos != nil {
+		if err := tab.checkTasks(infos); err != nil {
+			be.restarted(err.Error())
+			infos = nil
+		}
+	}
+	final := contents{tokens: ru.holds(), dirty: nextDirty(ru.before, ru.tokens, ru.req.dirty, x), sig: sigOf(infos, ru.slot)}
+	if final.sig == nil || final.sig.n < len(final.tokens) {
+		final.tokens, final.sig = nil, nil
+	}
+	defer func() { tab.release(ru.slot, final) }()
+	prompt := final.tokens
+	if final.dirty || prompt == nil || !be.publishingFor(ru.lm) {
+		p.log.Debug("mcbridge proxy: nothing to publish", "upstream", be.name, "slot", ru.slot,
+			"dirty", final.dirty, "known", prompt != nil, "publishing", be.publishingFor(ru.lm))
 		return
 	}
 	predicted := 0
 	if x.haveAns && x.ans.Timings != nil {
 		predicted = x.ans.Timings.PredictedN
 	}
+	matched := 0
+	if ru.plan != nil {
+		matched = ru.plan.MatchedBlocks
+	}
 	// The slot holds the prompt and all but the last generated token: when
 	// the directory had every full block of that before the request,
 	// there is nothing to publish.
-	B := lm.m.BlockTokens()
+	B := ru.lm.m.BlockTokens()
 	if (len(prompt)+predicted)/B <= matched {
 		p.stats.savesSkipped.Add(1)
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), controlTimeout)
-	defer cancel()
-	st, data, err := p.save(ctx, slot)
+	st, data, err := be.save(ctx, ru.slot)
 	if err != nil {
 		p.stats.saveFailures.Add(1)
-		p.log.Info("mcbridge proxy: slot save failed", "slot", slot, "err", err)
-		holds = nil
+		p.log.Info("mcbridge proxy: slot save failed", "upstream", be.name, "slot", ru.slot, "err", err)
+		final.tokens, final.sig = nil, nil
 		return
 	}
 	p.stats.saves.Add(1)
+	p.stats.savedBytes.Add(int64(len(data)))
 	toks, err := st.PromptTokens()
 	if err != nil {
-		holds = nil
+		final.tokens, final.sig = nil, nil
 		return
 	}
-	holds = toks
-	// The file must be this request's work: the prompt, then what it
-	// generated. Fewer tokens mean the server dropped some (a context
-	// shift), others that someone else used the slot.
+	// The file is the server's word for what the slot holds.
+	final.tokens = toks
+	// It must be this request's work: the prompt, then what it generated.
+	// Fewer tokens mean the server dropped some (a context shift), others
+	// that someone else used the slot.
 	if !slices.Equal(toks[:min(len(toks), len(prompt))], prompt) || len(toks) < len(prompt)+predicted-1 {
-		dirty = true
+		final.dirty = true
 		p.stats.saveMismatch.Add(1)
 		if len(toks) < len(prompt)+predicted-1 {
-			p.stopPublishing("the upstream dropped tokens from a slot (context shift)")
+			be.stopPublishing("the upstream dropped tokens from a slot (context shift)")
 		}
 		return
 	}
-	if queued = p.enqueue(publishJob{lm: lm, data: data, st: st, tokens: toks}); !queued {
+	if queued = p.enqueue(publishJob{be: be, lm: ru.lm, data: data, st: st, tokens: toks}); !queued {
 		p.stats.publishDropped.Add(1)
 	}
 }
@@ -83,7 +136,7 @@ func (p *Proxy) publisher() {
 	for job := range p.queue {
 		if err := p.publish(job); err != nil {
 			p.stats.publishFailures.Add(1)
-			p.log.Info("mcbridge proxy: publish failed", "err", err)
+			p.log.Info("mcbridge proxy: publish failed", "upstream", job.be.name, "err", err)
 		}
 		p.pending.Add(-1)
 	}
@@ -94,7 +147,7 @@ func (p *Proxy) publisher() {
 func (p *Proxy) publish(job publishJob) error {
 	res, err := job.lm.m.SaveState(p.opts.Scope, job.data, job.tokens)
 	if status.Of(err) == status.ModelMismatch {
-		p.forget(job.lm, "a slot file in another KV format")
+		job.be.forget(job.lm, "a slot file in another KV format")
 	}
 	if err != nil {
 		return err

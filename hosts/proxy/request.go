@@ -15,6 +15,8 @@ const (
 	completion endpoint = iota // /completion, /completions, /v1/completions: "prompt"
 	chat                       // /chat/completions, /v1/chat/completions: "messages"
 	infill                     // /infill: pinned to a slot, never restored
+	responses                  // /responses, /v1/responses: OpenAI Responses, a chat to the server
+	messages                   // /v1/messages: Anthropic Messages, a chat to the server
 )
 
 // request is what the proxy reads from a completion request. The body
@@ -36,6 +38,13 @@ type request struct {
 	// both mixed; nil when there is none the proxy can tokenize.
 	prompt json.RawMessage
 	tokens []int32 // set when the prompt is token ids only
+	// predict is how many tokens the answer may generate, as the request
+	// limits it (0: no limit given).
+	predict int
+	// serverPicks: the server chooses the slot whatever the body says
+	// (/v1/messages: its conversion keeps only Anthropic's fields, so
+	// id_slot, cache_prompt, lora and n_cache_reuse never reach it).
+	serverPicks bool
 }
 
 // parseRequest reads a completion, chat or infill body. It fails on bodies
@@ -48,6 +57,16 @@ func parseRequest(ep endpoint, body []byte) (*request, error) {
 	}
 	if v, ok := r.fields["stream"]; ok {
 		_ = json.Unmarshal(v, &r.stream)
+	}
+	for _, name := range []string{"n_predict", "max_tokens", "max_completion_tokens", "max_output_tokens"} {
+		var n float64
+		if v, ok := r.fields[name]; ok && json.Unmarshal(v, &n) == nil && n > 0 && r.predict == 0 {
+			r.predict = int(min(n, math.MaxInt32))
+		}
+	}
+	if ep == messages {
+		r.serverPicks = true
+		return r, nil
 	}
 	if v, ok := r.fields["cache_prompt"]; ok {
 		_ = json.Unmarshal(v, &r.cachePrompt)
@@ -131,8 +150,12 @@ func singlePrompt(p json.RawMessage) (json.RawMessage, []int32) {
 	return p, tokens
 }
 
-// pinned is the body with id_slot set to slot.
+// pinned is the body with id_slot set to slot; nil when the server picks
+// the slot (the body goes as it came).
 func (r *request) pinned(slot int) ([]byte, error) {
+	if r.serverPicks {
+		return nil, nil
+	}
 	fields := make(map[string]json.RawMessage, len(r.fields)+1)
 	for k, v := range r.fields {
 		fields[k] = v

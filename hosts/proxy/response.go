@@ -7,15 +7,17 @@ import (
 	"strconv"
 )
 
-// timings is what a completion's answer says about its prompt: how many
-// leading tokens the server reused (cache_n) and how long the rest took.
-// Both the native and the OpenAI-compatible answers carry it, the last
-// event of a stream too.
+// timings is what an answer says about its prompt: how many leading
+// tokens the server reused (cache_n) and how many it computed (prompt_n),
+// and what it generated. Native and OpenAI-compatible answers carry it as
+// "timings", the last event of a stream too; Responses and Anthropic
+// answers only as their usage counts, from which readAnswer fills it.
 type timings struct {
-	CacheN     int     `json:"cache_n"`
-	PromptN    int     `json:"prompt_n"`
-	PromptMS   float64 `json:"prompt_ms"`
-	PredictedN int     `json:"predicted_n"`
+	CacheN      int     `json:"cache_n"`
+	PromptN     int     `json:"prompt_n"`
+	PromptMS    float64 `json:"prompt_ms"`
+	PredictedN  int     `json:"predicted_n"`
+	PredictedMS float64 `json:"predicted_ms"`
 }
 
 type answer struct {
@@ -23,15 +25,81 @@ type answer struct {
 	Truncated bool     `json:"truncated"`
 }
 
-// readAnswer reads the timings out of one JSON answer or stream event;
-// ok is false when it has none.
-func readAnswer(b []byte) (answer, bool) {
-	var a answer
-	if json.Unmarshal(b, &a) != nil || a.Timings == nil {
+// usage is the token counts of Responses ("input_tokens",
+// "input_tokens_details.cached_tokens") and Anthropic answers
+// ("input_tokens" beside "cache_read_input_tokens").
+type usage struct {
+	InputTokens  *int `json:"input_tokens"`
+	OutputTokens *int `json:"output_tokens"`
+	CacheRead    *int `json:"cache_read_input_tokens"`
+	Details      *struct {
+		Cached *int `json:"cached_tokens"`
+	} `json:"input_tokens_details"`
+}
+
+type usageHolder struct {
+	Usage *usage `json:"usage"`
+}
+
+// readAnswer reads the prompt counts out of one JSON answer or stream
+// event of ep; ok is false when it has none. An Anthropic stream spreads
+// them over two events (message_start, message_delta): merge them.
+func readAnswer(ep endpoint, b []byte) (answer, bool) {
+	var raw struct {
+		answer
+		usageHolder
+		Message  *usageHolder `json:"message"`  // Anthropic's message_start
+		Response *usageHolder `json:"response"` // Responses' response.completed
+	}
+	if json.Unmarshal(b, &raw) != nil {
 		return answer{}, false
 	}
-	return a, true
+	if raw.Timings != nil {
+		return raw.answer, true
+	}
+	u := raw.Usage
+	for _, h := range []*usageHolder{raw.Message, raw.Response} {
+		if u == nil && h != nil {
+			u = h.Usage
+		}
+	}
+	if u == nil {
+		return answer{}, false
+	}
+	t := &timings{PromptN: -1}
+	if u.OutputTokens != nil {
+		t.PredictedN = *u.OutputTokens
+	}
+	switch {
+	case ep == messages && u.InputTokens != nil && u.CacheRead != nil:
+		t.CacheN, t.PromptN = *u.CacheRead, *u.InputTokens
+	case ep == responses && u.InputTokens != nil && u.Details != nil && u.Details.Cached != nil:
+		t.CacheN, t.PromptN = *u.Details.Cached, *u.InputTokens-*u.Details.Cached
+	}
+	return answer{Timings: t}, true
 }
+
+// merge adds a later event b to a: its prompt counts when it has them,
+// and the larger generated count.
+func (a *answer) merge(b answer) {
+	if b.Timings == nil {
+		return
+	}
+	if a.Timings == nil {
+		t := *b.Timings
+		a.Timings = &t
+	} else {
+		if b.Timings.PromptN >= 0 {
+			a.Timings.CacheN, a.Timings.PromptN, a.Timings.PromptMS = b.Timings.CacheN, b.Timings.PromptN, b.Timings.PromptMS
+		}
+		a.Timings.PredictedN = max(a.Timings.PredictedN, b.Timings.PredictedN)
+		a.Timings.PredictedMS = max(a.Timings.PredictedMS, b.Timings.PredictedMS)
+	}
+	a.Truncated = a.Truncated || b.Truncated
+}
+
+// prompted says whether the answer counted its prompt.
+func (a *answer) prompted() bool { return a.Timings != nil && a.Timings.PromptN >= 0 }
 
 // spliceTimings adds members (`"k":v,...`) to the "timings" object of a
 // JSON object, or a "timings" object holding them when there is none.
@@ -108,19 +176,24 @@ const maxEventLine = 1 << 20
 // the timings of its events as they go by.
 type sseSniffer struct {
 	rc      io.ReadCloser
+	ep      endpoint
 	line    []byte
 	skip    bool // inside a line over maxEventLine
 	last    answer
-	seen    bool // an event with timings went by
+	seen    bool // an event with timings or usage went by
 	atEOF   bool
+	readErr bool // the upstream broke the stream off
 	onClose func(s *sseSniffer)
 }
 
 func (s *sseSniffer) Read(p []byte) (int, error) {
 	n, err := s.rc.Read(p)
 	s.feed(p[:n])
-	if err == io.EOF {
+	switch {
+	case err == io.EOF:
 		s.atEOF = true
+	case err != nil:
+		s.readErr = true
 	}
 	return n, err
 }
@@ -164,10 +237,11 @@ func (s *sseSniffer) keep(b []byte) {
 func (s *sseSniffer) event(line []byte) {
 	line = bytes.TrimSuffix(line, []byte("\r"))
 	data, ok := bytes.CutPrefix(line, []byte("data:"))
-	if !ok || !bytes.Contains(data, []byte(`"timings"`)) {
+	if !ok || (!bytes.Contains(data, []byte(`"timings"`)) && !bytes.Contains(data, []byte(`"usage"`))) {
 		return
 	}
-	if a, ok := readAnswer(bytes.TrimSpace(data)); ok {
-		s.last, s.seen = a, true
+	if a, ok := readAnswer(s.ep, bytes.TrimSpace(data)); ok {
+		s.last.merge(a)
+		s.seen = true
 	}
 }

@@ -29,9 +29,10 @@ func (s *slotTouched) Unwrap() error { return s.f }
 // restore loads a plan's blocks into a slot file and has the server load
 // it into slot, which the caller holds. It returns how many leading tokens
 // the slot now holds.
-func (p *Proxy) restore(ctx context.Context, lm *learned, slot int, plan *bridge.Plan) (int, error) {
+func (be *backend) restore(ctx context.Context, lm *learned, slot int, plan *bridge.Plan, infos []slotInfo) (int, error) {
+	p := be.p
 	t0 := p.opts.Now()
-	if err := p.checkUpstream(ctx, lm, slot); err != nil {
+	if err := be.checkUpstream(ctx, lm, slot, infos); err != nil {
 		if _, ok := err.(*fallback); ok {
 			return 0, err
 		}
@@ -49,21 +50,21 @@ func (p *Proxy) restore(ctx context.Context, lm *learned, slot int, plan *bridge
 	good := res.OKTokens
 	t2 := p.opts.Now()
 	name := p.fileName("r", slot)
-	path := p.slotPath(name)
+	path := be.slotPath(name)
 	if err := os.WriteFile(path, data, 0o644); err != nil {
 		_ = os.Remove(path)
 		return 0, &fallback{"file_error", err}
 	}
 	defer os.Remove(path)
 	t3 := p.opts.Now()
-	r, err := p.up.slotAction(ctx, slot, "restore", name)
+	r, err := be.up.slotAction(ctx, slot, "restore", name)
 	if err != nil {
 		return 0, &slotTouched{&fallback{"restore_refused", err}}
 	}
 	if r.Restored != good {
 		return 0, &slotTouched{&fallback{"restore_refused", status.Errorf(status.Internal, "the server restored %d of %d tokens", r.Restored, good)}}
 	}
-	p.log.Debug("mcbridge proxy: restored", "slot", slot, "tokens", good, "bytes", len(data),
+	p.log.Debug("mcbridge proxy: restored", "upstream", be.name, "slot", slot, "tokens", good, "bytes", len(data),
 		"check", t1.Sub(t0), "load", t2.Sub(t1), "write", t3.Sub(t2), "server_restore", p.opts.Now().Sub(t3))
 	return good, nil
 }

@@ -7,29 +7,54 @@ import (
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
-// slotTable hands out the upstream's slots one request at a time: a slot
+// slotTable hands out an upstream's slots one request at a time: a slot
 // the proxy holds is one it may restore into, compute in and save from
 // without another of its requests touching it. It remembers what each slot
-// holds (a prefix of it, from the last slot file seen) to send a prompt
-// where llama-server's own prompt cache already has the longest prefix.
+// holds (a prefix of it, from the last answer or slot file seen) to send a
+// prompt where llama-server's own prompt cache already has the longest
+// prefix, and what GET /slots said of the slot then, so that the memory
+// counts only while the server confirms it.
 type slotTable struct {
 	mu      sync.Mutex
 	slots   []slotState
 	tick    uint64
 	changed chan struct{} // closed and replaced whenever a slot is released
+	// tasks is, per slot, the last id_task GET /slots showed: task ids only
+	// grow while a server runs, so one that shrinks or vanishes is a new
+	// process.
+	tasks map[int]int
 }
 
 type slotState struct {
-	held   bool
-	tokens []int32 // a prefix of what the slot holds; nil when unknown
-	// dirty: cells of the slot may hold KV that no key describes (see the
-	// package comment); its saves are not published.
-	dirty    bool
+	held bool
+	// saving: held only while the answer's save and publish finish; it
+	// frees in moments, so a prompt that shares more with it waits for it.
+	saving bool
+	contents
 	lastUsed uint64
 }
 
+// contents is what the proxy knows a slot holds.
+type contents struct {
+	tokens []int32 // a prefix of what the slot holds; nil when unknown
+	// dirty: cells of the slot may hold KV that no key describes (see the
+	// package comment); its saves are not published.
+	dirty bool
+	// sig is what GET /slots said of the slot when tokens were learned;
+	// nil when the server never confirmed them.
+	sig *slotSig
+}
+
+// slotSig is a slot as GET /slots shows it: the last task run in it and
+// how many tokens it holds. Any task in the slot, a restore or an erase
+// changes one of them.
+type slotSig struct {
+	task int
+	n    int
+}
+
 func newSlotTable(n int) *slotTable {
-	return &slotTable{slots: make([]slotState, n), changed: make(chan struct{})}
+	return &slotTable{slots: make([]slotState, n), changed: make(chan struct{}), tasks: map[int]int{}}
 }
 
 func (t *slotTable) len() int { return len(t.slots) }
@@ -45,28 +70,43 @@ func lcp(a, b []int32) int {
 	return n
 }
 
+// best is the slot acquire would take for tokens (want < 0) and its common
+// prefix with them: the free slot sharing the longest prefix, the least
+// recently used among equals, or a saving slot sharing more than any free
+// one (wait: the caller waits for it); -1 when none is free.
+func (t *slotTable) best(want int, tokens []int32) (slot, prefix int, wait bool) {
+	best, bestLCP := -1, -1
+	for i := range t.slots {
+		s := &t.slots[i]
+		if (s.held && !s.saving) || (want >= 0 && i != want) {
+			continue
+		}
+		l := lcp(s.tokens, tokens)
+		switch {
+		case l > bestLCP,
+			l == bestLCP && t.slots[best].held && !s.held,
+			l == bestLCP && t.slots[best].held == s.held && s.lastUsed < t.slots[best].lastUsed:
+			best, bestLCP = i, l
+		}
+	}
+	if best >= 0 && t.slots[best].held {
+		return best, bestLCP, true
+	}
+	return best, bestLCP, false
+}
+
 // acquire waits until a slot is free and holds it: the given slot when
 // want >= 0, else the free slot sharing the longest prefix with tokens
-// (the least recently used among equals). It returns the slot and that
-// prefix length.
+// (the least recently used among equals), or the saving slot sharing more
+// once its save is done. It returns the slot and that prefix length.
 func (t *slotTable) acquire(ctx context.Context, want int, tokens []int32) (int, int, error) {
 	if want >= len(t.slots) {
 		return 0, 0, status.Errorf(status.InvalidArg, "slot %d of %d", want, len(t.slots))
 	}
 	for {
 		t.mu.Lock()
-		best, bestLCP := -1, -1
-		for i := range t.slots {
-			s := &t.slots[i]
-			if s.held || (want >= 0 && i != want) {
-				continue
-			}
-			l := lcp(s.tokens, tokens)
-			if l > bestLCP || (l == bestLCP && s.lastUsed < t.slots[best].lastUsed) {
-				best, bestLCP = i, l
-			}
-		}
-		if best >= 0 {
+		best, bestLCP, saving := t.best(want, tokens)
+		if best >= 0 && !saving {
 			t.tick++
 			t.slots[best].held = true
 			t.slots[best].lastUsed = t.tick
@@ -83,12 +123,50 @@ func (t *slotTable) acquire(ctx context.Context, want int, tokens []int32) (int,
 	}
 }
 
-// release frees a held slot, recording what it now holds (nil: unknown)
-// and whether that may be unclean.
-func (t *slotTable) release(id int, tokens []int32, dirty bool) {
+// peek is how much of tokens the slot a request would get holds: the slot
+// acquire would take now, or with every slot held the longest prefix any
+// holds (the request waits for a slot; which one frees is not known).
+func (t *slotTable) peek(tokens []int32) int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if i, l, _ := t.best(-1, tokens); i >= 0 {
+		return l
+	}
+	n := 0
+	for i := range t.slots {
+		n = max(n, lcp(t.slots[i].tokens, tokens))
+	}
+	return n
+}
+
+// serverChoice is the slot llama-server picks for tokens when it chooses
+// (get_available_slot, every slot idle): the longest common prefix, the
+// lowest slot among equals.
+func (t *slotTable) serverChoice(tokens []int32) (int, int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	best, bestLCP := 0, -1
+	for i := range t.slots {
+		if l := lcp(t.slots[i].tokens, tokens); l > bestLCP {
+			best, bestLCP = i, l
+		}
+	}
+	return best, bestLCP
+}
+
+// markSaving says that held slot id only finishes its save now, with c
+// what it holds meanwhile.
+func (t *slotTable) markSaving(id int, c contents) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.slots[id].saving, t.slots[id].contents = true, c
+}
+
+// release frees a held slot, recording what it now holds.
+func (t *slotTable) release(id int, c contents) {
 	t.mu.Lock()
 	s := &t.slots[id]
-	s.held, s.tokens, s.dirty = false, tokens, dirty
+	s.held, s.saving, s.contents = false, false, c
 	close(t.changed)
 	t.changed = make(chan struct{})
 	t.mu.Unlock()
@@ -101,8 +179,7 @@ func (t *slotTable) holdAll(ctx context.Context) error {
 	for i := range t.slots {
 		if _, _, err := t.acquire(ctx, i, nil); err != nil {
 			for _, h := range held {
-				v := t.view(h)
-				t.release(h, v.tokens, v.dirty)
+				t.release(h, t.view(h).contents)
 			}
 			return err
 		}
@@ -111,9 +188,81 @@ func (t *slotTable) holdAll(ctx context.Context) error {
 	return nil
 }
 
+// releaseAll frees every slot held by holdAll; what they hold is unknown.
+func (t *slotTable) releaseAll() {
+	for i := 0; i < t.len(); i++ {
+		t.release(i, contents{})
+	}
+}
+
+// forgetAll drops what the table knows of every slot and of the server's
+// tasks: the server is a new process.
+func (t *slotTable) forgetAll() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for i := range t.slots {
+		t.slots[i].contents = contents{}
+	}
+	t.tasks = map[int]int{}
+}
+
 // view is what the table knows about a slot.
 func (t *slotTable) view(id int) slotState {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.slots[id]
+}
+
+// checkTasks spots a restarted server: its slots forget their last task,
+// or number tasks from zero again. It records the tasks it saw.
+func (t *slotTable) checkTasks(infos []slotInfo) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, in := range infos {
+		prev, seen := t.tasks[in.ID]
+		if seen && (in.IDTask == nil || *in.IDTask < prev) {
+			return status.Errorf(status.ModelMismatch, "slot %d forgot its last task: the upstream restarted", in.ID)
+		}
+	}
+	for _, in := range infos {
+		if in.IDTask != nil {
+			t.tasks[in.ID] = *in.IDTask
+		}
+	}
+	return nil
+}
+
+// ranSince is the one slot whose task changed from before to after (two
+// GET /slots); false when none or several did.
+func ranSince(before, after []slotInfo) (int, bool) {
+	prev := map[int]int{}
+	for _, in := range before {
+		if in.IDTask != nil {
+			prev[in.ID] = *in.IDTask
+		}
+	}
+	slot := -1
+	for _, in := range after {
+		if in.IDTask == nil {
+			continue
+		}
+		if p, seen := prev[in.ID]; seen && p == *in.IDTask {
+			continue
+		}
+		if slot >= 0 {
+			return 0, false
+		}
+		slot = in.ID
+	}
+	return slot, slot >= 0
+}
+
+// sigOf is what infos say of slot id; nil when they do not say.
+func sigOf(infos []slotInfo, id int) *slotSig {
+	for _, in := range infos {
+		if in.ID == id && in.IDTask != nil {
+			return &slotSig{task: *in.IDTask, n: in.NPromptTokens}
+		}
+	}
+	return nil
 }

@@ -4,6 +4,9 @@ import (
 	"context"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 func TestAcquirePrefersTheLongestCachedPrefix(t *testing.T) {
@@ -15,7 +18,7 @@ func TestAcquirePrefersTheLongestCachedPrefix(t *testing.T) {
 		if err != nil || id != i {
 			t.Fatal(id, err)
 		}
-		tab.release(id, toks, false)
+		tab.release(id, contents{tokens: toks})
 	}
 	tests := []struct {
 		prompt []int32
@@ -33,7 +36,7 @@ func TestAcquirePrefersTheLongestCachedPrefix(t *testing.T) {
 		if err != nil || id != tc.slot || l != tc.lcp {
 			t.Fatalf("prompt %v: slot %d lcp %d (%v), want %d %d", tc.prompt, id, l, err, tc.slot, tc.lcp)
 		}
-		tab.release(id, tab.view(id).tokens, false)
+		tab.release(id, tab.view(id).contents)
 	}
 }
 
@@ -56,7 +59,7 @@ func TestAcquireWaitsForARelease(t *testing.T) {
 		t.Fatalf("acquired held slot %d", id)
 	case <-time.After(10 * time.Millisecond):
 	}
-	tab.release(0, []int32{4}, true)
+	tab.release(0, contents{tokens: []int32{4}, dirty: true})
 	if id := <-got; id != 0 {
 		t.Fatalf("acquired %d", id)
 	}
@@ -86,7 +89,7 @@ func TestHoldAll(t *testing.T) {
 		t.Fatalf("held every slot while one was taken: %v", err)
 	case <-time.After(10 * time.Millisecond):
 	}
-	tab.release(1, nil, false)
+	tab.release(1, contents{})
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
@@ -106,12 +109,12 @@ func TestNextDirty(t *testing.T) {
 	with := func(c int) *exchange {
 		return &exchange{haveAns: true, ans: answer{Timings: &timings{CacheN: c}}}
 	}
-	known := slotState{tokens: []int32{1, 2, 3, 4}}
-	dirtyKnown := slotState{tokens: []int32{1, 2, 3, 4}, dirty: true}
+	known := contents{tokens: []int32{1, 2, 3, 4}}
+	dirtyKnown := contents{tokens: []int32{1, 2, 3, 4}, dirty: true}
 	prompt := []int32{1, 2, 3, 9, 9}
 	tests := []struct {
 		name     string
-		before   slotState
+		before   contents
 		prompt   []int32
 		reqDirty bool
 		x        *exchange
@@ -121,7 +124,7 @@ func TestNextDirty(t *testing.T) {
 		{"reused known clean cells", known, prompt, false, with(3), false},
 		{"reused known dirty cells", dirtyKnown, prompt, false, with(2), true},
 		{"reused more than known", known, prompt, false, with(4), true},
-		{"reused unknown cells", slotState{}, prompt, false, with(1), true},
+		{"reused unknown cells", contents{}, prompt, false, with(1), true},
 		{"no prompt tokens", known, nil, false, with(1), true},
 		{"dirty request", known, prompt, true, with(0), true},
 		{"no timings", known, prompt, false, &exchange{}, true},
@@ -131,4 +134,34 @@ func TestNextDirty(t *testing.T) {
 			t.Errorf("%s: dirty %v, want %v", tc.name, got, tc.want)
 		}
 	}
+}
+
+// A slot finishing its save frees in moments: a prompt sharing more with
+// it than with any free slot waits for it instead of restoring elsewhere.
+func TestAcquireWaitsForASavingSlotWithMore(t *testing.T) {
+	tab := newSlotTable(2)
+	ctx := context.Background()
+	id, _, err := tab.acquire(ctx, 0, nil)
+	require.NoError(t, err)
+	tab.markSaving(id, contents{tokens: []int32{1, 2, 3}})
+	assert.Equal(t, 3, tab.peek([]int32{1, 2, 3, 4}), "the router counts on the saving slot's prefix")
+
+	got := make(chan int)
+	go func() {
+		id, _, _ := tab.acquire(ctx, -1, []int32{1, 2, 3, 4})
+		got <- id
+	}()
+	select {
+	case id := <-got:
+		require.FailNow(t, "took a slot while the one sharing more was saving", "slot %d", id)
+	case <-time.After(10 * time.Millisecond):
+	}
+	tab.release(0, contents{tokens: []int32{1, 2, 3, 9}})
+	assert.Equal(t, 0, <-got)
+
+	// A prompt sharing nothing more with the saving slot takes a free one.
+	tab.markSaving(0, contents{tokens: []int32{1, 2, 3}})
+	id, l, err := tab.acquire(ctx, -1, []int32{7})
+	require.NoError(t, err)
+	assert.Equal(t, []int{1, 0}, []int{id, l})
 }

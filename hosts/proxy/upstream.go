@@ -25,6 +25,9 @@ type upstream struct {
 // /props (chat templates) and /tokenize of a long prompt.
 const maxControlBody = 64 << 20
 
+// isTransport: the call got no answer from the server.
+func isTransport(err error) bool { return status.Of(err) == status.Transfer }
+
 // upstreamError is a control call the server answered with an error.
 type upstreamError struct {
 	Path   string
@@ -115,12 +118,16 @@ func (u *upstream) props(ctx context.Context) (props, error) {
 	return p, err
 }
 
-// slotInfo is one entry of GET /slots.
+// slotInfo is one entry of GET /slots (server_slot::to_json).
 type slotInfo struct {
 	ID           int  `json:"id"`
 	NCtx         int  `json:"n_ctx"`
 	IsProcessing bool `json:"is_processing"`
-	IDTask       *int `json:"id_task"` // the last task run in it; absent before the first
+	// IDTask is the last task run in the slot (absent before the first);
+	// NPromptTokens is how many tokens the slot holds (prompt.tokens, the
+	// prompt and what was generated; 0 after an erase), present with it.
+	IDTask        *int `json:"id_task"`
+	NPromptTokens int  `json:"n_prompt_tokens"`
 }
 
 func (u *upstream) slots(ctx context.Context) ([]slotInfo, error) {

@@ -16,23 +16,44 @@ import (
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
-// docs/metrics.md documents exactly the vocabulary: every series, its
+// docs/metrics.md documents exactly the vocabularies: every series, its
 // type, label and help, in order.
 func TestDocumentedOnce(t *testing.T) {
 	b, err := os.ReadFile(filepath.Join("..", "..", "docs", "metrics.md"))
 	require.NoError(t, err)
-	row := regexp.MustCompile("^\\| `mcbridge_([a-z_]+)` \\| ([a-z]+) \\| ([a-z]*) \\| (.*) \\|$")
-	var doc []string
-	for _, line := range strings.Split(string(b), "\n") {
-		if m := row.FindStringSubmatch(line); m != nil {
-			doc = append(doc, strings.Join(m[1:], " | "))
+	for prefix, vocabulary := range map[string][]Series{Prefix: Vocabulary, ProxyPrefix: ProxyVocabulary} {
+		row := regexp.MustCompile("^\\| `" + prefix + "([a-z_]+)` \\| ([a-z]+) \\| ([a-z]*) \\| (.*) \\|$")
+		var doc []string
+		for _, line := range strings.Split(string(b), "\n") {
+			if m := row.FindStringSubmatch(line); m != nil {
+				doc = append(doc, strings.Join(m[1:], " | "))
+			}
 		}
+		var code []string
+		for _, s := range vocabulary {
+			code = append(code, strings.Join([]string{s.Name, s.Kind, s.Label, s.Help}, " | "))
+		}
+		assert.Equal(t, code, doc, prefix)
 	}
-	var code []string
-	for _, s := range Vocabulary {
-		code = append(code, strings.Join([]string{s.Name, s.Kind, s.Label, s.Help}, " | "))
+}
+
+func TestWriteProxy(t *testing.T) {
+	var out bytes.Buffer
+	require.NoError(t, WriteProxy(&out, func(name string) []Sample {
+		switch name {
+		case "requests_total":
+			return []Sample{{Value: 3}}
+		case "upstream_up":
+			return []Sample{{Label: "http://a:1", Value: 1}, {Label: "http://b:2", Value: 0}}
+		}
+		return nil
+	}))
+	text := out.String()
+	assert.Contains(t, text, "\nmcproxy_requests_total 3\n")
+	assert.Contains(t, text, "mcproxy_upstream_up{upstream=\"http://a:1\"} 1\nmcproxy_upstream_up{upstream=\"http://b:2\"} 0\n")
+	for _, s := range ProxyVocabulary {
+		assert.Contains(t, text, "# HELP mcproxy_"+s.Name+" "+s.Help+"\n# TYPE mcproxy_"+s.Name+" "+s.Kind+"\n")
 	}
-	assert.Equal(t, code, doc)
 }
 
 func TestWrite(t *testing.T) {

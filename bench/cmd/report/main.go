@@ -23,6 +23,7 @@ import (
 	"github.com/mcbridge/mcbridge/bench/arbitereval"
 	"github.com/mcbridge/mcbridge/bench/preset"
 	"github.com/mcbridge/mcbridge/bench/replay"
+	"github.com/mcbridge/mcbridge/bench/route"
 	"github.com/mcbridge/mcbridge/internal/arbiter"
 )
 
@@ -46,6 +47,9 @@ type report struct {
 
 	E2E    json.RawMessage `json:"e2e,omitempty"` // bench/out/e2e.json as found
 	E2EErr string          `json:"e2e_error,omitempty"`
+
+	Route    *route.Report `json:"route,omitempty"` // bench/out/route.json as found
+	RouteErr string        `json:"route_error,omitempty"`
 
 	Stages []stage `json:"stages"`
 }
@@ -152,6 +156,10 @@ func (r *report) write(outDir, rawDir string) error {
 	r.E2EErr = ""
 	if r.E2E, err = readE2E(filepath.Join(rawDir, "e2e.json")); err != nil {
 		r.E2EErr = err.Error()
+	}
+	r.RouteErr = ""
+	if r.Route, err = readRoute(filepath.Join(rawDir, "route.json")); err != nil {
+		r.RouteErr = err.Error()
 	}
 	if err := writeJSON(filepath.Join(rawDir, "report.json"), r); err != nil {
 		return err

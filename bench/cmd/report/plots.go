@@ -35,6 +35,11 @@ const (
 func linkPlot(preset string) string { return "ttft_vs_link_" + preset + ".svg" }
 
 func writePlots(dir string, r *report) error {
+	if r.Route != nil {
+		if err := writeRoutePlot(dir, r.Route); err != nil {
+			return err
+		}
+	}
 	if len(r.Capacity) > 0 {
 		var ss []series
 		for _, ev := range []string{"lru", "cost"} {

@@ -1,0 +1,280 @@
+package route
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/mcbridge/mcbridge/internal/gguf"
+	"github.com/mcbridge/mcbridge/internal/testenv"
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	testenv.Cleanup()
+	os.Exit(code)
+}
+
+// Policies are compared in this order, each on fresh servers.
+var policies = []string{"cache-aware", "round-robin", "least-loaded"}
+
+// upstreams is how many stock servers sit behind the proxy.
+const upstreams = 3
+
+// modelConfig is the bench model's shape with 4 layers instead of 12:
+// the same KV per layer and prefill per layer, a third of the time, so that
+// three servers and three policies fit a loaded two-core machine.
+func modelConfig() gguf.Config {
+	c := gguf.Presets["bench"]
+	c.Name, c.BlockCount, c.ContextLength = "mcbridge-route", 4, 8192
+	return c
+}
+
+func loadAverage() string {
+	b, _ := os.ReadFile("/proc/loadavg")
+	f := strings.Fields(string(b))
+	if len(f) < 3 {
+		return ""
+	}
+	return strings.Join(f[:3], " ")
+}
+
+// BenchmarkRoute replays the workload through three stock servers behind
+// the proxy under each policy and writes bench/out/route.json ($MCB_BENCH_OUT
+// names another directory). MCB_BENCH_QUICK=1 replays a smaller swarm.
+func BenchmarkRoute(b *testing.B) {
+	w := DefaultWorkload
+	if os.Getenv("MCB_BENCH_QUICK") != "" {
+		w.Agents, w.Turns, w.SharedTokens = 3, 2, 512
+	}
+	cfg := modelConfig()
+	model := filepath.Join(b.TempDir(), "route.gguf")
+	if err := gguf.WriteFile(model, cfg); err != nil {
+		b.Fatal(err)
+	}
+	swarm := Generate(w)
+	rep := Report{Note: "measured on a shared two-core machine under other engineers' load: read the policies against each other, not the absolute times",
+		Date: time.Now().UTC().Format(time.RFC3339), LoadStart: loadAverage(), Workload: w, Upstreams: upstreams, Slots: 2,
+		Model: fmt.Sprintf("%s: %d layers, n_embd %d, %d KV heads, f16", cfg.Name, cfg.BlockCount, cfg.EmbeddingLength, cfg.HeadCountKV)}
+	t0 := time.Now()
+	for b.Loop() {
+		rep.Results = rep.Results[:0]
+		for _, pol := range policies {
+			rep.Results = append(rep.Results, replay(b, model, swarm, w, pol))
+		}
+	}
+	rep.Seconds, rep.LoadEnd = time.Since(t0).Seconds(), loadAverage()
+	rep.OutputsIdentical = sameAnswers(rep.Results)
+	if !rep.OutputsIdentical {
+		b.Error("the policies' greedy answers differ: a routing or a restore changed what the model said")
+	}
+	for _, r := range rep.Results {
+		b.ReportMetric(r.TTFT.Mean, r.Policy+"-ttft-mean-ms")
+		b.ReportMetric(r.PrefixHitRatio, r.Policy+"-hit-ratio")
+	}
+	dir := os.Getenv("MCB_BENCH_OUT")
+	if dir == "" {
+		dir = filepath.Join(testenv.Root(), "bench", "out")
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		b.Fatal(err)
+	}
+	out, err := json.MarshalIndent(rep, "", "  ")
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "route.json"), append(out, '\n'), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	b.Logf("wrote %s (%.0f s)", filepath.Join(dir, "route.json"), rep.Seconds)
+}
+
+// slotDir is a slot directory on tmpfs where there is one, as
+// docs/proxy.md recommends.
+func slotDir(b *testing.B, name string) string {
+	b.Helper()
+	base := "/dev/shm"
+	if st, err := os.Stat(base); err != nil || !st.IsDir() {
+		base = b.TempDir()
+	}
+	d, err := os.MkdirTemp(base, "mcb-route-"+name+"-")
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { os.RemoveAll(d) })
+	return d
+}
+
+// replay runs the swarm through fresh servers and a fresh proxy routing by
+// policy.
+func replay(b *testing.B, model string, swarm Swarm, w Workload, policy string) Result {
+	b.Helper()
+	t0 := time.Now()
+	args := []string{"proxy", "--route", policy, "--config", `{"pool_bytes": 1073741824}`}
+	var servers []*testenv.Llama
+	for i := range upstreams {
+		dir := slotDir(b, strconv.Itoa(i))
+		s := testenv.StartLlama(b, fmt.Sprintf("%s-u%d", policy, i), testenv.StockServer(b),
+			append(testenv.ServerArgs(model, 8192, 2, "on"), "--slot-save-path", dir))
+		servers = append(servers, s)
+		args = append(args, "--upstream", s.URL+",slots="+dir)
+	}
+	px := testenv.StartServer(b, policy+"-proxy", testenv.Mcbridge(b), args, nil, func(port int) []string {
+		return []string{"--listen", "127.0.0.1:" + strconv.Itoa(port)}
+	}, "/healthz")
+	before := testenv.Metrics(b, px.URL+"/metrics")
+
+	res := Result{Policy: policy, PerUpstream: make([]int, upstreams), Decisions: map[string]int64{}}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	errs := make(chan error, len(swarm.Agents))
+	for a := range swarm.Agents {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			time.Sleep(time.Duration(a) * w.Stagger)
+			var answers [][]int32
+			for k := range w.Turns {
+				r, err := stream(px.URL, swarm.Prompt(a, k, answers), w.Predict)
+				if err != nil {
+					errs <- fmt.Errorf("agent %d turn %d: %w", a, k, err)
+					return
+				}
+				r.Agent, r.Turn = a, k
+				answers = append(answers, r.Answer)
+				mu.Lock()
+				res.Trace = append(res.Trace, r)
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		b.Fatal(err)
+	}
+	after := testenv.Metrics(b, px.URL+"/metrics")
+	delta := func(name string) int64 { return int64(after[name] - before[name]) }
+	res.RestoredBytes = delta("mcbridge_restored_bytes_total")
+	res.SavedBytes = delta("mcproxy_saved_bytes_total")
+	res.BytesMoved = res.RestoredBytes + res.SavedBytes
+	for k := range after {
+		if r, ok := strings.CutPrefix(k, `mcproxy_route_decisions_total{reason="`); ok {
+			if n := delta(k); n > 0 {
+				res.Decisions[strings.TrimSuffix(r, `"}`)] = n
+			}
+		}
+	}
+	sort.Slice(res.Trace, func(i, j int) bool {
+		return res.Trace[i].Agent < res.Trace[j].Agent || (res.Trace[i].Agent == res.Trace[j].Agent && res.Trace[i].Turn < res.Trace[j].Turn)
+	})
+	var ttft []float64
+	for _, r := range res.Trace {
+		res.Requests++
+		res.PromptTokens += r.Prompt
+		res.CachedTokens += r.CacheN
+		res.RestoredTokens += r.Restored
+		if r.Upstream >= 0 && r.Upstream < upstreams {
+			res.PerUpstream[r.Upstream]++
+		}
+		ttft = append(ttft, r.TTFTMS)
+	}
+	res.PrefixHitRatio = float64(res.CachedTokens) / float64(res.PromptTokens)
+	res.LocalHitRatio = float64(res.CachedTokens-res.RestoredTokens) / float64(res.PromptTokens)
+	res.TTFT = percentiles(ttft)
+	px.Stop()
+	for _, s := range servers {
+		s.Stop()
+	}
+	res.Seconds = time.Since(t0).Seconds()
+	b.Logf("%s: hit %.3f (local %.3f), TTFT mean %.0f ms p90 %.0f ms, moved %d MiB, per upstream %v, %v",
+		policy, res.PrefixHitRatio, res.LocalHitRatio, res.TTFT.Mean, res.TTFT.P90, res.BytesMoved>>20, res.PerUpstream, res.Decisions)
+	return res
+}
+
+func percentiles(xs []float64) Percentiles {
+	if len(xs) == 0 {
+		return Percentiles{}
+	}
+	s := append([]float64(nil), xs...)
+	sort.Float64s(s)
+	sum := 0.0
+	for _, x := range s {
+		sum += x
+	}
+	at := func(q float64) float64 { return s[min(len(s)-1, int(q*float64(len(s))))] }
+	return Percentiles{Mean: sum / float64(len(s)), P50: at(0.5), P90: at(0.9)}
+}
+
+// stream sends one greedy streamed completion and times its first token.
+func stream(url string, prompt []int32, predict int) (Request, error) {
+	body, _ := json.Marshal(map[string]any{"prompt": prompt, "n_predict": predict, "temperature": 0, "seed": 42,
+		"return_tokens": true, "cache_prompt": true, "stream": true})
+	t0 := time.Now()
+	resp, err := testenv.Client.Post(url+"/completion", "application/json", bytes.NewReader(body))
+	if err != nil {
+		return Request{}, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 {
+		return Request{}, fmt.Errorf("HTTP %d", resp.StatusCode)
+	}
+	r := Request{Prompt: len(prompt), Upstream: -1}
+	r.Upstream, _ = strconv.Atoi(resp.Header.Get("Mcb-Upstream"))
+	r.Restored, _ = strconv.Atoi(resp.Header.Get("Mcb-Restored-N"))
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		var ev struct {
+			Tokens  []int32 `json:"tokens"`
+			Timings *struct {
+				CacheN int `json:"cache_n"`
+			} `json:"timings"`
+		}
+		if err := json.Unmarshal([]byte(data), &ev); err != nil {
+			return Request{}, err
+		}
+		if len(ev.Tokens) > 0 && r.TTFTMS == 0 {
+			r.TTFTMS = float64(time.Since(t0).Microseconds()) / 1000
+		}
+		r.Answer = append(r.Answer, ev.Tokens...)
+		if ev.Timings != nil {
+			r.CacheN = ev.Timings.CacheN
+		}
+	}
+	return r, sc.Err()
+}
+
+// sameAnswers says whether every policy got the same greedy answers.
+func sameAnswers(rs []Result) bool {
+	for _, r := range rs[1:] {
+		if len(r.Trace) != len(rs[0].Trace) {
+			return false
+		}
+		for i := range r.Trace {
+			a, b := r.Trace[i].Answer, rs[0].Trace[i].Answer
+			if len(a) != len(b) || len(a) == 0 {
+				return false
+			}
+			for j := range a {
+				if a[j] != b[j] {
+					return false
+				}
+			}
+		}
+	}
+	return true
+}

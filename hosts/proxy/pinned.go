@@ -1,0 +1,294 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"net/http"
+
+	"github.com/mcbridge/mcbridge/hosts/proxy/route"
+	"github.com/mcbridge/mcbridge/internal/bridge"
+)
+
+// run is one request in a slot the proxy holds, from the restore to the
+// save.
+type run struct {
+	be     *backend
+	lm     *learned
+	req    *request
+	tokens []int32 // the prompt as the server computes it; nil: unknown
+	slot   int
+	before contents // what the slot held before the request, as confirmed
+	plan   *bridge.Plan
+	x      *exchange
+	infos  []slotInfo // GET /slots just before the request, when asked
+	// all: the proxy holds every slot and the server picks one
+	// (/v1/messages); slot is where it restored, after finds where it ran.
+	all bool
+}
+
+// pinned runs one request in a slot the proxy holds, restoring its prefix
+// first when the bridge has it.
+func (be *backend) pinned(w http.ResponseWriter, r *http.Request, req *request, body []byte, tk *tokenized, look *lookup, ch route.Choice) served {
+	return be.pinnedOnce(w, r, req, body, tk, look, ch, true)
+}
+
+// pinnedOnce is pinned; a server found restarted is relearned and the
+// request starts over once.
+func (be *backend) pinnedOnce(w http.ResponseWriter, r *http.Request, req *request, body []byte, tk *tokenized, look *lookup, ch route.Choice, again bool) served {
+	p := be.p
+	ctx := r.Context()
+	lm := be.current()
+	tab := be.table()
+	if tab == nil {
+		p.stats.plain.Add(1)
+		return be.forward(w, r, body, nil, true)
+	}
+	var tokens []int32
+	if tk != nil && sameModel(lm, tk.lm) {
+		tokens = tk.tokens
+	}
+	keyed := tokens != nil && lm != nil && tk.lm != nil && req.cachePrompt && be.spec.SlotDir != ""
+	var slot, local int
+	var err error
+	switch {
+	case req.serverPicks:
+		p.stats.exclusive.Add(1)
+		err = tab.holdAll(ctx)
+		slot, local = tab.serverChoice(tokens)
+	default:
+		want := -1
+		if req.idSlot >= 0 {
+			want = req.idSlot % tab.len() // llama-server wraps slot ids the same way
+		}
+		slot, local, err = tab.acquire(ctx, want, tokens)
+	}
+	if err != nil {
+		return served{} // the client went away while waiting
+	}
+	ru := &run{be: be, lm: lm, req: req, tokens: tokens, slot: slot, before: tab.view(slot).contents, all: req.serverPicks,
+		x: &exchange{ep: req.ep, upstream: be.i, retryable: true, splice: be.spec.SlotDir != "" && (req.ep == completion || req.ep == chat || req.ep == infill)}}
+	if keyed {
+		plan := be.planFor(lm, tokens, local, look)
+		if local > 0 || (plan != nil && plan.RestoreTokens > 0) {
+			// About to rely on what the slot holds or to restore into
+			// it: the server's word first.
+			var restartedNow bool
+			local, restartedNow = ru.confirm(ctx, local)
+			if restartedNow {
+				ru.releaseAll()
+				if again {
+					return be.pinnedOnce(w, r, req, body, tk, look, ch, false)
+				}
+				keyed = false
+			}
+			if ru.lm == nil || !sameModel(ru.lm, tk.lm) {
+				keyed = false
+			} else if !look.fits(local) || plan == nil {
+				plan = be.planFor(ru.lm, tokens, local, nil)
+			}
+		}
+		if keyed && req.serverPicks && plan != nil && plan.RestoreTokens > 0 && !p.serverWouldPick(plan.RestoreTokens, len(tokens)) {
+			// The server would take another slot than the restored one.
+			p.stats.fallback(&fallback{"server_picks", errServerPicks})
+			plan = nil
+		}
+		if keyed {
+			ru.plan = plan
+		}
+	}
+	if ru.all && ru.infos == nil {
+		// The slot the server picks is found afterwards as the one whose
+		// task changed: this is before.
+		ru.infos, _ = be.up.slots(ctx)
+	}
+	return ru.serve(w, r, body)
+}
+
+var errServerPicks = errors.New("the server picks the slot, and would not pick the restored one")
+
+// releaseAll releases what the run holds, its contents unknown.
+func (ru *run) releaseAll() {
+	tab := ru.be.table()
+	if ru.all {
+		tab.releaseAll()
+		return
+	}
+	tab.release(ru.slot, contents{})
+}
+
+// confirm checks the slot against the server's GET /slots: a restarted
+// server (slots that forgot their tasks) is forgotten whole, and a slot
+// whose last task or token count is not what the proxy saw after its own
+// request holds something unknown. It returns how much of the prompt the
+// slot may be counted on for, and whether the server restarted (then the
+// caller releases the slot and starts over against the relearned server).
+func (ru *run) confirm(ctx context.Context, local int) (int, bool) {
+	be := ru.be
+	infos, err := be.up.slots(ctx)
+	if err != nil {
+		if local > 0 {
+			be.p.stats.unconfirmed("unreachable")
+		}
+		ru.before = contents{}
+		return 0, false
+	}
+	if err := be.table().checkTasks(infos); err != nil {
+		be.restarted(err.Error())
+		return 0, true
+	}
+	ru.infos = infos
+	if local == 0 {
+		return 0, false
+	}
+	if why := confirmed(ru.before.sig, infos, ru.slot); why != "" {
+		be.p.stats.unconfirmed(why)
+		be.p.log.Debug("mcbridge proxy: slot not confirmed, its contents are unknown", "upstream", be.name, "slot", ru.slot, "why", why)
+		ru.before = contents{}
+		return 0, false
+	}
+	return local, false
+}
+
+// serve restores the plan (if any), forwards the request pinned to the
+// slot, and hands the slot to after once the answer is complete.
+func (ru *run) serve(w http.ResponseWriter, r *http.Request, body []byte) served {
+	be, p, x := ru.be, ru.be.p, ru.x
+	ctx := r.Context()
+	tab := be.table()
+	// Counted from here, so that Flush after an answer waits for its save.
+	p.pending.Add(1)
+	handedOff := false
+	defer func() {
+		if !handedOff {
+			// What the server did with the slot is not known; it computed
+			// over at most what it held.
+			if ru.all {
+				tab.releaseAll()
+			} else {
+				tab.release(ru.slot, contents{dirty: ru.before.dirty || ru.req.dirty})
+			}
+			p.pending.Add(-1)
+		}
+	}()
+	ru.restore(ctx)
+	out, err := ru.req.pinned(ru.slot)
+	if err != nil || out == nil {
+		out = body
+	}
+	p.stats.pinned.Add(1)
+	be.send(w, r, out, nil, x)
+	res := served{unreachable: x.unreachable, outcome: x.outcome()}
+	if !x.complete || x.status/100 != 2 {
+		return res
+	}
+	ru.learnFromAnswer()
+	handedOff = true
+	if !ru.all {
+		// The next turn of this conversation waits for the save rather
+		// than restoring into another slot.
+		tab.markSaving(ru.slot, contents{tokens: ru.holds(), dirty: true})
+	}
+	p.workers.Add(1)
+	go ru.after()
+	return res
+}
+
+// restore restores the run's plan into its slot when it goes past what the
+// slot holds.
+func (ru *run) restore(ctx context.Context) {
+	be, p, x := ru.be, ru.be.p, ru.x
+	if ru.plan == nil || ru.plan.RestoreTokens == 0 {
+		return
+	}
+	t0 := p.opts.Now()
+	n, err := be.restore(ctx, ru.lm, ru.slot, ru.plan, ru.infos)
+	x.restoreMS = float64(p.opts.Now().Sub(t0).Microseconds()) / 1000
+	switch {
+	case err == nil:
+		x.restored = n
+		ru.before = contents{tokens: ru.tokens[:n]}
+		p.stats.restores.Add(1)
+		p.stats.restoredTokens.Add(int64(n))
+	case errors.As(err, new(*slotTouched)):
+		// The server may have cleared the slot or restored part of it:
+		// what it holds is unknown, but no dirtier than before.
+		ru.before.tokens, ru.before.sig = nil, nil
+		p.stats.fallback(err)
+		p.log.Info("mcbridge proxy: restore fell back", "upstream", be.name, "slot", ru.slot, "err", err)
+	default:
+		p.stats.fallback(err)
+		p.log.Debug("mcbridge proxy: restore fell back", "upstream", be.name, "slot", ru.slot, "err", err)
+	}
+}
+
+// learnFromAnswer reads what the answer says the server did: its timings
+// feed the arbiter, a truncated prompt stops publishing, and counts that
+// disagree with the proxy's tokens mean the proxy did not know the prompt.
+func (ru *run) learnFromAnswer() {
+	x := ru.x
+	if !x.haveAns || x.ans.Timings == nil {
+		return
+	}
+	ru.be.observe(x.ans.Timings)
+	if x.ans.Truncated {
+		ru.be.stopPublishing("the upstream truncated a prompt")
+	}
+	if ru.tokens != nil && x.ans.prompted() && x.ans.Timings.CacheN+x.ans.Timings.PromptN != len(ru.tokens) {
+		ru.be.p.stats.answerMismatches.Add(1)
+		ru.be.p.log.Debug("mcbridge proxy: the server counted another prompt", "upstream", ru.be.name,
+			"server", x.ans.Timings.CacheN+x.ans.Timings.PromptN, "proxy", len(ru.tokens))
+	}
+}
+
+// holds is what the slot is known to start with after the answer: the
+// prompt, when the answer's own counts say the server computed exactly it.
+func (ru *run) holds() []int32 {
+	x := ru.x
+	if ru.tokens == nil || !x.haveAns || !x.ans.prompted() || x.ans.Timings.CacheN+x.ans.Timings.PromptN != len(ru.tokens) {
+		return nil
+	}
+	return ru.tokens
+}
+
+// nextDirty says whether a slot may hold unclean KV after a request that
+// had before in it: the request's own cells are clean unless it shifts or
+// adapts them, and reused cells are as clean as the slot was, as long as
+// the server reused no more than the proxy knows the slot held.
+func nextDirty(before contents, prompt []int32, reqDirty bool, x *exchange) bool {
+	if reqDirty {
+		return true
+	}
+	if !x.haveAns || !x.ans.prompted() {
+		return true
+	}
+	c := x.ans.Timings.CacheN
+	if c == 0 {
+		return false
+	}
+	if prompt == nil || c > lcp(before.tokens, prompt) {
+		return true
+	}
+	return before.dirty
+}
+
+// confirmed says why GET /slots does not confirm what the proxy saw of a
+// slot after its own last use ("" when it does): the slot ran another task
+// since, or holds another count of tokens (erased, restored, reused).
+func confirmed(sig *slotSig, infos []slotInfo, id int) string {
+	if sig == nil {
+		return "unseen"
+	}
+	for _, in := range infos {
+		if in.ID != id {
+			continue
+		}
+		switch {
+		case in.IDTask == nil || *in.IDTask != sig.task:
+			return "task"
+		case in.NPromptTokens != sig.n:
+			return "tokens"
+		}
+		return ""
+	}
+	return "missing"
+}
