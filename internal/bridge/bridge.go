@@ -123,10 +123,7 @@ func (b *Bridge) build(deps Deps) error {
 		return err
 	}
 	b.closers = append(b.closers, b.closePool)
-	policy := residency.LRU
-	if b.cfg.Eviction == "cost" {
-		policy = residency.CostAware
-	}
+	policy := map[string]residency.Policy{"lru": residency.LRU, "cost": residency.CostAware, "frequency": residency.Frequency}[b.cfg.Eviction]
 	if b.resident, err = residency.New[slot](residency.Config{BudgetBytes: b.pool.Size(), Policy: policy}); err != nil {
 		return err
 	}
