@@ -1,6 +1,7 @@
 package disk
 
 import (
+	"encoding/binary"
 	"fmt"
 	"sync"
 
@@ -50,10 +51,21 @@ func ParseCodec(s string) (Codec, error) {
 
 // Shuffle writes the byte planes of src's 16-bit elements into dst: every
 // even byte, then every odd one. len(src) must be even and len(dst) equal.
+// Eight elements move per step, as 64-bit words through slices of fixed
+// length (no bounds checks inside): a byte loop ran at a tenth of memcpy.
 func Shuffle(dst, src []byte) {
 	n := len(src) / 2
-	lo, hi := dst[:n], dst[n:2*n]
-	for i := 0; i < n; i++ {
+	lo, hi := dst[:n:n], dst[n:2*n:2*n]
+	le := binary.LittleEndian
+	i := 0
+	for ; i+8 <= n; i += 8 {
+		s := src[2*i : 2*i+16 : 2*i+16]
+		w0, w1 := le.Uint64(s[0:8]), le.Uint64(s[8:16])
+		const even = 0x00ff00ff00ff00ff
+		le.PutUint64(lo[i:i+8:i+8], uint64(compact(w0&even))|uint64(compact(w1&even))<<32)
+		le.PutUint64(hi[i:i+8:i+8], uint64(compact(w0>>8&even))|uint64(compact(w1>>8&even))<<32)
+	}
+	for ; i < n; i++ {
 		lo[i] = src[2*i]
 		hi[i] = src[2*i+1]
 	}
@@ -62,11 +74,32 @@ func Shuffle(dst, src []byte) {
 // Unshuffle is Shuffle's inverse.
 func Unshuffle(dst, src []byte) {
 	n := len(src) / 2
-	lo, hi := src[:n], src[n:2*n]
-	for i := 0; i < n; i++ {
+	lo, hi := src[:n:n], src[n:2*n:2*n]
+	le := binary.LittleEndian
+	i := 0
+	for ; i+8 <= n; i += 8 {
+		l, h := le.Uint64(lo[i:i+8:i+8]), le.Uint64(hi[i:i+8:i+8])
+		d := dst[2*i : 2*i+16 : 2*i+16]
+		le.PutUint64(d[0:8], spread(uint32(l))|spread(uint32(h))<<8)
+		le.PutUint64(d[8:16], spread(uint32(l>>32))|spread(uint32(h>>32))<<8)
+	}
+	for ; i < n; i++ {
 		dst[2*i] = lo[i]
 		dst[2*i+1] = hi[i]
 	}
+}
+
+// spread puts byte k of x at byte 2k of the result.
+func spread(x uint32) uint64 {
+	w := uint64(x)
+	w = (w | w<<16) & 0x0000ffff0000ffff
+	return (w | w<<8) & 0x00ff00ff00ff00ff
+}
+
+// compact is spread's inverse, for a word whose odd bytes are zero.
+func compact(w uint64) uint32 {
+	w = (w | w>>8) & 0x0000ffff0000ffff
+	return uint32(w | w>>16)
 }
 
 // coders are zstd's encoder and decoder, built once: each holds tables a
@@ -81,7 +114,11 @@ var coders struct {
 
 func zstdCoders() (*zstd.Encoder, *zstd.Decoder, error) {
 	coders.once.Do(func() {
-		coders.enc, coders.err = zstd.NewWriter(nil, zstd.WithEncoderLevel(zstd.SpeedFastest), zstd.WithEncoderConcurrency(1))
+		// KV's byte planes have few repeats for LZ to find; what pays is
+		// the entropy coding of the exponent plane, which zstd's fast
+		// levels skip for blocks without matches unless told otherwise.
+		coders.enc, coders.err = zstd.NewWriter(nil, zstd.WithEncoderLevel(zstd.SpeedFastest),
+			zstd.WithAllLitEntropyCompression(true), zstd.WithEncoderConcurrency(1))
 		if coders.err == nil {
 			coders.dec, coders.err = zstd.NewReader(nil, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxMemory(1<<32))
 		}

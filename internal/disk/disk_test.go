@@ -70,6 +70,20 @@ func TestCodecRoundTrip(t *testing.T) {
 	back := make([]byte, 6)
 	Unshuffle(back, planes)
 	require.Equal(t, src, back)
+	// The word-wide steps agree with the definition at every length.
+	r := rand.New(rand.NewSource(3))
+	for n := 0; n <= 40; n += 2 {
+		src := make([]byte, n)
+		r.Read(src)
+		planes, back := make([]byte, n), make([]byte, n)
+		Shuffle(planes, src)
+		for i := 0; i < n/2; i++ {
+			require.Equal(t, src[2*i], planes[i], "n=%d low byte %d", n, i)
+			require.Equal(t, src[2*i+1], planes[n/2+i], "n=%d high byte %d", n, i)
+		}
+		Unshuffle(back, planes)
+		require.Equal(t, src, back, "n=%d", n)
+	}
 	_, err := Encode(Zstd, nil, []byte{1, 2, 3}, nil)
 	require.Equal(t, status.InvalidArg, status.Of(err), "odd length")
 	for name, c := range map[string]Codec{"raw": Raw, "zstd": Zstd} {
@@ -352,3 +366,14 @@ func FuzzDecode(f *testing.F) {
 }
 
 func xxh3Sum(b []byte) uint64 { return xxh3.Hash(b) }
+
+func BenchmarkShuffle(b *testing.B) {
+	src := make([]byte, 3<<20)
+	rand.New(rand.NewSource(1)).Read(src)
+	dst := make([]byte, len(src))
+	b.SetBytes(int64(len(src)))
+	for b.Loop() {
+		Shuffle(dst, src)
+		Unshuffle(src, dst)
+	}
+}
