@@ -5,7 +5,6 @@ import (
 	"math/rand"
 	"os"
 	"path/filepath"
-	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -16,6 +15,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/pool"
 	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
 var model = key.Hash{0xfe, 0xed}
@@ -244,22 +244,41 @@ func TestBudgetEvicts(t *testing.T) {
 	assert.NotEmpty(t, entries)
 }
 
-// tmpfs mounts a tmpfs of size bytes for the test: the real way to meet a
-// full or read-only filesystem. It needs root (make test runs as root).
-func tmpfs(t *testing.T, size string) string {
-	t.Helper()
-	require.Zero(t, os.Geteuid(), "this test mounts a tmpfs to fill a real filesystem: run it as root (make test does)")
-	dir := t.TempDir()
-	require.NoError(t, syscall.Mount("tmpfs", dir, "tmpfs", 0, "size="+size), "mounting a tmpfs at %s", dir)
-	t.Cleanup(func() { _ = syscall.Unmount(dir, syscall.MNT_DETACH) })
-	return dir
+// Under pressure the tier keeps chains whole from their first block: a
+// block does not push out its own prefix, and one whose prefix is not on
+// the disk pushes out nothing.
+func TestBudgetKeepsChainsWhole(t *testing.T) {
+	b, _ := block(t, 0, key.Hash{}, 0)
+	per := int64(HeaderSize + len(b))
+	tr := open(t, t.TempDir(), 3*per, Raw)
+	parent := key.Hash{1}
+	var chain []Meta
+	for i := range 5 {
+		bi, m := block(t, int64(i), parent, uint32(i))
+		err := tr.Put(bi, m)
+		if i < 3 {
+			require.NoError(t, err, "block %d", i)
+		} else {
+			require.Equal(t, status.PoolFull, status.Of(err), "block %d: %v", i, err)
+		}
+		chain = append(chain, m)
+		parent = m.Key
+	}
+	for i, m := range chain {
+		assert.Equal(t, i < 3, tr.Has(m.Key), "block %d", i)
+	}
+	// Another chain's first block takes the place of this one's leaf.
+	other, om := block(t, 9, key.Hash{2}, 0)
+	require.NoError(t, tr.Put(other, om))
+	assert.False(t, tr.Has(chain[2].Key))
+	assert.True(t, tr.Has(chain[1].Key))
 }
 
 // A filesystem smaller than the budget: a write that finds it full lowers
 // the budget to what the tier holds, evicts and writes; nothing half
 // written stays, and every block read back is whole.
 func TestDiskFull(t *testing.T) {
-	dir := tmpfs(t, "64k")
+	dir := testenv.TmpFS(t, "64k")
 	tr := open(t, dir, 1<<30, Raw)
 	var held []Meta
 	blocks := map[key.BlockKey][]byte{}
@@ -295,17 +314,17 @@ func TestDiskFull(t *testing.T) {
 // error; one that becomes read-only later fails each write, clearly, and
 // the blocks already there stay readable.
 func TestUnwritableDirectory(t *testing.T) {
-	ro := tmpfs(t, "1m")
-	require.NoError(t, syscall.Mount("", ro, "", syscall.MS_REMOUNT|syscall.MS_RDONLY, ""))
+	ro := testenv.TmpFS(t, "1m")
+	testenv.ReadOnly(t, ro)
 	_, err := Open(Config{Dir: ro, Bytes: 1 << 20})
 	require.Equal(t, status.Config, status.Of(err), "%v", err)
 	assert.Contains(t, err.Error(), "disk tier")
 
-	dir := tmpfs(t, "1m")
+	dir := testenv.TmpFS(t, "1m")
 	tr := open(t, dir, 1<<20, Raw)
 	b, m := block(t, 1, key.Hash{1}, 0)
 	require.NoError(t, tr.Put(b, m))
-	require.NoError(t, syscall.Mount("", dir, "", syscall.MS_REMOUNT|syscall.MS_RDONLY, ""))
+	testenv.ReadOnly(t, dir)
 	b2, m2 := block(t, 2, key.Hash{2}, 0)
 	err = tr.Put(b2, m2)
 	require.Error(t, err)

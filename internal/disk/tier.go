@@ -269,7 +269,7 @@ func (t *Tier) Put(block []byte, m Meta) error {
 	m.StoredLen = int64(len(stored))
 	m.StoredSum = xxh3.Hash(stored)
 	encodeHeader(buf, &m)
-	if err := t.make(m.FileSize()); err != nil {
+	if err := t.make(&m); err != nil {
 		t.writeErrors.Add(1)
 		return err
 	}
@@ -281,7 +281,7 @@ func (t *Tier) Put(block []byte, m Meta) error {
 		t.mu.Unlock()
 		t.shrink(have)
 		t.log.Warn("mcbridge: disk tier: the filesystem is full; the tier keeps at most what it held", "dir", t.dir, "bytes", have)
-		if err = t.make(m.FileSize()); err == nil {
+		if err = t.make(&m); err == nil {
 			err = t.write(m.Key, buf)
 		}
 	}
@@ -339,13 +339,33 @@ func (t *Tier) write(k key.BlockKey, buf []byte) error {
 	return err
 }
 
-// make evicts files until n more bytes fit the budget.
-func (t *Tier) make(n int64) error {
+// make evicts files until m's fits the budget. Under pressure the tier
+// keeps chains whole from their first block: m's parent (and so its whole
+// prefix) is kept while files go for it, and a block whose parent has no
+// file here (no reader reaches it from the disk alone) is not worth
+// evicting anything for.
+func (t *Tier) make(m *Meta) error {
+	n := m.FileSize()
 	t.mu.Lock()
+	if t.index.Bytes()+n <= t.cfg.Bytes {
+		t.mu.Unlock()
+		return nil
+	}
+	_, parentHeld := t.index.Get(m.Parent)
+	if !parentHeld && m.Depth > 0 {
+		t.mu.Unlock()
+		return status.Errorf(status.PoolFull, "disk tier full: block %s is not written, its prefix is not on the disk", m.Key)
+	}
+	if parentHeld {
+		_ = t.index.Pin(m.Parent)
+	}
 	gone, err := t.index.Evict(n)
+	if parentHeld {
+		_ = t.index.Unpin(m.Parent)
+	}
 	t.mu.Unlock()
 	if err != nil {
-		return status.Wrap(status.PoolFull, err, "disk tier: no room")
+		return status.Wrap(status.PoolFull, err, "disk tier full: block "+m.Key.String()+" is not written")
 	}
 	t.unlink(gone, &t.evicted)
 	return nil
@@ -502,3 +522,11 @@ func (t *Tier) Stats() Stats {
 
 // Dir is where the files are.
 func (t *Tier) Dir() string { return t.dir }
+
+// Meta returns what the tier holds for k.
+func (t *Tier) Meta(k key.BlockKey) (Meta, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	m, ok := t.index.Get(k)
+	return m, ok
+}

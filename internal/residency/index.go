@@ -278,6 +278,16 @@ func (t *Tree[V]) Get(k key.BlockKey) (V, bool) {
 	return t.nodes[id].value, true
 }
 
+// Entry returns a block as Walk reports it, uses included, without
+// counting it as used.
+func (t *Tree[V]) Entry(k key.BlockKey) (Entry[V], bool) {
+	id, ok := t.ids[k]
+	if !ok {
+		return Entry[V]{}, false
+	}
+	return t.entry(id), true
+}
+
 // Leaf reports whether k is indexed and has no block below it.
 func (t *Tree[V]) Leaf(k key.BlockKey) bool {
 	id, ok := t.ids[k]
