@@ -133,7 +133,7 @@ func (b *Bridge) build(deps Deps) error {
 		return err
 	}
 	b.closers = append(b.closers, b.closePool)
-	policy := map[string]residency.Policy{"lru": residency.LRU, "cost": residency.CostAware, "frequency": residency.Frequency}[b.cfg.Eviction]
+	policy, _ := residency.PolicyNamed(b.cfg.Eviction) // the config validated it
 	if b.resident, err = residency.New[slot](residency.Config{BudgetBytes: b.pool.Size(), Policy: policy}); err != nil {
 		return err
 	}

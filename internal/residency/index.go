@@ -48,6 +48,13 @@ const (
 	Frequency
 )
 
+// PolicyNamed is the policy a configuration names: "lru", "cost" or
+// "frequency".
+func PolicyNamed(name string) (Policy, bool) {
+	p, ok := map[string]Policy{"lru": LRU, "cost": CostAware, "frequency": Frequency}[name]
+	return p, ok
+}
+
 func (p Policy) String() string {
 	switch p {
 	case LRU:

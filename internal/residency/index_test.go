@@ -538,3 +538,13 @@ func TestPolicyString(t *testing.T) {
 		assert.Equal(t, want, p.String(), "%d.String()", p)
 	}
 }
+
+func TestPolicyNamed(t *testing.T) {
+	for name, want := range map[string]Policy{"lru": LRU, "cost": CostAware, "frequency": Frequency} {
+		p, ok := PolicyNamed(name)
+		assert.True(t, ok, name)
+		assert.Equal(t, want, p, name)
+	}
+	_, ok := PolicyNamed("fifo")
+	assert.False(t, ok)
+}
