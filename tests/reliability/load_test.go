@@ -249,6 +249,7 @@ func TestLoad(t *testing.T) {
 	sc := j.Config
 	sc.PoolBytes = 4 << 20 // 121 blocks: the store evicts too
 	sc.Owner = "store"
+	sc.Eviction = "frequency" // as mcbridge serve runs
 	store := openNode(t, sc, 64, nil)
 	require.NoError(t, store.b.Replicate())
 	lj := loadJob{Duration: d, Prefixes: 4, PrefixBlocks: 8, PrivateTokens: 2*blockTokens + 7}
@@ -296,16 +297,24 @@ func TestLoad(t *testing.T) {
 	fmt.Fprintf(&sum.text, "\nstore node: %d blocks (%.2f MiB) held of a %.2f MiB pool, peak %.2f MiB; %d copied, %d taken over, %d evicted, %d copy failures\n",
 		blocks, mib(bytes), mib(poolBytes), mib(storeMax), st.Replicated, st.TakenOver, st.Evictions, st.ReplicationFails)
 
-	// What the store still publishes after every generator has gone
-	// restores byte-exact.
+	// After every generator has gone, the store publishes every shared
+	// prefix, and it restores byte-exact. The store takes over what the
+	// generators unpublished as they exited, through the directory's watch:
+	// wait for that, not for a time.
 	r := openNode(t, j.Config, 256, nil)
 	restored := 0
 	for i := 0; i < lj.Prefixes; i++ {
 		p := append(prompt(int64(1000+i), lj.PrefixBlocks*blockTokens), 1)
+		matched := waitMatchedWithin(t, r.m, p, lj.PrefixBlocks, time.Minute)
+		if matched < lj.PrefixBlocks {
+			continue
+		}
 		out := r.restore(r.h, key.Scope{}, p)
+		r.verify(r.h, p, out.Restored)
 		restored += out.Restored
 	}
-	fmt.Fprintf(&sum.text, "after the generators exited: %d of %d shared-prefix tokens restored from the store\n", restored, lj.Prefixes*lj.PrefixBlocks*blockTokens)
+	fmt.Fprintf(&sum.text, "after the generators exited: %d of %d shared-prefix tokens restored from the store; readers reported %d restores of its blocks\n",
+		restored, lj.Prefixes*lj.PrefixBlocks*blockTokens, st.PeerUses)
 	t.Logf("load report (%d processes, %v):\n%s", procs, d, sum.text.String())
 	report(t, fmt.Sprintf("load, %d processes, %v", procs, d), sum.text.String())
 
@@ -315,6 +324,7 @@ func TestLoad(t *testing.T) {
 	assert.Zero(t, storeOver, "times the store's pool went over its size")
 	assert.NotZero(t, sum.restored, "nothing was shared: no token restored")
 	assert.NotZero(t, st.Replicated, "nothing was shared: no block copied by the store")
+	assert.Equal(t, lj.Prefixes*lj.PrefixBlocks*blockTokens, restored, "shared-prefix tokens restorable from the store after the generators exited")
 	for _, e := range sum.errors {
 		t.Log(e)
 	}
@@ -478,4 +488,19 @@ func rssPairs(rss, hwm []int64) string {
 		parts = append(parts, fmt.Sprintf("%d/%d", rss[i], hwm[i]))
 	}
 	return strings.Join(parts, " ")
+}
+
+// waitMatchedWithin polls Lookup until it matches want blocks or timeout
+// passes, and returns the blocks it matched last.
+func waitMatchedWithin(t *testing.T, m *bridge.Model, tokens []int32, want int, timeout time.Duration) int {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		r, err := m.Lookup(key.Scope{}, tokens, 0)
+		require.NoError(t, err)
+		if r.MatchedBlocks >= want || time.Now().After(deadline) {
+			return r.MatchedBlocks
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
