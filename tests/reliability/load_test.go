@@ -379,7 +379,7 @@ func summarize(reps []loadReport, soak bool, d time.Duration) *summary {
 	}
 	var prompt, shared, decided int64
 	fallbacks, saveErrs := map[string]int{}, map[string]int{}
-	var lookups, hits, loads, evictions, saved, deduped, held, peak int64
+	var lookups, hits, loads, evictions, saved, deduped, held, peak, reportsSent, reportsFailed int64
 	blocks := 0
 	var byWindow = map[int][]time.Duration{}
 	var rss, hwm []int64
@@ -405,6 +405,8 @@ func summarize(reps []loadReport, soak bool, d time.Duration) *summary {
 		evictions += r.Stats.Evictions
 		saved += r.Stats.SavedBlocks
 		deduped += r.Stats.DedupedBlocks
+		reportsSent += r.Stats.ReportsSent
+		reportsFailed += r.Stats.ReportsFailed + r.Stats.ReportsDropped
 		blocks += r.Blocks
 		held += r.Bytes
 		peak = max(peak, r.MaxResident)
@@ -428,7 +430,7 @@ func summarize(reps []loadReport, soak bool, d time.Duration) *summary {
 	fmt.Fprintf(t, "lookups %d, with a hit %d (%.1f%%); loads %d; decided %d tokens, restored %d\n", lookups, hits, pct(hits, lookups), loads, decided, s.restored)
 	fmt.Fprintf(t, "token hit ratio: %.1f%% of prompt tokens restored; %.1f%% of the shared-prefix tokens (the ceiling)\n", pct(s.restored, prompt), pct(s.restored, shared))
 	fmt.Fprintf(t, "fallbacks (restored less than decided, recomputed): %s; saves that published nothing: %s\n", counts(fallbacks), counts(saveErrs))
-	fmt.Fprintf(t, "blocks published %d, deduplicated %d, evicted by generators %d\n", saved, deduped, evictions)
+	fmt.Fprintf(t, "blocks published %d, deduplicated %d, evicted by generators %d; reports to holders sent %d, failed %d\n", saved, deduped, evictions, reportsSent, reportsFailed)
 	fmt.Fprintf(t, "generators held %d blocks (%.2f MiB) at the end; the fullest pool peaked at %.2f MiB\n", blocks, mib(held), mib(peak))
 	fmt.Fprintf(t, "generator RSS KiB (now / peak): %s; pools %.2f MiB each, over budget %d times\n", rssPairs(rss, hwm), mib(reps[0].PoolBytes), s.over)
 	fmt.Fprintf(t, "bridge time per request (lookup + load + save):\n")
