@@ -302,7 +302,7 @@ func TestBridgeOpen(t *testing.T) {
 		{name: "MCB_CONFIG file", env: "testdata/config.json", want: status.OK},
 		{name: "argument wins over MCB_CONFIG", cfg: str(`{"pool_bytes":2097152}`), env: `{"pool_bytes":1}`, want: status.OK},
 		{name: "longest config", cfg: atLimit, want: status.OK},
-		{name: "MCB_CONFIG missing file", env: "testdata/missing.json", want: status.Config, msg: "reading config file"},
+		{name: "MCB_CONFIG missing file", env: "testdata/missing.json", want: status.Config, msg: "nor a readable file"},
 		{name: "MCB_CONFIG bad JSON", env: `{"pool_bytes":`, want: status.Config, msg: "parsing config"},
 		{name: "truncated JSON", cfg: str(`{"pool_bytes":`), want: status.Config, msg: "parsing config"},
 		{name: "misspelt key", cfg: str(`{"pool_byte":2097152}`), want: status.Config, msg: "unknown field"},

@@ -68,6 +68,39 @@ type loadHandle struct{ ld *bridge.Load }
 
 type saveHandle struct{ sv *bridge.Save }
 
+// listeners are the metrics listeners of metrics_listen, one per address
+// for the process, pointed at the last bridge opened with it.
+var listeners = struct {
+	sync.Mutex
+	byAddr map[string]*metrics.Listener
+}{byAddr: map[string]*metrics.Listener{}}
+
+func listener(addr string) (*metrics.Listener, error) {
+	listeners.Lock()
+	defer listeners.Unlock()
+	if l, ok := listeners.byAddr[addr]; ok {
+		return l, nil
+	}
+	l, err := metrics.Listen(addr, nil, status.Errorf(status.State, "the bridge is opening"))
+	if err != nil {
+		return nil, err
+	}
+	listeners.byAddr[addr] = l
+	return l, nil
+}
+
+// stopListeners ends the listeners serving b.
+func stopListeners(b *bridge.Bridge) {
+	listeners.Lock()
+	defer listeners.Unlock()
+	for addr, l := range listeners.byAddr {
+		if l.Serves(b) {
+			_ = l.Close()
+			delete(listeners.byAddr, addr)
+		}
+	}
+}
+
 // openRefused is why the last mcb_bridge_open failed, for the metrics of a
 // host whose bridge is off.
 var openRefused struct {
@@ -368,9 +401,21 @@ func mcbgo_bridge_open(cfg unsafe.Pointer, out unsafe.Pointer, errbuf unsafe.Poi
 			if err != nil {
 				return err
 			}
+			var l *metrics.Listener
+			if c.MetricsListen != "" {
+				if l, err = listener(c.MetricsListen); err != nil {
+					return err
+				}
+			}
 			b, err := bridge.Open(c, bridge.Deps{})
 			if err != nil {
+				if l != nil {
+					l.Set(nil, err) // it says why the bridge is off
+				}
 				return err
+			}
+			if l != nil {
+				l.Set(b, nil)
 			}
 			*(*uint64)(out) = addHandle(&bridgeHandle{b: b})
 			return nil
@@ -392,9 +437,11 @@ func mcbgo_bridge_close(bridge uint64, errbuf unsafe.Pointer, errlen uint64) int
 		if err := h.b.Close(); status.Of(err) == status.State {
 			return err // work still open: the bridge stays usable
 		} else if err != nil {
+			stopListeners(h.b)
 			dropBridge(bridge)
 			return err
 		}
+		stopListeners(h.b)
 		dropBridge(bridge)
 		return nil
 	})

@@ -2,7 +2,11 @@ package main
 
 import (
 	"bytes"
+	"io"
+	"net"
+	"net/http"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"unsafe"
@@ -132,4 +136,56 @@ func TestMetricsText(t *testing.T) {
 		assert.Contains(t, up(t, f.metricsText(t, other, nil)), "not an open bridge handle", "a closed bridge")
 		assert.Contains(t, up(t, f.metricsText(t, m, nil)), "not an open bridge handle", "a model")
 	})
+}
+
+// metrics_listen: the library serves the bridge's metrics on its own
+// port from mcb_bridge_open to mcb_bridge_close; an open refused after
+// the configuration parsed still serves why; an address that cannot be
+// bound refuses the open.
+func TestMetricsListen(t *testing.T) {
+	f := newFixture(t)
+	port := freePort(t)
+	addr := "127.0.0.1:" + strconv.Itoa(port)
+	get := func() (string, error) {
+		resp, err := http.Get("http://" + addr + "/metrics")
+		if err != nil {
+			return "", err
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		return string(b), err
+	}
+	b := f.open(t, f.config(`,"metrics_listen":"`+addr+`"`))
+	m := f.register(t, b, testModel(false).reg(t, f.c))
+	f.peek(t, m, nil, prompt(31, 0, 31), 31)
+	text, err := get()
+	require.NoError(t, err)
+	samples := checkExposition(t, text)
+	assert.Equal(t, []string{"mcbridge_up 1"}, samples["mcbridge_up"])
+	assert.Equal(t, []string{"mcbridge_lookups_total 1"}, samples["mcbridge_lookups_total"])
+	f.expect(t, mcbgo_bridge_close(b, f.eb, f.el), status.OK, "close")
+	_, err = get()
+	assert.Error(t, err, "the listener outlived its bridge")
+
+	out := f.out(t)
+	bad := f.config(`,"metrics_listen":"` + addr + `","transport":{"kind":"mooncake","lib":"/no/such/libtransfer_engine.so"}`)
+	f.must(t, mcbgo_bridge_open(ptr(f.c.cstr(t, bad)), unsafe.Pointer(out), f.eb, f.el), status.Config, "open")
+	text, err = get()
+	require.NoError(t, err, "a refused open still serves why")
+	assert.Contains(t, text, "mcbridge_up{reason=")
+	assert.Contains(t, text, "libtransfer_engine.so")
+
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer taken.Close()
+	f.must(t, mcbgo_bridge_open(ptr(f.c.cstr(t, f.config(`,"metrics_listen":"`+taken.Addr().String()+`"`))), unsafe.Pointer(out), f.eb, f.el), status.Config, "open")
+	assert.Contains(t, f.lastError(), "metrics_listen")
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
 }

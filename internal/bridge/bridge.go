@@ -59,7 +59,8 @@ type Bridge struct {
 	mu       sync.Mutex
 	resident *residency.Tree[slot] // blocks this process stores in its pool
 	segments map[string]transport.SegmentID
-	down     map[string]time.Time // peers planned around until then (peers.go)
+	down     map[string]time.Time  // peers planned around until then (peers.go)
+	retired  []transport.SegmentID // segments forgotten after a failure, closed at Close
 	models   map[key.Fingerprint]*Model
 	parked   []parked // batches still in flight after a timeout
 	active   int      // loads and saves begun and not ended
@@ -67,21 +68,30 @@ type Bridge struct {
 	poolBusy bool // a transfer outlived Close: keep the pool mapped
 	// stopReplication ends a store node's replication (Replicate).
 	stopReplication func()
+
+	rep  *reporter // reports to blocks' holders, and from readers; nil without a Notifier
+	tier *diskTier // a store node's disk tier; nil without one
 }
 
 // slot is where a resident block sits in the pool. A replica is a copy
 // of another owner's block that a store node holds unpublished until that
-// owner's entry goes. One of ours is publishing while its save's publish
-// is out, and pending when that publish went unanswered. entry is what
-// the directory was, or will be, offered.
+// owner's entry goes (or a block read back from its disk tier, until it is
+// published). One of ours is publishing while its save's publish is out,
+// and pending when that publish went unanswered; a takeover is a store's
+// copy being published in its owner's place, which becomes a replica again
+// if another process published the block first. entry is what the
+// directory was, or will be, offered. persisted: the disk tier has it.
 type slot struct {
 	fp         key.Fingerprint
 	off        int64
 	size       int64
 	gen        uint64
+	depth      uint32
 	replica    bool
 	publishing bool
 	pending    bool
+	takeover   bool
+	persisted  bool
 	entry      directory.Entry
 }
 
@@ -124,10 +134,7 @@ func (b *Bridge) build(deps Deps) error {
 		return err
 	}
 	b.closers = append(b.closers, b.closePool)
-	policy := residency.LRU
-	if b.cfg.Eviction == "cost" {
-		policy = residency.CostAware
-	}
+	policy, _ := residency.PolicyNamed(b.cfg.Eviction) // the config validated it
 	if b.resident, err = residency.New[slot](residency.Config{BudgetBytes: b.pool.Size(), Policy: policy}); err != nil {
 		return err
 	}
@@ -157,6 +164,8 @@ func (b *Bridge) build(deps Deps) error {
 	}
 	go b.publishLoop()
 	b.closers = append(b.closers, b.stopPublisher)
+	b.startReports()
+	b.closers = append(b.closers, func() error { b.stopReports(); return nil })
 	return nil
 }
 
@@ -221,13 +230,6 @@ func (b *Bridge) Close() error {
 	for _, m := range b.models {
 		models = append(models, m)
 	}
-	byModel := map[key.Fingerprint][]key.BlockKey{}
-	b.resident.Walk(func(e residency.Entry[slot]) bool {
-		if !e.Value.replica {
-			byModel[e.Value.fp] = append(byModel[e.Value.fp], e.Key)
-		}
-		return true
-	})
 	stopReplication := b.stopReplication
 	b.stopReplication = nil
 	parkedBatches := b.parked
@@ -240,9 +242,22 @@ func (b *Bridge) Close() error {
 			first = err
 		}
 	}
+	// What publishes or moves blocks in the background stops first; a
+	// disk tier then writes what the pool holds.
 	if stopReplication != nil {
 		stopReplication()
 	}
+	b.stopReports()
+	b.stopDisk()
+	byModel := map[key.Fingerprint][]key.BlockKey{}
+	b.mu.Lock()
+	b.resident.Walk(func(e residency.Entry[slot]) bool {
+		if !e.Value.replica {
+			byModel[e.Value.fp] = append(byModel[e.Value.fp], e.Key)
+		}
+		return true
+	})
+	b.mu.Unlock()
 	// What the publisher holds goes out first, so the unpublishing below
 	// finds every entry it must remove.
 	flushCtx, cancelFlush := b.opContext()
@@ -281,7 +296,10 @@ func (b *Bridge) Close() error {
 	for _, s := range b.segments {
 		keep(b.tr.CloseSegment(s))
 	}
-	b.segments = nil
+	for _, s := range b.retired {
+		keep(b.tr.CloseSegment(s))
+	}
+	b.segments, b.retired = nil, nil
 	b.mu.Unlock()
 	keep(b.release())
 	return first
@@ -385,6 +403,19 @@ func (b *Bridge) segment(ctx context.Context, name string) (transport.SegmentID,
 	return id, nil
 }
 
+// retireSegment forgets a peer's cached segment after a transfer from it
+// failed: a holder restarted under the same name (a store node on a fixed
+// port) is opened afresh by the next load instead of failing every one.
+// The old id stays open until Close, as a batch in flight may still use it.
+func (b *Bridge) retireSegment(name string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if id, ok := b.segments[name]; ok {
+		delete(b.segments, name)
+		b.retired = append(b.retired, id)
+	}
+}
+
 // evict frees at least need bytes of resident blocks for the pool. It
 // never waits on the directory: the blocks leave the local mirror at once,
 // an odd generation makes any reader that a stale entry sends here fail
@@ -404,27 +435,10 @@ func (b *Bridge) evict(need int64) error {
 	if len(gone) == 0 {
 		return status.Errorf(status.PoolFull, "pool full: the rest is pinned or staging")
 	}
-	byModel := map[key.Fingerprint][]key.BlockKey{}
-	for _, e := range gone {
-		if e.Value.replica {
-			continue
-		}
-		byModel[e.Value.fp] = append(byModel[e.Value.fp], e.Key)
-		b.mu.Lock()
-		m := b.models[e.Value.fp]
-		b.mu.Unlock()
-		if m != nil {
-			m.forget(e.Key, b.tr.LocalSegment())
-		}
+	if b.tier != nil {
+		b.tier.spill(gone)
 	}
-	for _, e := range gone {
-		b.invalidate(e.Value.off, e.Value.size)
-	}
-	for fp, keys := range byModel {
-		if dropped := b.pub.withdraw(fp, keys); dropped > 0 {
-			b.stats.add(&b.stats.unpublishDropped, int64(dropped))
-		}
-	}
+	b.discard(gone)
 	b.stats.add(&b.stats.evictions, int64(len(gone)))
 	return nil
 }

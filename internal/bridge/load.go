@@ -254,6 +254,7 @@ func (ld *Load) fail(i int, err error) {
 	if i < ld.ok {
 		ld.ok = i
 		ld.err = err
+		ld.m.b.suspect(&ld.blocks[i].entry, err)
 	}
 }
 
@@ -353,6 +354,7 @@ func (ld *Load) End() (LoadResult, error) {
 		b.arb.ObserveTransfer(b.linkName(ld.blocks[0].entry.Loc.Segment), res.Bytes, b.now().Sub(ld.start))
 	}
 	ld.touchLocal()
+	b.noteRestored(ld.blocks[:ld.ok])
 	b.stats.load(res)
 	b.end()
 	if ld.err != nil && len(ld.blocks) > 0 {

@@ -250,7 +250,8 @@ func (p *Plan) Tokens() []int32 { return p.tokens }
 // and asks the arbiter how many to restore, given that the host already
 // holds the first cached tokens under this scope. The decision is final:
 // a plan that restores goes past what the host holds and beats computing
-// the rest. It changes nothing and waits on nothing.
+// the rest. It changes nothing and waits on nothing (a want for the blocks
+// after the last one found is queued for that block's holder).
 func (m *Model) Lookup(scope key.Scope, tokens []int32, cached int) (*Plan, error) {
 	if len(tokens) == 0 {
 		return nil, status.Errorf(status.InvalidArg, "lookup of an empty prompt")
@@ -263,12 +264,18 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32, cached int) (*Plan, erro
 	// The last token is always computed, so a block ending at it is moot.
 	root := key.Root(m.fp, scope)
 	chain := key.Chain(root, tokens[:len(tokens)-1], B)
-	link := "none"
+	link, last := "none", ""
 	matched := m.walk(root, chain, func(e directory.Entry) {
 		if link == "none" {
 			link = b.linkName(e.Loc.Segment)
 		}
+		last = e.Loc.Segment
 	})
+	if matched > 0 && matched < len(chain) {
+		// The holder of the last block found may have the next ones on
+		// its disk: ask (a notification, sent off this thread).
+		b.wantAfter(last, chain[matched:])
+	}
 	d := b.arb.Decide(arbiter.Input{
 		PromptTokens:    len(tokens),
 		BlockTokens:     B,

@@ -168,6 +168,20 @@ func (b *Bridge) publishLoop() {
 		if !ok {
 			return
 		}
+		// Deletes go first: a put queued after a delete of the same key
+		// (a block evicted, then saved or read back again) must not meet
+		// the old entry, nor be removed with it. A put queued before its
+		// delete was taken out of the queue by withdraw.
+		for fp, keys := range dels {
+			ctx, cancel := b.opContext()
+			err := b.dir.Unpublish(ctx, b.owner, fp, keys)
+			cancel()
+			if err != nil {
+				// Readers sent here by a stale entry fail on the generation.
+				b.stats.add(&b.stats.directoryErrors, 1)
+				b.log.Warn("mcbridge: unpublishing evicted blocks failed", "blocks", len(keys), "err", err)
+			}
+		}
 		failed := false
 		if len(puts) > 0 {
 			err := b.publishNow(puts)
@@ -179,16 +193,6 @@ func (b *Bridge) publishLoop() {
 				p.requeue(puts)
 				b.stats.add(&b.stats.directoryErrors, 1)
 				b.log.Warn("mcbridge: publishing blocks failed; retrying", "blocks", len(puts), "err", err)
-			}
-		}
-		for fp, keys := range dels {
-			ctx, cancel := b.opContext()
-			err := b.dir.Unpublish(ctx, b.owner, fp, keys)
-			cancel()
-			if err != nil {
-				// Readers sent here by a stale entry fail on the generation.
-				b.stats.add(&b.stats.directoryErrors, 1)
-				b.log.Warn("mcbridge: unpublishing evicted blocks failed", "blocks", len(keys), "err", err)
 			}
 		}
 		if !failed {
@@ -268,7 +272,10 @@ func (b *Bridge) settle(k key.BlockKey, gen uint64) bool {
 	if !ok || s.gen != gen {
 		return false
 	}
-	s.publishing, s.pending = false, false
+	if s.takeover {
+		b.stats.add(&b.stats.takenOver, 1)
+	}
+	s.publishing, s.pending, s.takeover = false, false, false
 	b.resident.Set(k, s)
 	return true
 }
@@ -282,6 +289,14 @@ func (b *Bridge) dropLost(lost []directory.Entry) {
 		b.mu.Lock()
 		s, ok := b.resident.Get(e.Key)
 		if !ok || s.gen != e.Loc.Generation {
+			b.mu.Unlock()
+			continue
+		}
+		if s.takeover {
+			// A store's copy: another process holds the block now, and
+			// the copy waits for it to let go again.
+			s.replica, s.publishing, s.takeover = true, false, false
+			b.resident.Set(e.Key, s)
 			b.mu.Unlock()
 			continue
 		}

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/mcbridge/mcbridge/internal/directory"
+	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/mem"
 	"github.com/mcbridge/mcbridge/internal/pool"
 	"github.com/mcbridge/mcbridge/internal/residency"
@@ -108,9 +109,8 @@ func (r *replicator) run(stop chan struct{}) {
 
 // copyBlock reads another owner's block into the pool and verifies it.
 func (b *Bridge) copyBlock(e directory.Entry) {
-	// Peers read copies through the engine, unseen, so the store's only
-	// sign that a block is in demand is another owner publishing it again:
-	// count that as a use, so eviction keeps hot prefixes.
+	// Another owner publishing a block again is a sign of demand too: it
+	// computed what it could not find.
 	b.mu.Lock()
 	have := b.resident.Touch(e.Key) == 1
 	b.mu.Unlock()
@@ -124,7 +124,7 @@ func (b *Bridge) copyBlock(e directory.Entry) {
 		return
 	}
 	block := b.pool.Bytes(off, size)
-	g, err := b.readVerified(e, extent{off, size})
+	g, h, err := b.readVerified(e, extent{off, size})
 	if err != nil {
 		if !errors.Is(err, errParked) {
 			pool.BeginWrite(block, b.pool.NextGeneration())
@@ -133,13 +133,14 @@ func (b *Bridge) copyBlock(e directory.Entry) {
 		b.stats.add(&b.stats.replicationFailures, 1)
 		return
 	}
+	persisted := b.tier != nil && b.tier.disk.Has(e.Key)
 	b.mu.Lock()
 	if _, held := b.resident.Get(e.Key); held {
 		err = status.Errorf(status.State, "block %s became resident meanwhile", e.Key)
 	} else {
 		err = b.insertResidentLocked(e.Parent, residency.Block[slot]{
-			Key: e.Key, Bytes: size, Cost: b.arb.PrefillTime(0, g.BlockTokens).Seconds(),
-			Value: slot{fp: e.Model, off: off, size: size, gen: e.Loc.Generation, replica: true, entry: e},
+			Key: e.Key, Bytes: size, Cost: b.blockCost(g.BlockTokens, h.Depth),
+			Value: slot{fp: e.Model, off: off, size: size, gen: e.Loc.Generation, depth: h.Depth, replica: true, persisted: persisted, entry: e},
 		})
 	}
 	b.mu.Unlock()
@@ -148,30 +149,23 @@ func (b *Bridge) copyBlock(e directory.Entry) {
 		return
 	}
 	b.stats.add(&b.stats.replicated, 1)
+	if b.tier != nil && !persisted {
+		b.tier.persistLater(e.Key)
+	}
 }
 
-// readVerified reads a whole block into the pool extent dst and checks
+// readVerified reads a whole block into the pool extent ext and checks
 // that it is exactly the block the entry names, every layer included.
-func (b *Bridge) readVerified(e directory.Entry, ext extent) (pool.Geometry, error) {
+func (b *Bridge) readVerified(e directory.Entry, ext extent) (pool.Geometry, pool.Header, error) {
+	if err := b.readBlock(e, ext); err != nil {
+		return pool.Geometry{}, pool.Header{}, err
+	}
 	dst := b.pool.Bytes(ext.off, ext.n)
-	g, err := b.readBlock(e, ext)
-	if err != nil {
-		return g, err
+	g, h, err := pool.VerifyBlock(dst, &pool.Expect{Key: e.Key, Parent: e.Parent, Model: e.Model, Generation: e.Loc.Generation})
+	if err == nil && pool.HeaderSum(dst) != e.Loc.Checksum {
+		err = status.Errorf(status.Corrupt, "block %s header sum differs from the directory's", e.Key)
 	}
-	h, err := pool.VerifyHeader(dst, &g, &pool.Expect{Key: e.Key, Parent: e.Parent, Model: e.Model, Generation: e.Loc.Generation})
-	if err != nil {
-		return g, err
-	}
-	if pool.HeaderSum(dst) != e.Loc.Checksum {
-		return g, status.Errorf(status.Corrupt, "block %s header sum differs from the directory's", e.Key)
-	}
-	for l := 0; l < g.Layers(); l++ {
-		off := g.LayerOffset(l)
-		if pool.Sum(dst[off:off+g.LayerSize(l)]) != h.LayerSums[l] {
-			return g, status.Errorf(status.Corrupt, "block %s layer %d: checksum mismatch", e.Key, l)
-		}
-	}
-	return g, nil
+	return g, h, err
 }
 
 // errParked says that a copy timed out with its transfer still in flight:
@@ -179,24 +173,23 @@ func (b *Bridge) readVerified(e directory.Entry, ext extent) (pool.Geometry, err
 // must leave to the reaper.
 var errParked = errors.New("transfer parked in flight")
 
-// readBlock reads the whole block an entry names into the pool extent ext
-// and parses the geometry its header describes.
-func (b *Bridge) readBlock(e directory.Entry, ext extent) (pool.Geometry, error) {
+// readBlock reads the whole block an entry names into the pool extent ext.
+func (b *Bridge) readBlock(e directory.Entry, ext extent) error {
 	dst := b.pool.Bytes(ext.off, ext.n)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(b.cfg.TransferTimeoutMS)*time.Millisecond)
 	defer cancel()
 	seg, err := b.segment(ctx, e.Loc.Segment)
 	if err != nil {
-		return pool.Geometry{}, err
+		return err
 	}
 	batch, err := b.tr.AllocateBatch(1)
 	if err != nil {
-		return pool.Geometry{}, err
+		return err
 	}
 	err = batch.Submit([]transport.Request{{Op: transport.Read, Local: mem.Addr(dst), Segment: seg, Remote: e.Loc.Addr, Length: e.Loc.Length}})
 	if err != nil {
 		_ = batch.Free()
-		return pool.Geometry{}, err
+		return err
 	}
 	st, err := transport.Wait(ctx, batch, 0, 1, transport.DefaultBackoff)
 	if err != nil {
@@ -205,47 +198,21 @@ func (b *Bridge) readBlock(e directory.Entry, ext extent) (pool.Geometry, error)
 		// the batch, until nothing writes into it.
 		if batch.Free() != nil {
 			b.parkBatch(batch, []extent{ext})
-			return pool.Geometry{}, fmt.Errorf("copy of %s: %w: %w", e.Key, errParked, err)
+			return fmt.Errorf("copy of %s: %w: %w", e.Key, errParked, err)
 		}
-		return pool.Geometry{}, err
+		return err
 	}
 	_ = batch.Free()
 	if st[0].State != transport.Completed {
-		return pool.Geometry{}, status.Errorf(status.Transfer, "copy of %s: %s", e.Key, st[0].State)
+		return status.Errorf(status.Transfer, "copy of %s: %s", e.Key, st[0].State)
 	}
-	g, err := pool.ParseGeometry(dst)
-	if err != nil {
-		return g, err
-	}
-	if uint64(g.Size()) != e.Loc.Length {
-		return g, status.Errorf(status.Corrupt, "block %s is %d bytes, published as %d", e.Key, g.Size(), e.Loc.Length)
-	}
-	return g, nil
+	return nil
 }
 
 // takeOver publishes the store's copy of a block whose owner let it go.
+// The publisher batches it with the rest and settles it: won, it is the
+// store's to serve; lost (another process published it first), it stays
+// a replica.
 func (b *Bridge) takeOver(gone directory.Entry) {
-	b.mu.Lock()
-	s, ok := b.resident.Get(gone.Key)
-	b.mu.Unlock()
-	if !ok || !s.replica {
-		return
-	}
-	e := s.entry
-	e.Loc = directory.Location{Segment: b.tr.LocalSegment(), Addr: uint64(b.pool.Base()) + uint64(s.off),
-		Length: uint64(s.size), Checksum: s.entry.Loc.Checksum, Generation: s.gen, Owner: b.owner}
-	ctx, cancel := b.opContext()
-	won, err := b.dir.Publish(ctx, []directory.Entry{e})
-	cancel()
-	if err != nil {
-		b.stats.add(&b.stats.directoryErrors, 1)
-		return
-	}
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if cur, ok := b.resident.Get(gone.Key); ok && cur.off == s.off && len(won) == 1 && won[0] {
-		cur.replica = false
-		b.resident.Set(gone.Key, cur)
-		b.stats.add(&b.stats.takenOver, 1)
-	}
+	b.publishHeld([]key.BlockKey{gone.Key})
 }

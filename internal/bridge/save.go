@@ -177,7 +177,7 @@ func (sv *Save) End() (SaveResult, error) {
 	for i := range sv.blocks {
 		blk := &sv.blocks[i]
 		mem := b.pool.Bytes(blk.off, size)
-		h := pool.Header{Key: blk.key, Parent: blk.parent, Model: m.fp, Tokens: blk.tokens, LayerSums: blk.sums}
+		h := pool.Header{Key: blk.key, Parent: blk.parent, Model: m.fp, Depth: uint32(blk.index), Tokens: blk.tokens, LayerSums: blk.sums}
 		if err := pool.EncodeHeader(mem, g, &h); err != nil {
 			sv.free(sv.blocks)
 			return res, err

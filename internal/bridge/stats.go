@@ -34,9 +34,26 @@ type Stats struct {
 	TakenOver        int64 // copies a store node published when their owner let go
 	ReplicationFails int64
 	PeersDown        int64 // times a peer timed out and was planned around
+	// Reports between readers and blocks' holders (reports.go).
+	ReportsSent       int64 // notifications sent to holders
+	ReportsFailed     int64 // notifications that could not be sent (holder gone)
+	ReportsDropped    int64 // report items a full queue could not take
+	ReportsUnreadable int64 // notifications of ours this holder could not parse
+	PeerUses          int64 // restores of this pool's blocks that readers reported
+	BadReported       int64 // blocks this process found failing verification and reported
+	// BadChecks counts the holder's checks of reported blocks by outcome:
+	// dropped, intact, gone, busy (BadOutcomeNames).
+	BadChecks [badOutcomes]int64
+	// A store node's disk tier (disk.go).
+	Persisted int64 // blocks written behind to the disk
+	Spilled   int64 // blocks written on eviction
+	PagedIn   int64 // blocks read back from the disk into the pool
 	// FailuresByStatus counts load failures by the status that ended them.
 	FailuresByStatus [status.Count]int64
 }
+
+// BadOutcomeNames label Stats.BadChecks.
+var BadOutcomeNames = badOutcomeNames
 
 type counters struct {
 	lookups, hits, misses, decidedRestore, decidedRecompute, decidedLocal atomic.Int64
@@ -45,6 +62,10 @@ type counters struct {
 	saves, saveFailures, savedBlocks, dedupedBlocks                       atomic.Int64
 	evictions, directoryErrors, tornReads, parkedBatches                  atomic.Int64
 	replicated, takenOver, replicationFailures, peersDown                 atomic.Int64
+	reportsSent, reportsFailed, reportsDropped, reportsUnreadable         atomic.Int64
+	peerUses, badReported                                                 atomic.Int64
+	badChecks                                                             [badOutcomes]atomic.Int64
+	persisted, spilled, pagedIn                                           atomic.Int64
 	failuresByStatus                                                      [status.Count]atomic.Int64
 }
 
@@ -93,7 +114,13 @@ func (b *Bridge) Stats() Stats {
 		Evictions: c.evictions.Load(), DirectoryErrors: c.directoryErrors.Load(),
 		TornReads: c.tornReads.Load(), ParkedBatches: c.parkedBatches.Load(),
 		Replicated: c.replicated.Load(), TakenOver: c.takenOver.Load(), ReplicationFails: c.replicationFailures.Load(),
-		PeersDown: c.peersDown.Load(),
+		PeersDown:   c.peersDown.Load(),
+		ReportsSent: c.reportsSent.Load(), ReportsFailed: c.reportsFailed.Load(), ReportsDropped: c.reportsDropped.Load(),
+		ReportsUnreadable: c.reportsUnreadable.Load(), PeerUses: c.peerUses.Load(), BadReported: c.badReported.Load(),
+		Persisted: c.persisted.Load(), Spilled: c.spilled.Load(), PagedIn: c.pagedIn.Load(),
+	}
+	for i := range c.badChecks {
+		s.BadChecks[i] = c.badChecks[i].Load()
 	}
 	for i := range c.failuresByStatus {
 		s.FailuresByStatus[i] = c.failuresByStatus[i].Load()

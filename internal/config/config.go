@@ -6,8 +6,12 @@ package config
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"io"
+	"net"
+	"net/url"
 	"os"
+	"strconv"
 	"strings"
 
 	"github.com/mcbridge/mcbridge/internal/arbiter"
@@ -20,7 +24,8 @@ type Config struct {
 	PoolBytes int64 `json:"pool_bytes"`
 	// BlockTokens is the default block size for models that do not set one.
 	BlockTokens int `json:"block_tokens"`
-	// Eviction is "lru" or "cost" (cost-aware).
+	// Eviction is "lru", "cost" (cost-aware) or "frequency" (cost-aware
+	// and weighted by uses: what a store node serving many readers wants).
 	Eviction string `json:"eviction"`
 	// Owner names this process in the directory; empty picks host-pid-random.
 	Owner     string    `json:"owner"`
@@ -33,6 +38,10 @@ type Config struct {
 	// PeerDownMS is how long a peer whose transfers timed out is planned
 	// around: lookups treat its blocks as absent meanwhile.
 	PeerDownMS int `json:"peer_down_ms"`
+	// MetricsListen, when set, is a host:port where the library serves
+	// /metrics itself: for hosts whose own port is private or that have
+	// none (llama-server under Ollama, embedders).
+	MetricsListen string `json:"metrics_listen"`
 }
 
 // Transport selects and configures the transfer engine.
@@ -107,6 +116,9 @@ func Parse(doc []byte) (Config, error) {
 	if len(doc) > MaxSize {
 		return c, status.Errorf(status.Config, "config of %d bytes (max %d)", len(doc), MaxSize)
 	}
+	if t := bytes.TrimSpace(doc); t[0] != '{' {
+		return c, status.Errorf(status.Config, "parsing config: a JSON object is expected, not %q...", t[:min(len(t), 16)])
+	}
 	dec := json.NewDecoder(bytes.NewReader(doc))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&c); err != nil {
@@ -121,16 +133,18 @@ func Parse(doc []byte) (Config, error) {
 }
 
 // Load parses doc, or, when doc is empty, the MCB_CONFIG environment
-// variable: inline JSON when it starts with '{', else a file path.
+// variable: inline JSON when it starts with '{' or '[' (an array is JSON,
+// and refused as such, never a file name), else a file path.
 func Load(doc string) (Config, error) {
+	from := "config"
 	if strings.TrimSpace(doc) == "" {
-		doc = os.Getenv("MCB_CONFIG")
+		doc, from = os.Getenv("MCB_CONFIG"), "MCB_CONFIG"
 	}
 	doc = strings.TrimSpace(doc)
-	if doc != "" && doc[0] != '{' {
+	if doc != "" && doc[0] != '{' && doc[0] != '[' {
 		b, err := os.ReadFile(doc)
 		if err != nil {
-			return Default(), status.Wrap(status.Config, err, "reading config file")
+			return Default(), status.Wrap(status.Config, err, from+" is neither inline JSON (starting with '{') nor a readable file")
 		}
 		return Parse(b)
 	}
@@ -144,8 +158,8 @@ func (c *Config) Validate() error {
 		return status.Errorf(status.Config, "pool_bytes %d: at least 1 MiB", c.PoolBytes)
 	case c.BlockTokens <= 0 || c.BlockTokens > 1<<16:
 		return status.Errorf(status.Config, "block_tokens %d: 1..65536", c.BlockTokens)
-	case c.Eviction != "lru" && c.Eviction != "cost":
-		return status.Errorf(status.Config, "eviction %q: lru or cost", c.Eviction)
+	case c.Eviction != "lru" && c.Eviction != "cost" && c.Eviction != "frequency":
+		return status.Errorf(status.Config, "eviction %q: lru, cost or frequency", c.Eviction)
 	case c.Transport.Kind != "loopback" && c.Transport.Kind != "mooncake":
 		return status.Errorf(status.Config, "transport.kind %q: loopback or mooncake", c.Transport.Kind)
 	case c.Transport.BandwidthGBps < 0 || c.Transport.LatencyUS < 0:
@@ -163,6 +177,62 @@ func (c *Config) Validate() error {
 	}
 	if _, err := arbiter.ParsePolicy(c.Arbiter.Policy); err != nil {
 		return status.Wrap(status.Config, err, "arbiter.policy")
+	}
+	if c.Directory.Kind == "etcd" {
+		for _, ep := range c.Directory.Endpoints {
+			if err := checkEndpoint(ep); err != nil {
+				return status.Errorf(status.Config, "directory.endpoints: %q: %v", ep, err)
+			}
+		}
+	}
+	if c.MetricsListen != "" {
+		if err := hostPort(c.MetricsListen, false); err != nil {
+			return status.Errorf(status.Config, "metrics_listen %q: %v", c.MetricsListen, err)
+		}
+	}
+	return nil
+}
+
+// checkEndpoint accepts what the etcd client can dial: a URL of scheme
+// http, https, unix or unixs, or host:port. Anything else would be taken,
+// and every directory call would then wait out its deadline and fail.
+func checkEndpoint(ep string) error {
+	scheme, rest, ok := strings.Cut(ep, "://")
+	if !ok {
+		return hostPort(ep, true)
+	}
+	switch scheme {
+	case "unix", "unixs":
+		if rest == "" {
+			return fmt.Errorf("a unix endpoint needs a socket path")
+		}
+		return nil
+	case "http", "https":
+	default:
+		return fmt.Errorf("scheme %q: http, https, unix or unixs", scheme)
+	}
+	u, err := url.Parse(ep)
+	if err != nil {
+		return err
+	}
+	if u.Path != "" && u.Path != "/" || u.RawQuery != "" || u.User != nil {
+		return fmt.Errorf("an endpoint is scheme://host:port, nothing more")
+	}
+	return hostPort(u.Host, true)
+}
+
+// hostPort checks host:port with a port in 1..65535 and, when needHost,
+// a host (an address to listen on may leave it empty: every interface).
+func hostPort(s string, needHost bool) error {
+	host, port, err := net.SplitHostPort(s)
+	if err != nil {
+		return fmt.Errorf("want host:port: %v", err)
+	}
+	if needHost && host == "" {
+		return fmt.Errorf("want host:port: no host")
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
+		return fmt.Errorf("port %q: 1..65535", port)
 	}
 	return nil
 }

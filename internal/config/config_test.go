@@ -45,7 +45,8 @@ func TestParseRejects(t *testing.T) {
 		{"trailing garbage", `{"eviction": "lru"} x`, "trailing"},
 		{"trailing brace", `{"eviction": "lru"}}`, "trailing"},
 		{"trailing bracket", `{"eviction": "lru"}]`, "trailing"},
-		{"not an object", `[1]`, "parsing"},
+		{"not an object", `[1]`, "a JSON object is expected"},
+		{"a string", `"x"`, "a JSON object is expected"},
 		{"wrong type", `{"pool_bytes": "big"}`, "parsing"},
 		{"truncated", `{"pool_bytes": 1`, "parsing"},
 		{"too large", `{"owner": "` + strings.Repeat("a", MaxSize) + `"}`, "max"},
@@ -54,6 +55,26 @@ func TestParseRejects(t *testing.T) {
 		assert.Equal(t, status.Config, status.Of(err), "%s: %v", tc.name, err)
 		assert.ErrorContains(t, err, tc.msg, tc.name)
 	}
+}
+
+func etcdAt(eps ...string) func(c *Config) {
+	return func(c *Config) {
+		c.Directory.Kind = "etcd"
+		c.Directory.Endpoints = eps
+	}
+}
+
+// Endpoints the etcd client dials are accepted, in every form it takes.
+func TestValidEndpoints(t *testing.T) {
+	for _, ep := range []string{"127.0.0.1:2379", "localhost:2379", "[::1]:2379", "http://127.0.0.1:2379",
+		"https://etcd.example:2379/", "unix:///run/etcd.sock", "unixs://etcd.sock"} {
+		c := Default()
+		etcdAt(ep)(&c)
+		assert.NoError(t, c.Validate(), ep)
+	}
+	c := Default()
+	c.MetricsListen = ":9465"
+	assert.NoError(t, c.Validate(), "a metrics address without a host listens everywhere")
 }
 
 func TestValidate(t *testing.T) {
@@ -75,6 +96,16 @@ func TestValidate(t *testing.T) {
 		{"op timeout", func(c *Config) { c.Directory.OpTimeoutMS = -1 }, "op_timeout_ms"},
 		{"transfer timeout", func(c *Config) { c.TransferTimeoutMS = 0 }, "transfer_timeout_ms"},
 		{"arbiter policy", func(c *Config) { c.Arbiter.Policy = "sometimes" }, "arbiter.policy"},
+		{"etcd endpoint of colons", etcdAt("::::"), "directory.endpoints"},
+		{"etcd endpoint without a port", etcdAt("127.0.0.1"), "host:port"},
+		{"etcd endpoint with a bad port", etcdAt("127.0.0.1:99999"), "1..65535"},
+		{"etcd endpoint without a host", etcdAt(":2379"), "no host"},
+		{"etcd endpoint of another scheme", etcdAt("ftp://127.0.0.1:2379"), "scheme"},
+		{"etcd endpoint with a path", etcdAt("http://127.0.0.1:2379/v3"), "nothing more"},
+		{"etcd URL without a port", etcdAt("http://127.0.0.1"), "host:port"},
+		{"one bad endpoint of two", etcdAt("127.0.0.1:2379", "x"), `"x"`},
+		{"metrics address", func(c *Config) { c.MetricsListen = "127.0.0.1" }, "metrics_listen"},
+		{"metrics port", func(c *Config) { c.MetricsListen = "127.0.0.1:0" }, "metrics_listen"},
 	} {
 		c := Default()
 		tc.mutate(&c)
@@ -134,6 +165,16 @@ func TestLoad(t *testing.T) {
 	_, err = Load(bad)
 	require.Equal(t, status.Config, status.Of(err), "invalid file: %v", err)
 	require.ErrorContains(t, err, "eviction", "invalid file")
+
+	// A JSON array is JSON, refused as such: no file named "[...]" is read.
+	t.Setenv("MCB_CONFIG", `["127.0.0.1:2379"]`)
+	_, err = Load("")
+	require.Equal(t, status.Config, status.Of(err), "array: %v", err)
+	require.ErrorContains(t, err, "a JSON object is expected", "array")
+	require.NotContains(t, err.Error(), "file", "array")
+	t.Setenv("MCB_CONFIG", "no-such-config.json")
+	_, err = Load("")
+	require.ErrorContains(t, err, "MCB_CONFIG is neither inline JSON", "a missing file named by MCB_CONFIG")
 }
 
 // FuzzParse: any document either fails with status.Config or yields a

@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/disk"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -29,10 +30,13 @@ type sample struct {
 	value int64
 }
 
+type diskStats = disk.Stats
+
 type snapshot struct {
 	up     error // nil when up
 	b      *bridge.Bridge
 	s      bridge.Stats
+	d      diskStats
 	blocks int
 	bytes  int64
 	pool   int64
@@ -44,6 +48,10 @@ func one(f func(*snapshot) int64) func(*snapshot) []sample {
 
 func stat(f func(*bridge.Stats) int64) func(*snapshot) []sample {
 	return one(func(s *snapshot) int64 { return f(&s.s) })
+}
+
+func tier(f func(*diskStats) int64) func(*snapshot) []sample {
+	return one(func(s *snapshot) int64 { return f(&s.d) })
 }
 
 // Vocabulary is every series, in the order they are written.
@@ -113,6 +121,27 @@ var Vocabulary = []Series{
 	{Name: "taken_over_blocks_total", Kind: "counter", Help: "Copies a store node published after their owner let go.", value: stat(func(s *bridge.Stats) int64 { return s.TakenOver })},
 	{Name: "replication_failures_total", Kind: "counter", Help: "Copies that failed to transfer or verify.", value: stat(func(s *bridge.Stats) int64 { return s.ReplicationFails })},
 	{Name: "peers_down_total", Kind: "counter", Help: "Times a peer's transfers timed out and lookups planned around its blocks for peer_down_ms.", value: stat(func(s *bridge.Stats) int64 { return s.PeersDown })},
+	{Name: "reports_sent_total", Kind: "counter", Help: "Reports sent to blocks' holders (what readers restored, found bad, wanted next).", value: stat(func(s *bridge.Stats) int64 { return s.ReportsSent })},
+	{Name: "reports_failed_total", Kind: "counter", Help: "Reports to blocks' holders not delivered: the holder unreachable, or the queue full.", value: stat(func(s *bridge.Stats) int64 { return s.ReportsFailed + s.ReportsDropped })},
+	{Name: "reports_unreadable_total", Kind: "counter", Help: "Reports from readers this holder could not read (another version).", value: stat(func(s *bridge.Stats) int64 { return s.ReportsUnreadable })},
+	{Name: "peer_uses_total", Kind: "counter", Help: "Restores of this pool's blocks that readers reported; eviction ranks by them.", value: stat(func(s *bridge.Stats) int64 { return s.PeerUses })},
+	{Name: "bad_blocks_reported_total", Kind: "counter", Help: "Blocks that failed verification here, reported to their holder.", value: stat(func(s *bridge.Stats) int64 { return s.BadReported })},
+	{Name: "bad_block_checks_total", Kind: "counter", Label: "outcome", Help: "This holder's checks of blocks readers reported bad: dropped (bad here too: dropped and unpublished), intact, gone, busy.",
+		value: func(s *snapshot) []sample {
+			out := make([]sample, len(s.s.BadChecks))
+			for i, n := range s.s.BadChecks {
+				out[i] = sample{label: bridge.BadOutcomeNames[i], value: n}
+			}
+			return out
+		}},
+	{Name: "disk_blocks", Kind: "gauge", Help: "Blocks in the store node's disk tier.", value: tier(func(d *diskStats) int64 { return d.Files })},
+	{Name: "disk_bytes", Kind: "gauge", Help: "Bytes of the disk tier's files.", value: tier(func(d *diskStats) int64 { return d.Bytes })},
+	{Name: "disk_budget_bytes", Kind: "gauge", Help: "The disk tier's budget (lowered to what fits when the filesystem fills).", value: tier(func(d *diskStats) int64 { return d.Budget })},
+	{Name: "disk_written_total", Kind: "counter", Help: "Blocks written to the disk tier.", value: tier(func(d *diskStats) int64 { return d.Written })},
+	{Name: "disk_write_errors_total", Kind: "counter", Help: "Blocks the disk tier could not write (disk full, directory not writable); they stay in memory only.", value: tier(func(d *diskStats) int64 { return d.WriteErrors })},
+	{Name: "disk_read_total", Kind: "counter", Help: "Blocks read back from the disk tier into the pool, verified.", value: tier(func(d *diskStats) int64 { return d.Read })},
+	{Name: "disk_dropped_total", Kind: "counter", Help: "Disk tier files deleted because they were torn, truncated or changed: never served.", value: tier(func(d *diskStats) int64 { return d.Dropped })},
+	{Name: "disk_evicted_total", Kind: "counter", Help: "Disk tier files deleted to stay within the budget.", value: tier(func(d *diskStats) int64 { return d.Evicted })},
 	{Name: "resident_blocks", Kind: "gauge", Help: "Blocks held in this process's pool.", value: one(func(s *snapshot) int64 { return int64(s.blocks) })},
 	{Name: "resident_bytes", Kind: "gauge", Help: "Bytes of the blocks held in this process's pool.", value: one(func(s *snapshot) int64 { return s.bytes })},
 	{Name: "pool_bytes", Kind: "gauge", Help: "Size of this process's pool.", value: one(func(s *snapshot) int64 { return s.pool })},
@@ -131,6 +160,7 @@ func Write(w io.Writer, b *bridge.Bridge, off error) error {
 	s := &snapshot{b: b, up: off}
 	if b != nil {
 		s.s = b.Stats()
+		s.d = b.DiskStats()
 		s.blocks, s.bytes, s.pool = b.Resident()
 		if s.up == nil {
 			s.up = b.Health()

@@ -2,6 +2,8 @@ package metrics
 
 import (
 	"bytes"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -76,4 +78,32 @@ func TestWrite(t *testing.T) {
 			assert.Contains(t, text, "# HELP mcbridge_"+s.Name+" ", "every series is described, the bridge on or off")
 		}
 	}
+}
+
+func TestListener(t *testing.T) {
+	c := config.Default()
+	c.PoolBytes = 4 << 20
+	c.Directory.Name = t.Name()
+	b, err := bridge.Open(c, bridge.Deps{})
+	require.NoError(t, err)
+	defer b.Close()
+	l, err := Listen("127.0.0.1:0", b, nil)
+	require.NoError(t, err)
+	get := func() string {
+		resp, err := http.Get("http://" + l.Addr() + "/metrics")
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode)
+		body, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return string(body)
+	}
+	assert.Contains(t, get(), "\nmcbridge_up 1\n")
+	l.Set(nil, status.Errorf(status.Config, "refused"))
+	assert.Contains(t, get(), `mcbridge_up{reason="bad configuration: refused"} 0`)
+	_, err = Listen(l.Addr(), b, nil)
+	assert.Equal(t, status.Config, status.Of(err), "the address is taken: %v", err)
+	require.NoError(t, l.Close())
+	_, err = http.Get("http://" + l.Addr() + "/metrics")
+	assert.Error(t, err, "closed")
 }

@@ -4,7 +4,7 @@
 //
 //	offset  size  field
 //	0       4     magic "MCBK"
-//	4       2     format version (1)
+//	4       2     format version (2)
 //	6       2     reserved, zero
 //	8       8     generation: odd while the block is written, even when stable
 //	16      8     header sum: XXH3-64 of bytes [24, HeaderSize)
@@ -15,13 +15,17 @@
 //	76      4     layers
 //	80      8     payload bytes
 //	88      8     geometry digest: XXH3-64 of the per-layer K and V row sizes
-//	96      32    reserved, zero
+//	96      4     depth: the block's index in its chain (0 for a first block)
+//	100     28    reserved, zero
 //	128     4*B   the block's tokens, little-endian int32
 //	...     8*L   per-layer payload sums: XXH3-64 of the layer's K rows then V rows
 //	...     8*L   per-layer row sizes: u32 K bytes per token, u32 V bytes per token
 //
 // The row sizes make a block self-describing: a store node that holds
-// blocks of models it never registered can still check every layer.
+// blocks of models it never registered can still check every layer. The
+// depth tells it what the block costs to recompute (attention grows with
+// position), for its eviction and for a disk tier read back after a
+// restart, where no chain is walked. Version 1 had no depth.
 //
 // The payload holds, per layer, B K rows then B V rows, one row per token in
 // position order. V is always stored by token, also when the host keeps it
@@ -48,8 +52,10 @@ import (
 
 const (
 	magic         = 0x4b42434d // "MCBK"
-	formatVersion = 1
+	formatVersion = 2
 	fixedHeader   = 128
+	depthOffset   = 96
+	reservedFrom  = 100
 	align         = 64
 	genOffset     = 8
 	sumOffset     = 16
@@ -135,6 +141,7 @@ type Header struct {
 	Key        key.BlockKey
 	Parent     key.Hash
 	Model      key.Fingerprint
+	Depth      uint32 // the block's index in its chain
 	Tokens     []int32
 	LayerSums  []uint64
 }
@@ -164,7 +171,8 @@ func EncodeHeader(dst []byte, g *Geometry, h *Header) error {
 	le.PutUint32(dst[76:], uint32(g.Layers()))
 	le.PutUint64(dst[80:], uint64(g.PayloadSize()))
 	le.PutUint64(dst[88:], g.Digest())
-	clear(dst[96:fixedHeader])
+	le.PutUint32(dst[depthOffset:], h.Depth)
+	clear(dst[reservedFrom:fixedHeader])
 	off := fixedHeader
 	for _, t := range h.Tokens {
 		le.PutUint32(dst[off:], uint32(t))
@@ -202,7 +210,7 @@ func DecodeHeader(src []byte, g *Geometry) (Header, error) {
 	case int(le.Uint32(src[72:])) != g.BlockTokens || int(le.Uint32(src[76:])) != g.Layers() ||
 		le.Uint64(src[80:]) != uint64(g.PayloadSize()) || le.Uint64(src[88:]) != g.Digest():
 		return Header{}, status.Errorf(status.Corrupt, "block geometry differs from the model's")
-	case le.Uint16(src[6:]) != 0 || !allZero(src[96:fixedHeader]) || !allZero(src[fixedHeader+4*g.BlockTokens+16*g.Layers():n]):
+	case le.Uint16(src[6:]) != 0 || !allZero(src[reservedFrom:fixedHeader]) || !allZero(src[fixedHeader+4*g.BlockTokens+16*g.Layers():n]):
 		// Bytes 6..8 are outside the header sum; the others are inside it
 		// but a header written by EncodeHeader has them zero, so any other
 		// value is not a header this format version wrote.
@@ -210,6 +218,7 @@ func DecodeHeader(src []byte, g *Geometry) (Header, error) {
 	}
 	h := Header{
 		Generation: le.Uint64(src[genOffset:]),
+		Depth:      le.Uint32(src[depthOffset:]),
 		Tokens:     make([]int32, g.BlockTokens),
 		LayerSums:  make([]uint64, g.Layers()),
 	}
@@ -343,4 +352,29 @@ func genWord(block []byte) *uint64 {
 		panic(fmt.Sprintf("pool: block at %p is not 8-byte aligned", p))
 	}
 	return (*uint64)(p)
+}
+
+// VerifyBlock checks a whole block: its header names exactly the block
+// expected (VerifyHeader) and every layer's payload matches its sum. It
+// reads the geometry from the header, for holders that do not know the
+// block's model; the block must be exactly that geometry's size.
+func VerifyBlock(block []byte, want *Expect) (Geometry, Header, error) {
+	g, err := ParseGeometry(block)
+	if err != nil {
+		return g, Header{}, err
+	}
+	if len(block) != g.Size() {
+		return g, Header{}, status.Errorf(status.Corrupt, "block %s is %d bytes, its header says %d", want.Key, len(block), g.Size())
+	}
+	h, err := VerifyHeader(block, &g, want)
+	if err != nil {
+		return g, h, err
+	}
+	for l := 0; l < g.Layers(); l++ {
+		off := g.LayerOffset(l)
+		if Sum(block[off:off+g.LayerSize(l)]) != h.LayerSums[l] {
+			return g, h, status.Errorf(status.Corrupt, "block %s layer %d: checksum mismatch", want.Key, l)
+		}
+	}
+	return g, h, nil
 }

@@ -105,6 +105,7 @@ func sampleHeader(g *Geometry) *Header {
 		Key:       key.Hash{1, 2, 3},
 		Parent:    key.Hash{4, 5, 6},
 		Model:     key.Hash{7, 8, 9},
+		Depth:     0x01020304,
 		Tokens:    make([]int32, g.BlockTokens),
 		LayerSums: make([]uint64, g.Layers()),
 	}
@@ -188,7 +189,7 @@ func TestVerifyHeader(t *testing.T) {
 		{name: "generation odd", block: func(b []byte) { BeginWrite(b, 8) }, msg: "being written"},
 		{name: "generation differs", want: func(e *Expect) { e.Generation = 10 }, msg: "evicted or rewritten"},
 		{name: "magic", block: func(b []byte) { b[0] ^= 1 }, msg: "magic"},
-		{name: "version", block: func(b []byte) { b[4] = 2 }, msg: "version"},
+		{name: "version", block: func(b []byte) { b[4] = 1 }, msg: "version"},
 		{name: "reserved", block: func(b []byte) { b[6] = 1 }, msg: "reserved"},
 		{name: "reserved under the sum", block: func(b []byte) { b[100] = 1; resum(b) }, msg: "reserved"},
 		{name: "padding", block: func(b []byte) { b[g.HeaderSize()-1] = 1; resum(b) }, msg: "reserved"},
@@ -269,4 +270,35 @@ func TestParseGeometry(t *testing.T) {
 		assert.Equal(t, status.Corrupt, status.Of(err), "%s: %v", tc.name, err)
 		assert.ErrorContains(t, err, tc.msg, tc.name)
 	}
+}
+
+func TestVerifyBlock(t *testing.T) {
+	g := smallGeometry()
+	h := sampleHeader(g)
+	b := encodedBlock(t, g, h, 8)
+	for l := range g.KRow {
+		off := g.LayerOffset(l)
+		pattern := b[off : off+g.LayerSize(l)]
+		for i := range pattern {
+			pattern[i] = byte(i*7 + l)
+		}
+		h.LayerSums[l] = Sum(pattern)
+	}
+	require.NoError(t, EncodeHeader(b, g, h))
+	want := &Expect{Key: h.Key, Parent: h.Parent, Model: h.Model, Generation: 8}
+	got, hdr, err := VerifyBlock(b, want)
+	require.NoError(t, err)
+	require.Equal(t, *g, got)
+	require.Equal(t, h.Depth, hdr.Depth)
+
+	_, _, err = VerifyBlock(b[:len(b)-64], want)
+	assert.ErrorContains(t, err, "its header says", "short block")
+	b[g.LayerOffset(1)+3] ^= 1
+	_, _, err = VerifyBlock(b, want)
+	assert.Equal(t, status.Corrupt, status.Of(err))
+	assert.ErrorContains(t, err, "layer 1: checksum mismatch")
+	other := *want
+	other.Key[0] ^= 1
+	_, _, err = VerifyBlock(b, &other)
+	assert.ErrorContains(t, err, "holds key")
 }

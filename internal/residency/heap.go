@@ -7,7 +7,7 @@ package residency
 // so the order is total and evictions are deterministic.
 func (t *Tree[V]) less(a, b int32) bool {
 	x, y := &t.nodes[a], &t.nodes[b]
-	if t.cfg.Policy == CostAware && x.prio != y.prio {
+	if t.cfg.Policy != LRU && x.prio != y.prio {
 		return x.prio < y.prio
 	}
 	return x.tick < y.tick

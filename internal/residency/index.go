@@ -40,7 +40,20 @@ const (
 	// longer, while L's growth lets blocks that are no longer used go in the
 	// end however expensive they were.
 	CostAware
+	// Frequency is GreedyDual-Size-Frequency: CostAware with the priority
+	// H = L + Uses*Cost/Bytes, Uses counting the block's insert and every
+	// use since. A prefix that many readers restore outranks a stream of
+	// blocks used once, however deep (and so expensive) those are, and L's
+	// growth still retires it once its uses stop.
+	Frequency
 )
+
+// PolicyNamed is the policy a configuration names: "lru", "cost" or
+// "frequency".
+func PolicyNamed(name string) (Policy, bool) {
+	p, ok := map[string]Policy{"lru": LRU, "cost": CostAware, "frequency": Frequency}[name]
+	return p, ok
+}
 
 func (p Policy) String() string {
 	switch p {
@@ -48,6 +61,8 @@ func (p Policy) String() string {
 		return "lru"
 	case CostAware:
 		return "cost-aware"
+	case Frequency:
+		return "frequency"
 	}
 	return fmt.Sprintf("policy(%d)", uint8(p))
 }
@@ -69,8 +84,13 @@ type Block[V any] struct {
 	Bytes int64
 	// Cost is what recomputing the block would cost, in any unit the owner
 	// uses consistently (deeper blocks cost more: attention grows with
-	// position). It must be finite and not negative; only CostAware reads it.
+	// position). It must be finite and not negative; only CostAware and
+	// Frequency read it.
 	Cost float64
+	// Uses is how often the block was used before this insert (a block
+	// read back from a disk tier, say); 0 counts as 1. Only Frequency
+	// reads it.
+	Uses uint32
 }
 
 // Entry is an indexed block as reported by Remove, Evict and Walk.
@@ -81,6 +101,7 @@ type Entry[V any] struct {
 	Value  V
 	Bytes  int64
 	Cost   float64
+	Uses   uint32 // the insert and every use since
 }
 
 // maxBlocks keeps every arena index, the sentinel included, within int32.
@@ -98,7 +119,8 @@ type node[V any] struct {
 	lockedKids                int32 // children that are pinned or have a pinned descendant
 	bytes                     int64
 	cost                      float64
-	prio                      float64 // CostAware's H
+	prio                      float64 // CostAware's and Frequency's H
+	uses                      uint32  // Frequency's count: the insert and every use
 	tick                      uint64  // logical time of the last insert or use
 	value                     V
 }
@@ -115,7 +137,7 @@ type Tree[V any] struct {
 	// descendant: exactly what Evict can never free.
 	lockedBytes int64
 	clock       uint64
-	inflation   float64 // CostAware's L
+	inflation   float64 // CostAware's and Frequency's L
 }
 
 // New returns an empty tree.
@@ -123,7 +145,7 @@ func New[V any](cfg Config) (*Tree[V], error) {
 	if cfg.BudgetBytes < 0 {
 		return nil, status.Errorf(status.Config, "index: negative budget %d bytes", cfg.BudgetBytes)
 	}
-	if cfg.Policy != LRU && cfg.Policy != CostAware {
+	if cfg.Policy != LRU && cfg.Policy != CostAware && cfg.Policy != Frequency {
 		return nil, status.Errorf(status.Config, "index: unknown eviction %s", cfg.Policy)
 	}
 	t := &Tree[V]{cfg: cfg, ids: make(map[key.BlockKey]int32), nodes: make([]node[V], 1)}
@@ -214,7 +236,7 @@ func (t *Tree[V]) extend(at int32, atKey key.Hash, blocks []Block[V]) (int, erro
 	base := t.clock
 	t.clock += uint64(len(blocks))
 	for id, j := at, len(blocks); j > 0; id, j = t.nodes[id].parent, j-1 {
-		t.stamp(id, base+uint64(j))
+		t.stamp(id, base+uint64(j), j-1 < i)
 	}
 	t.refresh(at)
 	return len(fresh), nil
@@ -263,6 +285,16 @@ func (t *Tree[V]) Get(k key.BlockKey) (V, bool) {
 	return t.nodes[id].value, true
 }
 
+// Entry returns a block as Walk reports it, uses included, without
+// counting it as used.
+func (t *Tree[V]) Entry(k key.BlockKey) (Entry[V], bool) {
+	id, ok := t.ids[k]
+	if !ok {
+		return Entry[V]{}, false
+	}
+	return t.entry(id), true
+}
+
 // Leaf reports whether k is indexed and has no block below it.
 func (t *Tree[V]) Leaf(k key.BlockKey) bool {
 	id, ok := t.ids[k]
@@ -287,7 +319,7 @@ func (t *Tree[V]) Touch(keys ...key.BlockKey) int {
 	for _, k := range keys {
 		if id, ok := t.ids[k]; ok {
 			t.clock++
-			t.stamp(id, t.clock)
+			t.stamp(id, t.clock, true)
 			found++
 		}
 	}
@@ -450,7 +482,7 @@ func (t *Tree[V]) Evict(need int64) ([]Entry[V], error) {
 	var out []Entry[V]
 	for t.bytes > target {
 		id := t.heap[0]
-		if t.cfg.Policy == CostAware {
+		if t.cfg.Policy != LRU {
 			t.inflation = max(t.inflation, t.nodes[id].prio)
 		}
 		parent := t.nodes[id].parent
@@ -483,14 +515,21 @@ func (t *Tree[V]) Walk(fn func(Entry[V]) bool) {
 
 func (t *Tree[V]) entry(id int32) Entry[V] {
 	n := &t.nodes[id]
-	return Entry[V]{Key: n.key, Parent: n.up, Value: n.value, Bytes: n.bytes, Cost: n.cost}
+	return Entry[V]{Key: n.key, Parent: n.up, Value: n.value, Bytes: n.bytes, Cost: n.cost, Uses: n.uses}
 }
 
-// stamp records a use at tick.
-func (t *Tree[V]) stamp(id int32, tick uint64) {
+// stamp records an insert, or a use when used, at tick.
+func (t *Tree[V]) stamp(id int32, tick uint64, used bool) {
 	n := &t.nodes[id]
 	n.tick = tick
-	n.prio = t.inflation + n.cost/float64(n.bytes)
+	if used && n.uses < math.MaxUint32 {
+		n.uses++
+	}
+	weight := 1.0
+	if t.cfg.Policy == Frequency {
+		weight = float64(n.uses)
+	}
+	n.prio = t.inflation + weight*n.cost/float64(n.bytes)
 	if n.heapPos >= 0 {
 		t.heapFix(id)
 	}
@@ -521,7 +560,7 @@ func (t *Tree[V]) alloc(b *Block[V], parent int32, up key.Hash) int32 {
 		id = int32(len(t.nodes))
 		t.nodes = append(t.nodes, node[V]{})
 	}
-	t.nodes[id] = node[V]{key: b.Key, up: up, parent: parent, heapPos: -1, bytes: b.Bytes, cost: b.Cost, value: b.Value}
+	t.nodes[id] = node[V]{key: b.Key, up: up, parent: parent, heapPos: -1, bytes: b.Bytes, cost: b.Cost, uses: max(b.Uses, 1), value: b.Value}
 	t.ids[b.Key] = id
 	p := &t.nodes[parent]
 	if p.child != 0 {

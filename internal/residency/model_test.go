@@ -33,6 +33,7 @@ type refBlock struct {
 	pins   int
 	tick   uint64
 	prio   float64
+	uses   uint32
 }
 
 func newRef(cfg Config) *refTree {
@@ -47,10 +48,18 @@ func (r *refTree) total() int64 {
 	return s
 }
 
-func (r *refTree) use(b *refBlock) {
+// use records an insert (used false) or a use.
+func (r *refTree) use(b *refBlock, used bool) {
 	r.clock++
 	b.tick = r.clock
-	b.prio = r.inflation + b.cost/float64(b.bytes)
+	if used {
+		b.uses++
+	}
+	w := 1.0
+	if r.cfg.Policy == Frequency {
+		w = float64(b.uses)
+	}
+	b.prio = r.inflation + w*b.cost/float64(b.bytes)
 }
 
 func (r *refTree) extend(first bool, up key.Hash, blocks []Block[int]) (int, status.Code) {
@@ -87,11 +96,11 @@ func (r *refTree) extend(first bool, up key.Hash, blocks []Block[int]) (int, sta
 		seen[b.Key] = true
 	}
 	for _, b := range fresh {
-		r.blocks[b.Key] = &refBlock{first: first, parent: up, value: b.Value, bytes: b.Bytes, cost: b.Cost}
+		r.blocks[b.Key] = &refBlock{first: first, parent: up, value: b.Value, bytes: b.Bytes, cost: b.Cost, uses: max(b.Uses, 1)}
 		first, up = false, b.Key
 	}
-	for _, b := range blocks {
-		r.use(r.blocks[b.Key])
+	for j, b := range blocks {
+		r.use(r.blocks[b.Key], j < i)
 	}
 	return len(fresh), status.OK
 }
@@ -120,7 +129,7 @@ func (r *refTree) touch(keys []key.BlockKey) int {
 	n := 0
 	for _, k := range keys {
 		if b, ok := r.blocks[k]; ok {
-			r.use(b)
+			r.use(b, true)
 			n++
 		}
 	}
@@ -224,7 +233,7 @@ func (r *refTree) evict(need int64) ([]key.BlockKey, status.Code) {
 				best, bb = k, b
 			}
 		}
-		if r.cfg.Policy == CostAware {
+		if r.cfg.Policy != LRU {
 			r.inflation = max(r.inflation, bb.prio)
 		}
 		delete(r.blocks, best)
@@ -234,7 +243,7 @@ func (r *refTree) evict(need int64) ([]key.BlockKey, status.Code) {
 }
 
 func (r *refTree) before(a, b *refBlock) bool {
-	if r.cfg.Policy == CostAware && a.prio != b.prio {
+	if r.cfg.Policy != LRU && a.prio != b.prio {
 		return a.prio < b.prio
 	}
 	return a.tick < b.tick
@@ -339,7 +348,7 @@ func (h *harness) remember(c knownChain) {
 
 func (h *harness) block(k key.BlockKey, depth int) Block[int] {
 	h.values++
-	b := Block[int]{Key: k, Value: h.values, Bytes: int64(1 + h.src.intn(4)), Cost: float64(h.src.intn(4) * (depth + 1))}
+	b := Block[int]{Key: k, Value: h.values, Bytes: int64(1 + h.src.intn(4)), Cost: float64(h.src.intn(4) * (depth + 1)), Uses: uint32(h.src.intn(3))}
 	switch h.src.intn(32) {
 	case 0:
 		b.Bytes = int64(-h.src.intn(2))
@@ -537,7 +546,7 @@ func (h *harness) compare() {
 		switch {
 		case !ok:
 			h.fail("Walk visits %s, absent from the reference", e.Key)
-		case b.parent != e.Parent || b.value != e.Value || b.bytes != e.Bytes || b.cost != e.Cost:
+		case b.parent != e.Parent || b.value != e.Value || b.bytes != e.Bytes || b.cost != e.Cost || b.uses != e.Uses:
 			h.fail("Walk: %+v, reference %+v", e, *b)
 		case !b.first && !seen[e.Parent]:
 			h.fail("Walk visits %s before its parent", e.Key)
@@ -643,7 +652,7 @@ func (t *Tree[V]) check() error {
 }
 
 func TestTreeMatchesReference(t *testing.T) {
-	for _, policy := range []Policy{LRU, CostAware} {
+	for _, policy := range []Policy{LRU, CostAware, Frequency} {
 		for _, budget := range []int64{0, 16, 64} {
 			t.Run(fmt.Sprintf("%s/budget=%d", policy, budget), func(t *testing.T) {
 				for seed := int64(1); seed <= 12; seed++ {
@@ -666,7 +675,7 @@ func FuzzTree(f *testing.F) {
 		if len(data) == 0 {
 			return
 		}
-		cfg := Config{Policy: Policy(data[0] & 1), BudgetBytes: []int64{0, 8, 24}[int(data[0]>>1)%3]}
+		cfg := Config{Policy: Policy(data[0] % 3), BudgetBytes: []int64{0, 8, 24}[int(data[0]/3)%3]}
 		h := newHarness(t, cfg, &byteSource{data: data[1:]})
 		h.run(1000)
 	})

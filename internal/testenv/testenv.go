@@ -448,3 +448,22 @@ func HelpNames(tb testing.TB, url, prefix string) []string {
 	}
 	return out
 }
+
+// TmpFS mounts a tmpfs of size (mount's "size=" syntax, such as "64k") on
+// a directory of the test's and unmounts it when the test ends: the real
+// way to meet a full or a read-only filesystem. Mounting needs root; make
+// test runs as root, and elsewhere the test fails and says so.
+func TmpFS(tb testing.TB, size string) string {
+	tb.Helper()
+	require.Zero(tb, os.Geteuid(), "this test mounts a tmpfs to meet a real full or read-only filesystem: run it as root (make test does)")
+	dir := tb.TempDir()
+	require.NoError(tb, syscall.Mount("tmpfs", dir, "tmpfs", 0, "size="+size), "mounting a tmpfs at %s", dir)
+	tb.Cleanup(func() { _ = syscall.Unmount(dir, syscall.MNT_DETACH) })
+	return dir
+}
+
+// ReadOnly remounts a TmpFS read-only.
+func ReadOnly(tb testing.TB, dir string) {
+	tb.Helper()
+	require.NoError(tb, syscall.Mount("", dir, "", syscall.MS_REMOUNT|syscall.MS_RDONLY, ""), "remounting %s read-only", dir)
+}

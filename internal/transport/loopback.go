@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"context"
 	"sort"
 	"strconv"
 	"strings"
@@ -63,6 +64,7 @@ type Loopback struct {
 	fault    Fault
 	moved    int64     // bytes served while a FailAfter fault is armed
 	linkFree time.Time // when the shaped link is next idle
+	inbox    []Notification
 	closed   bool
 }
 
@@ -204,6 +206,43 @@ func (l *Loopback) Close() error {
 	l.closed = true
 	delete(loopbacks.byName, l.opts.Name)
 	return nil
+}
+
+// maxInbox bounds the notifications an engine keeps unread, as a real
+// engine's memory would.
+const maxInbox = 1 << 12
+
+// SendNotify implements Notifier. A DropPeer or FailAll fault on the
+// peer, or a peer gone, fails it.
+func (l *Loopback) SendNotify(ctx context.Context, id SegmentID, name, msg string) error {
+	if err := ctx.Err(); err != nil {
+		return status.Wrap(status.Timeout, err, "notify")
+	}
+	l.mu.Lock()
+	peer := l.segments[id]
+	l.mu.Unlock()
+	if peer == nil {
+		return status.Errorf(status.InvalidArg, "notify: segment %d is not open", id)
+	}
+	peer.mu.Lock()
+	defer peer.mu.Unlock()
+	switch {
+	case peer.closed || peer.fault.Kind == DropPeer || peer.fault.Kind == FailAll:
+		return status.Errorf(status.Transfer, "notify %q: peer unreachable", peer.opts.Name)
+	case len(peer.inbox) >= maxInbox:
+		return status.Errorf(status.Transfer, "notify %q: %d messages unread", peer.opts.Name, maxInbox)
+	}
+	peer.inbox = append(peer.inbox, Notification{Name: name, Msg: msg})
+	return nil
+}
+
+// Notifications implements Notifier.
+func (l *Loopback) Notifications() ([]Notification, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := l.inbox
+	l.inbox = nil
+	return out, nil
 }
 
 func (l *Loopback) AllocateBatch(capacity int) (Batch, error) {

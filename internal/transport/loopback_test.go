@@ -625,3 +625,37 @@ func BenchmarkLoopbackRead(b *testing.B) {
 		b.Run(fmt.Sprintf("%dMiB", size>>20), func(b *testing.B) { benchmarkRead(b, size) })
 	}
 }
+
+var _ Notifier = (*Loopback)(nil)
+
+// Notifications reach the peer once, in order; a dropped, failing or
+// closed peer refuses them, and a full inbox too.
+func TestNotify(t *testing.T) {
+	p := newPair(t, 64, Link{})
+	ctx := context.Background()
+	require.NoError(t, p.a.SendNotify(ctx, p.seg, "a", "1"))
+	require.NoError(t, p.a.SendNotify(ctx, p.seg, "b", "2"))
+	got, err := p.b.Notifications()
+	require.NoError(t, err)
+	require.Equal(t, []Notification{{Name: "a", Msg: "1"}, {Name: "b", Msg: "2"}}, got)
+	got, err = p.b.Notifications()
+	require.NoError(t, err)
+	require.Empty(t, got, "delivered twice")
+
+	require.Equal(t, status.InvalidArg, status.Of(p.a.SendNotify(ctx, p.seg+100, "x", "")), "unknown segment")
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	require.Equal(t, status.Timeout, status.Of(p.a.SendNotify(cancelled, p.seg, "x", "")), "ended context")
+	for range maxInbox {
+		require.NoError(t, p.a.SendNotify(ctx, p.seg, "n", ""))
+	}
+	require.Equal(t, status.Transfer, status.Of(p.a.SendNotify(ctx, p.seg, "n", "")), "full inbox")
+	_, _ = p.b.Notifications()
+	for _, f := range []FaultKind{DropPeer, FailAll} {
+		p.b.SetFault(Fault{Kind: f})
+		require.Equal(t, status.Transfer, status.Of(p.a.SendNotify(ctx, p.seg, "x", "")), "fault %d", f)
+	}
+	p.b.SetFault(Fault{})
+	require.NoError(t, p.b.Close())
+	require.Equal(t, status.Transfer, status.Of(p.a.SendNotify(ctx, p.seg, "x", "")), "closed peer")
+}

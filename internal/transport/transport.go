@@ -108,6 +108,22 @@ type ContextOpener interface {
 	OpenSegmentContext(ctx context.Context, name string) (SegmentID, error)
 }
 
+// Notification is a short message one engine delivered to another.
+type Notification struct {
+	Name, Msg string
+}
+
+// Notifier is an engine that can send peers short messages over the path
+// it already has to them (Mooncake's notify). The bridge tells a block's
+// holder through it what its readers restored and what failed to verify.
+type Notifier interface {
+	// SendNotify delivers (name, msg) to the engine behind segment id, or
+	// fails; it gives up with status.Timeout when ctx ends first.
+	SendNotify(ctx context.Context, id SegmentID, name, msg string) error
+	// Notifications returns and forgets the messages peers sent here.
+	Notifications() ([]Notification, error)
+}
+
 // Batch is a set of requests submitted together and polled per task. A Batch
 // owns the engine's batch id: it can be freed once, never used after free.
 type Batch interface {

@@ -249,6 +249,7 @@ func TestLoad(t *testing.T) {
 	sc := j.Config
 	sc.PoolBytes = 4 << 20 // 121 blocks: the store evicts too
 	sc.Owner = "store"
+	sc.Eviction = "frequency" // as mcbridge serve runs
 	store := openNode(t, sc, 64, nil)
 	require.NoError(t, store.b.Replicate())
 	lj := loadJob{Duration: d, Prefixes: 4, PrefixBlocks: 8, PrivateTokens: 2*blockTokens + 7}
@@ -296,16 +297,24 @@ func TestLoad(t *testing.T) {
 	fmt.Fprintf(&sum.text, "\nstore node: %d blocks (%.2f MiB) held of a %.2f MiB pool, peak %.2f MiB; %d copied, %d taken over, %d evicted, %d copy failures\n",
 		blocks, mib(bytes), mib(poolBytes), mib(storeMax), st.Replicated, st.TakenOver, st.Evictions, st.ReplicationFails)
 
-	// What the store still publishes after every generator has gone
-	// restores byte-exact.
+	// After every generator has gone, the store publishes every shared
+	// prefix, and it restores byte-exact. The store takes over what the
+	// generators unpublished as they exited, through the directory's watch:
+	// wait for that, not for a time.
 	r := openNode(t, j.Config, 256, nil)
 	restored := 0
 	for i := 0; i < lj.Prefixes; i++ {
 		p := append(prompt(int64(1000+i), lj.PrefixBlocks*blockTokens), 1)
+		matched := waitMatchedWithin(t, r.m, p, lj.PrefixBlocks, time.Minute)
+		if matched < lj.PrefixBlocks {
+			continue
+		}
 		out := r.restore(r.h, key.Scope{}, p)
+		r.verify(r.h, p, out.Restored)
 		restored += out.Restored
 	}
-	fmt.Fprintf(&sum.text, "after the generators exited: %d of %d shared-prefix tokens restored from the store\n", restored, lj.Prefixes*lj.PrefixBlocks*blockTokens)
+	fmt.Fprintf(&sum.text, "after the generators exited: %d of %d shared-prefix tokens restored from the store; readers reported %d restores of its blocks\n",
+		restored, lj.Prefixes*lj.PrefixBlocks*blockTokens, st.PeerUses)
 	t.Logf("load report (%d processes, %v):\n%s", procs, d, sum.text.String())
 	report(t, fmt.Sprintf("load, %d processes, %v", procs, d), sum.text.String())
 
@@ -315,6 +324,7 @@ func TestLoad(t *testing.T) {
 	assert.Zero(t, storeOver, "times the store's pool went over its size")
 	assert.NotZero(t, sum.restored, "nothing was shared: no token restored")
 	assert.NotZero(t, st.Replicated, "nothing was shared: no block copied by the store")
+	assert.Equal(t, lj.Prefixes*lj.PrefixBlocks*blockTokens, restored, "shared-prefix tokens restorable from the store after the generators exited")
 	for _, e := range sum.errors {
 		t.Log(e)
 	}
@@ -369,7 +379,7 @@ func summarize(reps []loadReport, soak bool, d time.Duration) *summary {
 	}
 	var prompt, shared, decided int64
 	fallbacks, saveErrs := map[string]int{}, map[string]int{}
-	var lookups, hits, loads, evictions, saved, deduped, held, peak int64
+	var lookups, hits, loads, evictions, saved, deduped, held, peak, reportsSent, reportsFailed int64
 	blocks := 0
 	var byWindow = map[int][]time.Duration{}
 	var rss, hwm []int64
@@ -395,6 +405,8 @@ func summarize(reps []loadReport, soak bool, d time.Duration) *summary {
 		evictions += r.Stats.Evictions
 		saved += r.Stats.SavedBlocks
 		deduped += r.Stats.DedupedBlocks
+		reportsSent += r.Stats.ReportsSent
+		reportsFailed += r.Stats.ReportsFailed + r.Stats.ReportsDropped
 		blocks += r.Blocks
 		held += r.Bytes
 		peak = max(peak, r.MaxResident)
@@ -418,7 +430,7 @@ func summarize(reps []loadReport, soak bool, d time.Duration) *summary {
 	fmt.Fprintf(t, "lookups %d, with a hit %d (%.1f%%); loads %d; decided %d tokens, restored %d\n", lookups, hits, pct(hits, lookups), loads, decided, s.restored)
 	fmt.Fprintf(t, "token hit ratio: %.1f%% of prompt tokens restored; %.1f%% of the shared-prefix tokens (the ceiling)\n", pct(s.restored, prompt), pct(s.restored, shared))
 	fmt.Fprintf(t, "fallbacks (restored less than decided, recomputed): %s; saves that published nothing: %s\n", counts(fallbacks), counts(saveErrs))
-	fmt.Fprintf(t, "blocks published %d, deduplicated %d, evicted by generators %d\n", saved, deduped, evictions)
+	fmt.Fprintf(t, "blocks published %d, deduplicated %d, evicted by generators %d; reports to holders sent %d, failed %d\n", saved, deduped, evictions, reportsSent, reportsFailed)
 	fmt.Fprintf(t, "generators held %d blocks (%.2f MiB) at the end; the fullest pool peaked at %.2f MiB\n", blocks, mib(held), mib(peak))
 	fmt.Fprintf(t, "generator RSS KiB (now / peak): %s; pools %.2f MiB each, over budget %d times\n", rssPairs(rss, hwm), mib(reps[0].PoolBytes), s.over)
 	fmt.Fprintf(t, "bridge time per request (lookup + load + save):\n")
@@ -478,4 +490,19 @@ func rssPairs(rss, hwm []int64) string {
 		parts = append(parts, fmt.Sprintf("%d/%d", rss[i], hwm[i]))
 	}
 	return strings.Join(parts, " ")
+}
+
+// waitMatchedWithin polls Lookup until it matches want blocks or timeout
+// passes, and returns the blocks it matched last.
+func waitMatchedWithin(t *testing.T, m *bridge.Model, tokens []int32, want int, timeout time.Duration) int {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		r, err := m.Lookup(key.Scope{}, tokens, 0)
+		require.NoError(t, err)
+		if r.MatchedBlocks >= want || time.Now().After(deadline) {
+			return r.MatchedBlocks
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }

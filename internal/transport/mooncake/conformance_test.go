@@ -613,7 +613,7 @@ func testNotify(t *testing.T, lib string) {
 	require.Equal(t, transport.Completed, st[0].State)
 	got, err := p.b.Notifications()
 	require.NoError(t, err)
-	assert.Equal(t, []Notification{{"hello", "world"}, {"block", "42 done"}}, got)
+	assert.Equal(t, []Notification{{Name: "hello", Msg: "world"}, {Name: "block", Msg: "42 done"}}, got)
 	again, err := p.b.Notifications()
 	require.NoError(t, err)
 	assert.Empty(t, again, "notifications are delivered once")

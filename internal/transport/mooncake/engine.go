@@ -102,7 +102,10 @@ type Engine struct {
 	closed  bool                 // Close ran: the last flight to land destroys
 }
 
-var _ transport.Transport = (*Engine)(nil)
+var (
+	_ transport.Transport = (*Engine)(nil)
+	_ transport.Notifier  = (*Engine)(nil)
+)
 
 // Open loads the library and starts an engine.
 func Open(cfg Config) (*Engine, error) {
@@ -462,9 +465,7 @@ func (e *Engine) Close() error {
 }
 
 // Notification is a message delivered to this engine by a peer.
-type Notification struct {
-	Name, Msg string
-}
+type Notification = transport.Notification
 
 // notifyLimit bounds the strings read back from the library.
 const notifyLimit = 1 << 20

@@ -1,0 +1,286 @@
+package bridge
+
+import (
+	"math/rand"
+	"os"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mcbridge/mcbridge/internal/config"
+	"github.com/mcbridge/mcbridge/internal/disk"
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/internal/residency"
+	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/testenv"
+)
+
+// diskStore opens a store node with a disk tier in dir and starts it.
+func diskStore(t *testing.T, cfg config.Config, dir string, budget int64, codec disk.Codec) (*Bridge, *disk.Tier) {
+	t.Helper()
+	tier, err := disk.Open(disk.Config{Dir: dir, Bytes: budget, Codec: codec, Policy: residency.Frequency})
+	require.NoError(t, err)
+	s := openBridge(t, cfg, "store")
+	require.NoError(t, s.UseDisk(tier))
+	require.NoError(t, s.Replicate())
+	return s, tier
+}
+
+// saved has an owner compute and save a prompt of n full blocks (and one
+// token), and returns the owner, which the caller closes.
+func saved(t *testing.T, cfg config.Config, owner string, seed int64, blocks int) (*Bridge, []int32) {
+	t.Helper()
+	o, err := Open(withOwner(cfg, owner), Deps{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = o.Close() })
+	h := bigBlocks(t)
+	m := register(t, o, h, 4)
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(seed)), 4*blocks+1)
+	h.Fill(tokens, kvtest.SeqCells(len(tokens)))
+	saveAll(t, m, h, key.Scope{}, tokens, kvtest.SeqCells(len(tokens)))
+	return o, tokens
+}
+
+// A store node with a disk tier writes every block it copies to its file;
+// closed and opened again on the same directory, it reads them back into
+// its pool and publishes them, and a reader restores them byte for byte.
+func TestDiskTierOutlivesTheStore(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.Arbiter.Policy = "always-restore"
+	dir := t.TempDir()
+	store, tier := diskStore(t, storeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
+	owner, tokens := saved(t, cfg, "owner", 3, 5)
+	waitFor(t, "the store to write 5 blocks", func() bool { return tier.Stats().Files == 5 })
+	require.NoError(t, owner.Close())
+	waitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 5 })
+	require.NoError(t, store.Close())
+
+	again, _ := diskStore(t, storeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
+	require.Equal(t, 5, again.RefillFromDisk())
+	waitFor(t, "the store to publish what came back", func() bool { return again.Stats().TakenOver == 5 })
+	r := openBridge(t, cfg, "reader")
+	mr := register(t, r, bigBlocks(t), 4)
+	n, seg := restoreFrom(t, mr, tokens)
+	assert.Equal(t, 20, n)
+	assert.Equal(t, again.Segment(), seg)
+	assert.Zero(t, again.DiskStats().Dropped)
+}
+
+// Files torn or changed while the store was down are dropped and counted
+// when it opens; what comes back is the prefix before them, verified, and
+// the reader computes the rest.
+func TestDiskTierDropsTornFiles(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.Arbiter.Policy = "always-restore"
+	dir := t.TempDir()
+	store, tier := diskStore(t, storeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
+	owner, tokens := saved(t, cfg, "owner", 4, 4)
+	waitFor(t, "the store to write 4 blocks", func() bool { return tier.Stats().Files == 4 })
+	require.NoError(t, owner.Close())
+	require.NoError(t, store.Close())
+	chain := key.Chain(key.Root(registeredFP(t, cfg), key.Scope{}), tokens[:16], 4)
+	path := func(k key.BlockKey) string { return tier.Dir() + "/" + k.String()[:2] + "/" + k.String() }
+	st, err := os.Stat(path(chain[2]))
+	require.NoError(t, err)
+	require.NoError(t, os.Truncate(path(chain[2]), st.Size()/2))
+
+	again, tier2 := diskStore(t, storeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
+	assert.Equal(t, int64(1), tier2.Stats().Dropped, "the torn file")
+	again.RefillFromDisk()
+	r := openBridge(t, cfg, "reader")
+	mr := register(t, r, bigBlocks(t), 4)
+	waitFor(t, "the reader to find what came back", func() bool {
+		lk, err := mr.Lookup(key.Scope{}, tokens, 0)
+		require.NoError(t, err)
+		return lk.MatchedBlocks == 2
+	})
+	n, _ := restoreFrom(t, mr, tokens)
+	assert.Equal(t, 8, n, "the two blocks before the torn one")
+}
+
+// registeredFP is the fingerprint bigBlocks' model registers under.
+func registeredFP(t *testing.T, cfg config.Config) key.Fingerprint {
+	t.Helper()
+	b := openBridge(t, cfg, "fp")
+	return register(t, b, bigBlocks(t), 4).fp
+}
+
+// Blocks evicted from the store's pool stay on its disk; a reader whose
+// lookup finds the chain's first blocks asks for the rest, which come
+// back into the pool and are published, and its next restore takes them
+// all. A file changed on the disk meanwhile is refused on the way back:
+// the reader restores what is before it and computes the rest.
+func TestDiskTierBringsBackWhatReadersWant(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		changed bool
+	}{{"whole files", false}, {"a file changed", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := testConfig(t)
+			cfg.Arbiter.Policy = "always-restore"
+			store, tier := diskStore(t, storeConfig(cfg, 12, "lru"), t.TempDir(), 64<<20, disk.Raw)
+			owner, tokens := saved(t, cfg, "owner", 7, 6)
+			waitFor(t, "the store to write 6 blocks", func() bool { return tier.Stats().Files == 6 })
+			require.NoError(t, owner.Close())
+			waitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 6 })
+			chain := key.Chain(key.Root(registeredFP(t, cfg), key.Scope{}), tokens[:24], 4)
+			// Eviction takes the chain's last four blocks, as the pool's
+			// budget would: leaves first.
+			gone := evictChainTail(t, store, chain, 2)
+			require.Len(t, gone, 4)
+			flush(t, store)
+			if tc.changed {
+				flipFileByte(t, tier.Dir()+"/"+chain[3].String()[:2]+"/"+chain[3].String())
+			}
+			r := openBridge(t, cfg, "reader")
+			mr := register(t, r, bigBlocks(t), 4)
+			want := 6
+			if tc.changed {
+				want = 3
+			}
+			// The reader's lookups find the two blocks still in the pool
+			// and ask for the rest; the store brings back what its disk
+			// holds whole.
+			waitFor(t, "the store to bring the wanted blocks back", func() bool {
+				lk, err := mr.Lookup(key.Scope{}, tokens, 0)
+				require.NoError(t, err)
+				return lk.MatchedBlocks == want
+			})
+			n, _ := restoreFrom(t, mr, tokens)
+			assert.Equal(t, 4*want, n)
+			if tc.changed {
+				assert.Equal(t, int64(1), tier.Stats().Dropped, "the changed file")
+				assert.Equal(t, int64(1), store.Stats().PagedIn)
+			} else {
+				assert.Equal(t, int64(4), store.Stats().PagedIn)
+			}
+		})
+	}
+}
+
+// evictChainTail evicts chain[keep:] from b's pool as its evict does
+// (spill, then discard) and returns what went.
+func evictChainTail(t *testing.T, b *Bridge, chain []key.BlockKey, keep int) []residency.Entry[slot] {
+	t.Helper()
+	b.mu.Lock()
+	gone, err := b.resident.Remove(chain[keep])
+	b.mu.Unlock()
+	require.NoError(t, err)
+	b.tier.spill(gone)
+	b.discard(gone)
+	return gone
+}
+
+// flush waits until b's publisher has handed the directory everything.
+func flush(t *testing.T, b *Bridge) {
+	t.Helper()
+	published(t, b, b.Stats())
+}
+
+func flipFileByte(t *testing.T, path string) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer f.Close()
+	var c [1]byte
+	_, err = f.ReadAt(c[:], disk.HeaderSize+777)
+	require.NoError(t, err)
+	c[0] ^= 1
+	_, err = f.WriteAt(c[:], disk.HeaderSize+777)
+	require.NoError(t, err)
+}
+
+// A block evicted before the write-behind reached it is written on its
+// way out.
+func TestEvictionSpills(t *testing.T) {
+	cfg := testConfig(t)
+	store, tier := diskStore(t, storeConfig(cfg, 12, "lru"), t.TempDir(), 64<<20, disk.Raw)
+	_, tokens := saved(t, cfg, "owner", 8, 3)
+	waitFor(t, "the store to write 3 blocks", func() bool { return tier.Stats().Files == 3 })
+	chain := key.Chain(key.Root(registeredFP(t, cfg), key.Scope{}), tokens[:12], 4)
+	// As if the write-behind had not got to the last block yet.
+	tier.Remove(chain[2])
+	store.mu.Lock()
+	s, ok := store.resident.Get(chain[2])
+	require.True(t, ok)
+	s.persisted = false
+	store.resident.Set(chain[2], s)
+	store.mu.Unlock()
+	require.NoError(t, store.evict(store.pool.Size()))
+	assert.True(t, tier.Has(chain[2]), "the evicted block is on the disk")
+	assert.Equal(t, int64(1), store.Stats().Spilled)
+}
+
+// A disk that fills keeps what fits, a chain's first blocks; the store
+// runs on, its pool serving every block, and a restart brings back what
+// the disk kept.
+func TestDiskTierFull(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.Arbiter.Policy = "always-restore"
+	dir := testenv.TmpFS(t, "200k")
+	store, tier := diskStore(t, storeConfig(cfg, 12, "lru"), dir, 64<<20, disk.Raw)
+	owner, tokens := saved(t, cfg, "owner", 9, 5)
+	waitFor(t, "the store to copy 5 blocks", func() bool { return store.Stats().Replicated == 5 })
+	waitFor(t, "the write-behind to try them all", func() bool {
+		st := tier.Stats()
+		return st.Written+st.WriteErrors >= 5
+	})
+	st := tier.Stats()
+	require.Positive(t, st.WriteErrors, "200 KiB holds fewer than 5 blocks of 64 KiB")
+	require.Positive(t, st.Files)
+	assert.Less(t, st.Budget, int64(64<<20), "the budget follows the filesystem")
+	require.NoError(t, owner.Close())
+	waitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 5 })
+	r := openBridge(t, cfg, "reader")
+	mr := register(t, r, bigBlocks(t), 4)
+	n, _ := restoreFrom(t, mr, tokens)
+	assert.Equal(t, 20, n, "the pool serves what the disk could not take")
+	require.NoError(t, store.Close())
+
+	again, _ := diskStore(t, storeConfig(cfg, 12, "lru"), dir, 64<<20, disk.Raw)
+	back := again.RefillFromDisk()
+	require.Equal(t, int(st.Files), back)
+	r = openBridge(t, cfg, "reader-2")
+	mr = register(t, r, bigBlocks(t), 4)
+	waitFor(t, "the reader to find what came back", func() bool {
+		lk, err := mr.Lookup(key.Scope{}, tokens, 0)
+		require.NoError(t, err)
+		return lk.MatchedBlocks == back
+	})
+	n, _ = restoreFrom(t, mr, tokens)
+	assert.Equal(t, 4*back, n, "the chain's first blocks, whole")
+}
+
+// A holder that restarts under the same segment name (a store node on a
+// fixed address) fails its reader's next load once, which retires the
+// cached segment; the load after it opens the new holder and restores.
+func TestRestartedHolderIsReopened(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.Arbiter.Policy = "always-restore"
+	dir := t.TempDir()
+	store, tier := diskStore(t, storeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Raw)
+	owner, tokens := saved(t, cfg, "owner", 11, 2)
+	waitFor(t, "the store to write 2 blocks", func() bool { return tier.Stats().Files == 2 })
+	require.NoError(t, owner.Close())
+	waitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 2 })
+	r := openBridge(t, cfg, "reader")
+	mr := register(t, r, bigBlocks(t), 4)
+	n, _ := restoreFrom(t, mr, tokens)
+	require.Equal(t, 8, n)
+	require.NoError(t, store.Close())
+
+	again, _ := diskStore(t, storeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Raw)
+	require.Equal(t, 2, again.RefillFromDisk())
+	waitFor(t, "the reader to find what came back", func() bool {
+		lk, err := mr.Lookup(key.Scope{}, tokens, 0)
+		require.NoError(t, err)
+		return lk.MatchedBlocks == 2
+	})
+	h := bigBlocks(t)
+	_, err := loadAll(t, mr, h, key.Scope{}, tokens[:8], kvtest.SeqCells(8))
+	require.Equal(t, status.Transfer, status.Of(err), "the cached segment names the old holder")
+	n, _ = restoreFrom(t, mr, tokens)
+	assert.Equal(t, 8, n, "reopened")
+}

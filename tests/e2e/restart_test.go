@@ -1,0 +1,133 @@
+package e2e
+
+import (
+	"encoding/json"
+	"fmt"
+	"path/filepath"
+	"strconv"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mcbridge/mcbridge/internal/testenv"
+)
+
+// storeState is the part of a store node's /state the tests read.
+type storeState struct {
+	Blocks int `json:"blocks"`
+	Stats  struct {
+		Replicated int `json:"Replicated"`
+		TakenOver  int `json:"TakenOver"`
+		PagedIn    int `json:"PagedIn"`
+	} `json:"stats"`
+	Disk struct {
+		Files   int `json:"Files"`
+		Dropped int `json:"Dropped"`
+	} `json:"disk"`
+}
+
+func (s storeState) String() string { b, _ := json.Marshal(s); return string(b) }
+
+func readState(t *testing.T, store *testenv.Store) storeState {
+	t.Helper()
+	var st storeState
+	require.NoError(t, jsonGet(t, store.URL+"/state", &st))
+	return st
+}
+
+// diskSwarm is a single-host swarm as a user runs it: a store node with an
+// embedded etcd and a disk tier, both in directories that outlive it, and
+// the patched servers' configuration pointing at them.
+type diskSwarm struct {
+	etcdURL, etcdDir, diskDir string
+	serverCfg                 string // the patched servers' bridge configuration
+}
+
+func newDiskSwarm(t *testing.T, extra string) *diskSwarm {
+	dir := t.TempDir()
+	s := &diskSwarm{
+		etcdURL: "http://127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)),
+		etcdDir: filepath.Join(dir, "etcd"), diskDir: filepath.Join(dir, "disk"),
+	}
+	// A short lease: a process killed without unpublishing leaves entries
+	// that name it until the lease runs out; the store takes over then.
+	s.serverCfg = fmt.Sprintf(`{"block_tokens": 64, "directory": {"kind": "etcd", "endpoints": [%q], "lease_ttl_s": 3}, "transport": {"kind": "mooncake", "lib": %q}%s}`,
+		s.etcdURL, mockTE, extra)
+	return s
+}
+
+// startStore starts (or restarts) the store node.
+func (s *diskSwarm) startStore(t *testing.T, name string) *testenv.Store {
+	cfg := fmt.Sprintf(`{"block_tokens": 64, "directory": {"lease_ttl_s": 3}, "transport": {"kind": "mooncake", "lib": %q}}`, mockTE)
+	return testenv.StartStore(t, name, cfg, "--embed-etcd", "--etcd-dir", s.etcdDir, "--etcd-client-url", s.etcdURL,
+		"--disk-dir", s.diskDir, "--disk-bytes", fmt.Sprint(1<<30), "--pool-bytes", fmt.Sprint(256<<20))
+}
+
+// waitStore waits until the store node's state satisfies cond.
+func waitStore(t *testing.T, store *testenv.Store, what string, cond func(storeState) bool) {
+	t.Helper()
+	var last storeState
+	testenv.Eventually(t, defaultWait, func() bool {
+		last = readState(t, store)
+		return cond(last)
+	}, "the store never reached: %s (last state %s)", what, &last)
+}
+
+// The whole swarm restarts and is still warm: patched servers and a store
+// node with a disk tier share a prefix; every process stops (SIGTERM, and
+// in another run SIGKILL: nothing unpublished, nothing flushed); the store
+// node starts again on its directories, then a new patched server, whose
+// first request restores the prefix from what the store read back from
+// its disk, and answers as stock. Restored token counts, not times, show
+// that only the remainder was computed.
+func TestSwarmRestart(t *testing.T) {
+	model := testenv.Model(t, "tiny", 0)
+	ref := testenv.StartLlama(t, "ref", testenv.StockServer(t), serverArgs(model, "on", false))
+	want := ref.Complete(t, testenv.Request{Prompt: promptC, Slot: 0, NPredict: nPredict})
+	ref.Stop()
+	for _, stop := range []string{"SIGTERM", "SIGKILL"} {
+		t.Run(stop, func(t *testing.T) {
+			sw := newDiskSwarm(t, "")
+			store := sw.startStore(t, "store")
+			x := testenv.StartLlama(t, "x", testenv.PatchedServer(t), append(serverArgs(model, "on", false), "--mcb-config", sw.serverCfg))
+			require.Equal(t, "on", x.BridgeState())
+			y := testenv.StartLlama(t, "y", testenv.PatchedServer(t), append(serverArgs(model, "on", false), "--mcb-config", sw.serverCfg))
+			x.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict})
+			waitMirrored(t, y.URL, shared/block)
+			got := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
+			require.Equal(t, shared, got.Timings.RestoredN, "y restores what x computed: %+v", got.Timings)
+			// A kill loses what the store has not written yet: wait for
+			// its disk to hold the prefix (and the rest it copied).
+			waitStore(t, store, "every block copied and on its disk", func(s storeState) bool {
+				return s.Stats.Replicated >= shared/block && s.Disk.Files >= s.Stats.Replicated
+			})
+
+			for _, p := range []*testenv.Server{x.Server, y.Server, store.Server} {
+				if stop == "SIGTERM" {
+					p.Stop()
+				} else {
+					p.Kill()
+				}
+			}
+
+			again := sw.startStore(t, "store-again")
+			st := readState(t, again)
+			require.GreaterOrEqual(t, st.Disk.Files, shared/block, "the disk tier's files survive: %s", &st)
+			require.Zero(t, st.Disk.Dropped, "no file was torn: %s", &st)
+			// Read back at start, the blocks are published as the store's
+			// own once the entries of the processes that died are gone
+			// (at once after SIGTERM, when their leases run out after
+			// SIGKILL).
+			waitStore(t, again, "the prefix published from the disk", func(s storeState) bool {
+				return s.Stats.PagedIn >= shared/block && s.Stats.TakenOver >= s.Stats.PagedIn
+			})
+			z := testenv.StartLlama(t, "z", testenv.PatchedServer(t), append(serverArgs(model, "on", false), "--mcb-config", sw.serverCfg))
+			waitMirrored(t, z.URL, shared/block)
+			first := z.Complete(t, testenv.Request{Prompt: promptC, Slot: 0, NPredict: nPredict})
+			assert.Equal(t, []any{"restore", shared, len(promptC) - shared}, []any{first.Timings.Decision, first.Timings.RestoredN, first.Timings.PromptN},
+				"the first request after the restart restores the prefix and computes only the rest: %+v", first.Timings)
+			assert.Equal(t, want.Tokens, first.Tokens, "the restored server answers as stock")
+		})
+	}
+}
