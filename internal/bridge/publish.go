@@ -269,6 +269,7 @@ func (b *Bridge) settle(k key.BlockKey, gen uint64) bool {
 		return false
 	}
 	s.publishing, s.pending = false, false
+	b.announceLocked(k, &s)
 	b.resident.Set(k, s)
 	return true
 }

@@ -230,6 +230,7 @@ func (b *Bridge) takeOver(gone directory.Entry) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if cur, ok := b.resident.Get(gone.Key); ok && cur.off == s.off && len(won) == 1 && won[0] {
+		b.announceLocked(gone.Key, &cur)
 		cur.replica = false
 		b.resident.Set(gone.Key, cur)
 		b.stats.add(&b.stats.takenOver, 1)

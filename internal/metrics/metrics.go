@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/kvevents"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -44,6 +45,15 @@ func one(f func(*snapshot) int64) func(*snapshot) []sample {
 
 func stat(f func(*bridge.Stats) int64) func(*snapshot) []sample {
 	return one(func(s *snapshot) int64 { return f(&s.s) })
+}
+
+func events(f func(kvevents.Stats) int64) func(*snapshot) []sample {
+	return one(func(s *snapshot) int64 {
+		if s.b == nil {
+			return 0
+		}
+		return f(s.b.EventStats())
+	})
 }
 
 // Vocabulary is every series, in the order they are written.
@@ -112,6 +122,12 @@ var Vocabulary = []Series{
 	{Name: "replicated_blocks_total", Kind: "counter", Help: "Blocks a store node copied from their owners.", value: stat(func(s *bridge.Stats) int64 { return s.Replicated })},
 	{Name: "taken_over_blocks_total", Kind: "counter", Help: "Copies a store node published after their owner let go.", value: stat(func(s *bridge.Stats) int64 { return s.TakenOver })},
 	{Name: "replication_failures_total", Kind: "counter", Help: "Copies that failed to transfer or verify.", value: stat(func(s *bridge.Stats) int64 { return s.ReplicationFails })},
+	{Name: "kv_events_published_total", Kind: "counter", Help: "Block events handed to the KV events socket (a BlockStored of n blocks counts n).",
+		value: events(func(s kvevents.Stats) int64 { return s.Published })},
+	{Name: "kv_events_dropped_total", Kind: "counter", Help: "Block events the full KV events queue dropped; the publisher then sent its whole state again.",
+		value: events(func(s kvevents.Stats) int64 { return s.Dropped })},
+	{Name: "kv_event_replays_total", Kind: "counter", Help: "KV events replay requests answered.",
+		value: events(func(s kvevents.Stats) int64 { return s.Replays })},
 	{Name: "resident_blocks", Kind: "gauge", Help: "Blocks held in this process's pool.", value: one(func(s *snapshot) int64 { return int64(s.blocks) })},
 	{Name: "resident_bytes", Kind: "gauge", Help: "Bytes of the blocks held in this process's pool.", value: one(func(s *snapshot) int64 { return s.bytes })},
 	{Name: "pool_bytes", Kind: "gauge", Help: "Size of this process's pool.", value: one(func(s *snapshot) int64 { return s.pool })},
