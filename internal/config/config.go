@@ -218,7 +218,7 @@ func (k *KVEvents) Validate() error {
 	switch {
 	case k.ReplayEndpoint != "" && checkEndpoint("kv_events.replay_endpoint", k.ReplayEndpoint) != nil:
 		return checkEndpoint("kv_events.replay_endpoint", k.ReplayEndpoint)
-	case k.ReplayEndpoint != "" && k.ReplayEndpoint == k.Endpoint:
+	case k.ReplayEndpoint != "" && k.ReplayEndpoint == k.Endpoint && !strings.HasSuffix(k.Endpoint, ":*"):
 		return status.Errorf(status.Config, "kv_events.replay_endpoint %q is the PUB endpoint too", k.ReplayEndpoint)
 	case k.BufferSteps <= 0 || k.HWM <= 0 || k.MaxQueueSize <= 0:
 		return status.Errorf(status.Config, "kv_events buffer_steps, hwm and max_queue_size must be positive")
