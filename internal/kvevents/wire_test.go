@@ -20,7 +20,9 @@ var goldenBatch = Batch{TS: 1.5, Events: []Event{
 }}
 
 // str is msgpack's fixstr of s, as hex.
-func str(s string) string { return hex.EncodeToString([]byte{0xa0 | byte(len(s))}) + hex.EncodeToString([]byte(s)) }
+func str(s string) string {
+	return hex.EncodeToString([]byte{0xa0 | byte(len(s))}) + hex.EncodeToString([]byte(s))
+}
 
 func join(parts ...string) string { return strings.Join(parts, "") }
 
