@@ -41,6 +41,9 @@ func serve(args []string) error {
 	if *poolBytes > 0 {
 		cfg.PoolBytes = *poolBytes
 	}
+	if cfg.KVEvents.Instance == "" {
+		cfg.KVEvents.Instance = *listen
+	}
 	if cfg.Owner == "" {
 		host, _ := os.Hostname()
 		cfg.Owner = fmt.Sprintf("store-%s-%d", host, os.Getpid())

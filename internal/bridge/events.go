@@ -12,6 +12,9 @@ import (
 // publisher's goroutine, the store node's replication and eviction, never
 // from a host's thread, and must not block.
 type EventSink interface {
+	// Model: a model's events start; what a process before this one left
+	// under the same name is gone.
+	Model(model string, blockTokens int)
 	// Stored: blocks of model, and the chains above them, are held here.
 	Stored(model string, blockTokens int, blocks []kvevents.Block)
 	// Removed: blocks left this process; keys never stored are ignored.
@@ -62,6 +65,13 @@ func (m *Model) eventChain(scope key.Scope, tokens []int32) *kvevents.Chain {
 		return nil
 	}
 	return kvevents.NewChain(tokens, m.geo.BlockTokens, m.b.cfg.KVEvents.HashSeed)
+}
+
+// modelEventsLocked starts a newly registered model's events. b.mu is held.
+func (b *Bridge) modelEventsLocked(m *Model) {
+	if b.events != nil {
+		b.events.Model(b.eventNameLocked(m.fp), m.geo.BlockTokens)
+	}
 }
 
 // eventNameLocked names a model in event topics: the configured name, the

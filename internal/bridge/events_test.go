@@ -36,6 +36,12 @@ func (r *recordingSink) Stored(model string, blockTokens int, blocks []kvevents.
 	}
 }
 
+func (r *recordingSink) Model(model string, blockTokens int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.calls = append(r.calls, sinkCall{op: "model", model: model, block: blockTokens})
+}
+
 func (r *recordingSink) Removed(keys []key.BlockKey) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -87,6 +93,8 @@ func TestEventsFollowWhatThisProcessAnswersFor(t *testing.T) {
 	require.NoError(t, err)
 	mb, err := b.RegisterModel(sp)
 	require.NoError(t, err)
+	require.Equal(t, []sinkCall{{op: "model", model: "tiny", block: 4}}, sa.take(), "registering starts the model's events")
+	sb.take()
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(5)), 16)
 	h.Fill(tokens, kvtest.SeqCells(16))
 	seed := cfg.KVEvents.HashSeed
@@ -146,6 +154,7 @@ func TestEventsOnEviction(t *testing.T) {
 	a, sa := openWithSink(t, cfg, "a")
 	h := newHost(t, 2, 4096, 1024, 1024, false)
 	m := register(t, a, h, 16) // 64 KiB blocks: a pool of fifteen
+	sa.take()
 	rng := rand.New(rand.NewSource(9))
 	var first []key.BlockKey
 	for i := range 16 {

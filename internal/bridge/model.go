@@ -104,6 +104,7 @@ func (b *Bridge) RegisterModel(spec ModelSpec) (*Model, error) {
 		mirror: map[key.BlockKey]directory.Entry{}}
 	m.shape = kvlayout.Shape{Geometry: &m.geo, VElem: spec.VElem}
 	b.models[fp] = m
+	b.modelEventsLocked(m)
 	b.mu.Unlock()
 
 	cancel, err := b.dir.Subscribe(fp, m.apply)

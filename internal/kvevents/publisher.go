@@ -170,6 +170,13 @@ func (p *Publisher) Topic(model string) string {
 	return strings.NewReplacer("{instance}", p.instance, "{model}", model).Replace(p.cfg.Topic)
 }
 
+// Model starts a model's topic: its first batch is AllBlocksCleared, so
+// that consumers forget what a killed process publishing under the same
+// topic left.
+func (p *Publisher) Model(model string, blockSize int) {
+	p.update(func() { p.h.topic(p.Topic(model), blockSize) })
+}
+
 // Stored announces blocks of model this process now answers for, with the
 // chains above them.
 func (p *Publisher) Stored(model string, blockSize int, blocks []Block) {

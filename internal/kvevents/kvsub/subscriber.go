@@ -54,19 +54,22 @@ func Subscribe(idx *Index, endpoint string, opts Options) (*Subscriber, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &Subscriber{idx: idx, opts: opts, cancel: cancel, done: make(chan struct{}), last: -1,
 		sub: zmq4.NewSub(ctx, zmq4.WithDialerMaxRetries(-1), zmq4.WithAutomaticReconnect(!opts.Bind))}
-	var err error
-	if opts.Bind {
+	err := s.sub.SetOption(zmq4.OptionSubscribe, "kv@")
+	if err == nil && opts.Bind {
 		err = s.sub.Listen(endpoint)
-	} else {
-		err = s.sub.Dial(endpoint)
-	}
-	if err == nil {
-		err = s.sub.SetOption(zmq4.OptionSubscribe, "kv@")
 	}
 	if err != nil {
 		cancel()
 		_ = s.sub.Close()
 		return nil, err
+	}
+	if !opts.Bind {
+		// Connecting waits for the publisher, as libzmq's connect does not.
+		go func() {
+			if err := s.sub.Dial(endpoint); err != nil && ctx.Err() == nil {
+				s.fail("dial %s: %v", endpoint, err)
+			}
+		}()
 	}
 	go s.run(ctx)
 	return s, nil
