@@ -75,6 +75,20 @@ func TestValidate(t *testing.T) {
 		{"op timeout", func(c *Config) { c.Directory.OpTimeoutMS = -1 }, "op_timeout_ms"},
 		{"transfer timeout", func(c *Config) { c.TransferTimeoutMS = 0 }, "transfer_timeout_ms"},
 		{"arbiter policy", func(c *Config) { c.Arbiter.Policy = "sometimes" }, "arbiter.policy"},
+		{"replay without events", func(c *Config) { c.KVEvents.ReplayEndpoint = "tcp://*:5558" }, "kv_events.replay_endpoint"},
+		{"events scheme", func(c *Config) { c.KVEvents.Endpoint = "udp://*:5557" }, "tcp:// or ipc://"},
+		{"events address", func(c *Config) { c.KVEvents.Endpoint = "tcp://5557" }, "kv_events.endpoint"},
+		{"events no host", func(c *Config) { c.KVEvents.Endpoint = "tcp://:5557" }, "no host"},
+		{"events port", func(c *Config) { c.KVEvents.Endpoint = "tcp://*:70000" }, "port"},
+		{"events no address", func(c *Config) { c.KVEvents.Endpoint = "tcp://" }, "scheme://address"},
+		{"replay port", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.ReplayEndpoint = "tcp://*:5557", "tcp://*:x" }, "kv_events.replay_endpoint"},
+		{"replay on the PUB socket", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.ReplayEndpoint = "tcp://*:5557", "tcp://*:5557" }, "PUB endpoint"},
+		{"events buffer", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.BufferSteps = "tcp://*:5557", 0 }, "buffer_steps"},
+		{"events queue", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.MaxQueueSize = "tcp://*:5557", -1 }, "max_queue_size"},
+		{"events encoding", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Encoding = "tcp://*:5557", "json" }, "kv_events.encoding"},
+		{"events medium", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Medium = "tcp://*:5557", "" }, "kv_events.medium"},
+		{"events instance", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Instance = "tcp://*:5557", "a@b" }, "'@'"},
+		{"events model", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Model = "tcp://*:5557", "m@2" }, "'@'"},
 	} {
 		c := Default()
 		tc.mutate(&c)
@@ -93,6 +107,10 @@ func TestValidate(t *testing.T) {
 		func(c *Config) { c.Eviction = "cost" },
 		func(c *Config) { c.Directory.Kind, c.Directory.Endpoints = "etcd", []string{"h:2379"} },
 		func(c *Config) { c.Arbiter.Policy = "always-recompute" },
+		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.ReplayEndpoint = "tcp://*:5557", "tcp://*:5558" },
+		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.ReplayEndpoint = "tcp://127.0.0.1:*", "tcp://127.0.0.1:*" },
+		func(c *Config) { c.KVEvents.Endpoint = "tcp://indexer.example:5557" },
+		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Encoding = "ipc:///run/kv.sock", "map" },
 	} {
 		c := Default()
 		ok(&c)
