@@ -108,7 +108,9 @@ func TestValidate(t *testing.T) {
 		func(c *Config) { c.Directory.Kind, c.Directory.Endpoints = "etcd", []string{"h:2379"} },
 		func(c *Config) { c.Arbiter.Policy = "always-recompute" },
 		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.ReplayEndpoint = "tcp://*:5557", "tcp://*:5558" },
-		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.ReplayEndpoint = "tcp://127.0.0.1:*", "tcp://127.0.0.1:*" },
+		func(c *Config) {
+			c.KVEvents.Endpoint, c.KVEvents.ReplayEndpoint = "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"
+		},
 		func(c *Config) { c.KVEvents.Endpoint = "tcp://indexer.example:5557" },
 		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Encoding = "ipc:///run/kv.sock", "map" },
 	} {

@@ -38,14 +38,6 @@ func subscribe(t *testing.T, idx *kvsub.Index, p *Publisher, drop func(uint64) b
 	return s
 }
 
-func u32s(ts []int32) []uint32 {
-	out := make([]uint32, len(ts))
-	for i, v := range ts {
-		out[i] = uint32(v)
-	}
-	return out
-}
-
 // untilSubscribed publishes a probe block until the subscriber has it: a
 // SUB socket misses what was sent before its subscription reached the
 // publisher. The probe goes again when the test is done with it.
@@ -54,7 +46,7 @@ func untilSubscribed(t *testing.T, p *Publisher, idx *kvsub.Index, model string)
 	pod, _, err := kvsub.ParseTopic(p.Topic(model))
 	require.NoError(t, err)
 	holds := func() bool {
-		r := idx.Rank(model, u32s(probe.Tokens), 4)
+		r := idx.Rank(model, probe.Tokens, 4)
 		return len(r) > 0 && r[0].Pod == pod
 	}
 	require.Eventually(t, func() bool {
@@ -81,12 +73,12 @@ func TestConsumerRanksTheHolderFirst(t *testing.T) {
 	ca, cb := NewChain(pa, 4, testSeed), NewChain(pb, 4, testSeed)
 	a.Stored("tiny", 4, blocks(ca, 0, 3, 4)) // a holds all four blocks of pa
 	b.Stored("tiny", 4, blocks(cb, 0, 2, 3)) // b holds pb's three
-	query := u32s(append(append([]int32{}, pa...), 7, 7, 7, 7))
+	query := append(append([]int32{}, pa...), 7, 7, 7, 7)
 	require.Eventually(t, func() bool {
 		r := idx.Rank("tiny", query, 4)
 		return len(r) == 2 && r[0] == kvsub.Score{Pod: "10.0.0.1:8080", Blocks: 4} && r[1] == kvsub.Score{Pod: "10.0.0.2:8080", Blocks: 2}
 	}, wait, 5*time.Millisecond, "ranks %v", idx.Rank("tiny", query, 4))
-	require.Equal(t, []kvsub.Score{{Pod: "10.0.0.2:8080", Blocks: 3}, {Pod: "10.0.0.1:8080", Blocks: 2}}, idx.Rank("tiny", u32s(pb), 4))
+	require.Equal(t, []kvsub.Score{{Pod: "10.0.0.2:8080", Blocks: 3}, {Pod: "10.0.0.1:8080", Blocks: 2}}, idx.Rank("tiny", pb, 4))
 	n, errs := idx.Mismatches()
 	require.Zero(t, n, "%v", errs)
 
@@ -121,7 +113,7 @@ func TestConsumerRecoversAGapThroughReplay(t *testing.T) {
 	assert.Empty(t, c.Errors)
 	assert.Equal(t, replays+1, p.Stats().Replays)
 	for i := range 4 {
-		q := u32s(tokens(8, int32(1000*i)))
+		q := tokens(8, int32(1000*i))
 		assert.Equal(t, ref.Rank("m", q, 4), idx.Rank("m", q, 4), "chain %d", i)
 	}
 }
@@ -177,7 +169,7 @@ func TestFullQueueDropsAndResendsTheState(t *testing.T) {
 	require.Eventually(t, func() bool { return idx.Held("m", "pod") == 5 }, wait, 5*time.Millisecond)
 	require.Positive(t, p.Stats().Dropped, "%+v", p.Stats())
 	for i := 1; i < 6; i++ {
-		require.Len(t, idx.Rank("m", u32s(tokens(4, int32(100*i))), 4), 1, "block %d", i)
+		require.Len(t, idx.Rank("m", tokens(4, int32(100*i)), 4), 1, "block %d", i)
 	}
 }
 

@@ -36,14 +36,6 @@ func (p eventsPod) subscribe(t *testing.T, idx *kvsub.Index, drop func(uint64) b
 	return s
 }
 
-func u32s(ts []int32) []uint32 {
-	out := make([]uint32, len(ts))
-	for i, v := range ts {
-		out[i] = uint32(v)
-	}
-	return out
-}
-
 // Stock llama-servers behind proxies that publish KV events, followed by
 // a consumer written from vLLM's format: it ranks the proxy holding a
 // prompt's prefix first, drops what a killed proxy held once a new one
@@ -73,8 +65,8 @@ func TestKVEventsInterop(t *testing.T) {
 	pb := testenv.Cat(prefix[:512], testenv.Tokens(100, 3, 17))
 	testenv.Complete(t, proxies[0].URL, testenv.Request{Prompt: pa, Slot: -1, NPredict: nPredict})
 	testenv.Complete(t, proxies[1].URL, testenv.Request{Prompt: pb, Slot: -1, NPredict: nPredict})
-	qa := u32s(testenv.Cat(pa, testenv.Tokens(64, 1, 1)))
-	qb := u32s(testenv.Cat(pb, testenv.Tokens(64, 1, 1)))
+	qa := testenv.Cat(pa, testenv.Tokens(64, 1, 1))
+	qb := testenv.Cat(pb, testenv.Tokens(64, 1, 1))
 	testenv.Eventually(t, defaultWait, func() bool {
 		ra, rb := idx.Rank(name, qa, block), idx.Rank(name, qb, block)
 		return len(ra) > 0 && ra[0] == kvsub.Score{Pod: "pod-1", Blocks: len(pa) / block} &&
@@ -82,7 +74,7 @@ func TestKVEventsInterop(t *testing.T) {
 	}, "the holders never ranked first: %v %v", idx.Rank(name, qa, block), idx.Rank(name, qb, block))
 	// pod-2 restored the shared prefix from pod-1 and announces its whole
 	// chain from position 0: both hold the shared blocks.
-	assert.Equal(t, []kvsub.Score{{Pod: "pod-1", Blocks: 8}, {Pod: "pod-2", Blocks: 8}}, idx.Rank(name, u32s(prefix[:512]), block))
+	assert.Equal(t, []kvsub.Score{{Pod: "pod-1", Blocks: 8}, {Pod: "pod-2", Blocks: 8}}, idx.Rank(name, prefix[:512], block))
 	n, errs := idx.Mismatches()
 	require.Zero(t, n, "stored hashes that are not the standard hash of their tokens: %v", errs)
 	assert.Positive(t, testenv.Metrics(t, proxies[0].URL+"/metrics")["mcbridge_kv_events_published_total"])
@@ -95,7 +87,7 @@ func TestKVEventsInterop(t *testing.T) {
 	testenv.Complete(t, proxies[1].URL, testenv.Request{Prompt: pc, Slot: -1, NPredict: nPredict})
 	testenv.Eventually(t, defaultWait, func() bool { return subs[1].Counts().Dropped > before.Dropped }, "no batch was dropped")
 	testenv.Complete(t, proxies[1].URL, testenv.Request{Prompt: testenv.Tokens(200, 19, 3), Slot: -1, NPredict: nPredict})
-	qc := u32s(pc)
+	qc := pc
 	testenv.Eventually(t, defaultWait, func() bool {
 		r := lossy.Rank(name, qc, block)
 		return len(r) == 1 && r[0].Pod == "pod-2" && r[0].Blocks == len(pc)/block
@@ -114,7 +106,7 @@ func TestKVEventsInterop(t *testing.T) {
 	testenv.StartProxy(t, "pod-1-again", s.URL, d, pods[0].cfg)
 	testenv.Eventually(t, defaultWait, func() bool { return idx.Held(name, "pod-1") == 0 },
 		"the killed proxy's %d blocks stayed", idx.Held(name, "pod-1"))
-	assert.Equal(t, []kvsub.Score{{Pod: "pod-2", Blocks: 8}}, idx.Rank(name, u32s(prefix[:512]), block))
+	assert.Equal(t, []kvsub.Score{{Pod: "pod-2", Blocks: 8}}, idx.Rank(name, prefix[:512], block))
 	for i, sub := range subs {
 		assert.Empty(t, sub.Counts().Errors, "subscriber %d", i)
 	}

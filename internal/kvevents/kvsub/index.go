@@ -114,8 +114,12 @@ type Score struct {
 
 // Rank orders the pods holding a prefix of tokens, longest first (ties by
 // name), as a prefix-cache scorer does.
-func (x *Index) Rank(model string, tokens []uint32, blockSize int) []Score {
-	hs := SeqHashes(tokens, blockSize, x.seed, nil)
+func (x *Index) Rank(model string, tokens []int32, blockSize int) []Score {
+	ids := make([]uint32, len(tokens))
+	for i, t := range tokens {
+		ids[i] = uint32(t)
+	}
+	hs := SeqHashes(ids, blockSize, x.seed, nil)
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	got := map[string]int{}
