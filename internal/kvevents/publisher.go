@@ -208,6 +208,10 @@ func (p *Publisher) update(f func()) {
 		p.resync = true
 	}
 	p.mu.Unlock()
+	p.kick()
+}
+
+func (p *Publisher) kick() {
 	select {
 	case p.wake <- struct{}{}:
 	default:
@@ -230,10 +234,7 @@ func (p *Publisher) Close() error {
 	p.h.clear()
 	p.closing = true
 	p.mu.Unlock()
-	select {
-	case p.wake <- struct{}{}:
-	default:
-	}
+	p.kick()
 	var err error
 	select {
 	case <-p.done:
