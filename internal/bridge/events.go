@@ -27,7 +27,7 @@ type EventSink interface {
 // publisher when the configuration names an endpoint. Either hears Clear
 // when the bridge closes; only a publisher built here is closed.
 func (b *Bridge) openEvents(deps Deps) error {
-	if b.events = deps.Events; b.events == nil && b.cfg.KVEvents.Endpoint != "" {
+	if b.events = deps.Events; b.events == nil && b.cfg.KVEvents.Enabled() {
 		p, err := kvevents.Open(b.cfg.KVEvents, b.log, b.now)
 		if err != nil {
 			return err

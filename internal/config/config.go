@@ -40,6 +40,11 @@ type Config struct {
 // --kv-events-config: a ZMQ PUB socket, an optional ROUTER socket that
 // replays buffered batches, and a topic per model.
 type KVEvents struct {
+	// EnableKVCacheEvents and Publisher are vLLM's switches, so that its
+	// configuration reads here as it is: false, or publisher "null", turns
+	// the publisher off; unset, it is on when Endpoint is set.
+	EnableKVCacheEvents *bool  `json:"enable_kv_cache_events"`
+	Publisher           string `json:"publisher"`
 	// Endpoint is the PUB socket: bound when it has a wildcard host ("*",
 	// "::") or is ipc://, else connected (a consumer that binds), as vLLM
 	// decides. Empty turns the publisher off.
@@ -203,14 +208,24 @@ func (c *Config) Validate() error {
 	return c.KVEvents.Validate()
 }
 
-// Validate checks the publisher's settings; an empty endpoint turns it off
-// and needs nothing else.
+// Enabled reports whether the publisher runs.
+func (k *KVEvents) Enabled() bool {
+	if k.Publisher == "null" || (k.EnableKVCacheEvents != nil && !*k.EnableKVCacheEvents) {
+		return false
+	}
+	return k.Endpoint != "" || k.EnableKVCacheEvents != nil
+}
+
+// Validate checks the publisher's settings; when it is off they need
+// nothing else.
 func (k *KVEvents) Validate() error {
-	if k.Endpoint == "" {
-		if k.ReplayEndpoint != "" {
-			return status.Errorf(status.Config, "kv_events.replay_endpoint without kv_events.endpoint")
-		}
+	switch {
+	case k.Publisher != "" && k.Publisher != "zmq" && k.Publisher != "null":
+		return status.Errorf(status.Config, "kv_events.publisher %q: zmq or null", k.Publisher)
+	case !k.Enabled():
 		return nil
+	case k.Endpoint == "":
+		return status.Errorf(status.Config, "kv_events.enable_kv_cache_events without kv_events.endpoint")
 	}
 	if err := checkEndpoint("kv_events.endpoint", k.Endpoint); err != nil {
 		return err

@@ -75,7 +75,8 @@ func TestValidate(t *testing.T) {
 		{"op timeout", func(c *Config) { c.Directory.OpTimeoutMS = -1 }, "op_timeout_ms"},
 		{"transfer timeout", func(c *Config) { c.TransferTimeoutMS = 0 }, "transfer_timeout_ms"},
 		{"arbiter policy", func(c *Config) { c.Arbiter.Policy = "sometimes" }, "arbiter.policy"},
-		{"replay without events", func(c *Config) { c.KVEvents.ReplayEndpoint = "tcp://*:5558" }, "kv_events.replay_endpoint"},
+		{"enabled without an endpoint", func(c *Config) { c.KVEvents.EnableKVCacheEvents = new(true) }, "kv_events.endpoint"},
+		{"publisher", func(c *Config) { c.KVEvents.Publisher = "redis" }, "kv_events.publisher"},
 		{"events scheme", func(c *Config) { c.KVEvents.Endpoint = "udp://*:5557" }, "tcp:// or ipc://"},
 		{"events address", func(c *Config) { c.KVEvents.Endpoint = "tcp://5557" }, "kv_events.endpoint"},
 		{"events no host", func(c *Config) { c.KVEvents.Endpoint = "tcp://:5557" }, "no host"},
@@ -113,10 +114,30 @@ func TestValidate(t *testing.T) {
 		},
 		func(c *Config) { c.KVEvents.Endpoint = "tcp://indexer.example:5557" },
 		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Encoding = "ipc:///run/kv.sock", "map" },
+		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.EnableKVCacheEvents = "bad", new(false) },
+		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Publisher = "bad", "null" },
 	} {
 		c := Default()
 		ok(&c)
 		assert.NoError(t, c.Validate(), "%+v", c)
+	}
+}
+
+// vLLM's --kv-events-config reads as it is.
+func TestKVEventsReadsVLLMsConfig(t *testing.T) {
+	c, err := Parse([]byte(`{"kv_events": {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
+		"replay_endpoint": "tcp://*:5558", "buffer_steps": 100, "hwm": 1000, "max_queue_size": 1000, "topic": "kv-events"}}`))
+	require.NoError(t, err)
+	require.True(t, c.KVEvents.Enabled())
+	require.Equal(t, "kv-events", c.KVEvents.Topic)
+	for doc, on := range map[string]bool{
+		`{}`: false, `{"kv_events": {"endpoint": "tcp://*:5557"}}`: true,
+		`{"kv_events": {"endpoint": "tcp://*:5557", "enable_kv_cache_events": false}}`: false,
+		`{"kv_events": {"endpoint": "tcp://*:5557", "publisher": "null"}}`:             false,
+	} {
+		c, err := Parse([]byte(doc))
+		require.NoError(t, err, doc)
+		require.Equal(t, on, c.KVEvents.Enabled(), doc)
 	}
 }
 

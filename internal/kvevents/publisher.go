@@ -81,8 +81,8 @@ func Open(cfg config.KVEvents, log *slog.Logger, now func() time.Time) (*Publish
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.Endpoint == "" {
-		return nil, status.Errorf(status.Config, "kv_events.endpoint is empty")
+	if !cfg.Enabled() {
+		return nil, status.Errorf(status.Config, "kv_events is off")
 	}
 	if now == nil {
 		now = time.Now
