@@ -75,6 +75,10 @@ type KVEvents struct {
 	Medium string `json:"medium"`
 	// HashSeed seeds the XXH3-64 sequence hashes sent as block hashes.
 	HashSeed uint64 `json:"hash_seed"`
+	// HeartbeatMS, when positive, sends an empty batch on a topic that sent
+	// nothing for that long, so that subscribers notice a late join or a
+	// restart of this process (vLLM sends none).
+	HeartbeatMS int `json:"heartbeat_ms"`
 }
 
 // Transport selects and configures the transfer engine.
@@ -237,6 +241,8 @@ func (k *KVEvents) Validate() error {
 		return status.Errorf(status.Config, "kv_events.replay_endpoint %q is the PUB endpoint too", k.ReplayEndpoint)
 	case k.BufferSteps <= 0 || k.HWM <= 0 || k.MaxQueueSize <= 0:
 		return status.Errorf(status.Config, "kv_events buffer_steps, hwm and max_queue_size must be positive")
+	case k.HeartbeatMS < 0:
+		return status.Errorf(status.Config, "kv_events.heartbeat_ms must not be negative")
 	case k.Encoding != "array" && k.Encoding != "map":
 		return status.Errorf(status.Config, "kv_events.encoding %q: array or map", k.Encoding)
 	case k.Medium == "":

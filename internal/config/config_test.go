@@ -86,6 +86,7 @@ func TestValidate(t *testing.T) {
 		{"replay on the PUB socket", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.ReplayEndpoint = "tcp://*:5557", "tcp://*:5557" }, "PUB endpoint"},
 		{"events buffer", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.BufferSteps = "tcp://*:5557", 0 }, "buffer_steps"},
 		{"events queue", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.MaxQueueSize = "tcp://*:5557", -1 }, "max_queue_size"},
+		{"events heartbeat", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.HeartbeatMS = "tcp://*:5557", -1 }, "heartbeat_ms"},
 		{"events encoding", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Encoding = "tcp://*:5557", "json" }, "kv_events.encoding"},
 		{"events medium", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Medium = "tcp://*:5557", "" }, "kv_events.medium"},
 		{"events instance", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Instance = "tcp://*:5557", "a@b" }, "'@'"},

@@ -251,9 +251,18 @@ func (p *Publisher) Close() error {
 	return err
 }
 
-// run is the publishing goroutine.
+// run is the publishing goroutine. With a heartbeat, a topic that sent
+// nothing for an interval gets an empty batch, so that a subscriber that
+// connected late, or across a restart of this process, sees the sequence
+// and catches up through the replay socket without waiting for a change.
 func (p *Publisher) run() {
 	defer close(p.done)
+	var tick <-chan time.Time
+	if p.cfg.HeartbeatMS > 0 {
+		t := time.NewTicker(time.Duration(p.cfg.HeartbeatMS) * time.Millisecond)
+		defer t.Stop()
+		tick = t.C
+	}
 	for {
 		p.mu.Lock()
 		if p.resync {
@@ -263,22 +272,40 @@ func (p *Publisher) run() {
 		qs := p.h.take()
 		closing := p.closing
 		p.mu.Unlock()
-		p.send(qs)
+		sent := p.send(qs)
 		if closing {
 			return
 		}
-		<-p.wake
+		select {
+		case <-p.wake:
+		case <-tick:
+			p.mu.Lock()
+			idle := make([]string, 0, len(p.h.topics))
+			for _, t := range p.h.sorted() {
+				if !sent[t.name] {
+					idle = append(idle, t.name)
+				}
+			}
+			p.mu.Unlock()
+			for _, name := range idle {
+				p.sendBatch(name, &Batch{TS: p.timestamp()}, 0)
+			}
+		}
 	}
 }
 
-// send encodes queued events into batches, one topic each, and sends them.
-func (p *Publisher) send(qs []queued) {
+func (p *Publisher) timestamp() float64 { return float64(p.now().UnixNano()) / 1e9 }
+
+// send encodes queued events into batches, one topic each, sends them, and
+// says which topics it sent on.
+func (p *Publisher) send(qs []queued) map[string]bool {
+	sent := map[string]bool{}
 	for len(qs) > 0 {
 		n := 1
 		for n < len(qs) && n < maxBatchEvents && qs[n].t == qs[0].t {
 			n++
 		}
-		b := Batch{TS: float64(p.now().UnixNano()) / 1e9, Events: make([]Event, n)}
+		b := Batch{TS: p.timestamp(), Events: make([]Event, n)}
 		blocks := 0
 		for i := range n {
 			b.Events[i] = qs[i].ev
@@ -286,29 +313,37 @@ func (p *Publisher) send(qs []queued) {
 		}
 		topic := qs[0].t.name
 		qs = qs[n:]
-		payload, err := Encode(&b, p.cfg.Encoding == "map")
-		if err != nil {
-			p.log.Error("mcbridge: kv events", "err", err)
-			continue
-		}
-		p.bufMu.Lock()
-		seq := p.seq
-		p.seq++
-		if len(p.buf) == p.cfg.BufferSteps {
-			p.buf = append(p.buf[:0], p.buf[1:]...)
-		}
-		p.buf = append(p.buf, sent{seq: seq, payload: payload})
-		p.bufMu.Unlock()
-		var seqb [8]byte
-		binary.BigEndian.PutUint64(seqb[:], seq)
-		// The socket queues (or, past its high-water mark, drops) and
-		// writes from a goroutine of its own: this never waits on a
-		// subscriber. A batch no subscriber got is still in the buffer.
-		if err := p.pub.SendMulti(zmq4.NewMsgFrom([]byte(topic), seqb[:], payload)); err != nil {
-			p.log.Warn("mcbridge: kv events: sending a batch", "seq", seq, "err", err)
-		}
-		p.published.Add(int64(blocks))
+		p.sendBatch(topic, &b, blocks)
+		sent[topic] = true
 	}
+	return sent
+}
+
+// sendBatch gives b the next sequence number, keeps it for replays and
+// hands it to the socket.
+func (p *Publisher) sendBatch(topic string, b *Batch, blocks int) {
+	payload, err := Encode(b, p.cfg.Encoding == "map")
+	if err != nil {
+		p.log.Error("mcbridge: kv events", "err", err)
+		return
+	}
+	p.bufMu.Lock()
+	seq := p.seq
+	p.seq++
+	if len(p.buf) == p.cfg.BufferSteps {
+		p.buf = append(p.buf[:0], p.buf[1:]...)
+	}
+	p.buf = append(p.buf, sent{seq: seq, payload: payload})
+	p.bufMu.Unlock()
+	var seqb [8]byte
+	binary.BigEndian.PutUint64(seqb[:], seq)
+	// The socket queues (or, past its high-water mark, drops) and writes
+	// from a goroutine of its own: this never waits on a subscriber. A
+	// batch no subscriber got is still in the buffer.
+	if err := p.pub.SendMulti(zmq4.NewMsgFrom([]byte(topic), seqb[:], payload)); err != nil {
+		p.log.Warn("mcbridge: kv events: sending a batch", "seq", seq, "err", err)
+	}
+	p.published.Add(int64(blocks))
 }
 
 // serveReplays answers replay requests: [identity, empty, start seq as 8

@@ -213,3 +213,20 @@ func (p *Publisher) seqNow() uint64 {
 	defer p.bufMu.Unlock()
 	return p.seq
 }
+
+// A subscriber that connects after the last change catches up on the
+// heartbeat: it sees a sequence number past 0 and asks for the rest.
+func TestHeartbeatLetsALateSubscriberCatchUp(t *testing.T) {
+	c := testConfig("pod")
+	c.HeartbeatMS = 20
+	p := openPublisher(t, c)
+	defer p.Close()
+	ch := NewChain(tokens(8, 0), 4, testSeed)
+	p.Stored("m", 4, blocks(ch, 0, 1, 2))
+	require.Eventually(t, func() bool { return p.seqNow() >= 3 }, wait, time.Millisecond, "no heartbeats")
+	idx := kvsub.NewIndex(testSeed)
+	s := subscribe(t, idx, p, nil)
+	require.Eventually(t, func() bool { return idx.Held("m", "pod") == 2 }, wait, 5*time.Millisecond, "%+v", s.Counts())
+	require.Empty(t, s.Counts().Errors)
+	require.Equal(t, int64(3), p.Stats().Published, "the clear and two blocks: heartbeats are no block events")
+}
