@@ -100,6 +100,9 @@ func runProxy(args []string) error {
 	if err != nil {
 		return err
 	}
+	if cfg.KVEvents.Instance == "" {
+		cfg.KVEvents.Instance = *listen // where routers send this proxy's requests
+	}
 	level := slog.LevelInfo
 	if *verbose {
 		level = slog.LevelDebug

@@ -47,6 +47,9 @@ func serve(args []string) error {
 	if *poolBytes > 0 {
 		cfg.PoolBytes = *poolBytes
 	}
+	if cfg.KVEvents.Instance == "" {
+		cfg.KVEvents.Instance = *listen
+	}
 	cfg.Eviction = *eviction
 	if err := cfg.Validate(); err != nil {
 		return err

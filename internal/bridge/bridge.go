@@ -22,6 +22,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvevents"
 	"github.com/mcbridge/mcbridge/internal/logs"
 	"github.com/mcbridge/mcbridge/internal/pool"
 	"github.com/mcbridge/mcbridge/internal/residency"
@@ -39,6 +40,9 @@ type Deps struct {
 	// Log hears what no caller can: failed publishes and unpublishes.
 	// Nil is the process's rate-limited stderr log.
 	Log *slog.Logger
+	// Events hears which blocks this process answers for; nil builds a
+	// KV events publisher when the configuration has kv_events.
+	Events EventSink
 }
 
 // Bridge is one process's cache endpoint. Safe for concurrent use.
@@ -55,6 +59,10 @@ type Bridge struct {
 	closers []func() error // what Open built, in build order
 	pub     *publisher
 	closeCh chan struct{} // closed when Close starts
+	// events hears what this process answers for (events.go); publisher
+	// is it when the bridge built it from the configuration.
+	events    EventSink
+	publisher *kvevents.Publisher
 
 	mu       sync.Mutex
 	resident *residency.Tree[slot] // blocks this process stores in its pool
@@ -93,6 +101,10 @@ type slot struct {
 	takeover   bool
 	persisted  bool
 	entry      directory.Entry
+	// chain names the block to routers until it is announced: block index
+	// of chain (events.go). Nil when events are off or not in its scope.
+	chain *kvevents.Chain
+	index int
 }
 
 // parked holds a timed-out batch and the staging it may still write into;
@@ -161,6 +173,10 @@ func (b *Bridge) build(deps Deps) error {
 			return err
 		}
 		b.closers = append(b.closers, b.dir.Close)
+	}
+	// The sink outlives the publisher, which may still settle blocks.
+	if err = b.openEvents(deps); err != nil {
+		return err
 	}
 	go b.publishLoop()
 	b.closers = append(b.closers, b.stopPublisher)

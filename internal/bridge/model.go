@@ -15,9 +15,12 @@ import (
 // sizes of one token's K and V rows per layer.
 type ModelSpec struct {
 	Params key.Model
-	KRow   []int // bytes of one token's K row, per layer
-	VRow   []int // bytes of one token's V row, per layer
-	VElem  []int // bytes of one V element, per layer (to transpose)
+	// Name is what routers call the model (the GGUF file's base name);
+	// it names the model in KV event topics.
+	Name  string
+	KRow  []int // bytes of one token's K row, per layer
+	VRow  []int // bytes of one token's V row, per layer
+	VElem []int // bytes of one V element, per layer (to transpose)
 }
 
 // Model is a registered model: its key space, block geometry, and the
@@ -101,6 +104,7 @@ func (b *Bridge) RegisterModel(spec ModelSpec) (*Model, error) {
 		mirror: map[key.BlockKey]directory.Entry{}}
 	m.shape = kvlayout.Shape{Geometry: &m.geo, VElem: spec.VElem}
 	b.models[fp] = m
+	b.modelEventsLocked(m)
 	b.mu.Unlock()
 
 	cancel, err := b.dir.Subscribe(fp, m.apply)

@@ -272,6 +272,7 @@ func (b *Bridge) settle(k key.BlockKey, gen uint64) bool {
 	if !ok || s.gen != gen {
 		return false
 	}
+	b.announceLocked(k, &s)
 	if s.takeover {
 		b.stats.add(&b.stats.takenOver, 1)
 	}

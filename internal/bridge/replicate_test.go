@@ -29,15 +29,7 @@ func TestStoreOutlivesOwner(t *testing.T) {
 	cfg := testConfig(t)
 	store := openBridge(t, cfg, "store")
 	require.NoError(t, store.Replicate())
-	a, err := Open(withOwner(cfg, "a"), Deps{})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = a.Close() })
-	src := newHost(t, 3, 64, 32, 48, true)
-	ma := register(t, a, src, 4)
-	tokens := kvtest.Tokens(rand.New(rand.NewSource(11)), 20)
-	src.Fill(tokens, kvtest.SeqCells(20))
-	saveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(20))
-	waitFor(t, "the store to copy 5 blocks", func() bool { return store.Stats().Replicated == 5 })
+	a, _, tokens := ownerCopiedBy(t, cfg, store)
 
 	// The owner exits: it unpublishes, and the store's copies take over.
 	require.NoError(t, a.Close())
@@ -68,6 +60,22 @@ func TestStoreRefusesCorruptCopies(t *testing.T) {
 	n, _, _ := store.Resident()
 	require.Zero(t, n, "corrupt copies the store kept")
 	require.Zero(t, store.pool.Used(), "pool bytes failed copies leaked")
+}
+
+// ownerCopiedBy opens owner "a", saves 20 tokens (5 blocks) there and
+// waits until store has copied them.
+func ownerCopiedBy(t *testing.T, cfg config.Config, store *Bridge) (*Bridge, *Model, []int32) {
+	t.Helper()
+	a, err := Open(withOwner(cfg, "a"), Deps{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = a.Close() })
+	src := newHost(t, 3, 64, 32, 48, true)
+	ma := register(t, a, src, 4)
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(11)), 20)
+	src.Fill(tokens, kvtest.SeqCells(20))
+	saveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(20))
+	waitFor(t, "the store to copy 5 blocks", func() bool { return store.Stats().Replicated == 5 })
+	return a, ma, tokens
 }
 
 func withOwner(c config.Config, owner string) config.Config {

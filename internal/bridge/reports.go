@@ -440,6 +440,7 @@ func (b *Bridge) discard(gone []residency.Entry[slot]) {
 		}
 		b.invalidate(e.Value.off, e.Value.size)
 	}
+	b.removedEvents(byModel)
 	for fp, keys := range byModel {
 		if dropped := b.pub.withdraw(fp, keys); dropped > 0 {
 			b.stats.add(&b.stats.unpublishDropped, int64(dropped))

@@ -5,6 +5,7 @@ import (
 
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvevents"
 	"github.com/mcbridge/mcbridge/internal/kvlayout"
 	"github.com/mcbridge/mcbridge/internal/pool"
 	"github.com/mcbridge/mcbridge/internal/residency"
@@ -38,6 +39,7 @@ type saveBlock struct {
 	off    int64
 	gen    uint64
 	sums   []uint64
+	chain  *kvevents.Chain // what routers call it (events.go), or nil
 }
 
 // SaveResult says what a save stored.
@@ -81,6 +83,7 @@ func (m *Model) SaveBegin(scope key.Scope, layout kvlayout.Layout, tokens []int3
 	// Known means known to the directory: blocks of ours it has not
 	// answered for are offered again below.
 	known, _ := m.walkMirror(root, chain, nil, func(directory.Entry) {})
+	evChain := m.eventChain(scope, tokens)
 	sv.known = known
 	size := int64(m.geo.Size())
 	parent := root
@@ -112,6 +115,7 @@ func (m *Model) SaveBegin(scope key.Scope, layout kvlayout.Layout, tokens []int3
 		sv.blocks = append(sv.blocks, saveBlock{
 			index: i, key: chain[i], parent: parent, tokens: tokens[i*B : (i+1)*B],
 			runs: kvlayout.Runs(cells[i*B : (i+1)*B]), off: off, gen: gen, sums: make([]uint64, m.geo.Layers()),
+			chain: evChain,
 		})
 		parent = chain[i]
 	}
@@ -248,8 +252,9 @@ func (sv *Save) insertResident(blocks []saveBlock, entries []directory.Entry) ([
 			continue
 		}
 		ib := residency.Block[slot]{
-			Key:   blk.key,
-			Value: slot{fp: sv.m.fp, off: blk.off, size: size, gen: blk.gen, publishing: true, entry: entries[i]},
+			Key: blk.key,
+			Value: slot{fp: sv.m.fp, off: blk.off, size: size, gen: blk.gen, publishing: true, entry: entries[i],
+				chain: blk.chain, index: blk.index},
 			Bytes: size,
 			Cost:  b.arb.PrefillTime(blk.index*B, (blk.index+1)*B).Seconds(),
 		}

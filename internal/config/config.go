@@ -42,6 +42,54 @@ type Config struct {
 	// /metrics itself: for hosts whose own port is private or that have
 	// none (llama-server under Ollama, embedders).
 	MetricsListen string `json:"metrics_listen"`
+	// KVEvents publishes which blocks this process holds in vLLM's KV
+	// events format (docs/kvevents.md); off while Endpoint is empty.
+	KVEvents KVEvents `json:"kv_events"`
+}
+
+// KVEvents configures the KV events publisher, after vLLM's
+// --kv-events-config: a ZMQ PUB socket, an optional ROUTER socket that
+// replays buffered batches, and a topic per model.
+type KVEvents struct {
+	// EnableKVCacheEvents and Publisher are vLLM's switches, so that its
+	// configuration reads here as it is: false, or publisher "null", turns
+	// the publisher off; unset, it is on when Endpoint is set.
+	EnableKVCacheEvents *bool  `json:"enable_kv_cache_events"`
+	Publisher           string `json:"publisher"`
+	// Endpoint is the PUB socket: bound when it has a wildcard host ("*",
+	// "::") or is ipc://, else connected (a consumer that binds), as vLLM
+	// decides. Empty turns the publisher off.
+	Endpoint string `json:"endpoint"`
+	// ReplayEndpoint is the ROUTER socket, always bound; empty for none.
+	ReplayEndpoint string `json:"replay_endpoint"`
+	// Topic is every batch's first frame; {instance} and {model} are
+	// replaced by Instance and the model's name.
+	Topic string `json:"topic"`
+	// Instance names this process to routers, the host:port they send its
+	// requests to; empty takes the host name.
+	Instance string `json:"instance"`
+	// Model names the model in topics; empty takes the name the host
+	// registers it under (the GGUF file's base name), or the model's
+	// fingerprint on a store node.
+	Model string `json:"model"`
+	// BufferSteps is how many batches the replay socket keeps.
+	BufferSteps int `json:"buffer_steps"`
+	// HWM is the PUB socket's high-water mark, in batches.
+	HWM int `json:"hwm"`
+	// MaxQueueSize bounds the events waiting for the publisher's goroutine;
+	// past it events are dropped, counted, and the stream is resent whole.
+	MaxQueueSize int `json:"max_queue_size"`
+	// Encoding is "array" (vLLM's tagged arrays, msgspec array_like) or
+	// "map" (tagged maps, vLLM since it dropped array_like from events).
+	Encoding string `json:"encoding"`
+	// Medium is every event's medium: where the blocks are.
+	Medium string `json:"medium"`
+	// HashSeed seeds the XXH3-64 sequence hashes sent as block hashes.
+	HashSeed uint64 `json:"hash_seed"`
+	// HeartbeatMS, when positive, sends an empty batch on a topic that sent
+	// nothing for that long, so that subscribers notice a late join or a
+	// restart of this process (vLLM sends none).
+	HeartbeatMS int `json:"heartbeat_ms"`
 }
 
 // Transport selects and configures the transfer engine.
@@ -100,6 +148,8 @@ func Default() Config {
 		Arbiter:           Arbiter{Policy: "cost-model"},
 		TransferTimeoutMS: 5000,
 		PeerDownMS:        30000,
+		KVEvents: KVEvents{Topic: "kv@{instance}@{model}", BufferSteps: 10000, HWM: 100000, MaxQueueSize: 100000,
+			Encoding: "array", Medium: "CPU", HashSeed: 1337},
 	}
 }
 
@@ -190,6 +240,48 @@ func (c *Config) Validate() error {
 			return status.Errorf(status.Config, "metrics_listen %q: %v", c.MetricsListen, err)
 		}
 	}
+	return c.KVEvents.Validate()
+}
+
+// Enabled reports whether the publisher runs.
+func (k *KVEvents) Enabled() bool {
+	if k.Publisher == "null" || (k.EnableKVCacheEvents != nil && !*k.EnableKVCacheEvents) {
+		return false
+	}
+	return k.Endpoint != "" || k.EnableKVCacheEvents != nil
+}
+
+// Validate checks the publisher's settings; when it is off they need
+// nothing else.
+func (k *KVEvents) Validate() error {
+	switch {
+	case k.Publisher != "" && k.Publisher != "zmq" && k.Publisher != "null":
+		return status.Errorf(status.Config, "kv_events.publisher %q: zmq or null", k.Publisher)
+	case !k.Enabled():
+		return nil
+	case k.Endpoint == "":
+		return status.Errorf(status.Config, "kv_events.enable_kv_cache_events without kv_events.endpoint")
+	}
+	if err := checkZMQEndpoint("kv_events.endpoint", k.Endpoint); err != nil {
+		return err
+	}
+	switch {
+	case k.ReplayEndpoint != "" && checkZMQEndpoint("kv_events.replay_endpoint", k.ReplayEndpoint) != nil:
+		return checkZMQEndpoint("kv_events.replay_endpoint", k.ReplayEndpoint)
+	case k.ReplayEndpoint != "" && k.ReplayEndpoint == k.Endpoint && !strings.HasSuffix(k.Endpoint, ":*"):
+		return status.Errorf(status.Config, "kv_events.replay_endpoint %q is the PUB endpoint too", k.ReplayEndpoint)
+	case k.BufferSteps <= 0 || k.HWM <= 0 || k.MaxQueueSize <= 0:
+		return status.Errorf(status.Config, "kv_events buffer_steps, hwm and max_queue_size must be positive")
+	case k.HeartbeatMS < 0:
+		return status.Errorf(status.Config, "kv_events.heartbeat_ms must not be negative")
+	case k.Encoding != "array" && k.Encoding != "map":
+		return status.Errorf(status.Config, "kv_events.encoding %q: array or map", k.Encoding)
+	case k.Medium == "":
+		return status.Errorf(status.Config, "kv_events.medium must not be empty")
+	case strings.ContainsAny(k.Instance, "@") || strings.ContainsAny(k.Model, "@"):
+		// Consumers split the topic kv@<instance>@<model> on '@'.
+		return status.Errorf(status.Config, "kv_events instance %q and model %q must not contain '@'", k.Instance, k.Model)
+	}
 	return nil
 }
 
@@ -233,6 +325,31 @@ func hostPort(s string, needHost bool) error {
 	}
 	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
 		return fmt.Errorf("port %q: 1..65535", port)
+	}
+	return nil
+}
+
+// checkZMQEndpoint accepts the ZMQ endpoints the publisher can open:
+// tcp://host:port (port * binds a free one) and ipc://path.
+func checkZMQEndpoint(name, ep string) error {
+	scheme, addr, ok := strings.Cut(ep, "://")
+	switch {
+	case !ok || addr == "":
+		return status.Errorf(status.Config, "%s %q: not scheme://address", name, ep)
+	case scheme == "ipc":
+		return nil
+	case scheme != "tcp":
+		return status.Errorf(status.Config, "%s %q: tcp:// or ipc://", name, ep)
+	}
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return status.Wrap(status.Config, err, name)
+	}
+	if n, err := strconv.Atoi(port); port != "*" && (err != nil || n <= 0 || n > 65535) {
+		return status.Errorf(status.Config, "%s %q: port 1..65535, or * for any free one", name, ep)
+	}
+	if host == "" {
+		return status.Errorf(status.Config, "%s %q: no host (\"*\" binds every interface)", name, ep)
 	}
 	return nil
 }

@@ -106,6 +106,22 @@ func TestValidate(t *testing.T) {
 		{"one bad endpoint of two", etcdAt("127.0.0.1:2379", "x"), `"x"`},
 		{"metrics address", func(c *Config) { c.MetricsListen = "127.0.0.1" }, "metrics_listen"},
 		{"metrics port", func(c *Config) { c.MetricsListen = "127.0.0.1:0" }, "metrics_listen"},
+		{"enabled without an endpoint", func(c *Config) { c.KVEvents.EnableKVCacheEvents = new(true) }, "kv_events.endpoint"},
+		{"publisher", func(c *Config) { c.KVEvents.Publisher = "redis" }, "kv_events.publisher"},
+		{"events scheme", func(c *Config) { c.KVEvents.Endpoint = "udp://*:5557" }, "tcp:// or ipc://"},
+		{"events address", func(c *Config) { c.KVEvents.Endpoint = "tcp://5557" }, "kv_events.endpoint"},
+		{"events no host", func(c *Config) { c.KVEvents.Endpoint = "tcp://:5557" }, "no host"},
+		{"events port", func(c *Config) { c.KVEvents.Endpoint = "tcp://*:70000" }, "port"},
+		{"events no address", func(c *Config) { c.KVEvents.Endpoint = "tcp://" }, "scheme://address"},
+		{"replay port", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.ReplayEndpoint = "tcp://*:5557", "tcp://*:x" }, "kv_events.replay_endpoint"},
+		{"replay on the PUB socket", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.ReplayEndpoint = "tcp://*:5557", "tcp://*:5557" }, "PUB endpoint"},
+		{"events buffer", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.BufferSteps = "tcp://*:5557", 0 }, "buffer_steps"},
+		{"events queue", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.MaxQueueSize = "tcp://*:5557", -1 }, "max_queue_size"},
+		{"events heartbeat", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.HeartbeatMS = "tcp://*:5557", -1 }, "heartbeat_ms"},
+		{"events encoding", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Encoding = "tcp://*:5557", "json" }, "kv_events.encoding"},
+		{"events medium", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Medium = "tcp://*:5557", "" }, "kv_events.medium"},
+		{"events instance", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Instance = "tcp://*:5557", "a@b" }, "'@'"},
+		{"events model", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Model = "tcp://*:5557", "m@2" }, "'@'"},
 	} {
 		c := Default()
 		tc.mutate(&c)
@@ -124,10 +140,36 @@ func TestValidate(t *testing.T) {
 		func(c *Config) { c.Eviction = "cost" },
 		func(c *Config) { c.Directory.Kind, c.Directory.Endpoints = "etcd", []string{"h:2379"} },
 		func(c *Config) { c.Arbiter.Policy = "always-recompute" },
+		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.ReplayEndpoint = "tcp://*:5557", "tcp://*:5558" },
+		func(c *Config) {
+			c.KVEvents.Endpoint, c.KVEvents.ReplayEndpoint = "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"
+		},
+		func(c *Config) { c.KVEvents.Endpoint = "tcp://indexer.example:5557" },
+		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Encoding = "ipc:///run/kv.sock", "map" },
+		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.EnableKVCacheEvents = "bad", new(false) },
+		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Publisher = "bad", "null" },
 	} {
 		c := Default()
 		ok(&c)
 		assert.NoError(t, c.Validate(), "%+v", c)
+	}
+}
+
+// vLLM's --kv-events-config reads as it is.
+func TestKVEventsReadsVLLMsConfig(t *testing.T) {
+	c, err := Parse([]byte(`{"kv_events": {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
+		"replay_endpoint": "tcp://*:5558", "buffer_steps": 100, "hwm": 1000, "max_queue_size": 1000, "topic": "kv-events"}}`))
+	require.NoError(t, err)
+	require.True(t, c.KVEvents.Enabled())
+	require.Equal(t, "kv-events", c.KVEvents.Topic)
+	for doc, on := range map[string]bool{
+		`{}`: false, `{"kv_events": {"endpoint": "tcp://*:5557"}}`: true,
+		`{"kv_events": {"endpoint": "tcp://*:5557", "enable_kv_cache_events": false}}`: false,
+		`{"kv_events": {"endpoint": "tcp://*:5557", "publisher": "null"}}`:             false,
+	} {
+		c, err := Parse([]byte(doc))
+		require.NoError(t, err, doc)
+		require.Equal(t, on, c.KVEvents.Enabled(), doc)
 	}
 }
 

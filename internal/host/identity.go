@@ -2,6 +2,8 @@ package host
 
 import (
 	"os"
+	"path/filepath"
+	"strings"
 
 	"github.com/zeebo/xxh3"
 
@@ -85,6 +87,7 @@ func Register(b *bridge.Bridge, id Identity, probe kvlayout.Layout, cells []uint
 		spec.KRow[l], spec.VRow[l], spec.VElem[l] = s.kRow, s.vRow, s.vElem
 	}
 	spec.Params = p
+	spec.Name = strings.TrimSuffix(filepath.Base(id.GGUFPath), ".gguf")
 	m, err := b.RegisterModel(spec)
 	if err != nil {
 		return nil, err

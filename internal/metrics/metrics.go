@@ -11,6 +11,7 @@ import (
 
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/disk"
+	"github.com/mcbridge/mcbridge/internal/kvevents"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -52,6 +53,15 @@ func stat(f func(*bridge.Stats) int64) func(*snapshot) []sample {
 
 func tier(f func(*diskStats) int64) func(*snapshot) []sample {
 	return one(func(s *snapshot) int64 { return f(&s.d) })
+}
+
+func events(f func(kvevents.Stats) int64) func(*snapshot) []sample {
+	return one(func(s *snapshot) int64 {
+		if s.b == nil {
+			return 0
+		}
+		return f(s.b.EventStats())
+	})
 }
 
 // Vocabulary is every series, in the order they are written.
@@ -142,6 +152,12 @@ var Vocabulary = []Series{
 	{Name: "disk_read_total", Kind: "counter", Help: "Blocks read back from the disk tier into the pool, verified.", value: tier(func(d *diskStats) int64 { return d.Read })},
 	{Name: "disk_dropped_total", Kind: "counter", Help: "Disk tier files deleted because they were torn, truncated or changed: never served.", value: tier(func(d *diskStats) int64 { return d.Dropped })},
 	{Name: "disk_evicted_total", Kind: "counter", Help: "Disk tier files deleted to stay within the budget.", value: tier(func(d *diskStats) int64 { return d.Evicted })},
+	{Name: "kv_events_published_total", Kind: "counter", Help: "Block events handed to the KV events socket (a BlockStored of n blocks counts n).",
+		value: events(func(s kvevents.Stats) int64 { return s.Published })},
+	{Name: "kv_events_dropped_total", Kind: "counter", Help: "Block events the full KV events queue dropped; the publisher then sent its whole state again.",
+		value: events(func(s kvevents.Stats) int64 { return s.Dropped })},
+	{Name: "kv_event_replays_total", Kind: "counter", Help: "KV events replay requests answered.",
+		value: events(func(s kvevents.Stats) int64 { return s.Replays })},
 	{Name: "resident_blocks", Kind: "gauge", Help: "Blocks held in this process's pool.", value: one(func(s *snapshot) int64 { return int64(s.blocks) })},
 	{Name: "resident_bytes", Kind: "gauge", Help: "Bytes of the blocks held in this process's pool.", value: one(func(s *snapshot) int64 { return s.bytes })},
 	{Name: "pool_bytes", Kind: "gauge", Help: "Size of this process's pool.", value: one(func(s *snapshot) int64 { return s.pool })},

@@ -1,0 +1,206 @@
+package kvsub
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+)
+
+// replayTimeout bounds one replay exchange.
+const replayTimeout = 5 * time.Second
+
+// Options tune a Subscriber.
+type Options struct {
+	// Bind makes the SUB socket bind Endpoint, for publishers that
+	// connect (llm-d's layout); else it connects.
+	Bind bool
+	// Replay is the publisher's ROUTER endpoint; empty for none.
+	Replay string
+	// Drop, when set, discards the batches it returns true for as they
+	// arrive: a lossy network, for tests of gap recovery.
+	Drop func(seq uint64) bool
+}
+
+// Counts are what a Subscriber saw.
+type Counts struct {
+	Batches  int // applied, live or replayed
+	Dropped  int // discarded by Options.Drop
+	Gaps     int // sequence gaps found (a late join replays without one)
+	Replayed int // batches applied from replays
+	Restarts int // streams that began again at a lower sequence number
+	Errors   []string
+}
+
+// Subscriber follows one publisher's stream into an Index.
+type Subscriber struct {
+	idx    *Index
+	opts   Options
+	sub    zmq4.Socket
+	cancel context.CancelFunc
+	done   chan struct{}
+
+	mu     sync.Mutex
+	last   int64 // last sequence number applied; -1 before the first
+	counts Counts
+}
+
+// Subscribe subscribes to every kv@ topic at endpoint.
+func Subscribe(idx *Index, endpoint string, opts Options) (*Subscriber, error) {
+	ctx, cancel := context.WithCancel(context.Background())
+	s := &Subscriber{idx: idx, opts: opts, cancel: cancel, done: make(chan struct{}), last: -1,
+		sub: zmq4.NewSub(ctx, zmq4.WithDialerMaxRetries(-1), zmq4.WithAutomaticReconnect(!opts.Bind))}
+	err := s.sub.SetOption(zmq4.OptionSubscribe, "kv@")
+	if err == nil && opts.Bind {
+		err = s.sub.Listen(endpoint)
+	}
+	if err != nil {
+		cancel()
+		_ = s.sub.Close()
+		return nil, err
+	}
+	if !opts.Bind {
+		// Connecting waits for the publisher, as libzmq's connect does not.
+		go func() {
+			if err := s.sub.Dial(endpoint); err != nil && ctx.Err() == nil {
+				s.fail("dial %s: %v", endpoint, err)
+			}
+		}()
+	}
+	go s.run(ctx)
+	return s, nil
+}
+
+// Addr is where a binding subscriber listens.
+func (s *Subscriber) Addr() string {
+	if a := s.sub.Addr(); a != nil {
+		return "tcp://" + a.String()
+	}
+	return ""
+}
+
+// Counts returns what the subscriber saw so far.
+func (s *Subscriber) Counts() Counts {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c := s.counts
+	c.Errors = append([]string(nil), c.Errors...)
+	return c
+}
+
+// Close stops the subscriber.
+func (s *Subscriber) Close() {
+	s.cancel()
+	_ = s.sub.Close()
+	<-s.done
+}
+
+func (s *Subscriber) run(ctx context.Context) {
+	defer close(s.done)
+	for {
+		msg, err := s.sub.Recv()
+		if ctx.Err() != nil {
+			return
+		}
+		if err != nil {
+			continue
+		}
+		if len(msg.Frames) != 3 || len(msg.Frames[1]) != 8 {
+			s.fail("a message of %d frames, not [topic, seq, payload]", len(msg.Frames))
+			continue
+		}
+		topic, seq, payload := string(msg.Frames[0]), binary.BigEndian.Uint64(msg.Frames[1]), msg.Frames[2]
+		s.mu.Lock()
+		if s.opts.Drop != nil && s.opts.Drop(seq) {
+			s.counts.Dropped++
+			s.mu.Unlock()
+			continue
+		}
+		last := s.last
+		switch {
+		case last >= 0 && int64(seq) <= last:
+			// Sequence numbers start again: a new publisher at this
+			// endpoint, whose first batch clears what the old one held.
+			s.counts.Restarts++
+			last, s.last = -1, -1
+		case last >= 0 && int64(seq) > last+1:
+			s.counts.Gaps++
+		}
+		s.mu.Unlock()
+		if int64(seq) > last+1 {
+			s.replay(ctx, topic, uint64(last+1), seq)
+		}
+		s.apply(topic, seq, payload, false)
+	}
+}
+
+// replay asks for the batches from start on and applies those before until.
+func (s *Subscriber) replay(ctx context.Context, topic string, start, until uint64) {
+	if s.opts.Replay == "" {
+		s.fail("gap before %d and no replay endpoint", until)
+		return
+	}
+	rctx, cancel := context.WithTimeout(ctx, replayTimeout)
+	defer cancel()
+	d := zmq4.NewDealer(rctx)
+	defer d.Close()
+	if err := d.Dial(s.opts.Replay); err != nil {
+		s.fail("replay dial: %v", err)
+		return
+	}
+	var startb [8]byte
+	binary.BigEndian.PutUint64(startb[:], start)
+	if err := d.SendMulti(zmq4.NewMsgFrom(nil, startb[:])); err != nil {
+		s.fail("replay request: %v", err)
+		return
+	}
+	end := bytes.Repeat([]byte{0xff}, 8)
+	for {
+		msg, err := d.Recv()
+		if err != nil {
+			s.fail("replay answer: %v", err)
+			return
+		}
+		f := msg.Frames
+		if len(f) != 3 || len(f[0]) != 0 || len(f[1]) != 8 {
+			s.fail("replay answer of %d frames, not [empty, seq, payload]", len(f))
+			return
+		}
+		if bytes.Equal(f[1], end) && len(f[2]) == 0 {
+			return
+		}
+		if seq := binary.BigEndian.Uint64(f[1]); seq >= start && seq < until {
+			s.apply(topic, seq, f[2], true)
+		}
+	}
+}
+
+func (s *Subscriber) apply(topic string, seq uint64, payload []byte, replayed bool) {
+	b, err := Decode(payload)
+	if err == nil {
+		err = s.idx.Apply(topic, b)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if int64(seq) > s.last {
+		s.last = int64(seq)
+	}
+	if err != nil {
+		s.counts.Errors = append(s.counts.Errors, fmt.Sprintf("seq %d: %v", seq, err))
+		return
+	}
+	s.counts.Batches++
+	if replayed {
+		s.counts.Replayed++
+	}
+}
+
+func (s *Subscriber) fail(format string, args ...any) {
+	s.mu.Lock()
+	s.counts.Errors = append(s.counts.Errors, fmt.Sprintf(format, args...))
+	s.mu.Unlock()
+}
