@@ -54,6 +54,7 @@ type Bridge struct {
 	stats   counters
 	closers []func() error // what Open built, in build order
 	pub     *publisher
+	store   *storeBackend // nil without a store (store.go)
 	closeCh chan struct{} // closed when Close starts
 
 	mu       sync.Mutex
@@ -154,6 +155,12 @@ func (b *Bridge) build(deps Deps) error {
 		}
 		b.closers = append(b.closers, b.dir.Close)
 	}
+	if b.cfg.Store.Kind == "mooncake" {
+		if b.store, err = openStore(b); err != nil {
+			return err
+		}
+		b.closers = append(b.closers, b.store.shutdown)
+	}
 	go b.publishLoop()
 	b.closers = append(b.closers, b.stopPublisher)
 	return nil
@@ -247,6 +254,13 @@ func (b *Bridge) Close() error {
 	flushCtx, cancelFlush := b.opContext()
 	keep(b.Flush(flushCtx))
 	cancelFlush()
+	// The store's client goes before the directory hears of this close, so
+	// that the keepers of other processes, asking the store about the
+	// blocks this process unpublishes, see the replicas its segment took
+	// along.
+	if b.store != nil {
+		keep(b.store.shutdown())
+	}
 	for fp, keys := range byModel {
 		ctx, cancel := b.opContext()
 		keep(b.dir.Unpublish(ctx, b.owner, fp, keys))
@@ -392,7 +406,8 @@ func (b *Bridge) evict(need int64) error {
 	}
 	byModel := map[key.Fingerprint][]key.BlockKey{}
 	for _, e := range gone {
-		if e.Value.replica {
+		// A block in the store stays published: the store still holds it.
+		if e.Value.replica || (b.store != nil && b.store.names(e.Value.entry.Loc)) {
 			continue
 		}
 		byModel[e.Value.fp] = append(byModel[e.Value.fp], e.Key)
@@ -432,6 +447,9 @@ func (b *Bridge) Health() error {
 		if err := c.Healthy(); err != nil {
 			return err
 		}
+	}
+	if err := b.storeHealth(); err != nil {
+		return err
 	}
 	b.pub.mu.Lock()
 	defer b.pub.mu.Unlock()

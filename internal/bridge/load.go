@@ -27,11 +27,12 @@ type Load struct {
 
 	mu        sync.Mutex
 	batch     transport.Batch
-	remote    int      // blocks read through the transport
-	staging   []extent // pool memory the transport writes into
-	nextLayer int      // layers below it are placed for blocks [0, ok)
-	ok        int      // leading blocks still good
-	err       error    // why block ok failed
+	store     *storeFetch // blocks read from the store (storefetch.go)
+	remote    int         // blocks read through the transport
+	staging   []extent    // pool memory the transport writes into
+	nextLayer int         // layers below it are placed for blocks [0, ok)
+	ok        int         // leading blocks still good
+	err       error       // why block ok failed
 	ended     bool
 }
 
@@ -41,7 +42,8 @@ type loadBlock struct {
 	runs   []kvlayout.Run
 	src    []byte // the block as verified: pool memory or staging
 	local  bool
-	task   int // first transport task (layer 0) of a remote block
+	stored bool // read from the store into staging
+	task   int  // first transport task (layer 0) of a remote block
 	header pool.Header
 }
 
@@ -111,6 +113,7 @@ func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, l
 	}
 	ld.ok = len(ld.blocks)
 	ld.pinLocal()
+	ld.submitStore()
 	if err := ld.submitRemote(); err != nil {
 		ld.release()
 		b.end()
@@ -129,7 +132,7 @@ func (ld *Load) pinLocal() {
 	defer b.mu.Unlock()
 	for i := range ld.blocks {
 		lb := &ld.blocks[i]
-		if lb.entry.Loc.Segment != seg {
+		if lb.entry.Loc.Segment != seg && !b.ownCopyLocked(lb.entry) {
 			continue
 		}
 		s, ok := b.resident.Get(lb.entry.Key)
@@ -151,7 +154,7 @@ func (ld *Load) submitRemote() error {
 	size := int64(g.Size())
 	var remote []int
 	for i := 0; i < ld.ok; i++ {
-		if !ld.blocks[i].local {
+		if !ld.blocks[i].local && !ld.blocks[i].stored {
 			remote = append(remote, i)
 		}
 	}
@@ -261,7 +264,12 @@ func (ld *Load) layer(l int) {
 	}
 	for i := 0; i < ld.ok; i++ {
 		lb := &ld.blocks[i]
-		if !lb.local {
+		if lb.stored {
+			if err := ld.storeArrived(i, l); err != nil {
+				ld.fail(i, err)
+				break
+			}
+		} else if !lb.local {
 			if st := arrived[lb.task]; st.State != transport.Completed {
 				code := status.Transfer
 				if st.State == transport.TimedOut {
@@ -321,7 +329,7 @@ func (ld *Load) End() (LoadResult, error) {
 	// A complete load calibrates the link it came over: a peer's, or this
 	// pool's own ("local"), whose cost is verification and placement.
 	if ld.ok == len(ld.blocks) && res.Bytes > 0 {
-		b.arb.ObserveTransfer(b.linkName(ld.blocks[0].entry.Loc.Segment), res.Bytes, b.now().Sub(ld.start))
+		b.arb.ObserveTransfer(b.linkFor(ld.blocks[0].entry), res.Bytes, b.now().Sub(ld.start))
 	}
 	ld.touchLocal()
 	b.stats.load(res)
@@ -338,7 +346,7 @@ func (ld *Load) touchLocal() {
 	b := ld.m.b
 	var keys []key.BlockKey
 	for i := 0; i < ld.ok; i++ {
-		if ld.blocks[i].entry.Loc.Segment == b.tr.LocalSegment() {
+		if loc := ld.blocks[i].entry.Loc; loc.Segment == b.tr.LocalSegment() || (b.store != nil && b.store.names(loc)) {
 			keys = append(keys, ld.blocks[i].entry.Key)
 		}
 	}
@@ -356,7 +364,7 @@ func (ld *Load) recheck() {
 	for i := 0; i < ld.ok; i++ {
 		lb := &ld.blocks[i]
 		var gen uint64
-		if lb.local {
+		if lb.local || lb.stored {
 			gen = pool.Generation(lb.src)
 		} else {
 			g, err := ld.remoteGeneration(lb)
@@ -408,6 +416,7 @@ func (ld *Load) remoteGeneration(lb *loadBlock) (uint64, error) {
 func (ld *Load) release() {
 	b := ld.m.b
 	ld.cancel()
+	ld.releaseStore()
 	b.mu.Lock()
 	for i := range ld.blocks {
 		if ld.blocks[i].local {

@@ -33,18 +33,24 @@ type Stats struct {
 	Replicated       int64 // blocks a store node copied from their owners
 	TakenOver        int64 // copies a store node published when their owner let go
 	ReplicationFails int64
+	StorePuts        int64 // blocks written into the store
+	StorePutFailures int64 // blocks the store refused; they stayed in the pool, pending
+	StoreGets        int64 // blocks read from the store for loads
+	StoreAdopted     int64 // store entries this process published again after their owner's went
+	StoreDropped     int64 // store entries dropped because the store no longer held their blocks
 	// FailuresByStatus counts load failures by the status that ended them.
 	FailuresByStatus [status.Count]int64
 }
 
 type counters struct {
-	lookups, hits, misses, decidedRestore, decidedRecompute, decidedLocal atomic.Int64
-	matchedTokens, publishDropped, unpublishDropped                       atomic.Int64
-	loads, loadFailures, restoredTokens, restoredBytes                    atomic.Int64
-	saves, saveFailures, savedBlocks, dedupedBlocks                       atomic.Int64
-	evictions, directoryErrors, tornReads, parkedBatches                  atomic.Int64
-	replicated, takenOver, replicationFailures                            atomic.Int64
-	failuresByStatus                                                      [status.Count]atomic.Int64
+	lookups, hits, misses, decidedRestore, decidedRecompute, decidedLocal   atomic.Int64
+	matchedTokens, publishDropped, unpublishDropped                         atomic.Int64
+	loads, loadFailures, restoredTokens, restoredBytes                      atomic.Int64
+	saves, saveFailures, savedBlocks, dedupedBlocks                         atomic.Int64
+	evictions, directoryErrors, tornReads, parkedBatches                    atomic.Int64
+	replicated, takenOver, replicationFailures                              atomic.Int64
+	storePuts, storePutFailures, storeGets, storeAdopted, storeAuditDropped atomic.Int64
+	failuresByStatus                                                        [status.Count]atomic.Int64
 }
 
 func (c *counters) add(v *atomic.Int64, n int64) { v.Add(n) }
@@ -92,6 +98,8 @@ func (b *Bridge) Stats() Stats {
 		Evictions: c.evictions.Load(), DirectoryErrors: c.directoryErrors.Load(),
 		TornReads: c.tornReads.Load(), ParkedBatches: c.parkedBatches.Load(),
 		Replicated: c.replicated.Load(), TakenOver: c.takenOver.Load(), ReplicationFails: c.replicationFailures.Load(),
+		StorePuts: c.storePuts.Load(), StorePutFailures: c.storePutFailures.Load(), StoreGets: c.storeGets.Load(),
+		StoreAdopted: c.storeAdopted.Load(), StoreDropped: c.storeAuditDropped.Load(),
 	}
 	for i := range c.failuresByStatus {
 		s.FailuresByStatus[i] = c.failuresByStatus[i].Load()

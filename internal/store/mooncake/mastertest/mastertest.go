@@ -63,7 +63,8 @@ type Master struct {
 func Start(tb testing.TB, opts Options) *Master {
 	tb.Helper()
 	m := &Master{tb: tb, opts: opts, log: &syncBuffer{}}
-	m.cfg = master.Config{Binary: Binary(tb), ClientTTL: opts.ClientTTL, Args: opts.Args, Log: m.log}
+	// The master logs its metrics every 10 s in one line of several KiB.
+	m.cfg = master.Config{Binary: Binary(tb), ClientTTL: opts.ClientTTL, Args: append([]string{"--enable_metric_reporting=false"}, opts.Args...), Log: m.log}
 	var err error
 	for attempt := 0; attempt < 3; attempt++ {
 		m.cfg.Addr, m.cfg.AdminAddr = freeAddr(tb), freeAddr(tb)
