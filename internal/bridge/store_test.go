@@ -3,6 +3,7 @@ package bridge
 import (
 	"context"
 	"math/rand"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -351,4 +352,26 @@ func TestStoreBlocksBeforeTheDirectoryAnswers(t *testing.T) {
 	assert.Zero(t, b.Stats().StoreGets, "read from the own pool")
 	close(dir.release)
 	require.NoError(t, b.Close())
+}
+
+// The store's library and the real Transfer Engine's load into one process
+// (each RTLD_LOCAL, each with its own engine) and work side by side.
+func TestStoreBesideTheTransferEngine(t *testing.T) {
+	te := os.Getenv("MCB_TE_REAL_LIB")
+	require.NotEmpty(t, te, "MCB_TE_REAL_LIB is unset: it names the real libtransfer_engine.so (make test sets it)")
+	m := mastertest.Start(t, mastertest.Options{})
+	cfg := storeConfig(t, m, 1, 32<<20)
+	cfg.Transport.Kind, cfg.Transport.Lib = "mooncake", te
+	a, b := openBridge(t, cfg, "a"), openBridge(t, withSegment(cfg, 0), "b")
+	h := newHost(t, 2, 32, 16, 16, false)
+	ma, mb := register(t, a, h, 4), register(t, b, h, 4)
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(13)), 8)
+	h.Fill(tokens, kvtest.SeqCells(8))
+	saveAll(t, ma, h, key.Scope{}, tokens, kvtest.SeqCells(8))
+	dst := newHost(t, 2, 32, 16, 16, false)
+	got, err := loadAll(t, mb, dst, key.Scope{}, tokens, kvtest.SeqCells(8))
+	require.NoError(t, err)
+	require.Equal(t, 8, got.OKTokens)
+	require.NoError(t, dst.Check(tokens, kvtest.SeqCells(8), 8))
+	assert.Equal(t, int64(2), b.Stats().StoreGets)
 }
