@@ -5,6 +5,7 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/mcbridge/mcbridge/internal/directory"
@@ -57,61 +58,104 @@ const (
 
 type storeBackend struct {
 	b         *Bridge
-	c         *mcstore.Client
+	cfg       mcstore.Config
 	master    string
-	own       string // the Segment of entries this bridge writes
-	segment   string // this client's segment name, "" when it contributes none
-	opts      mcstore.PutOptions
+	replicas  int
 	opTimeout time.Duration
 	keeper    *keeper
+	conn      atomic.Pointer[storeConn] // nil until the client is set up
+	ctx       context.Context           // ends at shutdown
+	cancel    context.CancelFunc
+	connected chan struct{} // closed when connect returns
 
 	mu       sync.Mutex
 	inflight int           // calls that may still touch the pool
 	landed   chan struct{} // signalled when inflight drops
 	shut     bool
 	unwatch  func() // ends WatchStore's subscription
-	// down is why the master is unreachable, as the last call that needed
-	// it found; nil once one succeeds. The library's own health check
-	// comes from its heartbeat, which a client without a segment does not
-	// run.
+	// down is why the store cannot be used, as connecting or the last call
+	// that needed the master found; nil once one succeeds. The library's
+	// own health check comes from its heartbeat, which a client without a
+	// segment does not run.
 	down error
+	// pending is set when a put left blocks pending: the keeper offers
+	// them again once the store answers.
+	pending bool
+	// usable mirrors conn != nil && down == nil for lookups, which read it
+	// once per mirrored block.
+	usable atomic.Bool
 }
 
-// openStore connects to the master, contributes the configured segment and
-// registers the pool, so puts read from it and gets write into it without
-// a copy.
+// storeConn is the set-up client and what follows from it.
+type storeConn struct {
+	c       *mcstore.Client
+	segment string // this client's segment, "" when it contributes none
+	own     string // the Segment of entries this bridge writes
+	opts    mcstore.PutOptions
+}
+
+// openStore loads the library (a wrong path fails the bridge's open) and
+// connects in the background: the master is a network peer, and the
+// bridge is opened on a host's thread. Until the client is set up, saves
+// leave their blocks pending and store blocks are not read; both resume
+// once it is.
 func openStore(b *Bridge) (*storeBackend, error) {
 	sc := b.cfg.Store
-	s := &storeBackend{b: b, master: sc.Master, opTimeout: time.Duration(sc.OpTimeoutMS) * time.Millisecond,
-		landed: make(chan struct{}, 1), opts: mcstore.PutOptions{Replicas: sc.Replicas}}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(sc.SetupTimeoutMS)*time.Millisecond)
-	defer cancel()
-	c, err := mcstore.Open(ctx, mcstore.Config{
-		Library: sc.Lib, Master: sc.Master, LocalHostname: sc.LocalHostname, Metadata: sc.Metadata,
-		Protocol: sc.Protocol, Device: sc.Device, SegmentBytes: uint64(sc.SegmentBytes),
-	})
-	if err != nil {
+	if _, err := mcstore.Load(sc.Lib); err != nil {
 		return nil, err
 	}
-	if err := c.Register(ctx, b.pool.Base(), uint64(b.pool.Size())); err != nil {
-		_ = c.Close()
-		return nil, status.Wrap(status.Of(err), err, "registering the pool with Mooncake Store")
-	}
-	s.c = c
-	if c.Contributes() {
-		s.segment = c.Segment()
-		s.opts.Preferred = []string{s.segment}
-	}
-	s.own = storeSegment(s.master, s.segment)
+	s := &storeBackend{b: b, master: sc.Master, replicas: sc.Replicas, opTimeout: time.Duration(sc.OpTimeoutMS) * time.Millisecond,
+		landed: make(chan struct{}, 1), connected: make(chan struct{}),
+		cfg: mcstore.Config{Library: sc.Lib, Master: sc.Master, LocalHostname: sc.LocalHostname, Metadata: sc.Metadata,
+			Protocol: sc.Protocol, Device: sc.Device, SegmentBytes: uint64(sc.SegmentBytes)},
+		down: status.Errorf(status.Transfer, "connecting to the Mooncake Store master %s", sc.Master)}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.keeper = newKeeper(s, time.Duration(sc.AuditIntervalMS)*time.Millisecond)
-	go s.keeper.run()
+	go s.connect(time.Duration(sc.SetupTimeoutMS) * time.Millisecond)
 	return s, nil
 }
 
-// shutdown stops the keeper, waits for calls that may still move bytes
-// into or out of the pool, and destroys the client: its segment, and the
-// replicas in it, leave the store. A call still in flight after two
-// transfer deadlines keeps the pool registered and mapped.
+// connect sets the client up, contributing the configured segment and
+// registering the pool (puts read from it, gets write into it, without a
+// copy), retrying with backoff until it succeeds or the bridge closes.
+func (s *storeBackend) connect(timeout time.Duration) {
+	defer close(s.connected)
+	for backoff := time.Second; ; backoff = min(2*backoff, 30*time.Second) {
+		ctx, cancel := context.WithTimeout(s.ctx, timeout)
+		c, err := mcstore.Open(ctx, s.cfg)
+		if err == nil {
+			if err = c.Register(ctx, s.b.pool.Base(), uint64(s.b.pool.Size())); err != nil {
+				_ = c.Close()
+				err = status.Wrap(status.Of(err), err, "registering the pool with Mooncake Store")
+			}
+		}
+		cancel()
+		if err == nil {
+			cn := &storeConn{c: c, opts: mcstore.PutOptions{Replicas: s.replicas}}
+			if c.Contributes() {
+				cn.segment = c.Segment()
+				cn.opts.Preferred = []string{cn.segment}
+			}
+			cn.own = storeSegment(s.master, cn.segment)
+			s.conn.Store(cn)
+			s.setDown(nil)
+			go s.keeper.run()
+			return
+		}
+		s.setDown(status.Wrap(status.Of(err), err, "connecting to the Mooncake Store master "+s.master))
+		s.b.log.Warn("mcbridge: connecting to Mooncake Store failed; retrying", "master", s.master, "err", err, "retry_in", backoff)
+		select {
+		case <-s.ctx.Done():
+			return
+		case <-time.After(backoff):
+		}
+	}
+}
+
+// shutdown stops connecting and the keeper, waits for calls that may still
+// move bytes into or out of the pool, and destroys the client: its
+// segment, and the replicas in it, leave the store. A call still in flight
+// after two transfer deadlines keeps the pool registered and mapped.
 func (s *storeBackend) shutdown() error {
 	s.mu.Lock()
 	if s.shut {
@@ -123,6 +167,12 @@ func (s *storeBackend) shutdown() error {
 	s.mu.Unlock()
 	if unwatch != nil {
 		unwatch()
+	}
+	s.cancel()
+	<-s.connected
+	cn := s.conn.Load()
+	if cn == nil {
+		return nil
 	}
 	s.keeper.stop()
 	deadline := time.After(2 * time.Duration(s.b.cfg.TransferTimeoutMS) * time.Millisecond)
@@ -142,11 +192,11 @@ func (s *storeBackend) shutdown() error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.opTimeout)
 	defer cancel()
-	if err := s.c.Unregister(ctx, s.b.pool.Base()); err != nil {
+	if err := cn.c.Unregister(ctx, s.b.pool.Base()); err != nil {
 		s.b.poolBusy = true
 		return err
 	}
-	return s.c.Close()
+	return cn.c.Close()
 }
 
 // track counts a call that may touch the pool until it lands, and runs
@@ -170,28 +220,42 @@ func (s *storeBackend) track(done <-chan struct{}, after func()) {
 	}()
 }
 
-// healthy is nil unless the master is known unreachable.
-func (s *storeBackend) healthy() error {
-	if err := s.c.Healthy(); err != nil {
-		return err
-	}
+// ready is the set-up client, or why the store cannot be used.
+func (s *storeBackend) ready() (*storeConn, error) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.down
+	down := s.down
+	s.mu.Unlock()
+	cn := s.conn.Load()
+	if cn == nil {
+		return nil, down
+	}
+	if err := cn.c.Healthy(); err != nil {
+		return nil, err
+	}
+	return cn, down
+}
+
+// healthy is nil unless the store cannot be used now.
+func (s *storeBackend) healthy() error {
+	_, err := s.ready()
+	return err
 }
 
 // observe records what a call that needed the master says of it.
 func (s *storeBackend) observe(err error) {
-	unreachable := err != nil && (status.Of(err) == status.Timeout ||
-		mcstore.Code(err) == mcstore.CodeRPCFailed || mcstore.Code(err) == mcstore.CodeRPCTimeout)
+	switch {
+	case err == nil:
+		s.setDown(nil)
+	case status.Of(err) == status.Timeout || mcstore.Code(err) == mcstore.CodeRPCFailed || mcstore.Code(err) == mcstore.CodeRPCTimeout:
+		s.setDown(status.Wrap(status.Transfer, err, "Mooncake Store master "+s.master+" unreachable"))
+	}
+}
+
+func (s *storeBackend) setDown(err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	switch {
-	case unreachable:
-		s.down = status.Wrap(status.Transfer, err, "Mooncake Store master "+s.master+" unreachable")
-	case err == nil:
-		s.down = nil
-	}
+	s.down = err
+	s.usable.Store(err == nil && s.conn.Load() != nil)
 }
 
 // firstErr is err, or the first per-key error.
@@ -229,6 +293,7 @@ func storeKey(k key.BlockKey) string { return k.String() }
 // its tokens. Each block is pinned until the put has read it.
 func (s *storeBackend) put(entries []directory.Entry) []directory.Entry {
 	b := s.b
+	cn, notReady := s.ready()
 	var out, todo []directory.Entry
 	var keys []string
 	var bufs []mcstore.Buffer
@@ -257,9 +322,15 @@ func (s *storeBackend) put(entries []directory.Entry) []directory.Entry {
 		}
 		b.mu.Unlock()
 	}
-	errs, err := s.putFrom(keys, bufs, unpin)
+	var errs []error
+	err := notReady
+	if err == nil {
+		errs, err = s.putFrom(cn, keys, bufs, unpin)
+		s.observe(firstErr(err, errs, func(e error) error { return e }))
+	} else {
+		unpin()
+	}
 	why := firstErr(err, errs, func(e error) error { return e })
-	s.observe(why)
 	stored := 0
 	b.mu.Lock()
 	for i, e := range todo {
@@ -273,7 +344,7 @@ func (s *storeBackend) put(entries []directory.Entry) []directory.Entry {
 			continue
 		}
 		stored++
-		e.Loc.Segment, e.Loc.Addr = s.own, 0
+		e.Loc.Segment, e.Loc.Addr = cn.own, 0
 		if held {
 			sl.entry = e
 			b.resident.Set(e.Key, sl)
@@ -283,6 +354,9 @@ func (s *storeBackend) put(entries []directory.Entry) []directory.Entry {
 	b.mu.Unlock()
 	b.stats.add(&b.stats.storePuts, int64(stored))
 	if failed := len(todo) - stored; failed > 0 {
+		s.mu.Lock()
+		s.pending = true
+		s.mu.Unlock()
 		b.stats.add(&b.stats.storePutFailures, int64(failed))
 		b.log.Warn("mcbridge: Mooncake Store refused blocks; they stay in this pool, pending", "blocks", failed, "err", why)
 	}
@@ -292,12 +366,8 @@ func (s *storeBackend) put(entries []directory.Entry) []directory.Entry {
 // putFrom runs one batch_put_from from the pool, within the store's op
 // timeout; unpin runs once the library has read the buffers, which after a
 // timeout is when the call lands.
-func (s *storeBackend) putFrom(keys []string, bufs []mcstore.Buffer, unpin func()) ([]error, error) {
-	if err := s.healthy(); err != nil {
-		unpin()
-		return nil, err
-	}
-	op, err := s.c.StartPutFrom(keys, bufs, s.opts)
+func (s *storeBackend) putFrom(cn *storeConn, keys []string, bufs []mcstore.Buffer, unpin func()) ([]error, error) {
+	op, err := cn.c.StartPutFrom(keys, bufs, cn.opts)
 	if err != nil {
 		unpin()
 		return nil, err
@@ -308,14 +378,19 @@ func (s *storeBackend) putFrom(keys []string, bufs []mcstore.Buffer, unpin func(
 	return op.Wait(ctx)
 }
 
-// link is the arbiter's name for reading the block e names from the store.
+// link is the arbiter's name for reading a block whose writer holds the
+// first replica in segment writer ("" for a writer without one).
 func (s *storeBackend) link(writer string) string {
+	own := ""
+	if cn := s.conn.Load(); cn != nil {
+		own = cn.segment
+	}
 	switch {
-	case writer != "" && writer == s.segment:
+	case writer == "":
+		return linkStoreRemote
+	case writer == own:
 		return linkStoreOwn
-	case writer != "" && s.segment != "" && hostPart(writer) == hostPart(s.segment):
-		return linkStoreHost
-	case writer != "" && s.segment == "" && hostPart(writer) == s.b.cfg.Store.LocalHostname:
+	case hostPart(writer) == hostPart(own) || (own == "" && hostPart(writer) == s.b.cfg.Store.LocalHostname):
 		return linkStoreHost
 	}
 	return linkStoreRemote
@@ -339,13 +414,14 @@ func (b *Bridge) ownCopyLocked(e directory.Entry) bool {
 	return ok && s.gen == e.Loc.Generation
 }
 
-// readable reports whether this bridge can read the block e names: a
-// block in a store needs this bridge's store.
+// readable reports whether this bridge can read the block e names now: a
+// block in a store needs this bridge's store, set up and answering (a
+// lookup that matched what it cannot read would only fail its load).
 func (b *Bridge) readable(e directory.Entry) bool {
 	if _, _, ok := parseStoreSegment(e.Loc.Segment); !ok {
 		return true
 	}
-	return b.store != nil && b.store.names(e.Loc)
+	return b.store != nil && b.store.usable.Load() && b.store.names(e.Loc)
 }
 
 // storeHealth is nil without a store or while its master answers.
@@ -360,10 +436,13 @@ func (b *Bridge) storeHealth() error {
 }
 
 // StoreSegment is the segment this bridge contributes to its store ("" for
-// none, or without a store).
+// none, without a store, or before it is set up).
 func (b *Bridge) StoreSegment() string {
 	if b.store == nil {
 		return ""
 	}
-	return b.store.segment
+	if cn := b.store.conn.Load(); cn != nil {
+		return cn.segment
+	}
+	return ""
 }

@@ -34,6 +34,7 @@ func (ld *Load) submitStore() {
 	b := ld.m.b
 	size := int64(ld.m.geo.Size())
 	f := &storeFetch{}
+	var cn *storeConn
 	var keys []string
 	var bufs []mcstore.Buffer
 	for i := 0; i < ld.ok; i++ {
@@ -48,7 +49,7 @@ func (ld *Load) submitStore() {
 		case lb.entry.Loc.Length != uint64(size):
 			err = status.Errorf(status.Corrupt, "block %s published with %d bytes, model blocks are %d", lb.entry.Key, lb.entry.Loc.Length, size)
 		case len(keys) == 0:
-			err = b.store.healthy()
+			cn, err = b.store.ready()
 		}
 		var off int64
 		if err == nil {
@@ -69,7 +70,7 @@ func (ld *Load) submitStore() {
 		return
 	}
 	ld.store = f
-	op, err := b.store.c.StartGetInto(keys, bufs)
+	op, err := cn.c.StartGetInto(keys, bufs)
 	if err != nil {
 		f.err, f.waited, f.landed = err, true, true
 		return

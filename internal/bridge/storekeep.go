@@ -6,6 +6,7 @@ import (
 
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -100,6 +101,7 @@ func (k *keeper) run() {
 			k.adopt()
 		case <-tick.C:
 			k.audit()
+			k.reoffer()
 		}
 	}
 }
@@ -131,9 +133,10 @@ func (k *keeper) exist(entries []directory.Entry) (held, lost []directory.Entry)
 
 // ask is one batch_is_exist, whose outcome says whether the master answers.
 func (k *keeper) ask(keys []string) ([]bool, error) {
+	cn := k.s.conn.Load()
 	ctx, cancel := k.s.context()
 	defer cancel()
-	have, err := k.s.c.Exist(ctx, keys)
+	have, err := cn.c.Exist(ctx, keys)
 	k.s.observe(err)
 	return have, err
 }
@@ -218,6 +221,56 @@ func (k *keeper) audit() {
 	b.stats.add(&b.stats.storeAuditDropped, int64(len(lost)))
 }
 
+// reoffer hands the blocks puts left pending back to the publisher once the
+// store answers again.
+func (k *keeper) reoffer() {
+	s := k.s
+	if s.healthy() != nil {
+		return
+	}
+	s.mu.Lock()
+	again := s.pending
+	s.pending = false
+	s.mu.Unlock()
+	if again {
+		s.b.reofferPending()
+	}
+}
+
+// reofferPending offers every block of this pool that waits, pending, for
+// the directory (its publish went unanswered or was refused) to the
+// publisher again.
+func (b *Bridge) reofferPending() {
+	b.mu.Lock()
+	var keys []key.BlockKey
+	b.resident.Walk(func(e residency.Entry[slot]) bool {
+		if v := e.Value; v.pending && !v.publishing && !v.replica {
+			keys = append(keys, e.Key)
+		}
+		return true
+	})
+	entries := make([]directory.Entry, 0, len(keys))
+	for _, k := range keys {
+		s, _ := b.resident.Get(k)
+		s.pending, s.publishing = false, true
+		b.resident.Set(k, s)
+		entries = append(entries, s.entry)
+	}
+	b.mu.Unlock()
+	if len(entries) == 0 {
+		return
+	}
+	n := b.pub.offer(entries)
+	b.mu.Lock()
+	for _, e := range entries[n:] {
+		if s, ok := b.resident.Get(e.Key); ok && s.gen == e.Loc.Generation {
+			s.pending, s.publishing = true, false
+			b.resident.Set(e.Key, s)
+		}
+	}
+	b.mu.Unlock()
+}
+
 // repend marks this pool's copy of a block the store lost as pending, its
 // entry naming the pool again, so the next save of its tokens offers it to
 // the store once more.
@@ -231,6 +284,9 @@ func (b *Bridge) repend(e directory.Entry) {
 	s.entry.Loc.Segment, s.entry.Loc.Addr = b.tr.LocalSegment(), uint64(b.pool.Base())+uint64(s.off)
 	s.publishing, s.pending = false, true
 	b.resident.Set(e.Key, s)
+	b.store.mu.Lock()
+	b.store.pending = true
+	b.store.mu.Unlock()
 }
 
 // model is the registered model of fp, or nil.
