@@ -43,6 +43,8 @@ func childMain(role string) int {
 		return holderMain()
 	case "sideeffects":
 		return sideEffectsMain()
+	case "benchholder":
+		return benchHolderMain()
 	}
 	fmt.Fprintln(os.Stderr, "unknown child role", role)
 	return 2
