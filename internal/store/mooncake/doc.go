@@ -14,7 +14,7 @@
 // refuses a missing symbol instead of jumping to address 0.
 //
 // What the library does to the process, measured on the build of
-// scripts/mooncake/build.sh store (sideeffects_test.go keeps it measured):
+// scripts/mooncake/build.sh store (TestSideEffects keeps it measured):
 //
 //   - Loading it sets SIGPIPE to SIG_IGN (a static constructor): from then
 //     on, a write to a closed pipe or socket returns EPIPE in every thread,
