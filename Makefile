@@ -2,7 +2,8 @@
 # build/, `make test` runs every test, `make demo` runs the swarm demo. Each of
 # them works as the first command on a machine with Go, gcc, make and git:
 # scripts/bootstrap.sh installs the Debian packages, scripts/deps.sh builds (once,
-# cached under $MCB_CACHE) llama.cpp and the real Mooncake Transfer Engine.
+# cached under $MCB_CACHE) llama.cpp, the real Mooncake Transfer Engine and Mooncake
+# Store.
 BUILD ?= build
 GO ?= go
 CMAKE_FLAGS ?= -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
@@ -37,7 +38,7 @@ test-go: deps
 
 # cgocheck2 catches Go pointers kept by C; the cgo packages run under it.
 test-cgocheck: deps
-	$(E2E) GOEXPERIMENT=cgocheck2 $(GO) test -count=1 ./cabi/... ./internal/transport/mooncake/...
+	$(E2E) GOEXPERIMENT=cgocheck2 $(GO) test -count=1 ./cabi/... ./internal/transport/mooncake/... ./internal/store/mooncake/...
 
 test-c: deps
 	$(E2E) ctest --test-dir $(BUILD) --output-on-failure

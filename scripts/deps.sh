@@ -5,10 +5,16 @@
 #
 #   MCB_LLAMA_SERVER_STOCK, MCB_LLAMA_SERVER_PATCHED   scripts/llama/build.sh
 #   MCB_TE_REAL_LIB                                    scripts/mooncake/build.sh te
+#   MCB_MOONCAKE_STORE_DIR                             scripts/mooncake/build.sh store: the
+#                                                      folder of mooncake_master, libasio.so,
+#                                                      libmooncake_store.so and store_c.h
 #   MCB_LIBLLAMA_BUILD                                 hosts/libllama against the stock build
 #   MCB_TE_MOCK_LIB                                    the mock Transfer Engine of BUILD
 #
-# Each step prints its time. Everything slow is cached under $MCB_CACHE.
+# Each step prints its time. Everything slow is cached under $MCB_CACHE. A step that
+# fails fails the whole script: the suites that need its output never skip. The
+# Mooncake Store build (about 25 minutes on 2 cores, cold) runs alone, after the
+# llama.cpp builds, with -j2: each of its compiler processes can take 5 GB.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=$(cd "${1:?usage: $0 BUILD}" && pwd)
@@ -31,6 +37,8 @@ llama_patched() {
 	cmake --build "$(dirname "$(dirname "$patched")")" --target llama-mcbridge-test -j "$(nproc)" >/dev/null
 }
 mooncake_te() { te=$(last "$repo/scripts/mooncake/build.sh" te)/install/lib/libtransfer_engine.so; }
+store=
+mooncake_store() { store=$(JOBS=2 last "$repo/scripts/mooncake/build.sh" store)/out; }
 libllama() {
 	local dir=$build/libllama
 	[[ -f $dir/CMakeCache.txt ]] || cmake -S "$repo/hosts/libllama" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -41,12 +49,14 @@ libllama() {
 step "llama-server (stock)" llama_stock
 step "llama-server (patched)" llama_patched
 step "Mooncake Transfer Engine" mooncake_te
+step "Mooncake Store" mooncake_store
 step "hosts/libllama" libllama
 
 cat >"$build/e2e.env" <<ENV
 export MCB_LLAMA_SERVER_STOCK=$stock
 export MCB_LLAMA_SERVER_PATCHED=$patched
 export MCB_TE_REAL_LIB=$te
+export MCB_MOONCAKE_STORE_DIR=$store
 export MCB_LIBLLAMA_BUILD=$build/libllama
 export MCB_TE_MOCK_LIB=$build/libmooncake_te_mock.so
 ENV

@@ -22,10 +22,14 @@ import (
 )
 
 func init() {
-	commands["serve"] = command{"run a store node: a DRAM pool that keeps KV past the processes that computed it", serve}
+	commands["serve"] = command{"run a store node: a DRAM pool that keeps KV past the processes that computed it (--mooncake-master: Mooncake Store's)", serve}
 }
 
 func serve(args []string) error {
+	// The store node of a Mooncake Store deployment (serve_mooncake.go).
+	if mooncakeMode(args) {
+		return serveMooncake(args)
+	}
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	cfgDoc := fs.String("config", "", "bridge configuration: JSON or a file path (default $MCB_CONFIG)")
 	poolBytes := fs.Int64("pool-bytes", 0, "pool size in bytes (default: the config's)")

@@ -58,6 +58,7 @@ type Bridge struct {
 	stats   counters
 	closers []func() error // what Open built, in build order
 	pub     *publisher
+	store   *storeBackend // nil without a store (store.go)
 	closeCh chan struct{} // closed when Close starts
 	// events hears what this process answers for (events.go); publisher
 	// is it when the bridge built it from the configuration.
@@ -178,6 +179,12 @@ func (b *Bridge) build(deps Deps) error {
 	if err = b.openEvents(deps); err != nil {
 		return err
 	}
+	if b.cfg.Store.Kind == "mooncake" {
+		if b.store, err = openStore(b); err != nil {
+			return err
+		}
+		b.closers = append(b.closers, b.store.shutdown)
+	}
 	go b.publishLoop()
 	b.closers = append(b.closers, b.stopPublisher)
 	b.startReports()
@@ -279,6 +286,13 @@ func (b *Bridge) Close() error {
 	flushCtx, cancelFlush := b.opContext()
 	keep(b.Flush(flushCtx))
 	cancelFlush()
+	// The store's client goes before the directory hears of this close, so
+	// that the keepers of other processes, asking the store about the
+	// blocks this process unpublishes, see the replicas its segment took
+	// along.
+	if b.store != nil {
+		keep(b.store.shutdown())
+	}
 	for fp, keys := range byModel {
 		ctx, cancel := b.opContext()
 		keep(b.dir.Unpublish(ctx, b.owner, fp, keys))
@@ -476,6 +490,9 @@ func (b *Bridge) Health() error {
 		if err := c.Healthy(); err != nil {
 			return err
 		}
+	}
+	if err := b.storeHealth(); err != nil {
+		return err
 	}
 	b.pub.mu.Lock()
 	defer b.pub.mu.Unlock()

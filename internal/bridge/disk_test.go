@@ -50,14 +50,14 @@ func TestDiskTierOutlivesTheStore(t *testing.T) {
 	cfg := testConfig(t)
 	cfg.Arbiter.Policy = "always-restore"
 	dir := t.TempDir()
-	store, tier := diskStore(t, storeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
+	store, tier := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
 	owner, tokens := saved(t, cfg, "owner", 3, 5)
 	waitFor(t, "the store to write 5 blocks", func() bool { return tier.Stats().Files == 5 })
 	require.NoError(t, owner.Close())
 	waitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 5 })
 	require.NoError(t, store.Close())
 
-	again, _ := diskStore(t, storeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
+	again, _ := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
 	require.Equal(t, 5, again.RefillFromDisk())
 	waitFor(t, "the store to publish what came back", func() bool { return again.Stats().TakenOver == 5 })
 	r := openBridge(t, cfg, "reader")
@@ -75,7 +75,7 @@ func TestDiskTierDropsTornFiles(t *testing.T) {
 	cfg := testConfig(t)
 	cfg.Arbiter.Policy = "always-restore"
 	dir := t.TempDir()
-	store, tier := diskStore(t, storeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
+	store, tier := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
 	owner, tokens := saved(t, cfg, "owner", 4, 4)
 	waitFor(t, "the store to write 4 blocks", func() bool { return tier.Stats().Files == 4 })
 	require.NoError(t, owner.Close())
@@ -86,7 +86,7 @@ func TestDiskTierDropsTornFiles(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, os.Truncate(path(chain[2]), st.Size()/2))
 
-	again, tier2 := diskStore(t, storeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
+	again, tier2 := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
 	assert.Equal(t, int64(1), tier2.Stats().Dropped, "the torn file")
 	again.RefillFromDisk()
 	r := openBridge(t, cfg, "reader")
@@ -120,7 +120,7 @@ func TestDiskTierBringsBackWhatReadersWant(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := testConfig(t)
 			cfg.Arbiter.Policy = "always-restore"
-			store, tier := diskStore(t, storeConfig(cfg, 12, "lru"), t.TempDir(), 64<<20, disk.Raw)
+			store, tier := diskStore(t, storeNodeConfig(cfg, 12, "lru"), t.TempDir(), 64<<20, disk.Raw)
 			owner, tokens := saved(t, cfg, "owner", 7, 6)
 			waitFor(t, "the store to write 6 blocks", func() bool { return tier.Stats().Files == 6 })
 			require.NoError(t, owner.Close())
@@ -196,7 +196,7 @@ func flipFileByte(t *testing.T, path string) {
 // way out.
 func TestEvictionSpills(t *testing.T) {
 	cfg := testConfig(t)
-	store, tier := diskStore(t, storeConfig(cfg, 12, "lru"), t.TempDir(), 64<<20, disk.Raw)
+	store, tier := diskStore(t, storeNodeConfig(cfg, 12, "lru"), t.TempDir(), 64<<20, disk.Raw)
 	_, tokens := saved(t, cfg, "owner", 8, 3)
 	waitFor(t, "the store to write 3 blocks", func() bool { return tier.Stats().Files == 3 })
 	chain := key.Chain(key.Root(registeredFP(t, cfg), key.Scope{}), tokens[:12], 4)
@@ -220,7 +220,7 @@ func TestDiskTierFull(t *testing.T) {
 	cfg := testConfig(t)
 	cfg.Arbiter.Policy = "always-restore"
 	dir := testenv.TmpFS(t, "200k")
-	store, tier := diskStore(t, storeConfig(cfg, 12, "lru"), dir, 64<<20, disk.Raw)
+	store, tier := diskStore(t, storeNodeConfig(cfg, 12, "lru"), dir, 64<<20, disk.Raw)
 	owner, tokens := saved(t, cfg, "owner", 9, 5)
 	waitFor(t, "the store to copy 5 blocks", func() bool { return store.Stats().Replicated == 5 })
 	waitFor(t, "the write-behind to try them all", func() bool {
@@ -239,7 +239,7 @@ func TestDiskTierFull(t *testing.T) {
 	assert.Equal(t, 20, n, "the pool serves what the disk could not take")
 	require.NoError(t, store.Close())
 
-	again, _ := diskStore(t, storeConfig(cfg, 12, "lru"), dir, 64<<20, disk.Raw)
+	again, _ := diskStore(t, storeNodeConfig(cfg, 12, "lru"), dir, 64<<20, disk.Raw)
 	back := again.RefillFromDisk()
 	require.Equal(t, int(st.Files), back)
 	r = openBridge(t, cfg, "reader-2")
@@ -260,7 +260,7 @@ func TestRestartedHolderIsReopened(t *testing.T) {
 	cfg := testConfig(t)
 	cfg.Arbiter.Policy = "always-restore"
 	dir := t.TempDir()
-	store, tier := diskStore(t, storeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Raw)
+	store, tier := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Raw)
 	owner, tokens := saved(t, cfg, "owner", 11, 2)
 	waitFor(t, "the store to write 2 blocks", func() bool { return tier.Stats().Files == 2 })
 	require.NoError(t, owner.Close())
@@ -271,7 +271,7 @@ func TestRestartedHolderIsReopened(t *testing.T) {
 	require.Equal(t, 8, n)
 	require.NoError(t, store.Close())
 
-	again, _ := diskStore(t, storeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Raw)
+	again, _ := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Raw)
 	require.Equal(t, 2, again.RefillFromDisk())
 	waitFor(t, "the reader to find what came back", func() bool {
 		lk, err := mr.Lookup(key.Scope{}, tokens, 0)

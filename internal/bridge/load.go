@@ -28,8 +28,9 @@ type Load struct {
 	cancel context.CancelFunc
 
 	batch   transport.Batch
-	remote  int      // blocks read through the transport
-	staging []extent // pool memory the transport writes into
+	store   *storeFetch // blocks read from the store (storefetch.go)
+	remote  int         // blocks read through the transport
+	staging []extent    // pool memory the transport writes into
 
 	// The worker owns blocks and writes ok and err under mu until placed
 	// reaches the layer count; the host reads them under mu.
@@ -47,7 +48,8 @@ type loadBlock struct {
 	runs   []kvlayout.Run
 	src    []byte // the block as verified: pool memory or staging
 	local  bool
-	task   int // first transport task (layer 0) of a remote block
+	stored bool // read from the store into staging
+	task   int  // first transport task (layer 0) of a remote block
 	header pool.Header
 }
 
@@ -118,6 +120,7 @@ func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, l
 	ld.ok = len(ld.blocks)
 	ld.placed.L = &ld.mu
 	ld.pinLocal()
+	ld.submitStore()
 	if err := ld.submitRemote(); err != nil {
 		ld.release()
 		b.end()
@@ -156,7 +159,7 @@ func (ld *Load) pinLocal() {
 	defer b.mu.Unlock()
 	for i := range ld.blocks {
 		lb := &ld.blocks[i]
-		if lb.entry.Loc.Segment != seg {
+		if lb.entry.Loc.Segment != seg && !b.ownCopyLocked(lb.entry) {
 			continue
 		}
 		s, ok := b.resident.Get(lb.entry.Key)
@@ -178,7 +181,7 @@ func (ld *Load) submitRemote() error {
 	size := int64(g.Size())
 	var remote []int
 	for i := 0; i < ld.ok; i++ {
-		if !ld.blocks[i].local {
+		if !ld.blocks[i].local && !ld.blocks[i].stored {
 			remote = append(remote, i)
 		}
 	}
@@ -290,7 +293,12 @@ func (ld *Load) layer(l int) {
 	}
 	for i := 0; i < ld.ok; i++ {
 		lb := &ld.blocks[i]
-		if !lb.local {
+		if lb.stored {
+			if err := ld.storeArrived(i, l); err != nil {
+				ld.fail(i, err)
+				break
+			}
+		} else if !lb.local {
 			if st := arrived[lb.task]; st.State != transport.Completed {
 				code := status.Transfer
 				if st.State == transport.TimedOut {
@@ -351,7 +359,7 @@ func (ld *Load) End() (LoadResult, error) {
 	// A complete load calibrates the link it came over: a peer's, or this
 	// pool's own ("local"), whose cost is verification and placement.
 	if ld.ok == len(ld.blocks) && res.Bytes > 0 {
-		b.arb.ObserveTransfer(b.linkName(ld.blocks[0].entry.Loc.Segment), res.Bytes, b.now().Sub(ld.start))
+		b.arb.ObserveTransfer(b.linkFor(ld.blocks[0].entry), res.Bytes, b.now().Sub(ld.start))
 	}
 	ld.touchLocal()
 	b.noteRestored(ld.blocks[:ld.ok])
@@ -369,7 +377,7 @@ func (ld *Load) touchLocal() {
 	b := ld.m.b
 	var keys []key.BlockKey
 	for i := 0; i < ld.ok; i++ {
-		if ld.blocks[i].entry.Loc.Segment == b.tr.LocalSegment() {
+		if loc := ld.blocks[i].entry.Loc; loc.Segment == b.tr.LocalSegment() || (b.store != nil && b.store.names(loc)) {
 			keys = append(keys, ld.blocks[i].entry.Key)
 		}
 	}
@@ -387,7 +395,7 @@ func (ld *Load) recheck() {
 	for i := 0; i < ld.ok; i++ {
 		lb := &ld.blocks[i]
 		var gen uint64
-		if lb.local {
+		if lb.local || lb.stored {
 			gen = pool.Generation(lb.src)
 		} else {
 			g, err := ld.remoteGeneration(lb)
@@ -440,6 +448,7 @@ func (ld *Load) remoteGeneration(lb *loadBlock) (uint64, error) {
 func (ld *Load) release() {
 	b := ld.m.b
 	ld.cancel()
+	ld.releaseStore()
 	b.mu.Lock()
 	for i := range ld.blocks {
 		if ld.blocks[i].local {

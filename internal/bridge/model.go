@@ -107,7 +107,7 @@ func (b *Bridge) RegisterModel(spec ModelSpec) (*Model, error) {
 	b.modelEventsLocked(m)
 	b.mu.Unlock()
 
-	cancel, err := b.dir.Subscribe(fp, m.apply)
+	cancel, err := b.dir.Subscribe(fp, b.mirrorFeed(m))
 	if err != nil {
 		b.mu.Lock()
 		delete(b.models, fp)
@@ -212,7 +212,7 @@ func (m *Model) walkMirror(root key.Hash, chain []key.BlockKey, down map[string]
 	parent := root
 	for i, k := range chain {
 		e, ok := m.mirror[k]
-		if !ok || e.Parent != parent || down[e.Loc.Segment] {
+		if !ok || e.Parent != parent || down[e.Loc.Segment] || !m.b.readable(e) {
 			return i, parent
 		}
 		visit(e)
@@ -268,10 +268,13 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32, cached int) (*Plan, erro
 	// The last token is always computed, so a block ending at it is moot.
 	root := key.Root(m.fp, scope)
 	chain := key.Chain(root, tokens[:len(tokens)-1], B)
-	link, last := "none", ""
+	// The link is named after the walk, which holds the mirror's and the
+	// bridge's locks while it visits.
+	var first *directory.Entry
+	last := ""
 	matched := m.walk(root, chain, func(e directory.Entry) {
-		if link == "none" {
-			link = b.linkName(e.Loc.Segment)
+		if first == nil {
+			first = &e
 		}
 		last = e.Loc.Segment
 	})
@@ -279,6 +282,10 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32, cached int) (*Plan, erro
 		// The holder of the last block found may have the next ones on
 		// its disk: ask (a notification, sent off this thread).
 		b.wantAfter(last, chain[matched:])
+	}
+	link := "none"
+	if first != nil {
+		link = b.linkFor(*first)
 	}
 	d := b.arb.Decide(arbiter.Input{
 		PromptTokens:    len(tokens),
@@ -297,11 +304,22 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32, cached int) (*Plan, erro
 	return p, nil
 }
 
-// linkName groups calibration by where bytes come from: this process's own
-// pool or a peer segment.
-func (b *Bridge) linkName(segment string) string {
-	if segment == b.tr.LocalSegment() {
+// linkFor groups calibration by where the bytes of the block e names come
+// from: this process's own pool ("local"), a peer segment, or a store class
+// (store.go), nearest first.
+func (b *Bridge) linkFor(e directory.Entry) string {
+	if e.Loc.Segment == b.tr.LocalSegment() {
 		return "local"
 	}
-	return segment
+	_, writer, ok := parseStoreSegment(e.Loc.Segment)
+	if !ok || b.store == nil {
+		return e.Loc.Segment
+	}
+	b.mu.Lock()
+	own := b.ownCopyLocked(e)
+	b.mu.Unlock()
+	if own {
+		return "local"
+	}
+	return b.store.link(writer)
 }

@@ -183,6 +183,9 @@ func (b *Bridge) publishLoop() {
 			}
 		}
 		failed := false
+		if b.store != nil && len(puts) > 0 {
+			puts = b.store.put(puts)
+		}
 		if len(puts) > 0 {
 			err := b.publishNow(puts)
 			p.mu.Lock()

@@ -232,7 +232,7 @@ func (b *Bridge) suspect(e *directory.Entry, err error) {
 // wantAfter tells the holder of a prompt's last block found which blocks
 // the prompt wanted next.
 func (b *Bridge) wantAfter(segment string, next []key.BlockKey) {
-	if segment == "" || segment == b.tr.LocalSegment() || len(next) == 0 {
+	if _, _, inStore := parseStoreSegment(segment); inStore || segment == "" || segment == b.tr.LocalSegment() || len(next) == 0 {
 		return
 	}
 	items := make([]reportItem, 0, min(len(next), wantAhead))
@@ -429,6 +429,11 @@ func (b *Bridge) recheckOutcome(k key.BlockKey, gen uint64) int {
 func (b *Bridge) discard(gone []residency.Entry[slot]) {
 	byModel := map[key.Fingerprint][]key.BlockKey{}
 	for _, e := range gone {
+		// A block in the store stays published: the store still holds it.
+		if b.store != nil && b.store.names(e.Value.entry.Loc) {
+			b.invalidate(e.Value.off, e.Value.size)
+			continue
+		}
 		if !e.Value.replica {
 			byModel[e.Value.fp] = append(byModel[e.Value.fp], e.Key)
 		}

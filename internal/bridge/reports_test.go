@@ -70,9 +70,9 @@ func FuzzParseReport(f *testing.F) {
 // of pool hold few enough blocks to evict.
 func bigBlocks(t *testing.T) *kvtest.Host { return newHost(t, 4, 64, 2048, 2048, false) }
 
-// storeConfig is a store node's configuration: its pool holds about n of
+// storeNodeConfig is a store node's configuration: its pool holds about n of
 // bigBlocks' blocks.
-func storeConfig(c config.Config, n int, eviction string) config.Config {
+func storeNodeConfig(c config.Config, n int, eviction string) config.Config {
 	c.PoolBytes = int64(n) * (64<<10 + 4<<10)
 	c.PoolBytes = max(c.PoolBytes, 1<<20)
 	c.Eviction = eviction
@@ -113,7 +113,7 @@ func TestStoreKeepsWhatReadersRestore(t *testing.T) {
 			cfg := testConfig(t)
 			cfg.Arbiter.Policy = "always-restore"
 			cfg.PoolBytes = 32 << 20
-			store := openBridge(t, storeConfig(cfg, 12, "frequency"), "store")
+			store := openBridge(t, storeNodeConfig(cfg, 12, "frequency"), "store")
 			require.NoError(t, store.Replicate())
 			p, err := Open(withOwner(cfg, "producer"), Deps{})
 			require.NoError(t, err)

@@ -45,9 +45,14 @@ type Stats struct {
 	// dropped, intact, gone, busy (BadOutcomeNames).
 	BadChecks [badOutcomes]int64
 	// A store node's disk tier (disk.go).
-	Persisted int64 // blocks written behind to the disk
-	Spilled   int64 // blocks written on eviction
-	PagedIn   int64 // blocks read back from the disk into the pool
+	Persisted        int64 // blocks written behind to the disk
+	Spilled          int64 // blocks written on eviction
+	PagedIn          int64 // blocks read back from the disk into the pool
+	StorePuts        int64 // blocks written into the store
+	StorePutFailures int64 // blocks the store refused; they stayed in the pool, pending
+	StoreGets        int64 // blocks read from the store for loads
+	StoreAdopted     int64 // store entries this process published again after their owner's went
+	StoreDropped     int64 // store entries dropped because the store no longer held their blocks
 	// FailuresByStatus counts load failures by the status that ended them.
 	FailuresByStatus [status.Count]int64
 }
@@ -56,17 +61,18 @@ type Stats struct {
 var BadOutcomeNames = badOutcomeNames
 
 type counters struct {
-	lookups, hits, misses, decidedRestore, decidedRecompute, decidedLocal atomic.Int64
-	matchedTokens, publishDropped, unpublishDropped                       atomic.Int64
-	loads, loadFailures, restoredTokens, restoredBytes                    atomic.Int64
-	saves, saveFailures, savedBlocks, dedupedBlocks                       atomic.Int64
-	evictions, directoryErrors, tornReads, parkedBatches                  atomic.Int64
-	replicated, takenOver, replicationFailures, peersDown                 atomic.Int64
-	reportsSent, reportsFailed, reportsDropped, reportsUnreadable         atomic.Int64
-	peerUses, badReported                                                 atomic.Int64
-	badChecks                                                             [badOutcomes]atomic.Int64
-	persisted, spilled, pagedIn                                           atomic.Int64
-	failuresByStatus                                                      [status.Count]atomic.Int64
+	lookups, hits, misses, decidedRestore, decidedRecompute, decidedLocal   atomic.Int64
+	matchedTokens, publishDropped, unpublishDropped                         atomic.Int64
+	loads, loadFailures, restoredTokens, restoredBytes                      atomic.Int64
+	saves, saveFailures, savedBlocks, dedupedBlocks                         atomic.Int64
+	evictions, directoryErrors, tornReads, parkedBatches                    atomic.Int64
+	replicated, takenOver, replicationFailures, peersDown                   atomic.Int64
+	reportsSent, reportsFailed, reportsDropped, reportsUnreadable           atomic.Int64
+	peerUses, badReported                                                   atomic.Int64
+	badChecks                                                               [badOutcomes]atomic.Int64
+	storePuts, storePutFailures, storeGets, storeAdopted, storeAuditDropped atomic.Int64
+	persisted, spilled, pagedIn                                             atomic.Int64
+	failuresByStatus                                                        [status.Count]atomic.Int64
 }
 
 func (c *counters) add(v *atomic.Int64, n int64) { v.Add(n) }
@@ -118,6 +124,8 @@ func (b *Bridge) Stats() Stats {
 		ReportsSent: c.reportsSent.Load(), ReportsFailed: c.reportsFailed.Load(), ReportsDropped: c.reportsDropped.Load(),
 		ReportsUnreadable: c.reportsUnreadable.Load(), PeerUses: c.peerUses.Load(), BadReported: c.badReported.Load(),
 		Persisted: c.persisted.Load(), Spilled: c.spilled.Load(), PagedIn: c.pagedIn.Load(),
+		StorePuts: c.storePuts.Load(), StorePutFailures: c.storePutFailures.Load(), StoreGets: c.storeGets.Load(),
+		StoreAdopted: c.storeAdopted.Load(), StoreDropped: c.storeAuditDropped.Load(),
 	}
 	for i := range c.badChecks {
 		s.BadChecks[i] = c.badChecks[i].Load()

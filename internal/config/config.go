@@ -32,6 +32,7 @@ type Config struct {
 	Transport Transport `json:"transport"`
 	Directory Directory `json:"directory"`
 	Arbiter   Arbiter   `json:"arbiter"`
+	Store     Store     `json:"store"`
 	// TransferTimeoutMS bounds a load's wait for its transfers, and every
 	// engine call that waits on a peer.
 	TransferTimeoutMS int `json:"transfer_timeout_ms"`
@@ -130,6 +131,49 @@ type Directory struct {
 	KeyFile     string   `json:"key_file"`
 }
 
+// Store selects a shared store that sealed blocks are written into and
+// restored from (docs/store.md). Without one ("none"), directory entries
+// name blocks in their owner's pool, read over the transport.
+type Store struct {
+	// Kind is "none" (the default) or "mooncake" (Mooncake Store).
+	Kind string `json:"kind"`
+	// Master is mooncake_master's RPC address, host:port.
+	Master string `json:"master"`
+	// Lib is libmooncake_store.so; MCB_MOONCAKE_STORE_LIB when empty.
+	Lib string `json:"lib"`
+	// Replicas is how many copies of each block the master places, each
+	// in another client segment, this process's first when it has one.
+	Replicas int `json:"replicas"`
+	// SegmentBytes is the DRAM this process contributes to the store as a
+	// client segment (0: none; else at least 16 MiB).
+	SegmentBytes int64 `json:"segment_bytes"`
+	// Metadata is the store's Transfer Engine metadata: "P2PHANDSHAKE" or
+	// the master's HTTP metadata server, "http://host:port/metadata".
+	Metadata string `json:"metadata"`
+	// Protocol is "tcp" or "rdma"; Device names the RDMA devices.
+	Protocol string `json:"protocol"`
+	Device   string `json:"device"`
+	// LocalHostname is the address other clients reach this one at.
+	LocalHostname string `json:"local_hostname"`
+	// OpTimeoutMS bounds the store calls of the bridge's own goroutines
+	// (puts, existence checks); loads are bounded by transfer_timeout_ms.
+	OpTimeoutMS int `json:"op_timeout_ms"`
+	// SetupTimeoutMS bounds connecting to the master when the bridge opens
+	// (the library retries for about a minute when no master answers).
+	SetupTimeoutMS int `json:"setup_timeout_ms"`
+	// AuditIntervalMS is how often the directory's store entries are
+	// checked against the store, off the request path.
+	AuditIntervalMS int `json:"audit_interval_ms"`
+}
+
+// Mooncake Store limits the configuration checks.
+const (
+	MaxStoreReplicas      = 16
+	MinStoreSegmentBytes  = 16 << 20
+	storeMetadataP2P      = "P2PHANDSHAKE"
+	storeMetadataHTTPPref = "http://"
+)
+
 // Arbiter configures the restore-or-recompute decision.
 type Arbiter struct {
 	// Policy is "cost-model" (the default), "always-restore" or
@@ -140,12 +184,14 @@ type Arbiter struct {
 // Default returns the configuration used when nothing is configured.
 func Default() Config {
 	return Config{
-		PoolBytes:         1 << 30,
-		BlockTokens:       256,
-		Eviction:          "lru",
-		Transport:         Transport{Kind: "loopback", Metadata: "P2PHANDSHAKE", Protocol: "tcp", LocalHostname: "127.0.0.1"},
-		Directory:         Directory{Kind: "memory", Name: "default", Prefix: "/mcbridge", LeaseTTLS: 10, OpTimeoutMS: 2000},
-		Arbiter:           Arbiter{Policy: "cost-model"},
+		PoolBytes:   1 << 30,
+		BlockTokens: 256,
+		Eviction:    "lru",
+		Transport:   Transport{Kind: "loopback", Metadata: "P2PHANDSHAKE", Protocol: "tcp", LocalHostname: "127.0.0.1"},
+		Directory:   Directory{Kind: "memory", Name: "default", Prefix: "/mcbridge", LeaseTTLS: 10, OpTimeoutMS: 2000},
+		Arbiter:     Arbiter{Policy: "cost-model"},
+		Store: Store{Kind: "none", Replicas: 1, Metadata: storeMetadataP2P, Protocol: "tcp", LocalHostname: "127.0.0.1",
+			OpTimeoutMS: 5000, SetupTimeoutMS: 30000, AuditIntervalMS: 5000},
 		TransferTimeoutMS: 5000,
 		PeerDownMS:        30000,
 		KVEvents: KVEvents{Topic: "kv@{instance}@{model}", BufferSteps: 10000, HWM: 100000, MaxQueueSize: 100000,
@@ -240,7 +286,10 @@ func (c *Config) Validate() error {
 			return status.Errorf(status.Config, "metrics_listen %q: %v", c.MetricsListen, err)
 		}
 	}
-	return c.KVEvents.Validate()
+	if err := c.KVEvents.Validate(); err != nil {
+		return err
+	}
+	return c.Store.validate()
 }
 
 // Enabled reports whether the publisher runs.
@@ -350,6 +399,34 @@ func checkZMQEndpoint(name, ep string) error {
 	}
 	if host == "" {
 		return status.Errorf(status.Config, "%s %q: no host (\"*\" binds every interface)", name, ep)
+	}
+	return nil
+}
+
+func (s *Store) validate() error {
+	switch s.Kind {
+	case "none":
+		return nil
+	case "mooncake":
+	default:
+		return status.Errorf(status.Config, "store.kind %q: none or mooncake", s.Kind)
+	}
+	if _, port, err := net.SplitHostPort(s.Master); err != nil || port == "" || port == "0" {
+		return status.Errorf(status.Config, "store.master %q: the master's RPC address, host:port", s.Master)
+	}
+	switch {
+	case s.Replicas < 1 || s.Replicas > MaxStoreReplicas:
+		return status.Errorf(status.Config, "store.replicas %d: 1..%d", s.Replicas, MaxStoreReplicas)
+	case s.SegmentBytes != 0 && s.SegmentBytes < MinStoreSegmentBytes:
+		return status.Errorf(status.Config, "store.segment_bytes %d: 0 (contribute none) or at least %d", s.SegmentBytes, MinStoreSegmentBytes)
+	case s.Metadata != storeMetadataP2P && !strings.HasPrefix(s.Metadata, storeMetadataHTTPPref):
+		return status.Errorf(status.Config, "store.metadata %q: %s or the master's http://host:port/metadata", s.Metadata, storeMetadataP2P)
+	case s.Protocol != "tcp" && s.Protocol != "rdma":
+		return status.Errorf(status.Config, "store.protocol %q: tcp or rdma", s.Protocol)
+	case s.LocalHostname == "":
+		return status.Errorf(status.Config, "store.local_hostname must not be empty")
+	case s.OpTimeoutMS <= 0 || s.SetupTimeoutMS <= 0 || s.AuditIntervalMS <= 0:
+		return status.Errorf(status.Config, "store.op_timeout_ms, store.setup_timeout_ms and store.audit_interval_ms must be positive")
 	}
 	return nil
 }

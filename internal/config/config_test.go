@@ -122,6 +122,20 @@ func TestValidate(t *testing.T) {
 		{"events medium", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Medium = "tcp://*:5557", "" }, "kv_events.medium"},
 		{"events instance", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Instance = "tcp://*:5557", "a@b" }, "'@'"},
 		{"events model", func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Model = "tcp://*:5557", "m@2" }, "'@'"},
+		{"store kind", func(c *Config) { c.Store.Kind = "redis" }, "store.kind"},
+		{"store without master", func(c *Config) { c.Store.Kind = "mooncake" }, "store.master"},
+		{"store master without port", func(c *Config) { mooncake(c); c.Store.Master = "127.0.0.1" }, "store.master"},
+		{"store master port 0", func(c *Config) { mooncake(c); c.Store.Master = "127.0.0.1:0" }, "store.master"},
+		{"no replicas", func(c *Config) { mooncake(c); c.Store.Replicas = 0 }, "store.replicas"},
+		{"too many replicas", func(c *Config) { mooncake(c); c.Store.Replicas = MaxStoreReplicas + 1 }, "store.replicas"},
+		{"small segment", func(c *Config) { mooncake(c); c.Store.SegmentBytes = 1 << 20 }, "store.segment_bytes"},
+		{"negative segment", func(c *Config) { mooncake(c); c.Store.SegmentBytes = -1 }, "store.segment_bytes"},
+		{"store metadata", func(c *Config) { mooncake(c); c.Store.Metadata = "etcd://h:2379" }, "store.metadata"},
+		{"store protocol", func(c *Config) { mooncake(c); c.Store.Protocol = "udp" }, "store.protocol"},
+		{"store hostname", func(c *Config) { mooncake(c); c.Store.LocalHostname = "" }, "store.local_hostname"},
+		{"store op timeout", func(c *Config) { mooncake(c); c.Store.OpTimeoutMS = 0 }, "store.op_timeout_ms"},
+		{"store audit", func(c *Config) { mooncake(c); c.Store.AuditIntervalMS = -1 }, "store.audit_interval_ms"},
+		{"store setup timeout", func(c *Config) { mooncake(c); c.Store.SetupTimeoutMS = 0 }, "store.setup_timeout_ms"},
 	} {
 		c := Default()
 		tc.mutate(&c)
@@ -148,6 +162,15 @@ func TestValidate(t *testing.T) {
 		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Encoding = "ipc:///run/kv.sock", "map" },
 		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.EnableKVCacheEvents = "bad", new(false) },
 		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.Publisher = "bad", "null" },
+		mooncake,
+		func(c *Config) {
+			mooncake(c)
+			c.Store.Replicas, c.Store.SegmentBytes = MaxStoreReplicas, MinStoreSegmentBytes
+		},
+		func(c *Config) {
+			mooncake(c)
+			c.Store.Metadata, c.Store.Protocol = "http://127.0.0.1:8080/metadata", "rdma"
+		},
 	} {
 		c := Default()
 		ok(&c)
@@ -171,6 +194,19 @@ func TestKVEventsReadsVLLMsConfig(t *testing.T) {
 		require.NoError(t, err, doc)
 		require.Equal(t, on, c.KVEvents.Enabled(), doc)
 	}
+}
+
+func mooncake(c *Config) { c.Store.Kind, c.Store.Master = "mooncake", "127.0.0.1:50051" }
+
+func TestParseStore(t *testing.T) {
+	c, err := Parse([]byte(`{"store": {"kind": "mooncake", "master": "10.0.0.1:50051", "lib": "/opt/libmooncake_store.so", "replicas": 2, "segment_bytes": 1073741824}}`))
+	require.NoError(t, err)
+	want := Default()
+	want.Store.Kind, want.Store.Master, want.Store.Lib = "mooncake", "10.0.0.1:50051", "/opt/libmooncake_store.so"
+	want.Store.Replicas, want.Store.SegmentBytes = 2, 1<<30
+	require.Equal(t, want, c)
+	_, err = Parse([]byte(`{"store": {"kind": "mooncake", "master": "h:1", "replica": 2}}`))
+	require.ErrorContains(t, err, "unknown field")
 }
 
 func TestLoad(t *testing.T) {
@@ -226,6 +262,7 @@ func FuzzParse(f *testing.F) {
 		"", "{}", "null", "[]", `{"pool_bytes": 2097152}`, `{"pool_bytes": 1}`, `{"x": 1}`, `{} {}`, `{}}`,
 		`{"transport": {"kind": "mooncake", "metadata": "etcd://h:2379", "bandwidth_gbps": 12.5, "latency_us": 3}}`,
 		`{"directory": {"kind": "etcd", "endpoints": ["a:1", "b:2"], "lease_ttl_s": 5}}`,
+		`{"store": {"kind": "mooncake", "master": "127.0.0.1:50051", "replicas": 2, "segment_bytes": 16777216}}`,
 		`{"arbiter": {"policy": "always-restore"}, "eviction": "cost", "block_tokens": 16}`,
 		`{"POOL_BYTES": 2097152}`,
 	} {

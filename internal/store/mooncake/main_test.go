@@ -1,0 +1,209 @@
+//go:build linux && (amd64 || arm64)
+
+package mooncake
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/mcbridge/mcbridge/internal/store/mooncake/mastertest"
+)
+
+// Child roles: a test runs this binary again as a store client in another
+// process, which it can SIGKILL.
+const (
+	envChild       = "MCB_STORE_CHILD"
+	envChildMaster = "MCB_STORE_CHILD_MASTER"
+	envChildArg    = "MCB_STORE_CHILD_ARG"
+)
+
+func TestMain(m *testing.M) {
+	if role := os.Getenv(envChild); role != "" {
+		os.Exit(childMain(role))
+	}
+	os.Exit(m.Run())
+}
+
+func childMain(role string) int {
+	switch role {
+	case "holder":
+		return holderMain()
+	case "sideeffects":
+		return sideEffectsMain()
+	case "benchholder":
+		return benchHolderMain()
+	}
+	fmt.Fprintln(os.Stderr, "unknown child role", role)
+	return 2
+}
+
+// holderMain contributes a segment, puts the keys it is told (name=replicas,
+// preferring its own segment), prints its segment name and waits to be
+// killed.
+func holderMain() int {
+	ctx := context.Background()
+	c, err := Open(ctx, Config{Library: os.Getenv(EnvLibrary), Master: os.Getenv(envChildMaster), SegmentBytes: 32 << 20})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	buf, err := syscall.Mmap(-1, 0, 1<<20, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	fill(buf, 7)
+	addr := uintptr(unsafe.Pointer(&buf[0]))
+	if err := c.Register(ctx, addr, uint64(len(buf))); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	for _, spec := range strings.Split(os.Getenv(envChildArg), ",") {
+		name, n, _ := strings.Cut(spec, "=")
+		replicas, _ := strconv.Atoi(n)
+		errs, err := c.PutFrom(ctx, []string{name}, []Buffer{{addr, uint64(len(buf))}}, PutOptions{Replicas: replicas, Preferred: []string{c.Segment()}})
+		if err == nil {
+			err = errs[0]
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+	}
+	fmt.Println(c.Segment())
+	select {}
+}
+
+// startHolder runs a holder child that puts keys ("name=replicas,...").
+func startHolder(t *testing.T, m *mastertest.Master, keys string) (segment string, kill func()) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), envChild+"=holder", envChildMaster+"="+m.Addr(), envChildArg+"="+keys, EnvLibrary+"="+mastertest.Lib(t))
+	out, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	stderr := &lockedBuffer{}
+	cmd.Stderr = stderr
+	require.NoError(t, cmd.Start())
+	killed := false
+	kill = func() {
+		if !killed {
+			killed = true
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		}
+	}
+	t.Cleanup(kill)
+	line := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		if sc.Scan() {
+			line <- sc.Text()
+		}
+		close(line)
+	}()
+	select {
+	case segment = <-line:
+	case <-time.After(60 * time.Second):
+	}
+	require.NotEmpty(t, segment, "the holder child did not come up: %s", stderr.String())
+	return segment, kill
+}
+
+// lockedBuffer collects a child's stderr, written by exec's copying
+// goroutine while the test may read it.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// fill writes the pattern of seed into b.
+func fill(b []byte, seed byte) {
+	for i := range b {
+		b[i] = byte(i*131+i>>9) ^ seed
+	}
+}
+
+// sideEffectsMain loads the library and opens a client, and prints what
+// changed in the process as JSON.
+func sideEffectsMain() int {
+	var fx processEffects
+	fx.SigpipeIgnoredBefore = sigpipeIgnored()
+	fx.ThreadsBefore = threads()
+	if _, err := Load(os.Getenv(EnvLibrary)); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	fx.SigpipeIgnoredAfterLoad = sigpipeIgnored()
+	c, err := Open(context.Background(), Config{Library: os.Getenv(EnvLibrary), Master: os.Getenv(envChildMaster), SegmentBytes: 16 << 20})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	fx.ThreadsAfterOpen = threads()
+	start := time.Now()
+	if err := c.Close(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	fx.CloseSeconds = time.Since(start).Seconds()
+	fx.ThreadsAfterClose = threads()
+	fx.LogLevel = os.Getenv("MC_LOG_LEVEL")
+	fx.RPCTimeout = os.Getenv("MC_RPC_TIMEOUT_MS")
+	if err := json.NewEncoder(os.Stdout).Encode(fx); err != nil {
+		return 1
+	}
+	return 0
+}
+
+type processEffects struct {
+	SigpipeIgnoredBefore, SigpipeIgnoredAfterLoad bool
+	ThreadsBefore, ThreadsAfterOpen               int
+	ThreadsAfterClose                             int
+	CloseSeconds                                  float64
+	LogLevel, RPCTimeout                          string
+}
+
+func procStatus(field string) string {
+	b, _ := os.ReadFile("/proc/self/status")
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, field+":"); ok {
+			return strings.TrimSpace(v)
+		}
+	}
+	return ""
+}
+
+func sigpipeIgnored() bool {
+	mask, err := strconv.ParseUint(procStatus("SigIgn"), 16, 64)
+	return err == nil && mask&(1<<(uint(syscall.SIGPIPE)-1)) != 0
+}
+
+func threads() int {
+	n, _ := strconv.Atoi(procStatus("Threads"))
+	return n
+}
