@@ -2,6 +2,8 @@ package e2e
 
 import (
 	"fmt"
+	"math/rand"
+	"net"
 	"path/filepath"
 	"strings"
 	"sync/atomic"
@@ -21,11 +23,27 @@ type eventsPod struct {
 	name, cfg, pub, replay string
 }
 
+// eventsPort is a free loopback port below the ephemeral range. A
+// subscriber redialling a port in that range while nothing listens can
+// be given it as its own source port and connect to itself; a process
+// binding the port later (SO_REUSEADDR) then never hears from it.
+func eventsPort(t *testing.T) int {
+	for range 100 {
+		port := 20000 + rand.Intn(12000)
+		if l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port)); err == nil {
+			require.NoError(t, l.Close())
+			return port
+		}
+	}
+	require.FailNow(t, "no free port in 20000..32000")
+	return 0
+}
+
 func newEventsPod(t *testing.T, name, etcd, prefix string) eventsPod {
-	pub, replay := testenv.FreePort(t), testenv.FreePort(t)
+	pub, replay := eventsPort(t), eventsPort(t)
 	cfg := fmt.Sprintf(`{"block_tokens": 64, "arbiter": {"policy": "always-restore"},
 		"directory": {"kind": "etcd", "endpoints": [%q], "prefix": %q}, "transport": {"kind": "mooncake", "lib": %q},
-		"kv_events": {"endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d", "instance": %q}}`, etcd, prefix, mockTE, pub, replay, name)
+		"kv_events": {"endpoint": "tcp://*:%d", "replay_endpoint": "tcp://*:%d", "instance": %q, "heartbeat_ms": 200}}`, etcd, prefix, mockTE, pub, replay, name)
 	return eventsPod{name: name, cfg: cfg, pub: fmt.Sprintf("tcp://127.0.0.1:%d", pub), replay: fmt.Sprintf("tcp://127.0.0.1:%d", replay)}
 }
 
@@ -66,9 +84,9 @@ func kvEventsInterop(t *testing.T, model, prefixKey string, start func(t *testin
 	pods := []eventsPod{newEventsPod(t, "pod-1", etcd.Endpoint(), prefixKey), newEventsPod(t, "pod-2", etcd.Endpoint(), prefixKey)}
 	idx, lossy := kvsub.NewIndex(1337), kvsub.NewIndex(1337)
 	var armed atomic.Bool
-	var subs []*kvsub.Subscriber
+	var subs, live []*kvsub.Subscriber
 	for _, p := range pods {
-		p.subscribe(t, idx, nil)
+		live = append(live, p.subscribe(t, idx, nil))
 	}
 	var servers []*testenv.Server
 	for i, p := range pods {
@@ -88,7 +106,8 @@ func kvEventsInterop(t *testing.T, model, prefixKey string, start func(t *testin
 		ra, rb := idx.Rank(name, qa, block), idx.Rank(name, qb, block)
 		return len(ra) > 0 && ra[0] == kvsub.Score{Pod: "pod-1", Blocks: len(pa) / block} &&
 			len(rb) > 0 && rb[0] == kvsub.Score{Pod: "pod-2", Blocks: len(pb) / block}
-	}, "the holders never ranked first: %v %v", idx.Rank(name, qa, block), idx.Rank(name, qb, block))
+	}, "the holders never ranked first: %v %v; subscribers saw %+v %+v", idx.Rank(name, qa, block), idx.Rank(name, qb, block),
+		live[0].Counts(), live[1].Counts())
 	// pod-2 restored the shared prefix from pod-1 and announces its whole
 	// chain from position 0: both hold the shared blocks.
 	assert.Equal(t, []kvsub.Score{{Pod: "pod-1", Blocks: 8}, {Pod: "pod-2", Blocks: 8}}, idx.Rank(name, prefix[:512], block))
@@ -119,11 +138,16 @@ func kvEventsInterop(t *testing.T, model, prefixKey string, start func(t *testin
 	// starts with AllBlocksCleared, and the consumer drops what the old
 	// one held; pod-2's blocks stay.
 	servers[0].Kill()
-	start(t, "pod-1-again", pods[0].cfg)
-	testenv.Eventually(t, defaultWait, func() bool { return idx.Held(name, "pod-1") == 0 },
-		"the killed process's %d blocks stayed", idx.Held(name, "pod-1"))
+	again := start(t, "pod-1-again", pods[0].cfg)
+	// A consumer learns of a new stream from its batches: the new process
+	// computes a prompt of its own.
+	pd := testenv.Tokens(130, 23, 5)
+	testenv.Complete(t, again.URL, testenv.Request{Prompt: pd, Slot: -1, NPredict: nPredict})
+	testenv.Eventually(t, defaultWait, func() bool { return idx.Held(name, "pod-1") == len(pd)/block },
+		"pod-1 holds %d blocks, not only the new process's %d", idx.Held(name, "pod-1"), len(pd)/block)
 	assert.Equal(t, []kvsub.Score{{Pod: "pod-2", Blocks: 8}}, idx.Rank(name, prefix[:512], block))
-	for i, sub := range subs {
+	assert.Equal(t, 1, live[0].Counts().Restarts, "the consumer saw pod-1's stream begin again")
+	for i, sub := range append(live, subs...) {
 		assert.Empty(t, sub.Counts().Errors, "subscriber %d", i)
 	}
 }
