@@ -72,6 +72,12 @@ type Upstream struct {
 	Patched bool
 }
 
+// UpstreamIdleTimeout is how long an idle connection to an upstream is
+// kept for reuse: below llama-server's keep-alive of 5 s (cpp-httplib's
+// default), so that a POST never goes out on a connection the server is
+// closing, which fails with EOF and is not retried.
+const UpstreamIdleTimeout = 2 * time.Second
+
 // Options configure a Proxy.
 type Options struct {
 	// Upstreams are the servers behind the proxy, all of one model.
@@ -108,7 +114,7 @@ type Options struct {
 	// 1s; negative: never, the tests call CheckHealth).
 	HealthInterval time.Duration
 	// Transport carries requests to the upstreams; nil uses a clone of
-	// http.DefaultTransport.
+	// http.DefaultTransport with UpstreamIdleTimeout.
 	Transport http.RoundTripper
 	// Log receives the proxy's events; nil discards them.
 	Log *slog.Logger
@@ -176,7 +182,9 @@ func New(b *bridge.Bridge, opts Options) (*Proxy, error) {
 		}
 	}
 	if opts.Transport == nil {
-		opts.Transport = http.DefaultTransport.(*http.Transport).Clone()
+		t := http.DefaultTransport.(*http.Transport).Clone()
+		t.IdleConnTimeout = UpstreamIdleTimeout
+		opts.Transport = t
 	}
 	if opts.Log == nil {
 		opts.Log = slog.New(slog.DiscardHandler)

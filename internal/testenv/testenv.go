@@ -289,8 +289,15 @@ func (p *Proc) LogLine(s string) string {
 }
 
 // Client is the HTTP client of the tests: prefill on the bench model takes
-// tens of seconds on two cores.
-var Client = &http.Client{Timeout: 15 * time.Minute}
+// tens of seconds on two cores. Idle connections are dropped before
+// llama-server's 5 s keep-alive closes them, as the proxy does.
+var Client = &http.Client{Timeout: 15 * time.Minute, Transport: idleTransport()}
+
+func idleTransport() http.RoundTripper {
+	t := http.DefaultTransport.(*http.Transport).Clone()
+	t.IdleConnTimeout = 2 * time.Second
+	return t
+}
 
 // WaitHTTP polls url until it answers 200, the process exits, or the
 // timeout passes.
