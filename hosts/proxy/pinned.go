@@ -72,19 +72,17 @@ func (be *backend) pinnedOnce(w http.ResponseWriter, r *http.Request, req *reque
 		if local > 0 || (plan != nil && plan.RestoreTokens > 0) {
 			// About to rely on what the slot holds or to restore into
 			// it: the server's word first.
+			held := local
 			var restartedNow bool
 			local, restartedNow = ru.confirm(ctx, local)
-			if restartedNow {
+			switch {
+			case restartedNow && again:
 				ru.releaseAll()
-				if again {
-					return be.pinnedOnce(w, r, req, body, tk, look, ch, false)
-				}
-				keyed = false
-			}
-			if ru.lm == nil || !sameModel(ru.lm, tk.lm) {
-				keyed = false
-			} else if !look.fits(local) || plan == nil {
-				plan = be.planFor(ru.lm, tokens, local, nil)
+				return be.pinnedOnce(w, r, req, body, tk, look, ch, false)
+			case restartedNow:
+				keyed = false // restarted twice in a row: no restore this time
+			case local != held:
+				plan = be.planFor(lm, tokens, local, look)
 			}
 		}
 		if keyed && req.serverPicks && plan != nil && plan.RestoreTokens > 0 && !p.serverWouldPick(plan.RestoreTokens, len(tokens)) {
