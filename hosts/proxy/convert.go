@@ -377,20 +377,8 @@ func messagesItem(msgs []any, m any) ([]any, error) {
 		case "thinking":
 			reasoning.WriteString(blk.str("thinking"))
 		case "image":
-			src, _ := blk.get("source").(*object)
-			if src == nil {
-				src = newObject()
-			}
-			switch src.str("type") {
-			case "base64":
-				media := "image/jpeg"
-				if src.isString("media_type") {
-					media = src.str("media_type")
-				}
-				converted = append(converted, newObject("type", "image_url",
-					"image_url", newObject("url", "data:"+media+";base64,"+src.str("data"))))
-			case "url":
-				converted = append(converted, newObject("type", "image_url", "image_url", newObject("url", src.str("url"))))
+			if img := imageURL(blk); img != nil {
+				converted = append(converted, img)
 			}
 		case "tool_use":
 			var input any = newObject()
@@ -424,19 +412,8 @@ func messagesItem(msgs []any, m any) ([]any, error) {
 						parts = append(parts, newObject("type", "text", "text", cb.str("text")))
 					case "image":
 						images = true
-						src, _ := cb.get("source").(*object)
-						if src == nil {
-							src = newObject()
-						}
-						switch src.str("type") {
-						case "base64":
-							media := "image/jpeg"
-							if src.isString("media_type") {
-								media = src.str("media_type")
-							}
-							parts = append(parts, newObject("type", "image_url", "image_url", newObject("url", "data:"+media+";base64,"+src.str("data"))))
-						case "url":
-							parts = append(parts, newObject("type", "image_url", "image_url", newObject("url", src.str("url"))))
+						if img := imageURL(cb); img != nil {
+							parts = append(parts, img)
 						}
 					}
 				}
@@ -471,3 +448,24 @@ func messagesItem(msgs []any, m any) ([]any, error) {
 
 // jsonInt is n as parseOrdered reads numbers.
 func jsonInt(n int) json.Number { return json.Number(strconv.Itoa(n)) }
+
+// imageURL is the chat image part of an Anthropic image block (a base64
+// source becomes a data URL, JPEG unless it says otherwise); nil for a
+// source of another type, which the server drops.
+func imageURL(blk *object) *object {
+	src, _ := blk.get("source").(*object)
+	if src == nil {
+		src = newObject()
+	}
+	switch src.str("type") {
+	case "base64":
+		media := "image/jpeg"
+		if src.isString("media_type") {
+			media = src.str("media_type")
+		}
+		return newObject("type", "image_url", "image_url", newObject("url", "data:"+media+";base64,"+src.str("data")))
+	case "url":
+		return newObject("type", "image_url", "image_url", newObject("url", src.str("url")))
+	}
+	return nil
+}
