@@ -21,13 +21,9 @@ import (
 
 // responsesToChat is server_chat_convert_responses_to_chatcmpl.
 func responsesToChat(body []byte) ([]byte, error) {
-	v, err := parseOrdered(body)
+	in, err := parseObject(body)
 	if err != nil {
 		return nil, err
-	}
-	in, ok := v.(*object)
-	if !ok {
-		return nil, status.Errorf(status.InvalidArg, "the body is not a JSON object")
 	}
 	if !in.has("input") {
 		return nil, status.Errorf(status.InvalidArg, "'input' is required")
@@ -255,13 +251,9 @@ func normalizeBillingHeader(s string) string {
 
 // messagesToChat is server_chat_convert_anthropic_to_oai.
 func messagesToChat(body []byte) ([]byte, error) {
-	v, err := parseOrdered(body)
+	in, err := parseObject(body)
 	if err != nil {
 		return nil, err
-	}
-	in, ok := v.(*object)
-	if !ok {
-		return nil, status.Errorf(status.InvalidArg, "the body is not a JSON object")
 	}
 	out := newObject()
 	var msgs []any
@@ -468,4 +460,18 @@ func imageURL(blk *object) *object {
 		return newObject("type", "image_url", "image_url", newObject("url", src.str("url")))
 	}
 	return nil
+}
+
+// parseObject parses a request body that must be one JSON object, keeping
+// its key order.
+func parseObject(body []byte) (*object, error) {
+	v, err := parseOrdered(body)
+	if err != nil {
+		return nil, err
+	}
+	in, ok := v.(*object)
+	if !ok {
+		return nil, status.Errorf(status.InvalidArg, "the body is not a JSON object")
+	}
+	return in, nil
 }
