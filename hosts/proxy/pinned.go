@@ -251,7 +251,10 @@ func (ru *run) holds() []int32 {
 // nextDirty says whether a slot may hold unclean KV after a request that
 // had before in it: the request's own cells are clean unless it shifts or
 // adapts them, and reused cells are as clean as the slot was, as long as
-// the server reused no more than the proxy knows the slot held.
+// the server reused no more than the proxy knows the slot held: its known
+// tokens and, where the server confirmed the slot untouched since (sig),
+// the answer the last request left after them (a conversation's next turn
+// sends it back).
 func nextDirty(before contents, prompt []int32, reqDirty bool, x *exchange) bool {
 	if reqDirty {
 		return true
@@ -263,7 +266,12 @@ func nextDirty(before contents, prompt []int32, reqDirty bool, x *exchange) bool
 	if c == 0 {
 		return false
 	}
-	if prompt == nil || c > lcp(before.tokens, prompt) {
+	if prompt == nil {
+		return true
+	}
+	known := lcp(before.tokens, prompt)
+	ownAnswer := known == len(before.tokens) && before.sig != nil && c <= known+before.answered
+	if c > known && !ownAnswer {
 		return true
 	}
 	return before.dirty
