@@ -12,8 +12,8 @@ type Request struct {
 	Restored int     `json:"restored"`
 	Upstream int     `json:"upstream"`
 	TTFTMS   float64 `json:"ttft_ms"`
-	// Answer is what the model generated; the policies must agree on it.
-	Answer []int32 `json:"-"`
+	// Answer is what the model generated.
+	Answer []int32 `json:"answer"`
 }
 
 // Percentiles of TTFT, in ms.
@@ -54,5 +54,8 @@ type Report struct {
 	Slots            int      `json:"slots_per_upstream"`
 	Results          []Result `json:"results"`
 	OutputsIdentical bool     `json:"outputs_identical"`
-	Seconds          float64  `json:"seconds"`
+	// Differing lists, per policy after the first, the requests (agent,
+	// turn) whose prompt was the first policy's but whose answer was not.
+	Differing map[string][]string `json:"differing,omitempty"`
+	Seconds   float64             `json:"seconds"`
 }

@@ -17,7 +17,10 @@
 // tokens, a tool result or an instruction). Answers are Predict tokens,
 // generated greedily by the servers, so a conversation's prompts depend
 // on what the model said, as an agent's do. Agents start Stagger apart and
-// run their turns one after another, concurrently with each other.
+// run their turns one after another, concurrently with each other. The
+// swarm is taken as running already: before the agents start, one request
+// through the proxy computes the shared prefix and it is published (not
+// measured).
 //
 // Token ids are drawn from the byte tokens of the generated vocabularies
 // (0..255), which spell no special token, so any prompt is a valid one.

@@ -21,13 +21,9 @@ import (
 
 // responsesToChat is server_chat_convert_responses_to_chatcmpl.
 func responsesToChat(body []byte) ([]byte, error) {
-	v, err := parseOrdered(body)
+	in, err := parseObject(body)
 	if err != nil {
 		return nil, err
-	}
-	in, ok := v.(*object)
-	if !ok {
-		return nil, status.Errorf(status.InvalidArg, "the body is not a JSON object")
 	}
 	if !in.has("input") {
 		return nil, status.Errorf(status.InvalidArg, "'input' is required")
@@ -255,13 +251,9 @@ func normalizeBillingHeader(s string) string {
 
 // messagesToChat is server_chat_convert_anthropic_to_oai.
 func messagesToChat(body []byte) ([]byte, error) {
-	v, err := parseOrdered(body)
+	in, err := parseObject(body)
 	if err != nil {
 		return nil, err
-	}
-	in, ok := v.(*object)
-	if !ok {
-		return nil, status.Errorf(status.InvalidArg, "the body is not a JSON object")
 	}
 	out := newObject()
 	var msgs []any
@@ -377,20 +369,8 @@ func messagesItem(msgs []any, m any) ([]any, error) {
 		case "thinking":
 			reasoning.WriteString(blk.str("thinking"))
 		case "image":
-			src, _ := blk.get("source").(*object)
-			if src == nil {
-				src = newObject()
-			}
-			switch src.str("type") {
-			case "base64":
-				media := "image/jpeg"
-				if src.isString("media_type") {
-					media = src.str("media_type")
-				}
-				converted = append(converted, newObject("type", "image_url",
-					"image_url", newObject("url", "data:"+media+";base64,"+src.str("data"))))
-			case "url":
-				converted = append(converted, newObject("type", "image_url", "image_url", newObject("url", src.str("url"))))
+			if img := imageURL(blk); img != nil {
+				converted = append(converted, img)
 			}
 		case "tool_use":
 			var input any = newObject()
@@ -424,19 +404,8 @@ func messagesItem(msgs []any, m any) ([]any, error) {
 						parts = append(parts, newObject("type", "text", "text", cb.str("text")))
 					case "image":
 						images = true
-						src, _ := cb.get("source").(*object)
-						if src == nil {
-							src = newObject()
-						}
-						switch src.str("type") {
-						case "base64":
-							media := "image/jpeg"
-							if src.isString("media_type") {
-								media = src.str("media_type")
-							}
-							parts = append(parts, newObject("type", "image_url", "image_url", newObject("url", "data:"+media+";base64,"+src.str("data"))))
-						case "url":
-							parts = append(parts, newObject("type", "image_url", "image_url", newObject("url", src.str("url"))))
+						if img := imageURL(cb); img != nil {
+							parts = append(parts, img)
 						}
 					}
 				}
@@ -471,3 +440,38 @@ func messagesItem(msgs []any, m any) ([]any, error) {
 
 // jsonInt is n as parseOrdered reads numbers.
 func jsonInt(n int) json.Number { return json.Number(strconv.Itoa(n)) }
+
+// imageURL is the chat image part of an Anthropic image block (a base64
+// source becomes a data URL, JPEG unless it says otherwise); nil for a
+// source of another type, which the server drops.
+func imageURL(blk *object) *object {
+	src, _ := blk.get("source").(*object)
+	if src == nil {
+		src = newObject()
+	}
+	switch src.str("type") {
+	case "base64":
+		media := "image/jpeg"
+		if src.isString("media_type") {
+			media = src.str("media_type")
+		}
+		return newObject("type", "image_url", "image_url", newObject("url", "data:"+media+";base64,"+src.str("data")))
+	case "url":
+		return newObject("type", "image_url", "image_url", newObject("url", src.str("url")))
+	}
+	return nil
+}
+
+// parseObject parses a request body that must be one JSON object, keeping
+// its key order.
+func parseObject(body []byte) (*object, error) {
+	v, err := parseOrdered(body)
+	if err != nil {
+		return nil, err
+	}
+	in, ok := v.(*object)
+	if !ok {
+		return nil, status.Errorf(status.InvalidArg, "the body is not a JSON object")
+	}
+	return in, nil
+}

@@ -191,15 +191,7 @@ func TestDeadUpstreamLeavesTheRotationAndComesBack(t *testing.T) {
 	assert.False(t, st.Upstreams[0].Up, "the dead server is out")
 	assert.Equal(t, int64(1), f.p.Stats().Retries, "one request found it gone and went on")
 
-	// The same port, a new process.
-	l, err := net.Listen("tcp", addr)
-	require.NoError(t, err)
-	fs[0].restart()
-	fs[0].srv = httptest.NewUnstartedServer(fs[0].handler())
-	fs[0].srv.Listener.Close()
-	fs[0].srv.Listener = l
-	fs[0].srv.Start()
-	t.Cleanup(fs[0].srv.Close)
+	startAgain(t, fs[0], addr)
 	f.p.CheckHealth(context.Background())
 	assert.False(t, f.p.State().Upstreams[0].Up, "one good check is not enough")
 	f.p.CheckHealth(context.Background())
@@ -225,6 +217,40 @@ func TestDeadUpstreamLeavesTheRotationAndComesBack(t *testing.T) {
 	assert.ElementsMatch(t, []int{0, 1}, []int{streamed, r.upstream}, "the busy one is passed over")
 	close(gate)
 	_, _ = io.Copy(io.Discard, resp.Body)
+	f.flush(t)
+}
+
+// startAgain starts a killed fake as a new process on its old address.
+func startAgain(t *testing.T, fs *fakeServer, addr string) {
+	t.Helper()
+	l, err := net.Listen("tcp", addr)
+	require.NoError(t, err)
+	fs.restart()
+	fs.srv = httptest.NewUnstartedServer(fs.handler())
+	fs.srv.Listener.Close()
+	fs.srv.Listener = l
+	fs.srv.Start()
+	t.Cleanup(fs.srv.Close)
+}
+
+// A proxy whose every upstream is out of the rotation still tries them: a
+// server restarted on its port is not refused until two health checks
+// have readmitted it.
+func TestEveryUpstreamOutIsTriedAnyway(t *testing.T) {
+	fs := fakes(t, 1, 1)
+	f := startFront(t, fs, directoryName(t), "one", Options{})
+	require.NoError(t, f.p.Learn(context.Background()))
+	addr := fs[0].srv.Listener.Addr().String()
+	fs[0].kill()
+	f.p.CheckHealth(context.Background())
+	require.False(t, f.p.State().Upstreams[0].Up)
+
+	startAgain(t, fs[0], addr)
+	r := postReply(t, f.url, "/completion", completionReq(seqTokens(20, 3, 1)))
+	require.Equal(t, 200, r.code, "%s", r.body)
+	assert.Equal(t, int64(1), f.p.Stats().Routes["last_resort"])
+	r = postReply(t, f.url, "/tokenize", map[string]any{"content": "hello"})
+	assert.Equal(t, 200, r.code, "a call that computes nothing too: %s", r.body)
 	f.flush(t)
 }
 

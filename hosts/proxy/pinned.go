@@ -72,19 +72,17 @@ func (be *backend) pinnedOnce(w http.ResponseWriter, r *http.Request, req *reque
 		if local > 0 || (plan != nil && plan.RestoreTokens > 0) {
 			// About to rely on what the slot holds or to restore into
 			// it: the server's word first.
+			held := local
 			var restartedNow bool
 			local, restartedNow = ru.confirm(ctx, local)
-			if restartedNow {
+			switch {
+			case restartedNow && again:
 				ru.releaseAll()
-				if again {
-					return be.pinnedOnce(w, r, req, body, tk, look, ch, false)
-				}
-				keyed = false
-			}
-			if ru.lm == nil || !sameModel(ru.lm, tk.lm) {
-				keyed = false
-			} else if !look.fits(local) || plan == nil {
-				plan = be.planFor(ru.lm, tokens, local, nil)
+				return be.pinnedOnce(w, r, req, body, tk, look, ch, false)
+			case restartedNow:
+				keyed = false // restarted twice in a row: no restore this time
+			case local != held:
+				plan = be.planFor(lm, tokens, local, look)
 			}
 		}
 		if keyed && req.serverPicks && plan != nil && plan.RestoreTokens > 0 && !p.serverWouldPick(plan.RestoreTokens, len(tokens)) {
@@ -253,7 +251,10 @@ func (ru *run) holds() []int32 {
 // nextDirty says whether a slot may hold unclean KV after a request that
 // had before in it: the request's own cells are clean unless it shifts or
 // adapts them, and reused cells are as clean as the slot was, as long as
-// the server reused no more than the proxy knows the slot held.
+// the server reused no more than the proxy knows the slot held: its known
+// tokens and, where the server confirmed the slot untouched since (sig),
+// the answer the last request left after them (a conversation's next turn
+// sends it back).
 func nextDirty(before contents, prompt []int32, reqDirty bool, x *exchange) bool {
 	if reqDirty {
 		return true
@@ -265,7 +266,12 @@ func nextDirty(before contents, prompt []int32, reqDirty bool, x *exchange) bool
 	if c == 0 {
 		return false
 	}
-	if prompt == nil || c > lcp(before.tokens, prompt) {
+	if prompt == nil {
+		return true
+	}
+	known := lcp(before.tokens, prompt)
+	ownAnswer := known == len(before.tokens) && before.sig != nil && c <= known+before.answered
+	if c > known && !ownAnswer {
 		return true
 	}
 	return before.dirty

@@ -420,16 +420,16 @@ func (p *Proxy) computing(w http.ResponseWriter, r *http.Request) {
 }
 
 // anyUpstream forwards a request that computes nothing (tokenizer, props,
-// model list) to the first upstream in the rotation.
+// model list) to the first askable upstream.
 func (p *Proxy) anyUpstream(w http.ResponseWriter, r *http.Request) {
 	body, rest, err := readBody(r)
 	if err != nil {
 		http.Error(w, "mcbridge proxy: reading the request: "+err.Error(), http.StatusBadRequest)
 		return
 	}
-	states := p.router.States()
+	ask := p.askable()
 	for i, be := range p.ups {
-		if !states[i].Up {
+		if !ask[i] {
 			continue
 		}
 		if res := be.forward(w, r, body, rest, rest == nil); !res.unreachable {
@@ -437,7 +437,7 @@ func (p *Proxy) anyUpstream(w http.ResponseWriter, r *http.Request) {
 		}
 		p.router.Health(i, false)
 	}
-	http.Error(w, "mcbridge proxy: no upstream in the rotation", http.StatusServiceUnavailable)
+	http.Error(w, "mcbridge proxy: no upstream answered", http.StatusServiceUnavailable)
 }
 
 // oneUpstream serves routes that act on one server's slots or adapters:

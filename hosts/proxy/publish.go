@@ -63,6 +63,11 @@ func (ru *run) after() {
 			// restore now, unconfirmed).
 			others[ru.slot] = contents{}
 			ru.slot, ru.before = slot, others[slot]
+			if confirmed(ru.before.sig, ru.infos, slot) != "" {
+				// Not verified before the request: its last answer is
+				// not counted on.
+				ru.before.answered = 0
+			}
 		}
 	}
 	if infos != nil {
@@ -71,9 +76,14 @@ func (ru *run) after() {
 			infos = nil
 		}
 	}
-	final := contents{tokens: ru.holds(), dirty: nextDirty(ru.before, ru.tokens, ru.req.dirty, x), sig: sigOf(infos, ru.slot)}
+	predicted := 0
+	if x.haveAns && x.ans.Timings != nil {
+		predicted = x.ans.Timings.PredictedN
+	}
+	final := contents{tokens: ru.holds(), dirty: nextDirty(ru.before, ru.tokens, ru.req.dirty, x), sig: sigOf(infos, ru.slot),
+		answered: max(predicted-1, 0)}
 	if final.sig == nil || final.sig.n < len(final.tokens) {
-		final.tokens, final.sig = nil, nil
+		final.tokens, final.sig, final.answered = nil, nil, 0
 	}
 	defer func() { tab.release(ru.slot, final) }()
 	prompt := final.tokens
@@ -81,10 +91,6 @@ func (ru *run) after() {
 		p.log.Debug("mcbridge proxy: nothing to publish", "upstream", be.name, "slot", ru.slot,
 			"dirty", final.dirty, "known", prompt != nil, "publishing", be.publishingFor(ru.lm))
 		return
-	}
-	predicted := 0
-	if x.haveAns && x.ans.Timings != nil {
-		predicted = x.ans.Timings.PredictedN
 	}
 	matched := 0
 	if ru.plan != nil {
@@ -102,18 +108,18 @@ func (ru *run) after() {
 	if err != nil {
 		p.stats.saveFailures.Add(1)
 		p.log.Info("mcbridge proxy: slot save failed", "upstream", be.name, "slot", ru.slot, "err", err)
-		final.tokens, final.sig = nil, nil
+		final.tokens, final.sig, final.answered = nil, nil, 0
 		return
 	}
 	p.stats.saves.Add(1)
 	p.stats.savedBytes.Add(int64(len(data)))
 	toks, err := st.PromptTokens()
 	if err != nil {
-		final.tokens, final.sig = nil, nil
+		final.tokens, final.sig, final.answered = nil, nil, 0
 		return
 	}
 	// The file is the server's word for what the slot holds.
-	final.tokens = toks
+	final.tokens, final.answered = toks, 0
 	// It must be this request's work: the prompt, then what it generated.
 	// Fewer tokens mean the server dropped some (a context shift), others
 	// that someone else used the slot.

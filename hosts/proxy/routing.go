@@ -20,16 +20,16 @@ type tokenized struct {
 	lm     *learned
 }
 
-// tokenize finds the prompt's tokens through the first upstream in the
-// rotation that has learned its model (else any in the rotation). An
+// tokenize finds the prompt's tokens through the first askable upstream
+// that has learned its model (else any askable one). An
 // upstream that does not answer leaves the rotation and the next one is
 // asked; nil when none could tokenize the prompt.
 func (p *Proxy) tokenize(ctx context.Context, req *request, body []byte) *tokenized {
-	states := p.router.States()
+	ask := p.askable()
 	var order []*backend
 	for _, learned := range []bool{true, false} {
 		for i, be := range p.ups {
-			if states[i].Up && (be.current() != nil) == learned {
+			if ask[i] && (be.current() != nil) == learned {
 				order = append(order, be)
 			}
 		}
@@ -50,6 +50,25 @@ func (p *Proxy) tokenize(ctx context.Context, req *request, body []byte) *tokeni
 	}
 	p.stats.noTokens.Add(1)
 	return nil
+}
+
+// askable says which upstreams a call that computes nothing may go to:
+// those in the rotation, or every one when none is, as the router's last
+// resort (a server just restarted answers before it is readmitted).
+func (p *Proxy) askable() []bool {
+	states := p.router.States()
+	ask := make([]bool, len(states))
+	some := false
+	for i, st := range states {
+		ask[i] = st.Up
+		some = some || st.Up
+	}
+	if !some {
+		for i := range ask {
+			ask[i] = true
+		}
+	}
+	return ask
 }
 
 // isUpstreamAnswer: the server answered the call, with an error or with

@@ -43,6 +43,10 @@ type contents struct {
 	// sig is what GET /slots said of the slot when tokens were learned;
 	// nil when the server never confirmed them.
 	sig *slotSig
+	// answered is how many tokens the request that left tokens generated
+	// after them and left in the cells (all but its last): the server's
+	// own decode, as clean as tokens, their ids unknown to the proxy.
+	answered int
 }
 
 // slotSig is a slot as GET /slots shows it: the last task run in it and

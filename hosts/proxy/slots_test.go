@@ -112,6 +112,8 @@ func TestNextDirty(t *testing.T) {
 	known := contents{tokens: []int32{1, 2, 3, 4}}
 	dirtyKnown := contents{tokens: []int32{1, 2, 3, 4}, dirty: true}
 	prompt := []int32{1, 2, 3, 9, 9}
+	answeredKnown := contents{tokens: []int32{1, 2, 3, 4}, sig: &slotSig{task: 7, n: 4}, answered: 2}
+	turn := []int32{1, 2, 3, 4, 5, 6, 8}
 	tests := []struct {
 		name     string
 		before   contents
@@ -128,6 +130,11 @@ func TestNextDirty(t *testing.T) {
 		{"no prompt tokens", known, nil, false, with(1), true},
 		{"dirty request", known, prompt, true, with(0), true},
 		{"no timings", known, prompt, false, &exchange{}, true},
+		// The next turn sends the last answer back: the server reuses it.
+		{"reused its own confirmed answer", answeredKnown, turn, false, with(6), false},
+		{"reused past its own answer", answeredKnown, turn, false, with(7), true},
+		{"reused an unconfirmed answer", contents{tokens: known.tokens, answered: 2}, turn, false, with(6), true},
+		{"another prompt after the answer", answeredKnown, prompt, false, with(4), true},
 	}
 	for _, tc := range tests {
 		if got := nextDirty(tc.before, tc.prompt, tc.reqDirty, tc.x); got != tc.want {

@@ -74,6 +74,19 @@ func (r *report) writeRoute(m *md) {
 	m.table([]string{"policy", "requests", "prefix hit ratio", "held in the slot", "mean TTFT, ms", "p50", "p90",
 		"restored, MiB", "saved, MiB", "bytes moved, MiB", "per upstream", "decisions"}, rows)
 	m.p("The prefix hit ratio is the share of prompt tokens the servers did not compute (their `cache_n`): held by the slot the request ran in, or restored into it from the bridge; \"held in the slot\" is the first part alone, where no byte moved. Bytes moved are the KV restored into slots plus the slot files saved to publish new blocks. TTFT is the client's time to the first streamed token.\n")
+	if len(rt.Differing) > 0 {
+		var runs []string
+		for run := range rt.Differing {
+			runs = append(runs, run)
+		}
+		sort.Strings(runs)
+		var parts []string
+		for _, run := range runs {
+			parts = append(parts, fmt.Sprintf("%s: %s", run, strings.Join(rt.Differing[run], "; ")))
+		}
+		m.p("Greedy answers that differ from %s's for the same prompt (a request whose history already differed is not listed): %s.\n",
+			rt.Results[0].Policy, strings.Join(parts, " — "))
+	}
 	m.p("![TTFT per routing policy](%s)\n", routePlot)
 }
 

@@ -34,6 +34,15 @@ func TestRouteSection(t *testing.T) {
 	assert.Contains(t, text, "| cache-aware | 15 | 0.800 | 0.600 | 900 | 800 | 1500 | 3.0 | 1.0 | 4.0 | 5 5 5 | load 3, prefix 9, spread 3 |")
 	assert.Contains(t, text, "Measured on a loaded machine")
 	assert.Contains(t, text, "every policy got the same greedy answers")
+	assert.NotContains(t, text, "differ from")
+
+	got.OutputsIdentical = false
+	got.Differing = map[string][]string{"1:round-robin": {"agent 2 turn 1 (a restore in its history)", "agent 4 turn 0 (no restore in either history)"}}
+	out.Reset()
+	r.writeRoute(&md{w: &out})
+	text = out.String()
+	assert.Contains(t, text, "**the policies' greedy answers differed**")
+	assert.Contains(t, text, "differ from cache-aware's for the same prompt (a request whose history already differed is not listed): 1:round-robin: agent 2 turn 1 (a restore in its history); agent 4 turn 0 (no restore in either history).")
 	require.NoError(t, writeRoutePlot(dir, got))
 	_, err = os.Stat(filepath.Join(dir, routePlot))
 	assert.NoError(t, err)

@@ -89,13 +89,17 @@ const (
 	// RoundRobinTurn and LeastLoadedPick are the choices of those policies.
 	RoundRobinTurn
 	LeastLoadedPick
+	// LastResort: every upstream that could take it was out of the
+	// rotation; this one is tried anyway (a server back from a restart is
+	// not refused for the health checks it takes to be readmitted).
+	LastResort
 )
 
 // Reasons are every reason, in the order metrics list them.
-var Reasons = []Reason{None, Only, Prefix, Restore, Spread, Load, RoundRobinTurn, LeastLoadedPick}
+var Reasons = []Reason{None, Only, Prefix, Restore, Spread, Load, RoundRobinTurn, LeastLoadedPick, LastResort}
 
 var reasonNames = [...]string{None: "none", Only: "only", Prefix: "prefix", Restore: "restore", Spread: "spread",
-	Load: "load", RoundRobinTurn: "round_robin", LeastLoadedPick: "least_loaded"}
+	Load: "load", RoundRobinTurn: "round_robin", LeastLoadedPick: "least_loaded", LastResort: "last_resort"}
 
 func (r Reason) String() string {
 	if r >= 0 && int(r) < len(reasonNames) {
@@ -306,18 +310,23 @@ func (r *Router) Choose(req Request) (Choice, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	costs := make([]Cost, len(r.ups))
-	eligible := 0
-	for i := range r.ups {
-		c := &req.Candidates[i]
-		if c.Skip || r.ups[i].down {
-			costs[i].Skip = true
-			continue
+	eligible, lastResort := 0, false
+	for pass := 0; pass < 2 && eligible == 0; pass++ {
+		// The second pass, when every candidate is out of the rotation,
+		// takes them as they are.
+		lastResort = pass == 1
+		for i := range r.ups {
+			c := &req.Candidates[i]
+			if c.Skip || (r.ups[i].down && !lastResort) {
+				costs[i] = Cost{Skip: true}
+				continue
+			}
+			eligible++
+			costs[i] = r.cost(i, c, &req, now)
 		}
-		eligible++
-		costs[i] = r.cost(i, c, &req, now)
 	}
 	if eligible == 0 {
-		return Choice{Upstream: -1, Reason: None, Costs: costs}, status.Errorf(status.Transfer, "no upstream in the rotation")
+		return Choice{Upstream: -1, Reason: None, Costs: costs}, status.Errorf(status.Transfer, "no upstream left to try")
 	}
 	var pick int
 	var reason Reason
@@ -329,6 +338,9 @@ func (r *Router) Choose(req Request) (Choice, error) {
 	default:
 		pick = argmin(costs, func(k *Cost) float64 { return k.Total.Seconds() })
 		reason = r.reason(costs, pick, &req, eligible)
+	}
+	if lastResort {
+		reason = LastResort
 	}
 	k := costs[pick]
 	ch := Choice{Upstream: pick, Reason: reason, Restore: k.Restore, Start: k.Start, Est: k.Total, Costs: costs}

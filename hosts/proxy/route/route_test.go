@@ -185,7 +185,17 @@ func TestHealthTakesUpstreamsOutAndBack(t *testing.T) {
 	r.Health(1, false)
 	r.Health(1, false)
 	ch, err = r.Choose(req)
-	require.Error(t, err)
+	require.NoError(t, err, "every upstream is out: they are tried anyway")
+	assert.Equal(t, []any{0, LastResort}, []any{ch.Upstream, ch.Reason}, "the holder, by the usual estimate: %s", ch)
+	r.Done(ch.Ticket, Outcome{})
+	req.Candidates[0].Skip = true
+	ch, err = r.Choose(req)
+	require.NoError(t, err)
+	assert.Equal(t, []any{1, LastResort}, []any{ch.Upstream, ch.Reason})
+	r.Done(ch.Ticket, Outcome{})
+	req.Candidates[1].Skip = true
+	ch, err = r.Choose(req)
+	require.Error(t, err, "every upstream was tried")
 	assert.Equal(t, []any{-1, None}, []any{ch.Upstream, ch.Reason})
 }
 
