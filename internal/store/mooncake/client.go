@@ -271,20 +271,22 @@ func boolArg(b bool) int32 {
 	return 0
 }
 
-// buffers splits bufs into the void* and size_t arrays the batch calls
-// take, checking that there is one per key.
-func buffers(keys []string, bufs []Buffer) (addrs, sizes []uintptr, err error) {
+// batchArgs is what the batch calls take: the pinned key array, and bufs
+// split into void* and size_t arrays, checked to be one per key. The
+// buffers are checked first, so that only a usable call pins.
+func batchArgs(keys []string, bufs []Buffer) (ka *keyArray, addrs, sizes []uintptr, err error) {
 	if len(bufs) != len(keys) {
-		return nil, nil, status.Errorf(status.InvalidArg, "%d keys and %d buffers", len(keys), len(bufs))
+		return nil, nil, nil, status.Errorf(status.InvalidArg, "%d keys and %d buffers", len(keys), len(bufs))
 	}
 	addrs, sizes = make([]uintptr, len(bufs)), make([]uintptr, len(bufs))
 	for i, b := range bufs {
 		if b.Addr == 0 || b.Len == 0 {
-			return nil, nil, status.Errorf(status.InvalidArg, "buffer %d is empty", i)
+			return nil, nil, nil, status.Errorf(status.InvalidArg, "buffer %d is empty", i)
 		}
 		addrs[i], sizes[i] = b.Addr, uintptr(b.Len)
 	}
-	return addrs, sizes, nil
+	ka, err = newKeyArray(keys)
+	return ka, addrs, sizes, err
 }
 
 // StartPutFrom starts writing bufs (registered memory) under keys without
@@ -292,13 +294,8 @@ func buffers(keys []string, bufs []Buffer) (addrs, sizes []uintptr, err error) {
 // the object was stored); its error is for the call as a whole. bufs must
 // stay unchanged until the op is done.
 func (c *Client) StartPutFrom(keys []string, bufs []Buffer, opts PutOptions) (*Op[[]error], error) {
-	ka, err := newKeyArray(keys)
+	ka, addrs, sizes, err := batchArgs(keys, bufs)
 	if err != nil {
-		return nil, err
-	}
-	addrs, sizes, err := buffers(keys, bufs)
-	if err != nil {
-		ka.pin.Unpin()
 		return nil, err
 	}
 	rc, err := newReplicateConfig(opts)
@@ -366,13 +363,8 @@ func (c *Client) Put(ctx context.Context, key string, value []byte, opts PutOpti
 // that key (InvalidArg). The op's result has, per key, the object's length
 // or the key's error; bufs must stay valid until the op is done.
 func (c *Client) StartGetInto(keys []string, bufs []Buffer) (*Op[[]Got], error) {
-	ka, err := newKeyArray(keys)
+	ka, addrs, sizes, err := batchArgs(keys, bufs)
 	if err != nil {
-		return nil, err
-	}
-	addrs, sizes, err := buffers(keys, bufs)
-	if err != nil {
-		ka.pin.Unpin()
 		return nil, err
 	}
 	const op = "mooncake_store_batch_get_into"

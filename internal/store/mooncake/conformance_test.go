@@ -397,7 +397,7 @@ func TestLoadRefuses(t *testing.T) {
 	lib, err := Load(mastertest.Lib(t))
 	require.NoError(t, err)
 	for _, s := range symbolTable {
-		assert.True(t, lib.Has(s.name), "the real library exports %s", s.name)
+		assert.True(t, lib.Has(s.Name), "the real library exports %s", s.Name)
 	}
 	again, err := Load(filepath.Join(mastertest.Dir(t), ".", "libmooncake_store.so"))
 	require.NoError(t, err)

@@ -4,7 +4,6 @@ package mooncake
 
 import (
 	"os"
-	"strings"
 	"sync"
 
 	"github.com/ebitengine/purego"
@@ -36,29 +35,25 @@ type symbols struct {
 // symbolTable lists every bound symbol and whether the binding needs it.
 // The required set is what the bridge uses; the single-key calls and the
 // bulk removes are conveniences whose absence only fails their own calls.
-var symbolTable = []struct {
-	name     string
-	required bool
-	slot     func(*symbols) *uintptr
-}{
-	{"mooncake_store_create", true, func(s *symbols) *uintptr { return &s.create }},
-	{"mooncake_store_destroy", true, func(s *symbols) *uintptr { return &s.destroy }},
-	{"mooncake_store_setup", true, func(s *symbols) *uintptr { return &s.setup }},
-	{"mooncake_store_health_check", true, func(s *symbols) *uintptr { return &s.healthCheck }},
-	{"mooncake_store_register_buffer", true, func(s *symbols) *uintptr { return &s.registerBuffer }},
-	{"mooncake_store_unregister_buffer", true, func(s *symbols) *uintptr { return &s.unregisterBuffer }},
-	{"mooncake_store_batch_put_from", true, func(s *symbols) *uintptr { return &s.batchPutFrom }},
-	{"mooncake_store_batch_get_into", true, func(s *symbols) *uintptr { return &s.batchGetInto }},
-	{"mooncake_store_batch_is_exist", true, func(s *symbols) *uintptr { return &s.batchExist }},
-	{"mooncake_store_get_hostname", true, func(s *symbols) *uintptr { return &s.getHostname }},
-	{"mooncake_store_remove", true, func(s *symbols) *uintptr { return &s.remove }},
-	{"mooncake_store_put", false, func(s *symbols) *uintptr { return &s.put }},
-	{"mooncake_store_put_from", false, func(s *symbols) *uintptr { return &s.putFrom }},
-	{"mooncake_store_get_into", false, func(s *symbols) *uintptr { return &s.getInto }},
-	{"mooncake_store_is_exist", false, func(s *symbols) *uintptr { return &s.isExist }},
-	{"mooncake_store_get_size", false, func(s *symbols) *uintptr { return &s.getSize }},
-	{"mooncake_store_remove_by_regex", false, func(s *symbols) *uintptr { return &s.removeByRegex }},
-	{"mooncake_store_remove_all", false, func(s *symbols) *uintptr { return &s.removeAll }},
+var symbolTable = []temooncake.Symbol[symbols]{
+	{Name: "mooncake_store_create", Required: true, Slot: func(s *symbols) *uintptr { return &s.create }},
+	{Name: "mooncake_store_destroy", Required: true, Slot: func(s *symbols) *uintptr { return &s.destroy }},
+	{Name: "mooncake_store_setup", Required: true, Slot: func(s *symbols) *uintptr { return &s.setup }},
+	{Name: "mooncake_store_health_check", Required: true, Slot: func(s *symbols) *uintptr { return &s.healthCheck }},
+	{Name: "mooncake_store_register_buffer", Required: true, Slot: func(s *symbols) *uintptr { return &s.registerBuffer }},
+	{Name: "mooncake_store_unregister_buffer", Required: true, Slot: func(s *symbols) *uintptr { return &s.unregisterBuffer }},
+	{Name: "mooncake_store_batch_put_from", Required: true, Slot: func(s *symbols) *uintptr { return &s.batchPutFrom }},
+	{Name: "mooncake_store_batch_get_into", Required: true, Slot: func(s *symbols) *uintptr { return &s.batchGetInto }},
+	{Name: "mooncake_store_batch_is_exist", Required: true, Slot: func(s *symbols) *uintptr { return &s.batchExist }},
+	{Name: "mooncake_store_get_hostname", Required: true, Slot: func(s *symbols) *uintptr { return &s.getHostname }},
+	{Name: "mooncake_store_remove", Required: true, Slot: func(s *symbols) *uintptr { return &s.remove }},
+	{Name: "mooncake_store_put", Required: false, Slot: func(s *symbols) *uintptr { return &s.put }},
+	{Name: "mooncake_store_put_from", Required: false, Slot: func(s *symbols) *uintptr { return &s.putFrom }},
+	{Name: "mooncake_store_get_into", Required: false, Slot: func(s *symbols) *uintptr { return &s.getInto }},
+	{Name: "mooncake_store_is_exist", Required: false, Slot: func(s *symbols) *uintptr { return &s.isExist }},
+	{Name: "mooncake_store_get_size", Required: false, Slot: func(s *symbols) *uintptr { return &s.getSize }},
+	{Name: "mooncake_store_remove_by_regex", Required: false, Slot: func(s *symbols) *uintptr { return &s.removeByRegex }},
+	{Name: "mooncake_store_remove_all", Required: false, Slot: func(s *symbols) *uintptr { return &s.removeAll }},
 }
 
 var libraries struct {
@@ -119,29 +114,10 @@ func Load(path string) (*Library, error) {
 }
 
 func open(path string) (*Library, error) {
-	// RTLD_LOCAL: whatever the version script leaves visible must not bind
-	// the host's symbols, nor the Transfer Engine library's when both are
-	// loaded.
-	handle, err := purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_LOCAL)
-	if err != nil {
-		return nil, status.Wrap(status.Config, err, "dlopen "+path)
-	}
-	lib := &Library{path: path, handle: handle}
-	var missing []string
-	for _, s := range symbolTable {
-		addr, err := purego.Dlsym(handle, s.name)
-		if err != nil {
-			addr = 0
-		}
-		*s.slot(&lib.sym) = addr
-		if addr == 0 && s.required {
-			missing = append(missing, s.name)
-		}
-	}
-	if len(missing) > 0 {
-		// The handle stays open: dlclose of a C++ library whose constructors
-		// ran can leave exit handlers pointing at unmapped code.
-		return nil, status.Errorf(status.Unsupported, "%s is not a usable Mooncake Store library: missing %s", path, strings.Join(missing, ", "))
+	lib := &Library{path: path}
+	var err error
+	if lib.handle, err = temooncake.OpenSymbols(path, "Mooncake Store", symbolTable, &lib.sym); err != nil {
+		return nil, err
 	}
 	return lib, nil
 }
@@ -150,14 +126,7 @@ func open(path string) (*Library, error) {
 func (l *Library) Path() string { return l.path }
 
 // Has reports whether the library exports the named C function.
-func (l *Library) Has(name string) bool {
-	for _, s := range symbolTable {
-		if s.name == name {
-			return *s.slot(&l.sym) != 0
-		}
-	}
-	return false
-}
+func (l *Library) Has(name string) bool { return temooncake.HasSymbol(symbolTable, &l.sym, name) }
 
 // call is the single gate through which every C function is called: it
 // refuses a symbol the library lacks instead of jumping to address 0, and

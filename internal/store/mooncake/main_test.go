@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/store/mooncake/mastertest"
+	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
 // Child roles: a test runs this binary again as a store client in another
@@ -152,26 +153,26 @@ func fill(b []byte, seed byte) {
 // changed in the process as JSON.
 func sideEffectsMain() int {
 	var fx processEffects
-	fx.SigpipeIgnoredBefore = sigpipeIgnored()
-	fx.ThreadsBefore = threads()
+	fx.SigpipeIgnoredBefore = testenv.SigpipeIgnored()
+	fx.ThreadsBefore = testenv.Threads()
 	if _, err := Load(os.Getenv(EnvLibrary)); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	fx.SigpipeIgnoredAfterLoad = sigpipeIgnored()
+	fx.SigpipeIgnoredAfterLoad = testenv.SigpipeIgnored()
 	c, err := Open(context.Background(), Config{Library: os.Getenv(EnvLibrary), Master: os.Getenv(envChildMaster), SegmentBytes: 16 << 20})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	fx.ThreadsAfterOpen = threads()
+	fx.ThreadsAfterOpen = testenv.Threads()
 	start := time.Now()
 	if err := c.Close(); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
 	fx.CloseSeconds = time.Since(start).Seconds()
-	fx.ThreadsAfterClose = threads()
+	fx.ThreadsAfterClose = testenv.Threads()
 	fx.LogLevel = os.Getenv("MC_LOG_LEVEL")
 	fx.RPCTimeout = os.Getenv("MC_RPC_TIMEOUT_MS")
 	if err := json.NewEncoder(os.Stdout).Encode(fx); err != nil {
@@ -186,24 +187,4 @@ type processEffects struct {
 	ThreadsAfterClose                             int
 	CloseSeconds                                  float64
 	LogLevel, RPCTimeout                          string
-}
-
-func procStatus(field string) string {
-	b, _ := os.ReadFile("/proc/self/status")
-	for _, l := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(l, field+":"); ok {
-			return strings.TrimSpace(v)
-		}
-	}
-	return ""
-}
-
-func sigpipeIgnored() bool {
-	mask, err := strconv.ParseUint(procStatus("SigIgn"), 16, 64)
-	return err == nil && mask&(1<<(uint(syscall.SIGPIPE)-1)) != 0
-}
-
-func threads() int {
-	n, _ := strconv.Atoi(procStatus("Threads"))
-	return n
 }

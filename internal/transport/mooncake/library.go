@@ -62,11 +62,7 @@ type symbols struct {
 // symbolTable lists every symbol with whether the binding needs it. The
 // required set is what releases since early 2025 export; the rest appeared
 // later (notifications, getLocalIpAndPort, diagnostics) or only in the mock.
-var symbolTable = []struct {
-	name     string
-	required bool
-	slot     func(*symbols) *uintptr
-}{
+var symbolTable = []Symbol[symbols]{
 	{"createTransferEngine", true, func(s *symbols) *uintptr { return &s.createTransferEngine }},
 	{"destroyTransferEngine", true, func(s *symbols) *uintptr { return &s.destroyTransferEngine }},
 	{"installTransport", true, func(s *symbols) *uintptr { return &s.installTransport }},
@@ -196,28 +192,9 @@ func open(path string) (*Library, error) {
 	if err != nil {
 		return nil, err
 	}
-	// RTLD_LOCAL: the real library exports some 1,600 symbols (its own C++
-	// classes, asio, glog's flags), which must not bind the host's.
-	handle, err := purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_LOCAL)
-	if err != nil {
-		return nil, status.Wrap(status.Config, err, "dlopen "+path)
-	}
-	lib := &Library{path: path, handle: handle, needed: needed}
-	var missing []string
-	for _, s := range symbolTable {
-		addr, err := purego.Dlsym(handle, s.name)
-		if err != nil {
-			addr = 0
-		}
-		*s.slot(&lib.sym) = addr
-		if addr == 0 && s.required {
-			missing = append(missing, s.name)
-		}
-	}
-	if len(missing) > 0 {
-		// The handle stays open: dlclose of a C++ library whose constructors
-		// already ran can leave exit handlers pointing at unmapped code.
-		return nil, status.Errorf(status.Unsupported, "%s is not a usable Transfer Engine library: missing %s", path, strings.Join(missing, ", "))
+	lib := &Library{path: path, needed: needed}
+	if lib.handle, err = OpenSymbols(path, "Transfer Engine", symbolTable, &lib.sym); err != nil {
+		return nil, err
 	}
 	return lib, nil
 }
@@ -226,14 +203,7 @@ func open(path string) (*Library, error) {
 func (l *Library) Path() string { return l.path }
 
 // Has reports whether the library exports the named C function.
-func (l *Library) Has(name string) bool {
-	for _, s := range symbolTable {
-		if s.name == name {
-			return *s.slot(&l.sym) != 0
-		}
-	}
-	return false
-}
+func (l *Library) Has(name string) bool { return HasSymbol(symbolTable, &l.sym, name) }
 
 // needs reports whether a library whose soname starts with prefix is in the
 // DT_NEEDED closure.

@@ -8,12 +8,13 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
 // processEffects is what a child saw loading and opening a library.
@@ -48,27 +49,6 @@ func sideEffects(t *testing.T, lib string, env ...string) processEffects {
 	return fx
 }
 
-// procStatus reads a field of /proc/self/status.
-func procStatus(field string) string {
-	b, _ := os.ReadFile("/proc/self/status")
-	for _, l := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(l, field+":"); ok {
-			return strings.TrimSpace(v)
-		}
-	}
-	return ""
-}
-
-func sigpipeIgnored() bool {
-	mask, err := strconv.ParseUint(procStatus("SigIgn"), 16, 64)
-	return err == nil && mask&(1<<(uint(syscall.SIGPIPE)-1)) != 0
-}
-
-func threads() int {
-	n, _ := strconv.Atoi(procStatus("Threads"))
-	return n
-}
-
 // sideEffectsMain lowers RLIMIT_NOFILE (Go raised it at start), loads the
 // library, opens and closes an engine, and prints what changed as JSON.
 func sideEffectsMain() int {
@@ -85,19 +65,19 @@ func sideEffectsMain() int {
 		return 2
 	}
 	fx.NofileBefore = rl.Cur
-	fx.SigpipeIgnoredBefore = sigpipeIgnored()
+	fx.SigpipeIgnoredBefore = testenv.SigpipeIgnored()
 	if _, err := Load(os.Getenv(envChildLib)); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	fx.SigpipeIgnoredAfterLoad = sigpipeIgnored()
-	fx.ThreadsAfterLoad = threads()
+	fx.SigpipeIgnoredAfterLoad = testenv.SigpipeIgnored()
+	fx.ThreadsAfterLoad = testenv.Threads()
 	e, err := Open(Config{Library: os.Getenv(envChildLib)})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	fx.ThreadsAfterOpen = threads()
+	fx.ThreadsAfterOpen = testenv.Threads()
 	_ = syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl)
 	fx.NofileAfterOpen = rl.Cur
 	if err := e.Close(); err != nil {
