@@ -112,6 +112,7 @@ func writeMarkdown(w io.Writer, r *report) {
 	r.writeReplay(m)
 	r.writeArbiter(m)
 	r.writeE2E(m)
+	r.writeDisk(m)
 	writeNotes(m)
 }
 
