@@ -3,6 +3,7 @@ package e2e
 import (
 	"encoding/json"
 	"fmt"
+	"os"
 	"path/filepath"
 	"strconv"
 	"testing"
@@ -10,6 +11,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mcbridge/mcbridge/internal/disk"
+	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
@@ -76,9 +79,10 @@ func waitStore(t *testing.T, store *testenv.Store, what string, cond func(storeS
 
 // The whole swarm restarts and is still warm: patched servers and a store
 // node with a disk tier share a prefix; every process stops (SIGTERM, and
-// in another run SIGKILL: nothing unpublished, nothing flushed); the store
+// in another run SIGKILL: nothing unpublished, nothing flushed; in a third
+// SIGKILL and one of the prefix's block files cut in half); the store
 // node starts again on its directories, then a new patched server, whose
-// first request restores the prefix from what the store read back from
+// first request restores the prefix (up to the torn file) from what the store read back from
 // its disk, and answers as stock. Restored token counts, not times, show
 // that only the remainder was computed.
 func TestSwarmRestart(t *testing.T) {
@@ -86,7 +90,7 @@ func TestSwarmRestart(t *testing.T) {
 	ref := testenv.StartLlama(t, "ref", testenv.StockServer(t), serverArgs(model, "on", false))
 	want := ref.Complete(t, testenv.Request{Prompt: promptC, Slot: 0, NPredict: nPredict})
 	ref.Stop()
-	for _, stop := range []string{"SIGTERM", "SIGKILL"} {
+	for _, stop := range []string{"SIGTERM", "SIGKILL", "SIGKILL-torn"} {
 		t.Run(stop, func(t *testing.T) {
 			sw := newDiskSwarm(t, "")
 			store := sw.startStore(t, "store")
@@ -110,24 +114,63 @@ func TestSwarmRestart(t *testing.T) {
 					p.Kill()
 				}
 			}
+			restored := shared
+			if stop == "SIGKILL-torn" {
+				// The host went down mid-write: the prefix's third block
+				// file is cut in half. It is dropped; the two before it
+				// restore, the rest is computed.
+				tearFile(t, sw.diskDir, 2)
+				restored = 2 * block
+			}
 
 			again := sw.startStore(t, "store-again")
 			st := readState(t, again)
-			require.GreaterOrEqual(t, st.Disk.Files, shared/block, "the disk tier's files survive: %s", &st)
-			require.Zero(t, st.Disk.Dropped, "no file was torn: %s", &st)
+			if restored == shared {
+				require.GreaterOrEqual(t, st.Disk.Files, shared/block, "the disk tier's files survive: %s", &st)
+				require.Zero(t, st.Disk.Dropped, "no file was torn: %s", &st)
+			} else {
+				require.Positive(t, st.Disk.Dropped, "the torn file is dropped and counted: %s", &st)
+			}
 			// Read back at start, the blocks are published as the store's
 			// own once the entries of the processes that died are gone
 			// (at once after SIGTERM, when their leases run out after
 			// SIGKILL).
 			waitStore(t, again, "the prefix published from the disk", func(s storeState) bool {
-				return s.Stats.PagedIn >= shared/block && s.Stats.TakenOver >= s.Stats.PagedIn
+				return s.Stats.PagedIn >= restored/block && s.Stats.TakenOver >= s.Stats.PagedIn
 			})
 			z := testenv.StartLlama(t, "z", testenv.PatchedServer(t), append(serverArgs(model, "on", false), "--mcb-config", sw.serverCfg))
-			waitMirrored(t, z.URL, shared/block)
+			waitMirrored(t, z.URL, restored/block)
 			first := z.Complete(t, testenv.Request{Prompt: promptC, Slot: 0, NPredict: nPredict})
-			assert.Equal(t, []any{"restore", shared, len(promptC) - shared}, []any{first.Timings.Decision, first.Timings.RestoredN, first.Timings.PromptN},
+			assert.Equal(t, []any{"restore", restored, len(promptC) - restored}, []any{first.Timings.Decision, first.Timings.RestoredN, first.Timings.PromptN},
 				"the first request after the restart restores the prefix and computes only the rest: %+v", first.Timings)
 			assert.Equal(t, want.Tokens, first.Tokens, "the restored server answers as stock")
 		})
 	}
+}
+
+// tearFile truncates to half the file of the block at the given depth
+// from the chain's first, in a disk tier no store has open: the shared
+// prefix's, the one chain every prompt here starts with.
+func tearFile(t *testing.T, dir string, depth uint32) {
+	t.Helper()
+	tier, err := disk.Open(disk.Config{Dir: dir, Bytes: 1 << 30, Policy: residency.LRU})
+	require.NoError(t, err)
+	metas := tier.Blocks()
+	require.NotEmpty(t, metas)
+	first := metas[0].Depth
+	for _, m := range metas {
+		first = min(first, m.Depth)
+	}
+	var at []disk.Meta
+	for _, m := range metas {
+		if m.Depth == first+depth {
+			at = append(at, m)
+		}
+	}
+	require.Len(t, at, 1, "one block at depth %d of the shared prefix", depth)
+	k := at[0].Key.String()
+	path := filepath.Join(tier.Dir(), k[:2], k)
+	st, err := os.Stat(path)
+	require.NoError(t, err)
+	require.NoError(t, os.Truncate(path, st.Size()/2))
 }
