@@ -80,14 +80,15 @@ func waitStore(t *testing.T, store *testenv.Store, what string, cond func(storeS
 }
 
 // The whole swarm restarts and is still warm: patched servers and a store
-// node with a disk tier share a prefix; every process stops (SIGTERM, and
-// in another run SIGKILL: nothing unpublished, nothing flushed; in a third
+// node with a disk tier share a prefix; every process stops (SIGTERM; in
+// another run SIGKILL: nothing unpublished, nothing flushed; in a third
 // SIGKILL and one of the prefix's block files cut in half; in a fourth
-// SIGKILL after the store's disk filled up); the store
-// node starts again on its directories, then a new patched server, whose
-// first request restores the prefix (up to the torn file) from what the store read back from
-// its disk, and answers as stock. Restored token counts, not times, show
-// that only the remainder was computed.
+// SIGKILL after the store's disk filled up); the store node starts again
+// on its directories, then a new patched server, whose first request
+// restores what the store read back from its disk (the prefix, or its
+// blocks before the torn file or up to where the disk filled) and answers
+// as stock. Restored token counts, not times, show that only the remainder
+// was computed.
 func TestSwarmRestart(t *testing.T) {
 	model := testenv.Model(t, "tiny", 0)
 	ref := testenv.StartLlama(t, "ref", testenv.StockServer(t), serverArgs(model, "on", false))
