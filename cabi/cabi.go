@@ -28,6 +28,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout"
 	"github.com/mcbridge/mcbridge/internal/llamastate"
+	"github.com/mcbridge/mcbridge/internal/logs"
 	"github.com/mcbridge/mcbridge/internal/mem"
 	"github.com/mcbridge/mcbridge/internal/metrics"
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -403,8 +404,10 @@ func mcbgo_bridge_open(cfg unsafe.Pointer, out unsafe.Pointer, errbuf unsafe.Poi
 			}
 			var l *metrics.Listener
 			if c.MetricsListen != "" {
+				// A port another process holds (a second runner of the same
+				// configuration) costs this host its own metrics, not the bridge.
 				if l, err = listener(c.MetricsListen); err != nil {
-					return err
+					logs.Default().Warn("mcbridge: no metrics listener; the bridge runs without it", "err", err)
 				}
 			}
 			b, err := bridge.Open(c, bridge.Deps{})

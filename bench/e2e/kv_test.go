@@ -29,8 +29,9 @@ var kvModels = map[string]gguf.Config{
 
 // realBlocks runs a stock llama-server on the model, prefills tokens of a
 // prompt, saves the slot and cuts its KV into pool blocks of blockTokens:
-// the bytes a store node would hold for that prompt.
-func realBlocks(tb testing.TB, name string, tokens, blockTokens int) [][]byte {
+// the bytes a store node would hold for that prompt. prefillMS is what the
+// server took to compute them: the recompute a restore saves.
+func realBlocks(tb testing.TB, name string, tokens, blockTokens int) (blocks [][]byte, prefillMS float64) {
 	tb.Helper()
 	cfg := kvModels[name]
 	path := filepath.Join(tb.TempDir(), name+".gguf")
@@ -39,7 +40,7 @@ func realBlocks(tb testing.TB, name string, tokens, blockTokens int) [][]byte {
 	s := testenv.StartLlama(tb, "kv-"+name, testenv.StockServer(tb),
 		append(testenv.ServerArgs(path, tokens+64, 1, "on"), "--slot-save-path", slots))
 	prompt := testenv.Tokens(tokens+1, 7, 3)
-	s.Complete(tb, testenv.Request{Prompt: prompt, Slot: 0, NPredict: 1})
+	prefillMS = s.Complete(tb, testenv.Request{Prompt: prompt, Slot: 0, NPredict: 1}).Timings.PromptMS
 	testenv.Post(tb, s.URL+"/slots/0?action=save", map[string]string{"filename": "kv.bin"}, nil)
 	s.Stop()
 	raw, err := os.ReadFile(filepath.Join(slots, "kv.bin"))
@@ -62,7 +63,6 @@ func realBlocks(tb testing.TB, name string, tokens, blockTokens int) [][]byte {
 		g.KRow = append(g.KRow, int(l.KRowSize))
 		g.VRow = append(g.VRow, int(l.VRowSize))
 	}
-	var out [][]byte
 	parent := key.Hash{1}
 	for blk := 0; (blk+1)*blockTokens <= len(stream.Cells); blk++ {
 		b := make([]byte, g.Size())
@@ -77,9 +77,9 @@ func realBlocks(tb testing.TB, name string, tokens, blockTokens int) [][]byte {
 		}
 		require.NoError(tb, pool.EncodeHeader(b, &g, &h))
 		pool.EndWrite(b, 2)
-		out = append(out, b)
+		blocks = append(blocks, b)
 		parent = h.Key
 	}
-	require.NotEmpty(tb, out)
-	return out
+	require.NotEmpty(tb, blocks)
+	return blocks, prefillMS
 }

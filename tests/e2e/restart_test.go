@@ -3,6 +3,7 @@ package e2e
 import (
 	"encoding/json"
 	"fmt"
+	"os"
 	"path/filepath"
 	"strconv"
 	"testing"
@@ -10,6 +11,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mcbridge/mcbridge/internal/disk"
+	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
@@ -22,8 +25,10 @@ type storeState struct {
 		PagedIn    int `json:"PagedIn"`
 	} `json:"stats"`
 	Disk struct {
-		Files   int `json:"Files"`
-		Dropped int `json:"Dropped"`
+		Files       int `json:"Files"`
+		Dropped     int `json:"Dropped"`
+		Written     int `json:"Written"`
+		WriteErrors int `json:"WriteErrors"`
 	} `json:"disk"`
 }
 
@@ -75,20 +80,28 @@ func waitStore(t *testing.T, store *testenv.Store, what string, cond func(storeS
 }
 
 // The whole swarm restarts and is still warm: patched servers and a store
-// node with a disk tier share a prefix; every process stops (SIGTERM, and
-// in another run SIGKILL: nothing unpublished, nothing flushed); the store
-// node starts again on its directories, then a new patched server, whose
-// first request restores the prefix from what the store read back from
-// its disk, and answers as stock. Restored token counts, not times, show
-// that only the remainder was computed.
+// node with a disk tier share a prefix; every process stops (SIGTERM; in
+// another run SIGKILL: nothing unpublished, nothing flushed; in a third
+// SIGKILL and one of the prefix's block files cut in half; in a fourth
+// SIGKILL after the store's disk filled up); the store node starts again
+// on its directories, then a new patched server, whose first request
+// restores what the store read back from its disk (the prefix, or its
+// blocks before the torn file or up to where the disk filled) and answers
+// as stock. Restored token counts, not times, show that only the remainder
+// was computed.
 func TestSwarmRestart(t *testing.T) {
 	model := testenv.Model(t, "tiny", 0)
 	ref := testenv.StartLlama(t, "ref", testenv.StockServer(t), serverArgs(model, "on", false))
 	want := ref.Complete(t, testenv.Request{Prompt: promptC, Slot: 0, NPredict: nPredict})
 	ref.Stop()
-	for _, stop := range []string{"SIGTERM", "SIGKILL"} {
+	for _, stop := range []string{"SIGTERM", "SIGKILL", "SIGKILL-torn", "SIGKILL-disk-full"} {
 		t.Run(stop, func(t *testing.T) {
 			sw := newDiskSwarm(t, "")
+			if stop == "SIGKILL-disk-full" {
+				// A filesystem that holds a few of the tiny model's
+				// 20 KiB block files, not the prefix's nine.
+				sw.diskDir = testenv.TmpFS(t, "100k")
+			}
 			store := sw.startStore(t, "store")
 			x := testenv.StartLlama(t, "x", testenv.PatchedServer(t), append(serverArgs(model, "on", false), "--mcb-config", sw.serverCfg))
 			require.Equal(t, "on", x.BridgeState())
@@ -100,9 +113,18 @@ func TestSwarmRestart(t *testing.T) {
 			// A kill loses what the store has not written yet: wait for
 			// its disk to hold the prefix (and the rest it copied).
 			waitStore(t, store, "every block copied and on its disk", func(s storeState) bool {
+				if stop == "SIGKILL-disk-full" {
+					return s.Stats.Replicated >= shared/block && s.Disk.Written+s.Disk.WriteErrors >= s.Stats.Replicated
+				}
 				return s.Stats.Replicated >= shared/block && s.Disk.Files >= s.Stats.Replicated
 			})
 
+			if stop == "SIGKILL-disk-full" {
+				// The store refused what did not fit and serves it from
+				// DRAM until the kill.
+				st := readState(t, store)
+				require.Positive(t, st.Disk.WriteErrors, "the filesystem filled: %s", &st)
+			}
 			for _, p := range []*testenv.Server{x.Server, y.Server, store.Server} {
 				if stop == "SIGTERM" {
 					p.Stop()
@@ -110,24 +132,90 @@ func TestSwarmRestart(t *testing.T) {
 					p.Kill()
 				}
 			}
+			restored := shared
+			if stop == "SIGKILL-torn" {
+				// The host went down mid-write: the prefix's third block
+				// file is cut in half. It is dropped; the two before it
+				// restore, the rest is computed.
+				tearFile(t, sw.diskDir, 2)
+				restored = 2 * block
+			}
+			if stop == "SIGKILL-disk-full" {
+				restored = block * chainOnDisk(t, sw.diskDir)
+				require.Positive(t, restored, "some of the prefix fit")
+				require.Less(t, restored, shared, "not all of it")
+				t.Logf("%d of the prefix's %d blocks fit on the disk", restored/block, shared/block)
+			}
 
 			again := sw.startStore(t, "store-again")
 			st := readState(t, again)
-			require.GreaterOrEqual(t, st.Disk.Files, shared/block, "the disk tier's files survive: %s", &st)
-			require.Zero(t, st.Disk.Dropped, "no file was torn: %s", &st)
+			switch {
+			case stop == "SIGKILL-disk-full":
+				require.Zero(t, st.Disk.Dropped, "what was written is whole: %s", &st)
+			case restored == shared:
+				require.GreaterOrEqual(t, st.Disk.Files, shared/block, "the disk tier's files survive: %s", &st)
+				require.Zero(t, st.Disk.Dropped, "no file was torn: %s", &st)
+			default:
+				require.Positive(t, st.Disk.Dropped, "the torn file is dropped and counted: %s", &st)
+			}
 			// Read back at start, the blocks are published as the store's
 			// own once the entries of the processes that died are gone
 			// (at once after SIGTERM, when their leases run out after
 			// SIGKILL).
 			waitStore(t, again, "the prefix published from the disk", func(s storeState) bool {
-				return s.Stats.PagedIn >= shared/block && s.Stats.TakenOver >= s.Stats.PagedIn
+				return s.Stats.PagedIn >= restored/block && s.Stats.TakenOver >= s.Stats.PagedIn
 			})
 			z := testenv.StartLlama(t, "z", testenv.PatchedServer(t), append(serverArgs(model, "on", false), "--mcb-config", sw.serverCfg))
-			waitMirrored(t, z.URL, shared/block)
+			waitMirrored(t, z.URL, restored/block)
 			first := z.Complete(t, testenv.Request{Prompt: promptC, Slot: 0, NPredict: nPredict})
-			assert.Equal(t, []any{"restore", shared, len(promptC) - shared}, []any{first.Timings.Decision, first.Timings.RestoredN, first.Timings.PromptN},
+			assert.Equal(t, []any{"restore", restored, len(promptC) - restored}, []any{first.Timings.Decision, first.Timings.RestoredN, first.Timings.PromptN},
 				"the first request after the restart restores the prefix and computes only the rest: %+v", first.Timings)
 			assert.Equal(t, want.Tokens, first.Tokens, "the restored server answers as stock")
 		})
 	}
+}
+
+// tearFile truncates to half the file of the block at the given depth
+// from the chain's first, in a disk tier no store has open: the shared
+// prefix's, the one chain every prompt here starts with.
+func tearFile(t *testing.T, dir string, depth int) {
+	t.Helper()
+	tier, byDepth := prefixOnDisk(t, dir)
+	require.Len(t, byDepth[depth], 1, "one block at depth %d of the shared prefix", depth)
+	k := byDepth[depth][0].Key.String()
+	path := filepath.Join(tier.Dir(), k[:2], k)
+	st, err := os.Stat(path)
+	require.NoError(t, err)
+	require.NoError(t, os.Truncate(path, st.Size()/2))
+}
+
+// chainOnDisk is how many of the shared prefix's blocks, from its first,
+// a disk tier no store has open holds.
+func chainOnDisk(t *testing.T, dir string) int {
+	t.Helper()
+	_, byDepth := prefixOnDisk(t, dir)
+	n := 0
+	for n < shared/block && len(byDepth[n]) == 1 {
+		n++
+	}
+	return n
+}
+
+// prefixOnDisk opens a disk tier no store has open and returns its
+// blocks by depth from the shallowest.
+func prefixOnDisk(t *testing.T, dir string) (*disk.Tier, map[int][]disk.Meta) {
+	t.Helper()
+	tier, err := disk.Open(disk.Config{Dir: dir, Bytes: 1 << 30, Policy: residency.LRU})
+	require.NoError(t, err)
+	metas := tier.Blocks()
+	require.NotEmpty(t, metas)
+	first := metas[0].Depth
+	for _, m := range metas {
+		first = min(first, m.Depth)
+	}
+	byDepth := map[int][]disk.Meta{}
+	for _, m := range metas {
+		byDepth[int(m.Depth-first)] = append(byDepth[int(m.Depth-first)], m)
+	}
+	return tier, byDepth
 }
