@@ -186,7 +186,7 @@ func writeJSON(path string, v any) error {
 	return os.WriteFile(path, append(b, '\n'), 0o644)
 }
 
-// runBenchmarks runs the bridge's and the index's benchmarks through
+// runBenchmarks runs the benchmark packages through
 // `go test`, as anyone would to reproduce one, keeping the raw output.
 func (r *report) runBenchmarks(rawPath string) error {
 	benchtime := "1s"
@@ -204,6 +204,7 @@ func (r *report) runBenchmarks(rawPath string) error {
 		{"./bench/", ".", benchtime},
 		{"./internal/residency/", ".", benchtime},
 		{"./internal/transport/mooncake/", "PeerRead", benchtime},
+		{"./internal/store/mooncake/", "Store", benchtime},
 		{"./bench/e2e/", ".", "1x"},
 	} {
 		cmd := exec.Command("go", "test", "-run", "^$", "-bench", run.bench, "-benchtime", run.benchtime, "-count", "1", "-timeout", "2h", run.pkg)

@@ -114,6 +114,7 @@ func writeMarkdown(w io.Writer, r *report) {
 	r.writeE2E(m)
 	r.writeRoute(m)
 	r.writeDisk(m)
+	r.writeStore(m)
 	writeNotes(m)
 }
 
@@ -158,6 +159,8 @@ func (r *report) writeTargets(m *md) {
 	} else {
 		add("restore throughput in one process, >= 1 MiB blocks", ">= 0.8 x memcpy from a peer, >= 0.9 x from the own pool", "", notMeasured)
 	}
+	storeMeasured, storeVerdict := r.storeRestoreTarget()
+	add("restore throughput through Mooncake Store, >= 1 MiB objects", ">= 0.8 x memcpy from a peer process, >= 0.9 x from the own segment", storeMeasured, storeVerdict)
 
 	stallWhat, stallTarget := "layer-wise load stall", "<= one layer's transfer time at 1-25 GB/s"
 	var stalls []string
