@@ -8,4 +8,4 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=/dev/null
 . build/e2e.env
-exec go test -run '^$' -bench 'TTFT' -benchtime 1x -timeout 60m ./bench/e2e/ "$@"
+exec go test -run '^$' -bench '^BenchmarkTTFT$' -benchtime 1x -timeout 60m ./bench/e2e/ "$@"
