@@ -93,8 +93,6 @@ func runOwner(j job) int {
 	return 1
 }
 
-// saveLayers saves tokens, copying the first n layers; n below the
-// model's layer count ends the save unfinished.
 // saved is a save and what the bridge's publisher made of it.
 type saved struct {
 	bridge.SaveResult
@@ -104,12 +102,11 @@ type saved struct {
 	PublishErr error
 }
 
-// saveLayers saves the first n layers and, once the save ends, waits for
-// the publisher: the directory has the blocks, or refused them, when it
-// returns.
+// saveLayers saves tokens, copying the first n layers; n below the
+// model's layer count ends the save unfinished. Once the save ends it
+// waits for the publisher (awaitPublish).
 func saveLayers(m *bridge.Model, h *kvtest.Host, sc key.Scope, tokens []int32, cells []uint32, n int) (saved, error) {
-	b := m.Bridge()
-	before := b.Stats()
+	before := m.Bridge().Stats()
 	sv, err := m.SaveBegin(sc, h.Layout(), tokens, cells)
 	if err != nil {
 		return saved{}, err
@@ -124,9 +121,16 @@ func saveLayers(m *bridge.Model, h *kvtest.Host, sc key.Scope, tokens []int32, c
 	if err != nil {
 		return saved{SaveResult: res}, err
 	}
+	return awaitPublish(m.Bridge(), before, res), nil
+}
+
+// awaitPublish waits for the publisher's outcome of a save that ended
+// with res, before being b's counters when the save began: the directory
+// has the blocks, or refused them, when it returns.
+func awaitPublish(b *bridge.Bridge, before bridge.Stats, res bridge.SaveResult) saved {
 	out := saved{SaveResult: res}
 	if res.Queued == 0 {
-		return out, nil
+		return out
 	}
 	// A refused publish is retried until the bridge closes: wait for the
 	// first outcome, not for success.
@@ -135,16 +139,16 @@ func saveLayers(m *bridge.Model, h *kvtest.Host, sc key.Scope, tokens []int32, c
 		out.Published = int(b.Stats().SavedBlocks - before.SavedBlocks)
 		failed := b.Stats().DirectoryErrors > before.DirectoryErrors
 		if out.Published >= res.Queued {
-			return out, nil
+			return out
 		}
 		if failed {
 			out.PublishErr = b.Health()
-			return out, nil
+			return out
 		}
 		time.Sleep(2 * time.Millisecond)
 	}
 	out.PublishErr = fmt.Errorf("the publisher took none of %d blocks in 20s", res.Queued)
-	return out, nil
+	return out
 }
 
 // scribble damages this process's copy of block i of tokens, as memory
