@@ -2,6 +2,7 @@ package reliability
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"os"
 	"strconv"
@@ -93,23 +94,21 @@ func runOwner(j job) int {
 	return 1
 }
 
-// saveLayers saves tokens, copying the first n layers; n below the
-// model's layer count ends the save unfinished.
 // saved is a save and what the bridge's publisher made of it.
 type saved struct {
 	bridge.SaveResult
 	Published int
+	Deduped   int // found published by another process first
 	// PublishErr is why the publisher published fewer blocks than the save
 	// queued: the directory's refusal, as the bridge's health reports it.
 	PublishErr error
 }
 
-// saveLayers saves the first n layers and, once the save ends, waits for
-// the publisher: the directory has the blocks, or refused them, when it
-// returns.
+// saveLayers saves tokens, copying the first n layers; n below the
+// model's layer count ends the save unfinished. Once the save ends it
+// waits for the publisher (awaitPublish).
 func saveLayers(m *bridge.Model, h *kvtest.Host, sc key.Scope, tokens []int32, cells []uint32, n int) (saved, error) {
-	b := m.Bridge()
-	before := b.Stats()
+	before := m.Bridge().Stats()
 	sv, err := m.SaveBegin(sc, h.Layout(), tokens, cells)
 	if err != nil {
 		return saved{}, err
@@ -124,27 +123,43 @@ func saveLayers(m *bridge.Model, h *kvtest.Host, sc key.Scope, tokens []int32, c
 	if err != nil {
 		return saved{SaveResult: res}, err
 	}
+	return awaitPublish(m.Bridge(), before, res), nil
+}
+
+// awaitPublish waits for the publisher's outcome of a save that ended
+// with res, before being b's counters when the save began: the directory
+// has the blocks, or refused them, when it returns. Each queued block is
+// published, found published by another process first (deduplicated), or
+// withdrawn by an eviction before its turn; only the first counts as
+// published, so the wait ends when every block is counted either way or
+// the publisher has nothing left, not when Published reaches Queued.
+func awaitPublish(b *bridge.Bridge, before bridge.Stats, res bridge.SaveResult) saved {
 	out := saved{SaveResult: res}
 	if res.Queued == 0 {
-		return out, nil
+		return out
 	}
 	// A refused publish is retried until the bridge closes: wait for the
 	// first outcome, not for success.
 	deadline := time.Now().Add(20 * time.Second)
 	for time.Now().Before(deadline) {
-		out.Published = int(b.Stats().SavedBlocks - before.SavedBlocks)
-		failed := b.Stats().DirectoryErrors > before.DirectoryErrors
-		if out.Published >= res.Queued {
-			return out, nil
+		// The publisher counts a batch before it goes idle: probed idle
+		// first, the counters read next hold every outcome.
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Millisecond)
+		idle := b.Flush(ctx) == nil
+		cancel()
+		st := b.Stats()
+		out.Published = int(st.SavedBlocks - before.SavedBlocks)
+		out.Deduped = int(st.DedupedBlocks - before.DedupedBlocks)
+		if idle || out.Published+out.Deduped >= res.Queued {
+			return out
 		}
-		if failed {
+		if st.DirectoryErrors > before.DirectoryErrors {
 			out.PublishErr = b.Health()
-			return out, nil
+			return out
 		}
-		time.Sleep(2 * time.Millisecond)
 	}
 	out.PublishErr = fmt.Errorf("the publisher took none of %d blocks in 20s", res.Queued)
-	return out, nil
+	return out
 }
 
 // scribble damages this process's copy of block i of tokens, as memory
