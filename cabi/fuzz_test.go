@@ -15,6 +15,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/host"
 	"github.com/mcbridge/mcbridge/internal/llamastate"
 	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/stretchr/testify/require"
 )
 
 // A fuzz program is a sequence of records, one export call each: an
@@ -285,7 +286,7 @@ func (w *world) check(what string, got int32, want ...status.Code) status.Code {
 // fail stops the program, naming the call that went wrong.
 func (w *world) fail(format string, args ...any) {
 	w.t.Helper()
-	w.t.Fatalf("call %d: "+format, append([]any{w.call}, args...)...)
+	require.FailNow(w.t, fmt.Sprintf("call %d: "+format, append([]any{w.call}, args...)...))
 }
 
 // anyStatus is every status but INTERNAL: what input the library cannot

@@ -10,6 +10,8 @@ import (
 
 	"github.com/mcbridge/mcbridge/internal/arbiter"
 	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 const (
@@ -66,9 +68,7 @@ var scalars = map[string]struct {
 func readSource(t *testing.T, path string) string {
 	t.Helper()
 	b, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return regexp.MustCompile(`(?s)/\*.*?\*/|//[^\n]*`).ReplaceAllString(string(b), " ")
 }
 
@@ -92,17 +92,13 @@ func parseHeader(t *testing.T) map[string]cStruct {
 				continue
 			}
 			d := memberRE.FindStringSubmatch(decl)
-			if d == nil {
-				t.Fatalf("struct %s: cannot read member %q; teach the test this declaration", m[1], decl)
-			}
+			require.NotNil(t, d, "struct %s: cannot read member %q; teach the test this declaration", m[1], decl)
 			f := cField{name: d[3], ctype: d[1], count: 1}
 			if d[2] == "*" {
 				f.ctype = "*"
 			}
 			sc, ok := scalars[f.ctype]
-			if !ok {
-				t.Fatalf("struct %s.%s: type %q has no known size", m[1], f.name, f.ctype)
-			}
+			require.True(t, ok, "struct %s.%s: type %q has no known size", m[1], f.name, f.ctype)
 			if d[4] != "" {
 				f.count, _ = strconv.Atoi(d[4])
 			}
@@ -131,9 +127,8 @@ func goFields(t *testing.T, typ reflect.Type) []reflect.StructField {
 	for i := 0; i < typ.NumField(); i++ {
 		f := typ.Field(i)
 		if f.Name == "_" {
-			if f.Type.Kind() != reflect.Array || f.Type.Elem().Kind() != reflect.Uint8 {
-				t.Errorf("%s: padding field of type %s, want a byte array", typ.Name(), f.Type)
-			}
+			assert.True(t, f.Type.Kind() == reflect.Array && f.Type.Elem().Kind() == reflect.Uint8,
+				"%s: padding field of type %s, want a byte array", typ.Name(), f.Type)
 			continue
 		}
 		out = append(out, f)
@@ -157,43 +152,31 @@ func goField(t *testing.T, typ reflect.Type, cname string) (reflect.StructField,
 func TestMirrorLayout(t *testing.T) {
 	header := parseHeader(t)
 	for name := range mirrors {
-		if _, ok := header[name]; !ok {
-			t.Errorf("mirror of struct %s, which the header does not define", name)
-		}
+		assert.Contains(t, header, name, "mirror of struct %s, which the header does not define", name)
 	}
 	for name, cs := range header {
 		typ, ok := mirrors[name]
-		if !ok {
-			t.Errorf("struct %s has no Go mirror", name)
+		if !assert.True(t, ok, "struct %s has no Go mirror", name) {
 			continue
 		}
 		t.Run(name, func(t *testing.T) {
-			if int(typ.Size()) != cs.size || typ.Align() != cs.align {
-				t.Errorf("%s is %d bytes aligned %d, struct %s %d aligned %d", typ.Name(), typ.Size(), typ.Align(), name, cs.size, cs.align)
-			}
+			assert.Equal(t, cs.size, int(typ.Size()), "size of %s, struct %s", typ.Name(), name)
+			assert.Equal(t, cs.align, typ.Align(), "alignment of %s, struct %s", typ.Name(), name)
 			gf := goFields(t, typ)
-			if len(gf) != len(cs.fields) {
-				t.Fatalf("%s has %d fields, struct %s %d members", typ.Name(), len(gf), name, len(cs.fields))
-			}
+			require.Len(t, gf, len(cs.fields), "%s has %d fields, struct %s %d members", typ.Name(), len(gf), name, len(cs.fields))
 			for i, c := range cs.fields {
 				g := gf[i]
-				if !sameName(c.name, g.Name) {
-					t.Errorf("member %d: C %s, Go %s", i, c.name, g.Name)
-				}
-				if int(g.Offset) != c.offset || int(g.Type.Size()) != c.size {
-					t.Errorf("%s: Go at %d (%d bytes), C at %d (%d bytes)", c.name, g.Offset, g.Type.Size(), c.offset, c.size)
-				}
+				assert.True(t, sameName(c.name, g.Name), "member %d: C %s, Go %s", i, c.name, g.Name)
+				assert.Equal(t, c.offset, int(g.Offset), "%s: offset", c.name)
+				assert.Equal(t, c.size, int(g.Type.Size()), "%s: size", c.name)
 				kind := g.Type.Kind()
 				if c.count > 1 {
-					if kind != reflect.Array || g.Type.Len() != c.count {
-						t.Errorf("%s: Go %s, C %s[%d]", c.name, g.Type, c.ctype, c.count)
+					if !assert.True(t, kind == reflect.Array && g.Type.Len() == c.count, "%s: Go %s, C %s[%d]", c.name, g.Type, c.ctype, c.count) {
 						continue
 					}
 					kind = g.Type.Elem().Kind()
 				}
-				if want := scalars[c.ctype].kind; kind != want {
-					t.Errorf("%s: Go kind %s, C %s wants %s", c.name, kind, c.ctype, want)
-				}
+				assert.Equal(t, scalars[c.ctype].kind, kind, "%s: Go kind %s, C %s", c.name, kind, c.ctype)
 			}
 		})
 	}
@@ -212,9 +195,7 @@ func evalSum(t *testing.T, expr string) int {
 		prod := 1
 		for _, f := range strings.Split(term, "*") {
 			f = strings.TrimSpace(f)
-			if !numberRE.MatchString(f) {
-				t.Fatalf("cannot evaluate %q", expr)
-			}
+			require.Regexp(t, numberRE, f, "cannot evaluate %q", expr)
 			n, _ := strconv.Atoi(f)
 			prod *= n
 		}
@@ -231,28 +212,25 @@ func TestStaticAsserts(t *testing.T) {
 	src := readSource(t, shimPath)
 	header := parseHeader(t)
 	asserts := assertRE.FindAllStringSubmatch(src, -1)
-	if total := strings.Count(src, "_Static_assert"); total != len(asserts) || total == 0 {
-		t.Fatalf("read %d of the %d _Static_assert lines of %s", len(asserts), total, shimPath)
-	}
+	total := strings.Count(src, "_Static_assert")
+	require.NotZero(t, total, "no _Static_assert lines in %s", shimPath)
+	require.Len(t, asserts, total, "read %d of the %d _Static_assert lines of %s", len(asserts), total, shimPath)
 	sized := map[string]bool{}
 	for _, a := range asserts {
 		what, name, member, want := a[1], a[2], a[3], evalSum(t, a[4])
 		typ, ok := mirrors[name]
-		if !ok {
-			t.Errorf("%s asserts on struct %s, which has no mirror", shimPath, name)
+		if !assert.True(t, ok, "%s asserts on struct %s, which has no mirror", shimPath, name) {
 			continue
 		}
 		cs := header[name]
 		if what == "sizeof" {
 			sized[name] = true
-			if int(typ.Size()) != want || cs.size != want {
-				t.Errorf("sizeof(struct %s): asserted %d, Go %d, header %d", name, want, typ.Size(), cs.size)
-			}
+			assert.Equal(t, want, int(typ.Size()), "sizeof(struct %s): asserted, Go", name)
+			assert.Equal(t, want, cs.size, "sizeof(struct %s): asserted, header", name)
 			continue
 		}
 		g, ok := goField(t, typ, member)
-		if !ok {
-			t.Errorf("offsetof(struct %s, %s): no such field in %s", name, member, typ.Name())
+		if !assert.True(t, ok, "offsetof(struct %s, %s): no such field in %s", name, member, typ.Name()) {
 			continue
 		}
 		var c *cField
@@ -261,18 +239,14 @@ func TestStaticAsserts(t *testing.T) {
 				c = &cs.fields[i]
 			}
 		}
-		if c == nil {
-			t.Errorf("offsetof(struct %s, %s): no such member in the header", name, member)
+		if !assert.NotNil(t, c, "offsetof(struct %s, %s): no such member in the header", name, member) {
 			continue
 		}
-		if int(g.Offset) != want || c.offset != want {
-			t.Errorf("offsetof(struct %s, %s): asserted %d, Go %d, header %d", name, member, want, g.Offset, c.offset)
-		}
+		assert.Equal(t, want, int(g.Offset), "offsetof(struct %s, %s): asserted, Go", name, member)
+		assert.Equal(t, want, c.offset, "offsetof(struct %s, %s): asserted, header", name, member)
 	}
 	for name := range mirrors {
-		if !sized[name] {
-			t.Errorf("%s does not assert sizeof(struct %s)", shimPath, name)
-		}
+		assert.True(t, sized[name], "%s does not assert sizeof(struct %s)", shimPath, name)
 	}
 }
 
@@ -284,9 +258,7 @@ func enumValues(t *testing.T, prefix string) map[string]int {
 	for _, m := range re.FindAllStringSubmatch(readSource(t, headerPath), -1) {
 		out[m[1]], _ = strconv.Atoi(m[2])
 	}
-	if len(out) == 0 {
-		t.Fatalf("no %s values in %s", prefix, headerPath)
-	}
+	require.NotEmpty(t, out, "no %s values in %s", prefix, headerPath)
 	return out
 }
 
@@ -305,29 +277,21 @@ func shimStrings(t *testing.T, prefix string) map[string]string {
 // Go status package: the same dense values with the same descriptions.
 func TestStatusCodes(t *testing.T) {
 	values, texts := enumValues(t, "MCB_STATUS_"), shimStrings(t, "MCB_STATUS_")
-	if len(values) != status.Count || len(texts) != len(values) {
-		t.Fatalf("%d statuses in the header, %d in the shim, %d in Go", len(values), len(texts), status.Count)
-	}
+	require.Len(t, values, status.Count, "%d statuses in the header, %d in the shim, %d in Go", len(values), len(texts), status.Count)
+	require.Len(t, texts, len(values), "%d statuses in the header, %d in the shim, %d in Go", len(values), len(texts), status.Count)
 	for name, v := range values {
-		if got := status.Code(v).String(); texts[name] != got {
-			t.Errorf("MCB_STATUS_%s = %d: shim says %q, Go %q", name, v, texts[name], got)
-		}
+		assert.Equal(t, status.Code(v).String(), texts[name], "MCB_STATUS_%s = %d: shim, Go", name, v)
 	}
 }
 
 // TestReasonCodes does the same for enum mcb_reason and the arbiter.
 func TestReasonCodes(t *testing.T) {
 	values, texts := enumValues(t, "MCB_REASON_"), shimStrings(t, "MCB_REASON_")
-	if len(texts) != len(values) {
-		t.Fatalf("%d reasons in the header, %d in the shim", len(values), len(texts))
-	}
+	require.Len(t, texts, len(values), "%d reasons in the header, %d in the shim", len(values), len(texts))
 	for name, v := range values {
 		got := strings.ReplaceAll(arbiter.ReasonCode(v).String(), "-", " ")
-		if texts[name] != got {
-			t.Errorf("MCB_REASON_%s = %d: shim says %q, arbiter %q", name, v, texts[name], got)
-		}
+		assert.Equal(t, got, texts[name], "MCB_REASON_%s = %d: shim, arbiter", name, v)
 	}
-	if s := arbiter.ReasonCode(len(values)).String(); !strings.HasPrefix(s, "reason(") {
-		t.Errorf("the arbiter has a reason %d (%s) the header lacks", len(values), s)
-	}
+	s := arbiter.ReasonCode(len(values)).String()
+	assert.True(t, strings.HasPrefix(s, "reason("), "the arbiter has a reason %d (%s) the header lacks", len(values), s)
 }

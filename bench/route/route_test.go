@@ -16,6 +16,7 @@ import (
 
 	"github.com/mcbridge/mcbridge/internal/gguf"
 	"github.com/mcbridge/mcbridge/internal/testenv"
+	"github.com/stretchr/testify/require"
 )
 
 func TestMain(m *testing.M) {
@@ -64,9 +65,7 @@ func BenchmarkRoute(b *testing.B) {
 	}
 	cfg := modelConfig()
 	model := filepath.Join(b.TempDir(), "route.gguf")
-	if err := gguf.WriteFile(model, cfg); err != nil {
-		b.Fatal(err)
-	}
+	require.NoError(b, gguf.WriteFile(model, cfg))
 	swarm := Generate(w)
 	rep := Report{Note: "measured on a shared two-core machine under other engineers' load: read the policies against each other, not the absolute times",
 		Date: time.Now().UTC().Format(time.RFC3339), LoadStart: loadAverage(), Workload: w, Upstreams: upstreams, Slots: 2,
@@ -92,16 +91,10 @@ func BenchmarkRoute(b *testing.B) {
 	if dir == "" {
 		dir = filepath.Join(testenv.Root(), "bench", "out")
 	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		b.Fatal(err)
-	}
+	require.NoError(b, os.MkdirAll(dir, 0o755))
 	out, err := json.MarshalIndent(rep, "", "  ")
-	if err != nil {
-		b.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(dir, "route.json"), append(out, '\n'), 0o644); err != nil {
-		b.Fatal(err)
-	}
+	require.NoError(b, err)
+	require.NoError(b, os.WriteFile(filepath.Join(dir, "route.json"), append(out, '\n'), 0o644))
 	b.Logf("wrote %s (%.0f s)", filepath.Join(dir, "route.json"), rep.Seconds)
 }
 
@@ -114,9 +107,7 @@ func slotDir(b *testing.B, name string) string {
 		base = b.TempDir()
 	}
 	d, err := os.MkdirTemp(base, "mcb-route-"+name+"-")
-	if err != nil {
-		b.Fatal(err)
-	}
+	require.NoError(b, err)
 	b.Cleanup(func() { os.RemoveAll(d) })
 	return d
 }
@@ -141,9 +132,8 @@ func replay(b *testing.B, model string, swarm Swarm, w Workload, policy string) 
 	// The swarm has been running: one request computed the shared prefix
 	// and it is published (not measured).
 	warm := append(append([]int32(nil), swarm.Shared...), 300, 301, 302, 303)
-	if _, err := stream(px.URL, warm, 1); err != nil {
-		b.Fatal(err)
-	}
+	_, err := stream(px.URL, warm, 1)
+	require.NoError(b, err)
 	testenv.Eventually(b, 5*time.Minute, func() bool {
 		var st struct {
 			Pending int `json:"pending"`
@@ -179,7 +169,7 @@ func replay(b *testing.B, model string, swarm Swarm, w Workload, policy string) 
 	wg.Wait()
 	close(errs)
 	for err := range errs {
-		b.Fatal(err)
+		require.NoError(b, err)
 	}
 	after := testenv.Metrics(b, px.URL+"/metrics")
 	delta := func(name string) int64 { return int64(after[name] - before[name]) }

@@ -123,13 +123,9 @@ func FuzzConversions(f *testing.F) {
 				continue
 			}
 			var m map[string]json.RawMessage
-			if err := json.Unmarshal(out, &m); err != nil {
-				t.Fatalf("%s gave %s: %v", body, out, err)
-			}
+			require.NoError(t, json.Unmarshal(out, &m), "%s gave %s", body, out)
 			var msgs []json.RawMessage
-			if err := json.Unmarshal(m["messages"], &msgs); err != nil {
-				t.Fatalf("%s gave no messages: %s", body, out)
-			}
+			require.NoError(t, json.Unmarshal(m["messages"], &msgs), "%s gave no messages: %s", body, out)
 		}
 	})
 }
@@ -151,18 +147,13 @@ func FuzzParseOrdered(f *testing.F) {
 		} else {
 			out, err = json.Marshal(v)
 		}
-		if err != nil {
-			t.Fatalf("%s: %v", b, err)
-		}
+		require.NoError(t, err, "%s", b)
 		w, err := parseOrdered(out)
-		if err != nil {
-			t.Fatalf("%s wrote %s, which does not parse: %v", b, out, err)
-		}
+		require.NoError(t, err, "%s wrote %s, which does not parse", b, out)
 		d1, e1 := dumpJSON(v)
 		d2, e2 := dumpJSON(w)
-		if (e1 == nil) != (e2 == nil) || d1 != d2 {
-			t.Fatalf("%s: %s then %s", b, d1, d2)
-		}
+		require.Equal(t, e1 == nil, e2 == nil, "%s: dumped with %v then %v", b, e1, e2)
+		require.Equal(t, d1, d2, "%s", b)
 	})
 }
 
@@ -175,8 +166,8 @@ func FuzzReadAnswer(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
 		for _, ep := range []endpoint{completion, chat, responses, messages} {
-			if a, ok := readAnswer(ep, b); ok && a.Timings == nil {
-				t.Fatalf("%s: read without counts", b)
+			if a, ok := readAnswer(ep, b); ok {
+				require.NotNil(t, a.Timings, "%s: read without counts", b)
 			}
 		}
 	})

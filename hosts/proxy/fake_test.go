@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
@@ -15,6 +14,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	"github.com/zeebo/xxh3"
 
 	"github.com/mcbridge/mcbridge/internal/gguf"
@@ -67,30 +68,20 @@ type fakeSlot struct {
 func newFake(t testing.TB, file string, slots, streams int, seed uint64) *fakeServer {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join("..", "..", "internal", "llamastate", "testdata", file))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	st, err := llamastate.Parse(b)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	f, _, err := formatOf(st)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	f.NStream = streams
 	dir := t.TempDir()
 	model := filepath.Join(dir, "model.gguf")
 	// A real GGUF: the fingerprint reads its architecture and digests it.
 	cfg := gguf.Presets["tiny"]
 	cfg.Seed = seed
-	if err := gguf.WriteFile(model, cfg); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, gguf.WriteFile(model, cfg))
 	slotDir := filepath.Join(dir, "slots")
-	if err := os.Mkdir(slotDir, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, os.Mkdir(slotDir, 0o755))
 	fs := &fakeServer{t: t, dir: slotDir + "/", model: model, seed: seed, format: f, nCtx: 4096,
 		slots: make([]fakeSlot, slots), busy: map[int]bool{}, build: "b1-fake"}
 	fs.srv = httptest.NewServer(fs.handler())
@@ -152,9 +143,7 @@ func (fs *fakeServer) slotFile(id int, tokens []int32) []byte {
 	st := &llamastate.State{Kind: llamastate.SlotFile, Words: host.ServerWords(tokens), Streams: make([]llamastate.Stream, f.NStream)}
 	if n == 0 {
 		b, err := st.Build()
-		if err != nil {
-			fs.t.Error(err)
-		}
+		assert.NoError(fs.t, err)
 		return b
 	}
 	stream := 0
@@ -187,9 +176,7 @@ func (fs *fakeServer) slotFile(id int, tokens []int32) []byte {
 		s.Layers = append(s.Layers, ly)
 	}
 	b, err := st.Build()
-	if err != nil {
-		fs.t.Error(err)
-	}
+	assert.NoError(fs.t, err)
 	if fs.saveVersion != 0 {
 		binary.LittleEndian.PutUint32(b[4:], fs.saveVersion)
 	}
@@ -224,8 +211,8 @@ func (fs *fakeServer) load(b []byte) ([]int32, error) {
 	for c, cell := range s.Cells {
 		p := int(cell.Pos)
 		for l, ly := range s.Layers {
-			if !bytes.Equal(ly.K[c*int(ly.KRowSize):(c+1)*int(ly.KRowSize)], fs.row(hs[p], l, 'k', int(ly.KRowSize))) {
-				fs.t.Errorf("restore: layer %d K of position %d is not this model's", l, p)
+			if !assert.Equal(fs.t, fs.row(hs[p], l, 'k', int(ly.KRowSize)), ly.K[c*int(ly.KRowSize):(c+1)*int(ly.KRowSize)],
+				"restore: layer %d K of position %d is not this model's", l, p) {
 				return nil, fmt.Errorf("wrong K")
 			}
 			want := fs.row(hs[p], l, 'v', int(ly.VRowSize))
@@ -238,8 +225,7 @@ func (fs *fakeServer) load(b []byte) ([]int32, error) {
 					copy(got[j*el:(j+1)*el], ly.V[(j*n+c)*el:])
 				}
 			}
-			if !bytes.Equal(got, want) {
-				fs.t.Errorf("restore: layer %d V of position %d is not this model's", l, p)
+			if !assert.Equal(fs.t, want, got, "restore: layer %d V of position %d is not this model's", l, p) {
 				return nil, fmt.Errorf("wrong V")
 			}
 		}
@@ -373,9 +359,7 @@ func (fs *fakeServer) slotAction(w http.ResponseWriter, r *http.Request) {
 		fakeError(w, 400, "Invalid slot ID or filename")
 		return
 	}
-	if fs.slots[id].computing {
-		fs.t.Errorf("slot %s on slot %d while it computes", r.URL.Query().Get("action"), id)
-	}
+	assert.False(fs.t, fs.slots[id].computing, "slot %s on slot %d while it computes", r.URL.Query().Get("action"), id)
 	path := fs.dir + body.Filename
 	fs.tasks++
 	switch r.URL.Query().Get("action") {
@@ -425,9 +409,8 @@ func fakePrompt(t testing.TB, ep endpoint, raw []byte, body map[string]any) []in
 			return nil
 		}
 		var chatBody map[string]any
-		if err := json.Unmarshal(b, &chatBody); err != nil {
-			t.Error(err)
-		}
+		// The handler's goroutine is not the test's: assert, not require.
+		assert.NoError(t, json.Unmarshal(b, &chatBody))
 		body = chatBody
 	}
 	return tokenize(chatPrompt(body))

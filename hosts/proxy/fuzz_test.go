@@ -1,10 +1,11 @@
 package proxy
 
 import (
-	"bytes"
 	"encoding/json"
 	"io"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 )
 
 // FuzzSpliceTimings: whatever the body, the splice never panics; on a body
@@ -18,22 +19,16 @@ func FuzzSpliceTimings(f *testing.F) {
 		members := mcbMembers(3, 0.5)
 		out, ok := spliceTimings(body, members)
 		if !ok {
-			if !bytes.Equal(out, body) {
-				t.Fatal("a refused body changed")
-			}
+			require.Equal(t, string(body), string(out), "a refused body changed")
 			return
 		}
 		var m map[string]json.RawMessage
-		if err := json.Unmarshal(out, &m); err != nil {
-			t.Fatalf("spliced %q into %q: %v", members, out, err)
-		}
+		require.NoError(t, json.Unmarshal(out, &m), "spliced %q into %q", members, out)
 		var tm map[string]json.RawMessage
-		if err := json.Unmarshal(m["timings"], &tm); err != nil || string(tm["mcb_restored_n"]) != "3" {
-			t.Fatalf("timings %s", m["timings"])
-		}
-		if len(out) <= len(body) || len(out)-len(body) > len(members)+len(`,"timings":{}`) {
-			t.Fatalf("%d bytes became %d", len(body), len(out))
-		}
+		require.NoError(t, json.Unmarshal(m["timings"], &tm), "timings %s", m["timings"])
+		require.Equal(t, "3", string(tm["mcb_restored_n"]), "timings %s", m["timings"])
+		require.Greater(t, len(out), len(body), "%d bytes became %d", len(body), len(out))
+		require.LessOrEqual(t, len(out)-len(body), len(members)+len(`,"timings":{}`), "%d bytes became %d", len(body), len(out))
 	})
 }
 
@@ -51,13 +46,10 @@ func FuzzParseRequest(f *testing.F) {
 		}
 		if r.tokens != nil {
 			var ids []float64
-			if err := json.Unmarshal(r.prompt, &ids); err != nil || len(ids) != len(r.tokens) {
-				t.Fatalf("tokens %v from prompt %s", r.tokens, r.prompt)
-			}
+			require.NoError(t, json.Unmarshal(r.prompt, &ids), "tokens %v from prompt %s", r.tokens, r.prompt)
+			require.Len(t, ids, len(r.tokens), "tokens %v from prompt %s", r.tokens, r.prompt)
 			for i, id := range ids {
-				if float64(r.tokens[i]) != id {
-					t.Fatalf("token %d: %d, prompt says %v", i, r.tokens[i], id)
-				}
+				require.Equal(t, id, float64(r.tokens[i]), "token %d", i)
 			}
 		}
 		out, err := r.pinned(1)
@@ -65,9 +57,8 @@ func FuzzParseRequest(f *testing.F) {
 			return
 		}
 		var m map[string]json.RawMessage
-		if json.Unmarshal(out, &m) != nil || string(m["id_slot"]) != "1" {
-			t.Fatalf("pinned body %s", out)
-		}
+		require.NoError(t, json.Unmarshal(out, &m), "pinned body %s", out)
+		require.Equal(t, "1", string(m["id_slot"]), "pinned body %s", out)
 	})
 }
 
@@ -80,11 +71,10 @@ func FuzzSSESniffer(f *testing.F) {
 	f.Fuzz(func(t *testing.T, stream []byte, chunk uint8) {
 		s := &sseSniffer{rc: io.NopCloser(&chunked{b: stream, n: int(chunk%16) + 1})}
 		got, err := io.ReadAll(s)
-		if err != nil || !bytes.Equal(got, stream) {
-			t.Fatalf("passed %q, %v", got, err)
-		}
-		if s.seen && s.last.Timings == nil {
-			t.Fatal("seen timings without timings")
+		require.NoError(t, err)
+		require.Equal(t, string(stream), string(got), "passed")
+		if s.seen {
+			require.NotNil(t, s.last.Timings, "seen timings without timings")
 		}
 	})
 }

@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"reflect"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -20,6 +19,8 @@ import (
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/transport"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 const blockTokens = 8
@@ -41,14 +42,8 @@ func openBridge(t testing.TB, dir, owner string) *bridge.Bridge {
 	c.Owner = owner
 	c.Arbiter.Policy = "always-restore"
 	b, err := bridge.Open(c, bridge.Deps{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := b.Close(); err != nil {
-			t.Errorf("bridge close: %v", err)
-		}
-	})
+	require.NoError(t, err)
+	t.Cleanup(func() { assert.NoError(t, b.Close(), "bridge close") })
 	return b
 }
 
@@ -64,15 +59,11 @@ func startNode(t testing.TB, fs *fakeServer, dir, owner string, opts Options) *n
 	b := openBridge(t, dir, owner)
 	opts.Upstream, opts.SlotDir = fs.url(), fs.dir
 	p, err := New(b, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	srv := httptest.NewServer(p)
 	t.Cleanup(func() {
 		srv.Close()
-		if err := p.Close(); err != nil {
-			t.Errorf("proxy close: %v", err)
-		}
+		assert.NoError(t, p.Close(), "proxy close")
 	})
 	return &node{fs: fs, p: p, url: srv.URL}
 }
@@ -81,23 +72,17 @@ func (n *node) flush(t testing.TB) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := n.p.Flush(ctx); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, n.p.Flush(ctx))
 }
 
 func post(t testing.TB, url, path string, body any) (int, []byte) {
 	t.Helper()
 	b, _ := json.Marshal(body)
 	resp, err := http.Post(url+path, "application/json", bytes.NewReader(b))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer resp.Body.Close()
 	out, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return resp.StatusCode, out
 }
 
@@ -114,17 +99,12 @@ func concat(a, b []int32) []int32 { return append(append([]int32(nil), a...), b.
 // decoded splits an answer into the proxy's timing fields and the rest.
 func decoded(t testing.TB, b []byte) (rest map[string]any, restored int) {
 	t.Helper()
-	if err := json.Unmarshal(b, &rest); err != nil {
-		t.Fatalf("answer %q: %v", b, err)
-	}
+	require.NoError(t, json.Unmarshal(b, &rest), "answer %q", b)
 	tm, _ := rest["timings"].(map[string]any)
 	n, ok := tm["mcb_restored_n"].(float64)
-	if !ok {
-		t.Fatalf("answer without timings.mcb_restored_n: %s", b)
-	}
-	if _, ok := tm["mcb_restore_ms"].(float64); !ok {
-		t.Fatalf("answer without timings.mcb_restore_ms: %s", b)
-	}
+	require.True(t, ok, "answer without timings.mcb_restored_n: %s", b)
+	_, ok = tm["mcb_restore_ms"].(float64)
+	require.True(t, ok, "answer without timings.mcb_restore_ms: %s", b)
 	delete(tm, "mcb_restored_n")
 	delete(tm, "mcb_restore_ms")
 	return rest, int(n)
@@ -135,9 +115,7 @@ func decoded(t testing.TB, b []byte) (rest map[string]any, restored int) {
 func cacheFree(t testing.TB, b []byte) map[string]any {
 	t.Helper()
 	var m map[string]any
-	if err := json.Unmarshal(b, &m); err != nil {
-		t.Fatalf("answer %q: %v", b, err)
-	}
+	require.NoError(t, json.Unmarshal(b, &m), "answer %q", b)
 	delete(m, "timings")
 	delete(m, "id_slot")
 	return m
@@ -180,35 +158,22 @@ func TestSharedPrefixAcrossServers(t *testing.T) {
 			shared := lcp(tokensOf(req(seqTokens(5, 5, 11))), tokensOf(req(seqTokens(5, 3, 17)))) / blockTokens * blockTokens
 
 			code, b1 := post(t, n1.url, path, req(seqTokens(5, 5, 11)))
-			if code != 200 {
-				t.Fatalf("request 1: %d %s", code, b1)
-			}
-			if _, n := decoded(t, b1); n != 0 {
-				t.Fatalf("request 1 restored %d tokens from an empty directory", n)
-			}
+			require.Equal(t, 200, code, "request 1: %s", b1)
+			_, n := decoded(t, b1)
+			require.Zero(t, n, "request 1 restored tokens from an empty directory")
 			n1.flush(t)
-			if st := n1.p.Stats(); st.PublishedBlocks == 0 {
-				t.Fatalf("request 1 published nothing: %+v", st)
-			}
+			st := n1.p.Stats()
+			require.NotZero(t, st.PublishedBlocks, "request 1 published nothing: %+v", st)
 
 			code, b2 := post(t, n2.url, path, req(seqTokens(5, 3, 17)))
-			if code != 200 {
-				t.Fatalf("request 2: %d %s", code, b2)
-			}
+			require.Equal(t, 200, code, "request 2: %s", b2)
 			rest, restored := decoded(t, b2)
-			if restored != shared {
-				t.Fatalf("request 2 restored %d tokens, want the %d shared ones; stats %+v", restored, shared, n2.p.Stats())
-			}
-			if cacheN := rest["timings"].(map[string]any)["cache_n"].(float64); int(cacheN) != shared {
-				t.Fatalf("the server reused %v tokens, want %d", cacheN, shared)
-			}
+			require.Equal(t, shared, restored, "request 2 restored tokens, want the shared ones; stats %+v", n2.p.Stats())
+			cacheN := rest["timings"].(map[string]any)["cache_n"].(float64)
+			require.Equal(t, shared, int(cacheN), "the server reused tokens")
 			_, direct := post(t, ref.url(), path, req(seqTokens(5, 3, 17)))
-			if got, want := cacheFree(t, b2), cacheFree(t, direct); !reflect.DeepEqual(got, want) {
-				t.Fatalf("answer through the proxy %v, without %v", got, want)
-			}
-			if len(n2.fs.restores) != 1 {
-				t.Fatalf("restores %v", n2.fs.restores)
-			}
+			require.Equal(t, cacheFree(t, direct), cacheFree(t, b2), "answer through the proxy, without")
+			require.Len(t, n2.fs.restores, 1, "restores")
 			n2.flush(t)
 			assertEmptyDir(t, n1.fs.dir)
 			assertEmptyDir(t, n2.fs.dir)
@@ -219,20 +184,19 @@ func TestSharedPrefixAcrossServers(t *testing.T) {
 func assertEmptyDir(t testing.TB, dir string) {
 	t.Helper()
 	es, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	var left []string
 	for _, e := range es {
-		t.Errorf("left in the slot directory: %s", e.Name())
+		left = append(left, e.Name())
 	}
+	assert.Empty(t, left, "left in the slot directory")
 }
 
 // warm publishes the blocks of prompt through n and returns the request.
 func warm(t testing.TB, n *node, prompt []int32) {
 	t.Helper()
-	if code, b := post(t, n.url, "/completion", map[string]any{"prompt": prompt, "n_predict": 2}); code != 200 {
-		t.Fatalf("warm-up: %d %s", code, b)
-	}
+	code, b := post(t, n.url, "/completion", map[string]any{"prompt": prompt, "n_predict": 2})
+	require.Equal(t, 200, code, "warm-up: %s", b)
 	n.flush(t)
 }
 
@@ -245,15 +209,11 @@ func TestModelMismatchRestoresNothing(t *testing.T) {
 	warm(t, n1, concat(prefix, []int32{1, 2, 3}))
 	for _, n := range []*node{other, fa} {
 		code, b := post(t, n.url, "/completion", map[string]any{"prompt": concat(prefix, []int32{9, 9}), "n_predict": 2})
-		if code != 200 {
-			t.Fatalf("%d %s", code, b)
-		}
-		if _, restored := decoded(t, b); restored != 0 || len(n.fs.restores) != 0 {
-			t.Fatalf("another model restored %d tokens", restored)
-		}
-		if n.p.State().Fingerprint == n1.p.State().Fingerprint {
-			t.Fatal("another model has the same fingerprint")
-		}
+		require.Equal(t, 200, code, "%s", b)
+		_, restored := decoded(t, b)
+		require.Zero(t, restored, "another model restored tokens")
+		require.Empty(t, n.fs.restores, "another model restored")
+		require.NotEqual(t, n1.p.State().Fingerprint, n.p.State().Fingerprint, "another model has the same fingerprint")
 	}
 }
 
@@ -286,42 +246,31 @@ func TestFallbacks(t *testing.T) {
 			warm(t, one, prompt)
 			fs := newFake(t, "slot-fa-on.bin", 1, 1, 1)
 			n := startNode(t, fs, dir, "two", Options{})
-			if err := n.p.Learn(context.Background()); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, n.p.Learn(context.Background()))
 			fs.mu.Lock()
 			tc.setup(fs, one.p.b)
 			fs.mu.Unlock()
 			req := map[string]any{"prompt": concat(prefix, []int32{7, 8}), "n_predict": 2}
 			code, b := post(t, n.url, "/completion", req)
-			if code != tc.code {
-				t.Fatalf("status %d, want %d: %s", code, tc.code, b)
-			}
+			require.Equal(t, tc.code, code, "status: %s", b)
 			if tc.code != 200 {
 				// An error passes through exactly as the server sent it.
-				if want := `{"error":{"code":500,"message":"the fake failed on purpose","type":"invalid_request_error"}}`; string(b) != want {
-					t.Fatalf("error body %q", b)
-				}
+				require.Equal(t, `{"error":{"code":500,"message":"the fake failed on purpose","type":"invalid_request_error"}}`, string(b), "error body")
 			} else {
-				if _, restored := decoded(t, b); restored != 0 {
-					t.Fatalf("restored %d", restored)
-				}
+				_, restored := decoded(t, b)
+				require.Zero(t, restored, "restored")
 				ref := newFake(t, "slot-fa-on.bin", 1, 1, 1)
 				_, direct := post(t, ref.url(), "/completion", req)
-				if !reflect.DeepEqual(cacheFree(t, b), cacheFree(t, direct)) {
-					t.Fatalf("answer %s, without the proxy %s", b, direct)
-				}
+				require.Equal(t, cacheFree(t, direct), cacheFree(t, b), "answer %s, without the proxy %s", b, direct)
 			}
 			n.flush(t)
 			st := n.p.Stats()
-			if tc.reason != "" && st.Fallbacks[tc.reason] != 1 {
-				t.Fatalf("fallbacks %v, want one %s", st.Fallbacks, tc.reason)
+			if tc.reason != "" {
+				require.Equal(t, int64(1), st.Fallbacks[tc.reason], "fallbacks %v, want one %s", st.Fallbacks, tc.reason)
 			}
-			if len(fs.restores) != tc.restores {
-				t.Fatalf("restore calls %v, want %d", fs.restores, tc.restores)
-			}
-			if tc.code != 200 && st.Saves != 0 {
-				t.Fatalf("saved after an error: %+v", st)
+			require.Len(t, fs.restores, tc.restores, "restore calls")
+			if tc.code != 200 {
+				require.Zero(t, st.Saves, "saved after an error: %+v", st)
 			}
 			assertEmptyDir(t, fs.dir)
 		})
@@ -332,27 +281,22 @@ func TestUnknownSlotFileVersionTurnsBridgeOff(t *testing.T) {
 	fs := newFake(t, "slot-fa-on.bin", 2, 1, 1)
 	fs.saveVersion = 4
 	n := startNode(t, fs, directoryName(t), "one", Options{})
-	if err := n.p.Learn(context.Background()); err == nil {
-		t.Fatal("learned a model from a version 4 slot file")
-	}
+	require.Error(t, n.p.Learn(context.Background()), "learned a model from a version 4 slot file")
 	req := map[string]any{"prompt": seqTokens(30, 7, 3), "n_predict": 3}
 	for range 2 {
 		code, b := post(t, n.url, "/completion", req)
-		if code != 200 {
-			t.Fatalf("%d %s", code, b)
-		}
+		require.Equal(t, 200, code, "%s", b)
 		_, direct := post(t, newFake(t, "slot-fa-on.bin", 1, 1, 1).url(), "/completion", req)
-		if !reflect.DeepEqual(cacheFree(t, b), cacheFree(t, direct)) {
-			t.Fatalf("answer %s, without the proxy %s", b, direct)
-		}
+		require.Equal(t, cacheFree(t, direct), cacheFree(t, b), "answer %s, without the proxy %s", b, direct)
 	}
 	n.flush(t)
-	if st := n.p.State(); st.Bridge || st.BridgeOff == "" {
-		t.Fatalf("state %+v", st)
-	}
-	if st := n.p.Stats(); st.Restores != 0 || st.PublishedBlocks != 0 || st.Pinned != 2 {
-		t.Fatalf("stats %+v", st)
-	}
+	state := n.p.State()
+	require.False(t, state.Bridge, "state %+v", state)
+	require.NotEmpty(t, state.BridgeOff, "state %+v", state)
+	st := n.p.Stats()
+	require.Zero(t, st.Restores, "stats %+v", st)
+	require.Zero(t, st.PublishedBlocks, "stats %+v", st)
+	require.Equal(t, int64(2), st.Pinned, "stats %+v", st)
 	assertEmptyDir(t, fs.dir)
 }
 
@@ -369,33 +313,25 @@ func TestStreamingPassesThroughAsItComes(t *testing.T) {
 	fs.mu.Unlock()
 	b, _ := json.Marshal(req)
 	resp, err := http.Post(n.url+"/completion", "application/json", bytes.NewReader(b))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer resp.Body.Close()
-	if ct := resp.Header.Get("Content-Type"); ct != "text/event-stream" {
-		t.Fatalf("content type %q", ct)
-	}
+	require.Equal(t, "text/event-stream", resp.Header.Get("Content-Type"))
 	var got bytes.Buffer
 	rd := bufio.NewReader(io.TeeReader(resp.Body, &got))
 	// The first event arrives while the server still holds the second.
 	line, err := rd.ReadString('\n')
-	if err != nil || !strings.HasPrefix(line, "data: ") {
-		t.Fatalf("first event %q, %v", line, err)
-	}
+	require.NoError(t, err, "first event %q", line)
+	require.True(t, strings.HasPrefix(line, "data: "), "first event %q", line)
 	for range 4 {
 		gate <- struct{}{}
 	}
-	if _, err := io.Copy(io.Discard, rd); err != nil {
-		t.Fatal(err)
-	}
-	if got.String() != string(want) {
-		t.Fatalf("stream through the proxy\n%s\nwithout\n%s", got.String(), want)
-	}
+	_, err = io.Copy(io.Discard, rd)
+	require.NoError(t, err)
+	require.Equal(t, string(want), got.String(), "stream through the proxy, without")
 	n.flush(t)
-	if st := n.p.Stats(); st.Saves != 1 || st.PublishedBlocks != 3 {
-		t.Fatalf("a streamed answer's blocks were not published: %+v", st)
-	}
+	st := n.p.Stats()
+	require.Equal(t, int64(1), st.Saves, "a streamed answer's blocks were not published: %+v", st)
+	require.Equal(t, int64(3), st.PublishedBlocks, "a streamed answer's blocks were not published: %+v", st)
 }
 
 func TestNonStreamingAnswerChangesOnlyByTimingFields(t *testing.T) {
@@ -406,12 +342,8 @@ func TestNonStreamingAnswerChangesOnlyByTimingFields(t *testing.T) {
 	_, want := post(t, newFake(t, "slot-fa-on.bin", 1, 1, 1).url(), "/completion", req)
 	rest, _ := decoded(t, got)
 	var w map[string]any
-	if err := json.Unmarshal(want, &w); err != nil {
-		t.Fatal(err)
-	}
-	if !reflect.DeepEqual(rest, w) {
-		t.Fatalf("answer through the proxy, timing fields removed\n%v\nwithout\n%v", rest, w)
-	}
+	require.NoError(t, json.Unmarshal(want, &w))
+	require.Equal(t, w, rest, "answer through the proxy, timing fields removed, without")
 }
 
 func TestConcurrentRequestsNeverShareASlot(t *testing.T) {
@@ -442,23 +374,16 @@ func TestConcurrentRequestsNeverShareASlot(t *testing.T) {
 	}
 	wg.Wait()
 	for i, req := range reqs {
-		if codes[i] != 200 {
-			t.Fatalf("request %d: %d %s", i, codes[i], got[i])
-		}
+		require.Equal(t, 200, codes[i], "request %d: %s", i, got[i])
 		_, want := post(t, ref.url(), "/completion", req)
-		if !reflect.DeepEqual(cacheFree(t, got[i]), cacheFree(t, want)) {
-			t.Fatalf("request %d: answer %s, want %s", i, got[i], want)
-		}
+		require.Equal(t, cacheFree(t, want), cacheFree(t, got[i]), "request %d: answer %s, want %s", i, got[i], want)
 	}
 	n.flush(t)
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
-	if fs.overlaps != 0 {
-		t.Fatalf("%d requests were pinned to a slot that was computing", fs.overlaps)
-	}
-	if st := n.p.Stats(); st.Pinned != 16 {
-		t.Fatalf("stats %+v", st)
-	}
+	require.Zero(t, fs.overlaps, "requests were pinned to a slot that was computing")
+	st := n.p.Stats()
+	require.Equal(t, int64(16), st.Pinned, "stats %+v", st)
 }
 
 func TestDirtySlotsPublishNothing(t *testing.T) {
@@ -479,13 +404,10 @@ func TestDirtySlotsPublishNothing(t *testing.T) {
 		{map[string]any{"prompt": seqTokens(30, 3, 2), "n_predict": 2, "cache_prompt": false}, 3},
 	}
 	for i, s := range steps {
-		if code, b := post(t, n.url, "/completion", s.req); code != 200 {
-			t.Fatalf("step %d: %d %s", i, code, b)
-		}
+		code, b := post(t, n.url, "/completion", s.req)
+		require.Equal(t, 200, code, "step %d: %s", i, b)
 		n.flush(t)
-		if got := n.p.Stats().PublishedBlocks; got != s.published {
-			t.Fatalf("step %d: %d blocks published, want %d", i, got, s.published)
-		}
+		require.Equal(t, s.published, n.p.Stats().PublishedBlocks, "step %d: blocks published", i)
 	}
 }
 
@@ -495,16 +417,15 @@ func TestUpstreamContextShiftPublishesNothing(t *testing.T) {
 	warm(t, startNode(t, newFake(t, "slot-fa-on.bin", 1, 1, 1), dir, "one", Options{}), prompt)
 	n := startNode(t, newFake(t, "slot-fa-on.bin", 1, 1, 1), dir, "two", Options{UpstreamContextShift: true})
 	_, b := post(t, n.url, "/completion", map[string]any{"prompt": concat(prompt, []int32{5, 5, 5, 5, 5, 5, 5, 5, 5}), "n_predict": 2})
-	if _, restored := decoded(t, b); restored != 3*blockTokens {
-		t.Fatalf("restored %d: restores stay on", restored)
-	}
+	_, restored := decoded(t, b)
+	require.Equal(t, 3*blockTokens, restored, "restores stay on")
 	n.flush(t)
-	if st := n.p.Stats(); st.Saves != 0 || st.PublishedBlocks != 0 {
-		t.Fatalf("published with context shift on: %+v", st)
-	}
-	if st := n.p.State(); st.Publishing || st.PublishOff == "" {
-		t.Fatalf("state %+v", st)
-	}
+	st := n.p.Stats()
+	require.Zero(t, st.Saves, "published with context shift on: %+v", st)
+	require.Zero(t, st.PublishedBlocks, "published with context shift on: %+v", st)
+	state := n.p.State()
+	require.False(t, state.Publishing, "state %+v", state)
+	require.NotEmpty(t, state.PublishOff, "state %+v", state)
 }
 
 func TestHealthzAndMetrics(t *testing.T) {
@@ -512,29 +433,26 @@ func TestHealthzAndMetrics(t *testing.T) {
 	post(t, n.url, "/completion", map[string]any{"prompt": seqTokens(20, 7, 3), "n_predict": 2})
 	n.flush(t)
 	resp, err := http.Get(n.url + "/healthz")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	var h struct {
 		Status string `json:"status"`
 		State
 	}
 	err = json.NewDecoder(resp.Body).Decode(&h)
 	resp.Body.Close()
-	if err != nil || resp.StatusCode != 200 || h.Status != "ok" || !h.Bridge || !h.Publishing || h.Slots != 2 {
-		t.Fatalf("healthz %d %+v %v", resp.StatusCode, h, err)
-	}
+	require.NoError(t, err)
+	require.Equal(t, 200, resp.StatusCode)
+	require.Equal(t, "ok", h.Status, "healthz %+v", h)
+	require.True(t, h.Bridge, "healthz %+v", h)
+	require.True(t, h.Publishing, "healthz %+v", h)
+	require.Equal(t, 2, h.Slots, "healthz %+v", h)
 	resp, err = http.Get(n.url + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
 	for _, want := range []string{"mcbridge_saved_blocks_total 2", "mcproxy_requests_total 1",
 		"mcproxy_queued_blocks_total 2", `mcproxy_restore_fallbacks_total{reason="slot_busy"} 0`} {
-		if !strings.Contains(string(b), want+"\n") {
-			t.Errorf("metrics lack %q:\n%s", want, b)
-		}
+		assert.Contains(t, string(b), want+"\n", "metrics lack %q", want)
 	}
 }
 
@@ -549,17 +467,13 @@ func TestAPIKey(t *testing.T) {
 			req.Header.Set("Authorization", "Bearer "+key)
 		}
 		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		resp.Body.Close()
 		// The client's own key decides its request; the proxy's key its calls.
-		if want := map[string]int{"": 401, "sesame": 200}[key]; resp.StatusCode != want {
-			t.Fatalf("key %q: status %d, want %d", key, resp.StatusCode, want)
-		}
+		require.Equal(t, map[string]int{"": 401, "sesame": 200}[key], resp.StatusCode, "key %q", key)
 	}
 	n.flush(t)
-	if st := n.p.Stats(); st.PublishedBlocks != 2 || !n.p.State().Bridge {
-		t.Fatalf("stats %+v, state %+v", st, n.p.State())
-	}
+	st := n.p.Stats()
+	require.Equal(t, int64(2), st.PublishedBlocks, "stats %+v, state %+v", st, n.p.State())
+	require.True(t, n.p.State().Bridge, "stats %+v, state %+v", st, n.p.State())
 }

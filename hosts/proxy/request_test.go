@@ -2,9 +2,10 @@ package proxy
 
 import (
 	"encoding/json"
-	"reflect"
-	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 func TestParseRequest(t *testing.T) {
@@ -46,19 +47,17 @@ func TestParseRequest(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			r, err := parseRequest(tc.ep, []byte(tc.body))
 			if tc.err {
-				if err == nil {
-					t.Fatalf("parsed %q", tc.body)
-				}
+				require.Error(t, err, "parsed %q", tc.body)
 				return
 			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			if string(r.prompt) != tc.prompt || !reflect.DeepEqual(r.tokens, tc.tokens) || r.stream != tc.stream ||
-				r.idSlot != tc.slot || r.cachePrompt != tc.cache || r.dirty != tc.dirty || r.multi != tc.multi {
-				t.Fatalf("got prompt %s tokens %v stream %v slot %d cache %v dirty %v multi %v",
-					r.prompt, r.tokens, r.stream, r.idSlot, r.cachePrompt, r.dirty, r.multi)
-			}
+			require.NoError(t, err)
+			assert.Equal(t, tc.prompt, string(r.prompt), "prompt")
+			assert.Equal(t, tc.tokens, r.tokens, "tokens")
+			assert.Equal(t, tc.stream, r.stream, "stream")
+			assert.Equal(t, tc.slot, r.idSlot, "slot")
+			assert.Equal(t, tc.cache, r.cachePrompt, "cache")
+			assert.Equal(t, tc.dirty, r.dirty, "dirty")
+			assert.Equal(t, tc.multi, r.multi, "multi")
 		})
 	}
 }
@@ -66,23 +65,14 @@ func TestParseRequest(t *testing.T) {
 func TestPinnedKeepsTheRestOfTheBody(t *testing.T) {
 	body := `{"prompt":"<a> & b","id_slot":0,"n_predict":3,"x":{"y":[1,2.50]}}`
 	r, err := parseRequest(completion, []byte(body))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	out, err := r.pinned(3)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	var got, want map[string]any
-	if err := json.Unmarshal(out, &got); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, json.Unmarshal(out, &got))
 	_ = json.Unmarshal([]byte(body), &want)
 	want["id_slot"] = float64(3)
-	if !reflect.DeepEqual(got, want) {
-		t.Fatalf("pinned body %s", out)
-	}
-	if !json.Valid(out) || !strings.Contains(string(out), `"<a> & b"`) {
-		t.Fatalf("the prompt's bytes changed: %s", out)
-	}
+	require.Equal(t, want, got, "pinned body %s", out)
+	assert.True(t, json.Valid(out), "pinned body %s", out)
+	assert.Contains(t, string(out), `"<a> & b"`, "the prompt's bytes changed")
 }

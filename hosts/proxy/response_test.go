@@ -5,6 +5,9 @@ import (
 	"io"
 	"testing"
 	"testing/iotest"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 func TestSpliceTimings(t *testing.T) {
@@ -29,9 +32,8 @@ func TestSpliceTimings(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			got, ok := spliceTimings([]byte(tc.in), mcbMembers(5, 1.25))
-			if ok != tc.ok || string(got) != tc.want {
-				t.Fatalf("got %s (%v), want %s (%v)", got, ok, tc.want, tc.ok)
-			}
+			assert.Equal(t, tc.ok, ok, "accepted")
+			assert.Equal(t, tc.want, string(got))
 		})
 	}
 }
@@ -45,25 +47,21 @@ func TestSSESnifferPassesBytesAndReadsTheLastTimings(t *testing.T) {
 	var closed *sseSniffer
 	s := &sseSniffer{rc: io.NopCloser(iotest.OneByteReader(bytes.NewReader([]byte(stream)))), onClose: func(s *sseSniffer) { closed = s }}
 	got, err := io.ReadAll(s)
-	if err != nil || string(got) != stream {
-		t.Fatalf("passed %q, %v", got, err)
-	}
-	if err := s.Close(); err != nil || closed == nil {
-		t.Fatal("close did not report")
-	}
-	want := timings{CacheN: 7, PromptN: 9, PromptMS: 2.5, PredictedN: 4}
-	if !closed.seen || !closed.atEOF || *closed.last.Timings != want {
-		t.Fatalf("sniffed %+v seen %v eof %v", closed.last.Timings, closed.seen, closed.atEOF)
-	}
+	require.NoError(t, err)
+	require.Equal(t, stream, string(got))
+	require.NoError(t, s.Close())
+	require.NotNil(t, closed, "close did not report")
+	require.True(t, closed.seen, "sniffed nothing")
+	require.True(t, closed.atEOF, "not at EOF")
+	require.NotNil(t, closed.last.Timings)
+	assert.Equal(t, timings{CacheN: 7, PromptN: 9, PromptMS: 2.5, PredictedN: 4}, *closed.last.Timings)
 }
 
 func TestSSESnifferSkipsOverlongLines(t *testing.T) {
 	long := "data: {\"timings\":{\"cache_n\":1},\"x\":\"" + string(bytes.Repeat([]byte("x"), maxEventLine)) + "\"}\n"
 	s := &sseSniffer{rc: io.NopCloser(bytes.NewReader([]byte(long + "data: {\"timings\":{\"cache_n\":2}}\n")))}
-	if _, err := io.Copy(io.Discard, s); err != nil {
-		t.Fatal(err)
-	}
-	if !s.seen || s.last.Timings.CacheN != 2 {
-		t.Fatalf("sniffed %+v", s.last.Timings)
-	}
+	_, err := io.Copy(io.Discard, s)
+	require.NoError(t, err)
+	require.True(t, s.seen, "sniffed nothing")
+	assert.Equal(t, 2, s.last.Timings.CacheN, "sniffed %+v", s.last.Timings)
 }

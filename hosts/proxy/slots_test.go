@@ -15,9 +15,8 @@ func TestAcquirePrefersTheLongestCachedPrefix(t *testing.T) {
 	// Fill the slots with known contents, oldest first.
 	for i, toks := range [][]int32{{1, 2, 3}, {1, 2, 9}, {7}} {
 		id, _, err := tab.acquire(ctx, i, nil)
-		if err != nil || id != i {
-			t.Fatal(id, err)
-		}
+		require.NoError(t, err)
+		require.Equal(t, i, id)
 		tab.release(id, contents{tokens: toks})
 	}
 	tests := []struct {
@@ -33,9 +32,9 @@ func TestAcquirePrefersTheLongestCachedPrefix(t *testing.T) {
 	}
 	for _, tc := range tests {
 		id, l, err := tab.acquire(ctx, -1, tc.prompt)
-		if err != nil || id != tc.slot || l != tc.lcp {
-			t.Fatalf("prompt %v: slot %d lcp %d (%v), want %d %d", tc.prompt, id, l, err, tc.slot, tc.lcp)
-		}
+		require.NoError(t, err, "prompt %v", tc.prompt)
+		require.Equal(t, tc.slot, id, "prompt %v: slot", tc.prompt)
+		require.Equal(t, tc.lcp, l, "prompt %v: lcp", tc.prompt)
 		tab.release(id, tab.view(id).contents)
 	}
 }
@@ -43,9 +42,8 @@ func TestAcquirePrefersTheLongestCachedPrefix(t *testing.T) {
 func TestAcquireWaitsForARelease(t *testing.T) {
 	tab := newSlotTable(1)
 	ctx := context.Background()
-	if _, _, err := tab.acquire(ctx, -1, nil); err != nil {
-		t.Fatal(err)
-	}
+	_, _, err := tab.acquire(ctx, -1, nil)
+	require.NoError(t, err)
 	got := make(chan int)
 	go func() {
 		id, _, err := tab.acquire(ctx, 0, nil)
@@ -56,53 +54,43 @@ func TestAcquireWaitsForARelease(t *testing.T) {
 	}()
 	select {
 	case id := <-got:
-		t.Fatalf("acquired held slot %d", id)
+		require.Fail(t, "acquired a held slot", "slot %d", id)
 	case <-time.After(10 * time.Millisecond):
 	}
 	tab.release(0, contents{tokens: []int32{4}, dirty: true})
-	if id := <-got; id != 0 {
-		t.Fatalf("acquired %d", id)
-	}
-	if v := tab.view(0); !v.held || !v.dirty || len(v.tokens) != 1 {
-		t.Fatalf("view %+v", v)
-	}
+	require.Equal(t, 0, <-got, "acquired")
+	v := tab.view(0)
+	require.True(t, v.held, "view %+v", v)
+	require.True(t, v.dirty, "view %+v", v)
+	require.Len(t, v.tokens, 1, "view %+v", v)
 	cctx, cancel := context.WithCancel(ctx)
 	cancel()
-	if _, _, err := tab.acquire(cctx, 0, nil); err == nil {
-		t.Fatal("acquired with a cancelled context")
-	}
-	if _, _, err := tab.acquire(ctx, 5, nil); err == nil {
-		t.Fatal("acquired a slot that does not exist")
-	}
+	_, _, err = tab.acquire(cctx, 0, nil)
+	require.Error(t, err, "acquired with a cancelled context")
+	_, _, err = tab.acquire(ctx, 5, nil)
+	require.Error(t, err, "acquired a slot that does not exist")
 }
 
 func TestHoldAll(t *testing.T) {
 	tab := newSlotTable(3)
 	ctx := context.Background()
-	if _, _, err := tab.acquire(ctx, 1, nil); err != nil {
-		t.Fatal(err)
-	}
+	_, _, err := tab.acquire(ctx, 1, nil)
+	require.NoError(t, err)
 	done := make(chan error)
 	go func() { done <- tab.holdAll(ctx) }()
 	select {
 	case err := <-done:
-		t.Fatalf("held every slot while one was taken: %v", err)
+		require.Fail(t, "held every slot while one was taken", "%v", err)
 	case <-time.After(10 * time.Millisecond):
 	}
 	tab.release(1, contents{})
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, <-done)
 	for i := 0; i < 3; i++ {
-		if !tab.view(i).held {
-			t.Fatalf("slot %d not held", i)
-		}
+		require.True(t, tab.view(i).held, "slot %d not held", i)
 	}
 	cctx, cancel := context.WithTimeout(ctx, time.Millisecond)
 	defer cancel()
-	if err := tab.holdAll(cctx); err == nil {
-		t.Fatal("held slots held by another")
-	}
+	require.Error(t, tab.holdAll(cctx), "held slots held by another")
 }
 
 func TestNextDirty(t *testing.T) {
@@ -137,9 +125,7 @@ func TestNextDirty(t *testing.T) {
 		{"another prompt after the answer", answeredKnown, prompt, false, with(4), true},
 	}
 	for _, tc := range tests {
-		if got := nextDirty(tc.before, tc.prompt, tc.reqDirty, tc.x); got != tc.want {
-			t.Errorf("%s: dirty %v, want %v", tc.name, got, tc.want)
-		}
+		assert.Equal(t, tc.want, nextDirty(tc.before, tc.prompt, tc.reqDirty, tc.x), "%s: dirty", tc.name)
 	}
 }
 

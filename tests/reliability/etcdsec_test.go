@@ -129,9 +129,7 @@ func (p *pki) tlsClient(t *testing.T, endpoint string, clientCert bool, user, pa
 func startTLSEtcd(t *testing.T, p *pki, clientCertAuth bool) string {
 	t.Helper()
 	bin := etcdtest.Binary()
-	if bin == "" {
-		t.Fatal("no etcd server binary: install Debian's etcd-server package (make test does) or set MCB_ETCD_BIN")
-	}
+	require.NotEmpty(t, bin, "no etcd server binary: install Debian's etcd-server package (make test does) or set MCB_ETCD_BIN")
 	var ls []net.Listener
 	for range 2 {
 		l, err := net.Listen("tcp", "127.0.0.1:0")

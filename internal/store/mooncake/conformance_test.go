@@ -304,7 +304,7 @@ func TestMasterStopped(t *testing.T) {
 	assert.Equal(t, status.Timeout, status.Of(err), "%v", err)
 	select {
 	case <-op.Done():
-		t.Fatal("the get landed while the master was stopped")
+		require.Fail(t, "the get landed while the master was stopped")
 	default:
 	}
 	m.Signal(syscall.SIGCONT)
