@@ -437,6 +437,11 @@ func etcdSlow(c *fcase) outcome {
 	// lease is what the reader sees.
 	rc.Directory.LeaseTTLS = 30
 	_, r, a := c.ownerWithA(j, rc)
+	// The reader's lease is granted in the background; granted during the
+	// spell instead, the publish would fail for want of a lease, not of
+	// an answer.
+	require.Eventually(c.t, func() bool { return r.b.Health() == nil }, 10*time.Second, 10*time.Millisecond,
+		"the reader holds a lease before the slow spell: %v", r.b.Health())
 	p.setDelay(1500 * time.Millisecond)
 	out := r.restore(r.h, key.Scope{}, a)
 	before := r.b.Stats()
