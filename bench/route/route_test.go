@@ -67,7 +67,7 @@ func BenchmarkRoute(b *testing.B) {
 	model := filepath.Join(b.TempDir(), "route.gguf")
 	require.NoError(b, gguf.WriteFile(model, cfg))
 	swarm := Generate(w)
-	rep := Report{Note: "measured on a shared two-core machine under other engineers' load: read the policies against each other, not the absolute times",
+	rep := Report{Note: "the policies measured in one run on the same machine: read them against each other; the load averages at the start and the end say how quiet it was",
 		Date: time.Now().UTC().Format(time.RFC3339), LoadStart: loadAverage(), Workload: w, Upstreams: upstreams, Slots: 2,
 		Model: fmt.Sprintf("%s: %d layers, n_embd %d, %d KV heads, f16", cfg.Name, cfg.BlockCount, cfg.EmbeddingLength, cfg.HeadCountKV)}
 	t0 := time.Now()

@@ -48,7 +48,7 @@ type report struct {
 	E2E    json.RawMessage `json:"e2e,omitempty"` // bench/out/e2e.json as found
 	E2EErr string          `json:"e2e_error,omitempty"`
 
-	Route    *route.Report `json:"route,omitempty"` // bench/out/route.json as found
+	Route    *route.Report `json:"route,omitempty"` // bench/out/route.json, which BenchmarkRoute writes
 	RouteErr string        `json:"route_error,omitempty"`
 
 	Stages []stage `json:"stages"`
@@ -206,9 +206,10 @@ func (r *report) runBenchmarks(rawPath string) error {
 		{"./internal/transport/mooncake/", "PeerRead", benchtime},
 		{"./internal/store/mooncake/", "Store", benchtime},
 		{"./bench/e2e/", ".", "1x"},
+		{"./bench/route/", "Route", "1x"},
 	} {
 		cmd := exec.Command("go", "test", "-run", "^$", "-bench", run.bench, "-benchtime", run.benchtime, "-count", "1", "-timeout", "2h", run.pkg)
-		cmd.Env = append(os.Environ(), "MCB_E2E_OUT="+filepath.Join(filepath.Dir(rawPath), "e2e.json"))
+		cmd.Env = append(os.Environ(), "MCB_E2E_OUT="+filepath.Join(filepath.Dir(rawPath), "e2e.json"), "MCB_BENCH_OUT="+filepath.Dir(rawPath))
 		pr, pw := io.Pipe()
 		cmd.Stdout, cmd.Stderr = pw, pw
 		if err := cmd.Start(); err != nil {
