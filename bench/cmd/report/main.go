@@ -101,6 +101,12 @@ func main() {
 }
 
 func measure(outDir, rawDir, tracePath string) error {
+	// The benchmarks run in their packages' directories: they are told
+	// where rawDir is as an absolute path.
+	rawDir, err := filepath.Abs(rawDir)
+	if err != nil {
+		return err
+	}
 	r := &report{Quick: os.Getenv("MCB_BENCH_QUICK") != "", Date: time.Now().UTC(), Machine: readMachine(), LoadStart: loadAverage()}
 	for _, d := range []string{outDir, rawDir} {
 		if err := os.MkdirAll(d, 0o755); err != nil {

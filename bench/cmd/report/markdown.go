@@ -228,7 +228,7 @@ func (r *report) writeTargets(m *md) {
 			restored += run.RestoredTokens
 		}
 		add("wrong KV ever restored", "0, under every injected fault",
-			fmt.Sprintf("0 wrong rows in %d restored tokens, every row checked (no faults injected here; fault tests live in bridge/orchestrator)", restored),
+			fmt.Sprintf("0 wrong rows in %d restored tokens, every row checked (no faults injected here; the injected faults are tests/reliability's fault matrix)", restored),
 			"met without faults")
 	} else {
 		add("trace replay hit ratio, unbounded pool", ">= 99% of the ideal prefix ceiling", "not run", notMeasured)
