@@ -270,11 +270,13 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32, cached int) (*Plan, erro
 	chain := key.Chain(root, tokens[:len(tokens)-1], B)
 	// The link is named after the walk, which holds the mirror's and the
 	// bridge's locks while it visits.
-	var first *directory.Entry
-	last := ""
+	// first is copied, not pointed to: a pointer to the callback's
+	// argument would move every visited entry to the heap.
+	var first directory.Entry
+	seen, last := false, ""
 	matched := m.walk(root, chain, func(e directory.Entry) {
-		if first == nil {
-			first = &e
+		if !seen {
+			first, seen = e, true
 		}
 		last = e.Loc.Segment
 	})
@@ -284,8 +286,8 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32, cached int) (*Plan, erro
 		b.wantAfter(last, chain[matched:])
 	}
 	link := "none"
-	if first != nil {
-		link = b.linkFor(*first)
+	if matched > 0 {
+		link = b.linkFor(first)
 	}
 	d := b.arb.Decide(arbiter.Input{
 		PromptTokens:    len(tokens),
