@@ -397,7 +397,7 @@ func contains(ss []string, s string) bool {
 
 func (r *report) writeStall(m *md) {
 	m.p("## Layer-wise pipeline\n")
-	m.p("`BenchmarkLayerStall`: the bench model's 4096 tokens (48 MiB, 12 layers) restored from a peer over a shaped link while the compute side, after `WaitLayer(i)`, busy-waits a fixed multiple of one layer's transfer time (the layer's bytes at the link's rate). Stalls are the time spent in `WaitLayer`, in units of that transfer time: means over the iterations, and the least disturbed iteration (`best`). `path` is the time per layer of the same restore with no compute. The Loopback engine copies in the polling thread, so each stall also holds the copy a NIC would make by DMA, and the layer's verification and placement, which the orchestrator does in the thread that waits.\n")
+	m.p("`BenchmarkLayerStall`: the bench model's 4096 tokens (48 MiB, 12 layers) restored from a peer over a shaped link while the compute side, after `WaitLayer(i)`, busy-waits a fixed multiple of one layer's transfer time (the layer's bytes at the link's rate). Stalls are the time spent in `WaitLayer`, in units of that transfer time: means over the iterations, and the least disturbed iteration (`best`). `path` is the time per layer of the same restore with no compute. The load's worker goroutine polls the engine and verifies and places each layer while the host's thread computes; the Loopback engine copies when it is polled, so on two cores the worker's share also holds the copy a NIC would make by DMA.\n")
 	var rows [][]string
 	for _, b := range r.family("LayerStall") {
 		rows = append(rows, []string{strings.TrimSuffix(b.Param("link"), "GBps"), strings.TrimSuffix(b.Param("compute"), "xlayer"),
