@@ -144,6 +144,33 @@ func TestRestartClearsWhatAKilledPublisherLeft(t *testing.T) {
 	require.Empty(t, s.Counts().Errors)
 }
 
+// A subscriber that hears nothing for Options.Silence dials again on a
+// new socket, and the new socket follows the publisher that took the
+// killed one's endpoint, whether or not the old socket would have.
+func TestSilentSubscriberDialsAgain(t *testing.T) {
+	idx := kvsub.NewIndex(testSeed)
+	c := testConfig("pod")
+	c.Endpoint, c.ReplayEndpoint = "tcp://*:"+freePort(t), "tcp://*:"+freePort(t)
+	p := openPublisher(t, c)
+	p.bufMu.Lock()
+	p.seq = 1 << 20
+	p.bufMu.Unlock()
+	s, err := kvsub.Subscribe(idx, p.Addr(), kvsub.Options{Replay: p.ReplayAddr(), Silence: 200 * time.Millisecond})
+	require.NoError(t, err)
+	t.Cleanup(s.Close)
+	untilSubscribed(t, p, idx, "m")
+	p.Stored("m", 4, blocks(NewChain(tokens(12, 0), 4, testSeed), 0, 2, 3))
+	require.Eventually(t, func() bool { return idx.Held("m", "pod") == 3 }, wait, 5*time.Millisecond)
+	p.abort()
+	require.Eventually(t, func() bool { return s.Counts().Redials > 0 }, wait, 10*time.Millisecond, "a silent stream is dialled again")
+	q := openPublisher(t, c)
+	defer q.Close()
+	untilSubscribed(t, q, idx, "m")
+	require.Zero(t, idx.Held("m", "pod"), "the new publisher's first batch cleared the old one's blocks")
+	require.Equal(t, 1, s.Counts().Restarts)
+	require.Empty(t, s.Counts().Errors)
+}
+
 func TestCloseClears(t *testing.T) {
 	idx := kvsub.NewIndex(testSeed)
 	p := openPublisher(t, testConfig("pod"))

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -58,7 +59,9 @@ func newEventsPod(t *testing.T, name, etcd, prefix string, leaseS int, model str
 }
 
 func (p eventsPod) subscribe(t *testing.T, idx *kvsub.Index, drop func(uint64) bool) *kvsub.Subscriber {
-	s, err := kvsub.Subscribe(idx, p.pub, kvsub.Options{Replay: p.replay, Drop: drop})
+	// The pods send heartbeats every 200 ms: ten missed, and the consumer
+	// dials again (a killed pod's successor is not always reconnected).
+	s, err := kvsub.Subscribe(idx, p.pub, kvsub.Options{Replay: p.replay, Drop: drop, Silence: 2 * time.Second})
 	require.NoError(t, err)
 	t.Cleanup(s.Close)
 	return s

@@ -24,6 +24,12 @@ type Options struct {
 	// Drop, when set, discards the batches it returns true for as they
 	// arrive: a lossy network, for tests of gap recovery.
 	Drop func(seq uint64) bool
+	// Silence, when positive, is how long a connecting subscriber hears
+	// nothing before it dials the endpoint again on a new socket. A SUB
+	// socket's own reconnect does not always bring back a publisher that
+	// restarted at the endpoint (libzmq's and zmq4's alike), and with
+	// heartbeats on, silence means the stream is lost.
+	Silence time.Duration
 }
 
 // Counts are what a Subscriber saw.
@@ -33,51 +39,107 @@ type Counts struct {
 	Gaps     int // sequence gaps found (a late join replays without one)
 	Replayed int // batches applied from replays
 	Restarts int // streams that began again at a lower sequence number
+	Redials  int // new sockets dialled after Options.Silence
 	Errors   []string
 }
 
 // Subscriber follows one publisher's stream into an Index.
 type Subscriber struct {
-	idx    *Index
-	opts   Options
-	sub    zmq4.Socket
-	cancel context.CancelFunc
-	done   chan struct{}
+	idx      *Index
+	opts     Options
+	endpoint string
+	ctx      context.Context
+	cancel   context.CancelFunc
+	done     chan struct{}
 
 	mu     sync.Mutex
-	last   int64 // last sequence number applied; -1 before the first
+	sub    zmq4.Socket // replaced when Options.Silence redials
+	heard  time.Time   // when the last message arrived, or the socket was dialled
+	last   int64       // last sequence number applied; -1 before the first
 	counts Counts
 }
 
 // Subscribe subscribes to every kv@ topic at endpoint.
 func Subscribe(idx *Index, endpoint string, opts Options) (*Subscriber, error) {
 	ctx, cancel := context.WithCancel(context.Background())
-	s := &Subscriber{idx: idx, opts: opts, cancel: cancel, done: make(chan struct{}), last: -1,
-		sub: zmq4.NewSub(ctx, zmq4.WithDialerMaxRetries(-1), zmq4.WithAutomaticReconnect(!opts.Bind))}
-	err := s.sub.SetOption(zmq4.OptionSubscribe, "kv@")
-	if err == nil && opts.Bind {
-		err = s.sub.Listen(endpoint)
-	}
+	s := &Subscriber{idx: idx, opts: opts, endpoint: endpoint, ctx: ctx, cancel: cancel, done: make(chan struct{}), last: -1}
+	sub, err := s.open()
 	if err != nil {
 		cancel()
-		_ = s.sub.Close()
 		return nil, err
 	}
-	if !opts.Bind {
+	s.sub, s.heard = sub, time.Now()
+	if opts.Silence > 0 && !opts.Bind {
+		go s.watch()
+	}
+	go s.run()
+	return s, nil
+}
+
+// open makes a SUB socket subscribed to every kv@ topic, bound or dialling.
+func (s *Subscriber) open() (zmq4.Socket, error) {
+	sub := zmq4.NewSub(s.ctx, zmq4.WithDialerMaxRetries(-1), zmq4.WithAutomaticReconnect(!s.opts.Bind))
+	err := sub.SetOption(zmq4.OptionSubscribe, "kv@")
+	if err == nil && s.opts.Bind {
+		err = sub.Listen(s.endpoint)
+	}
+	if err != nil {
+		_ = sub.Close()
+		return nil, err
+	}
+	if !s.opts.Bind {
 		// Connecting waits for the publisher, as libzmq's connect does not.
 		go func() {
-			if err := s.sub.Dial(endpoint); err != nil && ctx.Err() == nil {
-				s.fail("dial %s: %v", endpoint, err)
+			if err := sub.Dial(s.endpoint); err != nil && s.ctx.Err() == nil && s.current(sub) {
+				s.fail("dial %s: %v", s.endpoint, err)
 			}
 		}()
 	}
-	go s.run(ctx)
-	return s, nil
+	return sub, nil
+}
+
+func (s *Subscriber) socket() zmq4.Socket {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.sub
+}
+
+func (s *Subscriber) current(sub zmq4.Socket) bool { return s.socket() == sub }
+
+// watch dials again on a new socket whenever the stream is silent for
+// Options.Silence; the sequence numbers then tell a restart from a gap.
+func (s *Subscriber) watch() {
+	tick := time.NewTicker(s.opts.Silence / 4)
+	defer tick.Stop()
+	for {
+		select {
+		case <-s.ctx.Done():
+			return
+		case <-tick.C:
+		}
+		s.mu.Lock()
+		quiet := time.Since(s.heard) > s.opts.Silence
+		s.mu.Unlock()
+		if !quiet {
+			continue
+		}
+		sub, err := s.open()
+		if err != nil {
+			s.fail("redial %s: %v", s.endpoint, err)
+			continue
+		}
+		s.mu.Lock()
+		old := s.sub
+		s.sub, s.heard = sub, time.Now()
+		s.counts.Redials++
+		s.mu.Unlock()
+		_ = old.Close()
+	}
 }
 
 // Addr is where a binding subscriber listens.
 func (s *Subscriber) Addr() string {
-	if a := s.sub.Addr(); a != nil {
+	if a := s.socket().Addr(); a != nil {
 		return "tcp://" + a.String()
 	}
 	return ""
@@ -95,19 +157,20 @@ func (s *Subscriber) Counts() Counts {
 // Close stops the subscriber.
 func (s *Subscriber) Close() {
 	s.cancel()
-	_ = s.sub.Close()
+	_ = s.socket().Close()
 	<-s.done
 }
 
-func (s *Subscriber) run(ctx context.Context) {
+func (s *Subscriber) run() {
 	defer close(s.done)
+	ctx := s.ctx
 	for {
-		msg, err := s.sub.Recv()
+		msg, err := s.socket().Recv()
 		if ctx.Err() != nil {
 			return
 		}
 		if err != nil {
-			continue
+			continue // a replaced socket, or the socket's own reconnect
 		}
 		if len(msg.Frames) != 3 || len(msg.Frames[1]) != 8 {
 			s.fail("a message of %d frames, not [topic, seq, payload]", len(msg.Frames))
@@ -115,6 +178,7 @@ func (s *Subscriber) run(ctx context.Context) {
 		}
 		topic, seq, payload := string(msg.Frames[0]), binary.BigEndian.Uint64(msg.Frames[1]), msg.Frames[2]
 		s.mu.Lock()
+		s.heard = time.Now()
 		if s.opts.Drop != nil && s.opts.Drop(seq) {
 			s.counts.Dropped++
 			s.mu.Unlock()
