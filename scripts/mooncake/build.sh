@@ -11,7 +11,8 @@
 # suites that use these libraries never skip for want of them.
 #
 # MCB_MOONCAKE_VENDOR points at the vendor folder (default: ../shared/vendor beside the
-# checkout). The store build takes about 25 minutes on 2 cores and up to 5 GB per
+# checkout, or, for a clone of a local checkout such as CI's, beside the checkout it was
+# cloned from). The store build takes about 25 minutes on 2 cores and up to 5 GB per
 # compiler process: it runs with -j2 and nothing else should compile beside it.
 set -euo pipefail
 
@@ -23,7 +24,23 @@ store) tarball_name=mooncake-store/mooncake-store-src.tar.gz script_name=mooncak
 esac
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-vendor=${MCB_MOONCAKE_VENDOR:-$repo/../shared/vendor}
+# vendor_dir prints the first folder that holds the vendored tarballs.
+vendor_dir() {
+	if [[ -n ${MCB_MOONCAKE_VENDOR:-} ]]; then
+		echo "$MCB_MOONCAKE_VENDOR"
+		return
+	fi
+	local origin
+	origin=$(git -C "$repo" remote get-url origin 2>/dev/null || true)
+	for d in "$repo/../shared/vendor" ${origin:+"$origin/../shared/vendor"}; do
+		if [[ -d $d ]]; then
+			echo "$d"
+			return
+		fi
+	done
+	echo "$repo/../shared/vendor"
+}
+vendor=$(vendor_dir)
 cache=${MCB_CACHE:-$HOME/.cache/mcbridge}
 log() { printf '[mooncake-%s %s] %s\n' "$what" "$(date +%H:%M:%S)" "$*" >&2; }
 
