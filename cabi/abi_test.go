@@ -901,19 +901,28 @@ func TestRoundTrip(t *testing.T) {
 	}
 }
 
+// published opens a bridge, registers the test model and publishes the
+// first saved tokens of a 40-token prompt computed into 64 cells: where
+// most tests of lookups and loads start.
+func (f *fixture) published(t *testing.T, vtrans bool, saved int) (g model, b, m uint64, tok []int32, src *tensors) {
+	t.Helper()
+	g = testModel(vtrans)
+	b = f.open(t, f.config(""))
+	m = f.register(t, b, g.reg(t, f.c))
+	tok = prompt(40, 0, 40)
+	src = mustTensors(t, f.c, g, 64, vtrans, tight)
+	src.compute(tok, nil, 40)
+	f.save(t, m, nil, src, tok, saved, nil)
+	f.awaitPublished(t, b, saved/int(g.block))
+	return g, b, m, tok, src
+}
+
 // TestLookupCached: what the host already holds is part of the decision.
 // A restore must go past it; one that cannot is LOCAL, with no plan.
 func TestLookupCached(t *testing.T) {
 	f := newFixture(t)
-	g := testModel(false)
+	g, b, m, tok, _ := f.published(t, false, 28)
 	B := int(g.block)
-	b := f.open(t, f.config(""))
-	m := f.register(t, b, g.reg(t, f.c))
-	tok := prompt(40, 0, 40)
-	src := mustTensors(t, f.c, g, 64, false, tight)
-	src.compute(tok, nil, 40)
-	f.save(t, m, nil, src, tok, 28, nil)
-	f.awaitPublished(t, b, 7)
 	cases := []struct {
 		name    string
 		n       int
@@ -1475,15 +1484,8 @@ func TestLookupArguments(t *testing.T) {
 // bad outputs and calls out of order.
 func TestLoadSaveHandles(t *testing.T) {
 	f := newFixture(t)
-	g := testModel(false)
+	g, b, m, tok, src := f.published(t, false, 28)
 	B := int(g.block)
-	b := f.open(t, f.config(""))
-	m := f.register(t, b, g.reg(t, f.c))
-	tok := prompt(40, 0, 40)
-	src := mustTensors(t, f.c, g, 64, false, tight)
-	src.compute(tok, nil, 40)
-	f.save(t, m, nil, src, tok, 28, nil)
-	f.awaitPublished(t, b, 7)
 	dst := mustTensors(t, f.c, g, 64, false, tight)
 	before := dst.snapshot()
 
@@ -1587,15 +1589,8 @@ func TestStatsArguments(t *testing.T) {
 // stays usable, and closes once they end; its models and plans go with it.
 func TestCloseWithWorkOpen(t *testing.T) {
 	f := newFixture(t)
-	g := testModel(true)
-	b := f.open(t, f.config(""))
-	m := f.register(t, b, g.reg(t, f.c))
+	g, b, m, tok, src := f.published(t, true, 40)
 	m2 := f.register(t, b, g.reg(t, f.c))
-	tok := prompt(40, 0, 40)
-	src := mustTensors(t, f.c, g, 64, true, tight)
-	src.compute(tok, nil, 40)
-	f.save(t, m, nil, src, tok, 40, nil)
-	f.awaitPublished(t, b, 10)
 
 	sv, ld := f.out(t), f.out(t)
 	f.must(t, mcbgo_save_begin(m, nil, unsafe.Pointer(src.layout), f.c.i32s(t, tok), 40, nil, unsafe.Pointer(sv), f.eb, f.el), status.OK, "save begin")
