@@ -9,7 +9,9 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"regexp"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -108,10 +110,41 @@ func runScenarios(t *testing.T, scs []scenario) {
 				if sc.mockOnly != "" && !im.mock() {
 					continue
 				}
-				t.Run(im.name, func(t *testing.T) { sc.run(t, im.lib(t)) })
+				t.Run(im.name, func(t *testing.T) {
+					if !im.mock() && os.Getenv(envIsolated) == "" {
+						runIsolated(t)
+						return
+					}
+					sc.run(t, im.lib(t))
+				})
 			}
 		})
 	}
+}
+
+// envIsolated marks a process that runs one real-library case by itself.
+const envIsolated = "MCB_TE_ISOLATED"
+
+// runIsolated runs the test t names in a process of its own. The real
+// engine hands a freed batch's memory out again and its transport threads
+// finish a slice's bookkeeping after the task already reads as done, so in
+// a shared heap its late writes can land in whatever the mock allocates
+// next: each real case gets a heap the mock never touches.
+func runIsolated(t *testing.T) {
+	var pattern []string
+	for _, part := range strings.Split(t.Name(), "/") {
+		pattern = append(pattern, "^"+regexp.QuoteMeta(part)+"$")
+	}
+	args := []string{"-test.run=" + strings.Join(pattern, "/"), "-test.count=1", "-test.v"}
+	if d, ok := t.Deadline(); ok {
+		args = append(args, "-test.timeout="+time.Until(d).Round(time.Second).String())
+	}
+	cmd := exec.Command(os.Args[0], args...)
+	// The mock the parent found, so that the child need not build one.
+	cmd.Env = append(os.Environ(), envIsolated+"=1", mocklib.Env+"="+mockLib)
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "%s in its own process:\n%s", t.Name(), out)
+	require.Contains(t, string(out), "--- PASS: "+t.Name()+" ", "%s never ran in its own process:\n%s", t.Name(), out)
 }
 
 // buffer is memory outside the Go heap, as the engines' worker threads may
