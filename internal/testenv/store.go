@@ -97,6 +97,12 @@ func (n *StoreNode) MasterState(tb testing.TB) MasterState {
 	return st
 }
 
+// Keys lists the objects the master holds.
+func (n *StoreNode) Keys(tb testing.TB) []string {
+	tb.Helper()
+	return strings.Fields(string(Get(tb, n.Admin+"/get_all_keys")))
+}
+
 // Segments lists the segments the master knows.
 func (n *StoreNode) Segments(tb testing.TB) []string {
 	tb.Helper()
