@@ -11,8 +11,8 @@
 // For every request the table shows the tokens restored, the time to first
 // token with mcbridge and without it (the same request on a stock
 // llama-server that has nothing cached), and whether the two greedy
-// completions are the same tokens. The test fails when any output differs
-// or when the agents after the first restored nothing.
+// completions are the same tokens. The test fails when any output differs,
+// or when a server's first request after agent 1's restored nothing.
 //
 // It is a test behind the build tag "demo", so that it can use testenv and
 // `go test ./...` leaves it out:
@@ -103,9 +103,10 @@ func TestSwarmDemo(t *testing.T) {
 	t.Logf("store node pid %d on %s, etcd %s", store.Pid(), store.URL, etcdURL)
 
 	ctx := prefixN + suffixN + 8*agents + nPredict + 256
-	// -fa auto is on for the CPU backend; the later -t overrides
-	// ServerArgs' 2.
-	args := append(testenv.ServerArgs(model, ctx, 1, "auto"), "-t", strconv.Itoa(threads))
+	// -fa auto is on for the CPU backend. DEMO_THREADS takes the place of
+	// ServerArgs' -t 2: llama-server warns about a repeated -t.
+	args := testenv.ServerArgs(model, ctx, 1, "auto")
+	args[slices.Index(args, "-t")+1] = strconv.Itoa(threads)
 	bridgeCfg := mustJSON(t, map[string]any{
 		"directory": map[string]any{"kind": "etcd", "endpoints": []string{etcdURL}},
 		"transport": transport,
@@ -166,15 +167,14 @@ func TestSwarmDemo(t *testing.T) {
 	fmt.Printf("store node: %d blocks, %d bytes of a %d-byte pool\n", state.Blocks, state.Bytes, state.PoolBytes)
 	t.Logf("demo done in %s", time.Since(start).Round(time.Second))
 
-	restored := 0
 	for _, r := range rows {
 		assert.True(t, r.sameToks, "agent %d on %s gave other tokens with mcbridge than without: %v, stock %v",
 			r.agent, r.server, r.with.Tokens, r.without.Tokens)
-		if r.agent > 1 {
-			restored += r.with.Timings.RestoredN
+		// A server's first request finds nothing in its own slot: after
+		// agent 1, the shared prefix can only come from the swarm.
+		if r.agent > 1 && r.agent <= servers {
+			assert.Positive(t, r.with.Timings.RestoredN, "agent %d, %s's first request, restored nothing of the shared prefix: %+v",
+				r.agent, r.server, r.with.Timings)
 		}
-	}
-	if agents > 1 {
-		assert.Positive(t, restored, "the agents after the first restored nothing of the shared prefix")
 	}
 }
