@@ -5,8 +5,8 @@
 # what to install. Fast when everything is there.
 set -euo pipefail
 
-# The C toolchain's build tools; etcd for the directory tests; curl and jq for the
-# demo; iproute2 for the network-namespace tests; the real Mooncake Transfer Engine's
+# The C toolchain's build tools; etcd for the directory tests; curl and jq for
+# scripts/llama/prefill.sh; iproute2 for the network-namespace tests; the real Mooncake Transfer Engine's
 # and Mooncake Store's build and runtime dependencies (scripts/mooncake/build.sh te|store;
 # the store adds zstd, xxhash and msgpack, which brings the boost headers).
 pkgs=(cmake ninja-build ccache pkg-config jq curl etcd-server iproute2 git
