@@ -34,6 +34,7 @@ test: test-go test-cgocheck test-c
 # detector.
 test-go: deps
 	$(GO) vet ./...
+	$(GO) vet -tags demo ./demo/
 	$(E2E) $(GO) test -race -count=1 -timeout 45m ./...
 
 # cgocheck2 catches Go pointers kept by C; the cgo packages run under it.
