@@ -39,7 +39,8 @@ import (
 const (
 	reportName     = "mcbridge/1" // the notification's name; messages of other names are not ours
 	reportDelay    = 10 * time.Millisecond
-	inboxPoll      = 20 * time.Millisecond
+	inboxPoll      = 20 * time.Millisecond  // after a message: the next ones follow it
+	inboxIdlePoll  = 320 * time.Millisecond // the slowest, reached by doubling while none come
 	reportTimeout  = time.Second
 	maxReportItems = 64   // keys per message: 64 x 33 bytes stays far below every engine's limit
 	maxQueued      = 4096 // keys queued per holder; beyond, reports are dropped and counted
@@ -312,18 +313,28 @@ func (b *Bridge) send(n transport.Notifier, segment string, o *outbox) {
 }
 
 // inboxLoop is the holder's side: it polls the engine's notifications
-// and acts on this bridge's reports.
+// and acts on this bridge's reports. The engines can only be polled, and
+// each poll wakes the Go runtime's threads too, which on a machine with no
+// spare core take it from the host's compute threads: an idle host backs
+// off to inboxIdlePoll.
 func (b *Bridge) inboxLoop(r *reporter, n transport.Notifier) {
 	defer func() { r.done <- struct{}{} }()
-	tick := time.NewTicker(inboxPoll)
-	defer tick.Stop()
+	wait := inboxPoll
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
 	for {
 		select {
 		case <-r.stop:
 			return
-		case <-tick.C:
+		case <-timer.C:
 		}
 		msgs, err := n.Notifications()
+		if len(msgs) > 0 {
+			wait = inboxPoll
+		} else {
+			wait = min(2*wait, inboxIdlePoll)
+		}
+		timer.Reset(wait)
 		if err != nil {
 			b.log.Warn("mcbridge: reading the engine's notifications", "err", err)
 			continue
