@@ -63,14 +63,6 @@ func knob(t *testing.T, name string, def, least int) int {
 	return n
 }
 
-// mustJSON is a configuration document for --config and --mcb-config.
-func mustJSON(t *testing.T, v any) string {
-	t.Helper()
-	b, err := json.Marshal(v)
-	require.NoError(t, err)
-	return string(b)
-}
-
 // row is one agent's request, with mcbridge and without.
 type row struct {
 	agent    int
@@ -98,7 +90,7 @@ func TestSwarmDemo(t *testing.T) {
 
 	transport := map[string]any{"kind": "mooncake", "lib": mockTE}
 	etcdURL := "http://127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))
-	store := testenv.StartStore(t, "store", mustJSON(t, map[string]any{"transport": transport}),
+	store := testenv.StartStore(t, "store", testenv.JSON(map[string]any{"transport": transport}),
 		"--embed-etcd", "--etcd-dir", filepath.Join(t.TempDir(), "etcd"), "--etcd-client-url", etcdURL)
 	t.Logf("store node pid %d on %s, etcd %s", store.Pid(), store.URL, etcdURL)
 
@@ -107,7 +99,7 @@ func TestSwarmDemo(t *testing.T) {
 	// ServerArgs' -t 2: llama-server warns about a repeated -t.
 	args := testenv.ServerArgs(model, ctx, 1, "auto")
 	args[slices.Index(args, "-t")+1] = strconv.Itoa(threads)
-	bridgeCfg := mustJSON(t, map[string]any{
+	bridgeCfg := testenv.JSON(map[string]any{
 		"directory": map[string]any{"kind": "etcd", "endpoints": []string{etcdURL}},
 		"transport": transport,
 	})

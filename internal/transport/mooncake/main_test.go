@@ -126,10 +126,11 @@ func runScenarios(t *testing.T, scs []scenario) {
 const envIsolated = "MCB_TE_ISOLATED"
 
 // runIsolated runs the test t names in a process of its own. The real
-// engine hands a freed batch's memory out again and its transport threads
-// finish a slice's bookkeeping after the task already reads as done, so in
-// a shared heap its late writes can land in whatever the mock allocates
-// next: each real case gets a heap the mock never touches.
+// engine hands a freed batch's memory out again, and its TCP threads run a
+// slice's continuation after the task already reads as done; a late write
+// of its in a shared heap could land in whatever the mock allocates next
+// (the likeliest cause of a mock failure CI saw once): each real case gets
+// a heap the mock never touches.
 func runIsolated(t *testing.T) {
 	var pattern []string
 	for _, part := range strings.Split(t.Name(), "/") {
