@@ -88,7 +88,8 @@ func Open(cfg config.KVEvents, log *slog.Logger, now func() time.Time) (*Publish
 		now = time.Now
 	}
 	p := &Publisher{cfg: cfg, instance: cfg.Instance, log: log, now: now, h: newHoldings(cfg.Medium),
-		wake: make(chan struct{}, 1), done: make(chan struct{}), replayDone: make(chan struct{})}
+		wake: make(chan struct{}, 1), done: make(chan struct{}), replayDone: make(chan struct{}),
+		seq: firstSeq(now())}
 	if p.instance == "" {
 		p.instance, _ = os.Hostname()
 	}
@@ -250,6 +251,16 @@ func (p *Publisher) Close() error {
 	<-p.replayDone
 	return err
 }
+
+// firstSeq numbers a process's first batch by its start time in
+// microseconds, so that a process restarted at the same endpoints continues
+// above every number its predecessor sent (unless that one averaged more
+// than a batch a microsecond). A consumer that missed the restart then sees
+// a gap, and its replay from its last number on brings the new process's
+// whole buffer, AllBlocksCleared first. Numbered from 0, as vLLM does, the
+// new stream could overtake the old one's last number before the consumer
+// heard it and read as the old stream's continuation.
+func firstSeq(start time.Time) uint64 { return uint64(max(start.UnixMicro(), 0)) }
 
 // run is the publishing goroutine. With a heartbeat, a topic that sent
 // nothing for an interval gets an empty batch, so that a subscriber that

@@ -38,7 +38,7 @@ type Counts struct {
 	Dropped  int // discarded by Options.Drop
 	Gaps     int // sequence gaps found (a late join replays without one)
 	Replayed int // batches applied from replays
-	Restarts int // streams that began again at a lower sequence number
+	Restarts int // streams that began again: at a lower sequence number, or past a gap with a clear
 	Redials  int // new sockets dialled after Options.Silence
 	Errors   []string
 }
@@ -223,6 +223,7 @@ func (s *Subscriber) replay(ctx context.Context, topic string, start, until uint
 		return
 	}
 	end := bytes.Repeat([]byte{0xff}, 8)
+	first := true
 	for {
 		msg, err := d.Recv()
 		if err != nil {
@@ -237,13 +238,25 @@ func (s *Subscriber) replay(ctx context.Context, topic string, start, until uint
 		if bytes.Equal(f[1], end) && len(f[2]) == 0 {
 			return
 		}
-		if seq := binary.BigEndian.Uint64(f[1]); seq >= start && seq < until {
-			s.apply(topic, seq, f[2], true)
+		seq := binary.BigEndian.Uint64(f[1])
+		if seq < start || seq >= until {
+			continue
 		}
+		cleared := s.apply(topic, seq, f[2], true)
+		// The stream asked to continue from start begins later, with a
+		// clear: not a gap in the old stream but a new process whose
+		// numbers went on above the old one's (as mcbridge's do).
+		if first && start > 0 && seq > start && cleared {
+			s.mu.Lock()
+			s.counts.Restarts++
+			s.mu.Unlock()
+		}
+		first = false
 	}
 }
 
-func (s *Subscriber) apply(topic string, seq uint64, payload []byte, replayed bool) {
+// apply applies a batch and says whether it begins with AllBlocksCleared.
+func (s *Subscriber) apply(topic string, seq uint64, payload []byte, replayed bool) bool {
 	b, err := Decode(payload)
 	if err == nil {
 		err = s.idx.Apply(topic, b)
@@ -255,12 +268,13 @@ func (s *Subscriber) apply(topic string, seq uint64, payload []byte, replayed bo
 	}
 	if err != nil {
 		s.counts.Errors = append(s.counts.Errors, fmt.Sprintf("seq %d: %v", seq, err))
-		return
+		return false
 	}
 	s.counts.Batches++
 	if replayed {
 		s.counts.Replayed++
 	}
+	return len(b.Events) > 0 && b.Events[0].Tag == "AllBlocksCleared"
 }
 
 func (s *Subscriber) fail(format string, args ...any) {
