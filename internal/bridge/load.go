@@ -3,7 +3,9 @@ package bridge
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/mcbridge/mcbridge/internal/directory"
@@ -130,15 +132,42 @@ func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, l
 	return ld, nil
 }
 
-// run is the load's worker: every layer in order, then done. It is bounded
-// by the load's deadline, which every wait for a transfer honours.
+// run is the load's worker: every layer in order, then done. A poller
+// goroutine waits for each layer's transfers and hands the layer on, so
+// that the engine is polled for layer i+1 (with the Loopback engine,
+// which copies when polled, the copy itself) while layer i is verified and
+// placed. Both are bounded by the load's deadline, which every wait for a
+// transfer honours.
 func (ld *Load) run() {
-	for l := 0; l < ld.m.geo.Layers(); l++ {
-		ld.layer(l)
+	arrivals := make(chan arrival, ld.m.geo.Layers())
+	go ld.poll(arrivals)
+	for a := range arrivals {
+		ld.layer(a)
 		ld.mu.Lock()
-		ld.layers = l + 1
+		ld.layers = a.layer + 1
 		ld.placed.Broadcast()
 		ld.mu.Unlock()
+	}
+}
+
+// arrival is what the poller found for one layer's transfers.
+type arrival struct {
+	layer int
+	tasks []transport.TaskStatus // one per remote block, by lb.task
+	err   error
+}
+
+// poll waits for each layer's transfers in order. One wait covers the
+// layer's requests of every remote block: they are consecutive tasks, and
+// polling them together costs one backoff.
+func (ld *Load) poll(arrivals chan<- arrival) {
+	defer close(arrivals)
+	for l := 0; l < ld.m.geo.Layers(); l++ {
+		a := arrival{layer: l}
+		if ld.remote > 0 {
+			a.tasks, a.err = transport.Wait(ld.ctx, ld.batch, l*ld.remote, ld.remote, transport.DefaultBackoff)
+		}
+		arrivals <- a
 	}
 }
 
@@ -280,33 +309,34 @@ func (ld *Load) WaitLayer(il int) (int, error) {
 	return ld.ok * ld.m.geo.BlockTokens, nil
 }
 
-// layer verifies and places layer l of every block still good; the
+// layer verifies and places one layer of every block still good; the
 // worker runs it, reading ok without the lock as only it writes ok.
-func (ld *Load) layer(l int) {
+func (ld *Load) layer(a arrival) {
+	ld.placeLayer(a.layer, ld.checkLayer(a))
+}
+
+// checkLayer fails the first block whose layer did not arrive (or, at
+// layer 0, whose header is not the one expected) and returns how many
+// leading blocks are left to place.
+func (ld *Load) checkLayer(a arrival) int {
 	g := &ld.m.geo
-	// One wait covers the layer's requests of every remote block: they are
-	// consecutive tasks, and polling them together costs one backoff.
-	var arrived []transport.TaskStatus
-	var waitErr error
-	if ld.remote > 0 {
-		arrived, waitErr = transport.Wait(ld.ctx, ld.batch, l*ld.remote, ld.remote, transport.DefaultBackoff)
-	}
+	l := a.layer
 	for i := 0; i < ld.ok; i++ {
 		lb := &ld.blocks[i]
 		if lb.stored {
 			if err := ld.storeArrived(i, l); err != nil {
-				ld.fail(i, err)
+				ld.failPlacing(i, err)
 				break
 			}
 		} else if !lb.local {
-			if st := arrived[lb.task]; st.State != transport.Completed {
+			if st := a.tasks[lb.task]; st.State != transport.Completed {
 				code := status.Transfer
 				if st.State == transport.TimedOut {
 					code = status.Timeout
 				}
 				err := status.Errorf(code, "block %s layer %d: transfer %s", lb.entry.Key, l, st.State)
-				if waitErr != nil {
-					err = status.Wrap(status.Of(waitErr), waitErr, fmt.Sprintf("block %s layer %d", lb.entry.Key, l))
+				if a.err != nil {
+					err = status.Wrap(status.Of(a.err), a.err, fmt.Sprintf("block %s layer %d", lb.entry.Key, l))
 				}
 				ld.failPlacing(i, err)
 				ld.m.b.peerFailed(lb.entry.Loc.Segment, err)
@@ -321,14 +351,42 @@ func (ld *Load) layer(l int) {
 			}
 			lb.header = h
 		}
-		// One pass: each chunk is hashed as it lands in the host's rows. A
-		// mismatch leaves this block's cells unverified, which the host
-		// drops (they are past the good prefix).
-		off := g.LayerOffset(l)
-		payload := lb.src[off : off+g.LayerSize(l)]
-		if ld.layout.PlaceSum(&ld.m.shape, l, payload, lb.runs) != lb.header.LayerSums[l] {
-			ld.failPlacing(i, status.Errorf(status.Corrupt, "block %s layer %d: checksum mismatch", lb.entry.Key, l))
-			break
+	}
+	return ld.ok
+}
+
+// placeLayer places layer l of blocks [0, n), verifying each as it lands
+// (PlaceSum: one pass, each chunk summed right after it is copied), on as
+// many goroutines as the process has CPUs: the blocks' cells are
+// disjoint, and a copy with streaming stores is bound by one core well
+// below the memory's bandwidth. The first block whose sum does not match
+// fails; its cells and those of every later block hold unverified bytes,
+// which the host drops, as they are past the good prefix.
+func (ld *Load) placeLayer(l, n int) {
+	g := &ld.m.geo
+	off, size := g.LayerOffset(l), g.LayerSize(l)
+	bad := make([]bool, n)
+	var next atomic.Int64
+	place := func() {
+		for {
+			i := int(next.Add(1) - 1)
+			if i >= n {
+				return
+			}
+			lb := &ld.blocks[i]
+			bad[i] = ld.layout.PlaceSum(&ld.m.shape, l, lb.src[off:off+size], lb.runs) != lb.header.LayerSums[l]
+		}
+	}
+	var wg sync.WaitGroup
+	for range min(runtime.GOMAXPROCS(0), n) - 1 {
+		wg.Go(place)
+	}
+	place()
+	wg.Wait()
+	for i, b := range bad {
+		if b {
+			ld.failPlacing(i, status.Errorf(status.Corrupt, "block %s layer %d: checksum mismatch", ld.blocks[i].entry.Key, l))
+			return
 		}
 	}
 }

@@ -13,8 +13,6 @@ package kvlayout
 import (
 	"math"
 
-	"github.com/zeebo/xxh3"
-
 	"github.com/mcbridge/mcbridge/internal/mem"
 	"github.com/mcbridge/mcbridge/internal/pool"
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -150,57 +148,59 @@ func (lo *Layout) Place(s *Shape, l int, payload []byte, runs []Run) {
 	lo.move(s, l, payload, runs, true)
 }
 
-// sumChunk is how much PlaceSum copies before it hashes what it copied:
-// small enough that the hash reads the bytes back from cache.
-const sumChunk = 64 << 10
-
 // PlaceSum is Place fused with the layer's checksum (pool.Sum of payload):
-// each chunk is hashed right after it is copied, as it landed in the
-// tensor, so the bytes are read from memory once. Transposed V is hashed
-// from payload and then scattered. The caller compares the sum with the
-// block's: on a mismatch the block's cells hold unverified bytes.
+// chunk by chunk of the sum, it moves the chunk's rows into the tensors
+// with streaming stores (mem.Stream) and then sums the chunk, which the
+// copy has just brought into cache, so the payload is read from memory
+// once. Transposed V is summed with the rest and scattered after. The
+// caller compares the sum with the block's: on a mismatch the block's
+// cells hold unverified bytes.
 func (lo *Layout) PlaceSum(s *Shape, l int, payload []byte, runs []Run) uint64 {
 	g := s.Geometry
 	ly := lo.Layers[l]
 	krow, vrow := g.KRow[l], g.VRow[l]
-	kpart := payload[:g.BlockTokens*krow]
-	vpart := payload[g.BlockTokens*krow : g.BlockTokens*(krow+vrow)]
-	h := xxh3.New()
-	for _, r := range runs {
-		rowsSum(ly.K, ly.KStride, krow, r, kpart, h)
-	}
-	if !lo.VTrans {
-		for _, r := range runs {
-			rowsSum(ly.V, ly.VStride, vrow, r, vpart, h)
+	kn := g.BlockTokens * krow
+	payload = payload[:kn+g.BlockTokens*vrow]
+	kpart, vpart := payload[:kn], payload[kn:]
+	sum := pool.NewSummer()
+	for off := 0; off < len(payload); off += pool.SumChunk {
+		end := min(off+pool.SumChunk, len(payload))
+		placeSpan(ly.K, ly.KStride, krow, runs, kpart, off, end)
+		if !lo.VTrans {
+			placeSpan(ly.V, ly.VStride, vrow, runs, vpart, off-kn, end-kn)
 		}
-		return h.Sum64()
+		sum.Add(payload[off:end])
 	}
-	for off := 0; off < len(vpart); off += sumChunk {
-		_, _ = h.Write(vpart[off:min(off+sumChunk, len(vpart))])
+	if lo.VTrans {
+		for _, r := range runs {
+			transposed(ly.V, ly.VStride, vrow, s.VElem[l], r, vpart, true)
+		}
 	}
-	for _, r := range runs {
-		transposed(ly.V, ly.VStride, vrow, s.VElem[l], r, vpart, true)
-	}
-	return h.Sum64()
+	return sum.Sum64()
 }
 
-// rowsSum places a run of rows and hashes them where they landed.
-func rowsSum(base uintptr, stride uint64, row int, r Run, part []byte, h *xxh3.Hasher) {
-	blk := part[r.Pos*row : (r.Pos+r.N)*row]
-	at := base + uintptr(uint64(r.Cell)*stride)
-	if stride == uint64(row) {
-		t := mem.Bytes(at, r.N*row)
-		for off := 0; off < len(t); off += sumChunk {
-			end := min(off+sumChunk, len(t))
-			copy(t[off:end], blk[off:end])
-			_, _ = h.Write(t[off:end])
+// placeSpan places bytes [from, to) of a block's K or V part (offsets into
+// part, clipped to it) at the cells of its runs, row by row where the
+// tensor's rows are not adjacent.
+func placeSpan(base uintptr, stride uint64, row int, runs []Run, part []byte, from, to int) {
+	from, to = max(from, 0), min(to, len(part))
+	for _, r := range runs {
+		lo, hi := r.Pos*row, (r.Pos+r.N)*row
+		a, b := max(lo, from), min(hi, to)
+		if a >= b {
+			continue
 		}
-		return
-	}
-	for i := 0; i < r.N; i++ {
-		t := mem.Bytes(at+uintptr(uint64(i)*stride), row)
-		copy(t, blk[i*row:(i+1)*row])
-		_, _ = h.Write(t)
+		at := base + uintptr(uint64(r.Cell)*stride)
+		if stride == uint64(row) {
+			mem.Stream(mem.Bytes(at+uintptr(a-lo), b-a), part[a:b])
+			continue
+		}
+		for x := a; x < b; {
+			k := (x - lo) / row
+			rowEnd := min(lo+(k+1)*row, b)
+			mem.Stream(mem.Bytes(at+uintptr(uint64(k)*stride)+uintptr(x-lo-k*row), rowEnd-x), part[x:rowEnd])
+			x = rowEnd
+		}
 	}
 }
 

@@ -341,3 +341,38 @@ func TestPlaceAtTensorEnd(t *testing.T) {
 		freeLayout(ts)
 	}
 }
+
+// Rows of bench-model size that straddle pool.SumChunk's boundaries and
+// mem.Stream's alignment steps, packed and padded, in runs of every
+// length from one cell to a whole block.
+func TestPlaceSumAcrossChunks(t *testing.T) {
+	const block, cellCount = 256, 700
+	r := rand.New(rand.NewSource(3))
+	var cells []uint32
+	for c, run := uint32(3), 1; len(cells) < block; c, run = c+uint32(run)+5, run*3 {
+		for i := 0; i < run && len(cells) < block; i++ {
+			cells = append(cells, c+uint32(i))
+		}
+	}
+	for _, vtrans := range []bool{false, true} {
+		krow, vrow := []int{1000, 1024}, []int{770, 512}
+		s := shape(block, krow, vrow, []int{2, 2})
+		lo := &Layout{Cells: cellCount, VTrans: vtrans, Location: "cpu:0", Layers: []Layer{
+			{KStride: uint64(krow[0]), VStride: uint64(vrow[0])},
+			{KStride: uint64(krow[1] + 40), VStride: uint64(vrow[1] + 6)},
+		}}
+		if vtrans {
+			lo.Layers[0].VStride = cellCount * 2
+			lo.Layers[1].VStride = cellCount*2 + 6
+		}
+		ts := buildLayout(t, lo, s)
+		require.NoError(t, lo.Validate(s))
+		for _, cs := range [][]uint32{cells, seqCells(400, block)} {
+			require.NoError(t, lo.CheckCells(cs))
+			for l := range lo.Layers {
+				checkPlaceGather(t, r, lo, s, l, cs, ts)
+			}
+		}
+		freeLayout(ts)
+	}
+}

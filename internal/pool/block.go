@@ -4,7 +4,7 @@
 //
 //	offset  size  field
 //	0       4     magic "MCBK"
-//	4       2     format version (2)
+//	4       2     format version (3)
 //	6       2     reserved, zero
 //	8       8     generation: odd while the block is written, even when stable
 //	16      8     header sum: XXH3-64 of bytes [24, HeaderSize)
@@ -18,14 +18,15 @@
 //	96      4     depth: the block's index in its chain (0 for a first block)
 //	100     28    reserved, zero
 //	128     4*B   the block's tokens, little-endian int32
-//	...     8*L   per-layer payload sums: XXH3-64 of the layer's K rows then V rows
+//	...     8*L   per-layer payload sums (Sum) of the layer's K rows then V rows
 //	...     8*L   per-layer row sizes: u32 K bytes per token, u32 V bytes per token
 //
 // The row sizes make a block self-describing: a store node that holds
 // blocks of models it never registered can still check every layer. The
 // depth tells it what the block costs to recompute (attention grows with
 // position), for its eviction and for a disk tier read back after a
-// restart, where no chain is walked. Version 1 had no depth.
+// restart, where no chain is walked. Version 1 had no depth; version 2
+// summed a layer in one XXH3 pass, which a copy cannot fuse at full speed.
 //
 // The payload holds, per layer, B K rows then B V rows, one row per token in
 // position order. V is always stored by token, also when the host keeps it
@@ -52,7 +53,7 @@ import (
 
 const (
 	magic         = 0x4b42434d // "MCBK"
-	formatVersion = 2
+	formatVersion = 3
 	fixedHeader   = 128
 	depthOffset   = 96
 	reservedFrom  = 100
@@ -146,8 +147,39 @@ type Header struct {
 	LayerSums  []uint64
 }
 
-// Sum is the checksum of a layer's payload.
-func Sum(payload []byte) uint64 { return xxh3.Hash(payload) }
+// SumChunk is the span of a layer's payload each part of its sum covers:
+// small enough that a copy can sum each chunk right after moving it, while
+// the chunk is still in cache.
+const SumChunk = 64 << 10
+
+// Sum is the checksum of a layer's payload: XXH3-64 over the XXH3-64 of
+// each SumChunk bytes (the last chunk may be shorter), as little-endian
+// u64s. One-shot XXH3 of a chunk runs about 2.4 times as fast as feeding
+// the same bytes to XXH3's streaming state, which a single pass over a
+// whole layer that copies as it goes would need.
+func Sum(payload []byte) uint64 {
+	s := NewSummer()
+	for off := 0; off < len(payload); off += SumChunk {
+		s.Add(payload[off:min(off+SumChunk, len(payload))])
+	}
+	return s.Sum64()
+}
+
+// Summer computes Sum chunk by chunk, for copies that sum as they move.
+type Summer struct {
+	h *xxh3.Hasher
+	b [8]byte
+}
+
+func NewSummer() Summer { return Summer{h: xxh3.New()} }
+
+// Add sums the next chunk: SumChunk bytes, fewer only for the last.
+func (s *Summer) Add(chunk []byte) {
+	binary.LittleEndian.PutUint64(s.b[:], xxh3.Hash(chunk))
+	_, _ = s.h.Write(s.b[:])
+}
+
+func (s *Summer) Sum64() uint64 { return s.h.Sum64() }
 
 // EncodeHeader writes h into the first g.HeaderSize() bytes of dst, all but
 // the generation, which only BeginWrite and EndWrite change.

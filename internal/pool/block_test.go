@@ -234,12 +234,27 @@ func TestSeqlockGeneration(t *testing.T) {
 	require.Panics(t, func() { Generation(b[1:]) }, "a misaligned generation word did not panic")
 }
 
+// Sum as the format defines it, written out: XXH3-64 over the chunks'
+// XXH3-64s, little-endian.
 func TestSum(t *testing.T) {
-	p := []byte("layer payload")
-	require.Equal(t, xxh3.Hash(p), Sum(p), "Sum is not XXH3-64")
-	q := append([]byte{}, p...)
-	q[3] ^= 1
-	require.NotEqual(t, Sum(p), Sum(q), "one flipped bit keeps the sum")
+	p := make([]byte, 2*SumChunk+SumChunk/2)
+	for i := range p {
+		p[i] = byte(i*7 ^ i>>9)
+	}
+	var digests []byte
+	for _, c := range [][]byte{p[:SumChunk], p[SumChunk : 2*SumChunk], p[2*SumChunk:]} {
+		digests = binary.LittleEndian.AppendUint64(digests, xxh3.Hash(c))
+	}
+	require.Equal(t, xxh3.Hash(digests), Sum(p))
+	short := []byte("layer payload")
+	require.Equal(t, xxh3.Hash(binary.LittleEndian.AppendUint64(nil, xxh3.Hash(short))), Sum(short))
+	for _, at := range []int{3, SumChunk, 2*SumChunk + 9} {
+		q := append([]byte{}, p...)
+		q[at] ^= 1
+		require.NotEqual(t, Sum(p), Sum(q), "a flipped bit at %d keeps the sum", at)
+	}
+	swapped := append(append([]byte{}, p[SumChunk:2*SumChunk]...), p[:SumChunk]...)
+	require.NotEqual(t, Sum(p[:2*SumChunk]), Sum(swapped), "two chunks swapped keep the sum")
 }
 
 func TestParseGeometry(t *testing.T) {

@@ -375,10 +375,12 @@ func (p *Loopback) serve(t *loopbackTask, now time.Time) TaskStatus {
 	}
 	local := mem.Bytes(r.Local, int(n))
 	remote := mem.Bytes(uintptr(r.Remote), int(n))
+	// Streaming stores, as a NIC's DMA writes memory without the CPU's
+	// caches reading it first.
 	if r.Op == Read {
-		copy(local, remote)
+		mem.Stream(local, remote)
 	} else {
-		copy(remote, local)
+		mem.Stream(remote, local)
 	}
 	if n < r.Length {
 		return TaskStatus{State: Failed, Transferred: n}
