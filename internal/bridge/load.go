@@ -18,9 +18,10 @@ import (
 )
 
 // Load restores a prompt's leading blocks into a host's KV tensors, layer
-// by layer. A worker goroutine of its own waits for each layer's transfers,
-// verifies and places it, so the host's thread only waits for layers it
-// needs while later layers arrive. One goroutine drives a Load at a time.
+// by layer. Goroutines of its own wait for each layer's transfers (the
+// poller) and verify and place it (the worker, see run), so the host's
+// thread only waits for layers it needs while later layers arrive. One
+// goroutine drives a Load at a time.
 type Load struct {
 	m      *Model
 	layout kvlayout.Layout

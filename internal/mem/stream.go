@@ -4,8 +4,8 @@ package mem
 // it the cache lines it would skip are few and a plain copy is as fast.
 const streamMin = 4 << 10
 
-// Stream copies src into dst (which must be at least as long) as copy
-// does, but where the CPU has them with non-temporal stores, which write
+// Stream copies min(len(dst), len(src)) bytes and returns the count, as
+// copy does, but where the CPU has them with non-temporal stores, which write
 // dst without first reading its cache lines and without evicting what the
 // caller still reads: the bytes of a KV restore are written once and read
 // much later, by the host's next compute. On the project's 2-core EPYC,
