@@ -268,6 +268,26 @@ type loopbackBatch struct {
 	freed    bool
 }
 
+var _ Aborter = (*loopbackBatch)(nil)
+
+// CanAbort implements Aborter: the engine copies inside Status, under the
+// batch's lock, so an abort that takes the lock fences every copy.
+func (b *loopbackBatch) CanAbort() bool { return true }
+
+func (b *loopbackBatch) Abort() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.freed {
+		return status.Errorf(status.State, "abort of a freed batch")
+	}
+	for i := range b.tasks {
+		if !b.tasks[i].done.State.Done() {
+			b.tasks[i].done = TaskStatus{State: Canceled}
+		}
+	}
+	return nil
+}
+
 func (b *loopbackBatch) Tasks() int {
 	b.mu.Lock()
 	defer b.mu.Unlock()

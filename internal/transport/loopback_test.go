@@ -659,3 +659,22 @@ func TestNotify(t *testing.T) {
 	require.NoError(t, p.b.Close())
 	require.Equal(t, status.Transfer, status.Of(p.a.SendNotify(ctx, p.seg, "x", "")), "closed peer")
 }
+
+// An abort cancels what has not landed, and nothing lands after it, however
+// long the batch is polled; what landed before stays.
+func TestAbort(t *testing.T) {
+	const mb = 1_000_000
+	p := newPair(t, 2*mb, Link{Bandwidth: 1e9})
+	b := submit(t, p.a, p.read(0, mb), p.read(mb, mb))
+	require.True(t, CanAbort(b))
+	p.clock.Advance(time.Millisecond)
+	require.Equal(t, TaskStatus{Completed, mb}, state(t, b, 0), "the first request is due")
+	require.NoError(t, b.(Aborter).Abort())
+	p.clock.Advance(time.Second)
+	require.Equal(t, TaskStatus{Completed, mb}, state(t, b, 0), "a landed task stays completed")
+	require.Equal(t, TaskStatus{State: Canceled}, state(t, b, 1), "past its due time")
+	require.True(t, bytes.Equal(p.local[:mb], p.remote[:mb]), "the landed bytes")
+	require.Equal(t, make([]byte, mb), p.local[mb:], "bytes landed after the abort")
+	require.NoError(t, b.Free())
+	require.Equal(t, status.State, status.Of(b.(Aborter).Abort()), "abort of a freed batch")
+}

@@ -137,6 +137,28 @@ type Batch interface {
 	Free() error
 }
 
+// Aborter is a batch that may be able to stop its tasks. Memory that a
+// transfer targets cannot be reused until the transfer is done with it; a
+// task given up at a deadline may still be running, so only an engine that
+// can abort lets a caller land transfers in memory it must have back at the
+// deadline (the bridge's KV tensors). Mooncake's engine cannot: its TCP
+// transport writes whatever arrives, whenever it arrives.
+type Aborter interface {
+	// CanAbort reports whether Abort works on this batch's engine.
+	CanAbort() bool
+	// Abort stops the batch: once it returns, no task submitted so far
+	// reads or writes local memory, and those not yet done end Canceled.
+	// It waits only for copies under way, never on a peer. The batch must
+	// still be polled to final states before Free.
+	Abort() error
+}
+
+// CanAbort reports whether b can be aborted (see Aborter).
+func CanAbort(b Batch) bool {
+	a, ok := b.(Aborter)
+	return ok && a.CanAbort()
+}
+
 // Backoff is the polling schedule of Wait: Spins polls that only yield the
 // processor, then sleeps that start at Min and double to Max.
 type Backoff struct {

@@ -7,6 +7,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -545,6 +546,8 @@ static int submit(struct engine *e, batch_id_t batch_id,
             t->peer = e->segs[entries[i].target_id];
             peer_ref(t->peer);
             t->observed = false;
+            atomic_store(&t->aborted, false);
+            atomic_store(&t->touching, false);
             atomic_store(&t->state, STATUS_WAITING);
         }
         b->n += count;
@@ -774,6 +777,24 @@ API int mock_te_set_fault(transfer_engine_t engine, int kind, int64_t arg) {
     }
     faults_release_stall(e);
     return 0;
+}
+
+API int mock_te_abort_batch(transfer_engine_t engine, batch_id_t batch_id) {
+    struct engine *e = engine_check(engine);
+    if (!e) return -1;
+    pthread_mutex_lock(&e->mu);
+    struct batch *b = find_batch_locked(e, batch_id);
+    for (size_t i = 0; b && i < b->n; i++)
+        atomic_store(&b->tasks[i].aborted, true);
+    /* Wakes workers held by a stall or a delay, which then cancel. */
+    faults_release_stall(e);
+    /* A worker inside the fence finishes one slice at most: a copy, never a
+     * wait on a peer. e->mu keeps the batch from being freed meanwhile; no
+     * worker takes it inside the fence. */
+    for (size_t i = 0; b && i < b->n; i++)
+        while (atomic_load(&b->tasks[i].touching)) sched_yield();
+    pthread_mutex_unlock(&e->mu);
+    return b ? 0 : -1;
 }
 
 API int mock_te_set_path(transfer_engine_t engine, int path) {

@@ -181,6 +181,9 @@ struct task {
     struct transfer_request req;
     struct peer *peer;
     atomic_int state;
+    /* The abort fence (mock_te_abort_batch, local_begin): */
+    atomic_bool aborted;  /* the batch was aborted: touch local memory no more */
+    atomic_bool touching; /* a worker is reading or writing local memory */
     bool observed; /* a final state was reported; guarded by engine.mu */
     struct task *next;
 };
@@ -288,8 +291,29 @@ HIDDEN int peer_refresh(struct engine *e, struct peer *p);
 HIDDEN void peer_drop_idle(struct peer *p);
 /* Move len bytes of one request. 0, or a negative TE code; -TE_CLOCK marks a
  * deadline that passed (the task ends as TIMEOUT). */
-HIDDEN int peer_transfer(struct engine *e, struct peer *p, int opcode,
-                         uintptr_t local, uint64_t remote, uint64_t len);
+HIDDEN int peer_transfer(struct engine *e, struct task *t, struct peer *p,
+                         int opcode, uintptr_t local, uint64_t remote,
+                         uint64_t len);
+
+/*
+ * The abort fence. A worker marks its task as touching local memory before
+ * it does and checks aborted after marking; mock_te_abort_batch sets aborted,
+ * then waits until touching is clear. With sequentially consistent atomics
+ * one of them sees the other, so once the abort returns no worker touches the
+ * task's local memory again. false: aborted, touch nothing. A NULL task (a
+ * worker's own bytes) is never fenced.
+ */
+static inline bool local_begin(struct task *t) {
+    if (!t) return true;
+    atomic_store(&t->touching, true);
+    if (!atomic_load(&t->aborted)) return true;
+    atomic_store(&t->touching, false);
+    return false;
+}
+
+static inline void local_end(struct task *t) {
+    if (t) atomic_store(&t->touching, false);
+}
 HIDDEN int peer_notify(struct engine *e, struct peer *p, const char *name,
                        const char *msg);
 

@@ -65,6 +65,16 @@ struct mock_te_stats {
 /* 0 on success, -1 for an unknown engine, kind or arg. */
 int mock_te_set_fault(transfer_engine_t engine, int kind, int64_t arg);
 int mock_te_set_path(transfer_engine_t engine, int path);
+/*
+ * Stops the batch's tasks: once it returns, no task submitted to the batch so
+ * far reads or writes its local memory again, and those still running end as
+ * CANCELED (a worker waiting on a peer ends when the wait does, touching
+ * nothing). It waits at most for one slice being copied. The real engine has
+ * no such call, so a buffer its transfers target cannot be reused at a
+ * deadline; with this one a caller can land transfers in memory it must get
+ * back at once. 0, or -1 for an unknown engine or batch.
+ */
+int mock_te_abort_batch(transfer_engine_t engine, batch_id_t batch_id);
 /* Copies min(size, sizeof(struct mock_te_stats)) bytes of counters. */
 int mock_te_get_stats(transfer_engine_t engine, struct mock_te_stats *out,
                       size_t size);

@@ -336,14 +336,17 @@ static int vm_copy(struct engine *e, int32_t pid, int opcode, uintptr_t local,
  * reported. Returns 0 or a negative errno; -EFAULT for an unregistered
  * range.
  */
-static int vm_io(struct engine *e, struct peer *p, int opcode, uintptr_t local,
-                 uint64_t remote, uint64_t len) {
+static int vm_io(struct engine *e, struct task *t, struct peer *p, int opcode,
+                 uintptr_t local, uint64_t remote, uint64_t len) {
     if (atomic_load(&e->vm_eperm)) return -EPERM;
     if (p->is_local) {
         pthread_rwlock_rdlock(&e->regs.lock);
-        int rc = registry_covers_locked(&e->regs, remote, len)
-                     ? vm_copy(e, e->pid, opcode, local, remote, len)
-                     : -EFAULT;
+        int rc = -EFAULT;
+        if (registry_covers_locked(&e->regs, remote, len)) {
+            rc = local_begin(t) ? vm_copy(e, e->pid, opcode, local, remote, len)
+                                : -ECANCELED;
+            local_end(t);
+        }
         pthread_rwlock_unlock(&e->regs.lock);
         return rc;
     }
@@ -352,7 +355,9 @@ static int vm_io(struct engine *e, struct peer *p, int opcode, uintptr_t local,
     int rc = table_covers(p, remote, len, &covered);
     if (rc) return rc;
     if (!covered) return -EFAULT;
+    if (!local_begin(t)) return -ECANCELED;
     rc = vm_copy(e, p->pid, opcode, local, remote, len);
+    local_end(t);
     if (rc) return rc;
     if (opcode != OPCODE_WRITE) {
         rc = table_covers(p, remote, len, &covered);
@@ -369,19 +374,65 @@ static void mark_down(struct engine *e, struct peer *p) {
     atomic_store(&p->down_until_ms, mono_ms() + e->io_timeout_ms);
 }
 
-static int tcp_io(struct engine *e, struct peer *p, int opcode,
+/*
+ * Copies n bytes within this process as the kernel does, so that a local
+ * buffer that went away fails with -EFAULT, as a socket call into it would,
+ * instead of faulting. 0 or -errno.
+ */
+static int self_copy(void *dst, const void *src, size_t n) {
+    while (n > 0) {
+        struct iovec l = {.iov_base = dst, .iov_len = n};
+        struct iovec r = {.iov_base = (void *)src, .iov_len = n};
+        ssize_t k = process_vm_readv(getpid(), &l, 1, &r, 1, 0);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0 && errno == ENOSYS) {
+            memcpy(dst, src, n);
+            return 0;
+        }
+        if (k <= 0) return k < 0 ? -errno : -EFAULT;
+        dst = (uint8_t *)dst + k;
+        src = (const uint8_t *)src + k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+/*
+ * A fenced task's bytes cross the socket through a bounce buffer, so that
+ * only a copy, never a wait on the peer, runs inside the abort fence.
+ */
+static int tcp_io(struct engine *e, struct task *t, struct peer *p, int opcode,
                   uintptr_t local, uint64_t remote, uint64_t len) {
     if (mono_ms() < atomic_load(&p->down_until_ms)) return -TE_SOCKET;
+    uint8_t *bounce = NULL;
+    if (t) {
+        bounce = malloc(len);
+        if (!bounce) return -TE_MEMORY;
+        if (opcode == OPCODE_WRITE) {
+            if (!local_begin(t)) {
+                free(bounce);
+                return -ECANCELED;
+            }
+            int rc = self_copy(bounce, (const void *)local, len);
+            local_end(t);
+            if (rc) {
+                free(bounce);
+                return -TE_MEMORY;
+            }
+        }
+    }
+    void *buf = bounce ? bounce : (void *)local;
     int fd = conn_get(e, p);
     if (fd < 0) {
         if (fd == -TE_CLOCK) mark_down(e, p);
+        free(bounce);
         return fd;
     }
     int rc = opcode == OPCODE_WRITE
-                 ? exchange(e, fd, WIRE_WRITE, remote, (const void *)local,
-                            len, NULL, 0, NULL, NULL)
-                 : exchange(e, fd, WIRE_READ, remote, NULL, 0, (void *)local,
-                            len, NULL, NULL);
+                 ? exchange(e, fd, WIRE_WRITE, remote, buf, len, NULL, 0, NULL,
+                            NULL)
+                 : exchange(e, fd, WIRE_READ, remote, NULL, 0, buf, len, NULL,
+                            NULL);
     /* A refused range leaves the stream in sync; anything else may not. */
     if (rc == 0 || rc == -TE_ADDRESS_NOT_REGISTERED ||
         rc == -TE_INVALID_ARGUMENT) {
@@ -391,6 +442,16 @@ static int tcp_io(struct engine *e, struct peer *p, int opcode,
         if (rc == -TE_CLOCK) mark_down(e, p);
     }
     if (rc == 0) atomic_fetch_add(&e->stats.tcp_bytes, len);
+    if (rc == 0 && bounce && opcode != OPCODE_WRITE) {
+        if (local_begin(t)) {
+            /* EFAULT: the local buffer went away. */
+            if (self_copy((void *)local, bounce, len)) rc = -TE_MEMORY;
+            local_end(t);
+        } else {
+            rc = -ECANCELED;
+        }
+    }
+    free(bounce);
     return rc;
 }
 
@@ -414,15 +475,15 @@ static void warn_eperm_once(struct engine *e, int32_t pid) {
             scope);
 }
 
-int peer_transfer(struct engine *e, struct peer *p, int opcode,
-                  uintptr_t local, uint64_t remote, uint64_t len) {
+int peer_transfer(struct engine *e, struct task *t, struct peer *p,
+                  int opcode, uintptr_t local, uint64_t remote, uint64_t len) {
     int path = atomic_load(&e->path);
     bool vm = path != MOCK_TE_PATH_TCP && p->same_host &&
               !atomic_load(&p->vm_denied);
     if (path == MOCK_TE_PATH_VM && !vm) return -TE_NOT_SUPPORTED_TRANSPORT;
     if (vm) {
-        int rc = vm_io(e, p, opcode, local, remote, len);
-        if (rc == 0) return 0;
+        int rc = vm_io(e, t, p, opcode, local, remote, len);
+        if (rc == 0 || rc == -ECANCELED) return rc;
         if (rc != -EPERM || path == MOCK_TE_PATH_VM)
             return rc == -EFAULT ? -TE_ADDRESS_NOT_REGISTERED : -TE_ENDPOINT;
         if (!atomic_exchange(&p->vm_denied, true)) {
@@ -431,7 +492,7 @@ int peer_transfer(struct engine *e, struct peer *p, int opcode,
         }
         /* Nothing was moved: EPERM comes before any byte is copied. */
     }
-    return tcp_io(e, p, opcode, local, remote, len);
+    return tcp_io(e, t, p, opcode, local, remote, len);
 }
 
 int peer_notify(struct engine *e, struct peer *p, const char *name,

@@ -15,13 +15,14 @@ static int64_t mono_us(void) {
     return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
-/* Sleeps us microseconds unless the engine stops first. */
-static void pause_us(struct engine *e, int64_t us) {
+/* Sleeps us microseconds unless the engine stops or the task is aborted. */
+static void pause_us(struct engine *e, struct task *t, int64_t us) {
     int64_t until = mono_us() + us;
     struct timespec ts = {.tv_sec = until / 1000000,
                           .tv_nsec = (until % 1000000) * 1000};
     pthread_mutex_lock(&e->qmu);
-    while (!atomic_load(&e->stopping) && mono_us() < until)
+    while (!atomic_load(&e->stopping) && !atomic_load(&t->aborted) &&
+           mono_us() < until)
         if (pthread_cond_timedwait(&e->qcv, &e->qmu, &ts) == ETIMEDOUT) break;
     pthread_mutex_unlock(&e->qmu);
 }
@@ -31,14 +32,17 @@ static bool stalled(struct engine *e) {
     return at >= 0 && atomic_load(&e->moved) >= (uint64_t)at;
 }
 
-/* Holds the worker while a stall is armed and reached; false on stop. */
-static bool wait_unstalled(struct engine *e) {
-    if (!stalled(e)) return true;
-    pthread_mutex_lock(&e->qmu);
-    while (!atomic_load(&e->stopping) && stalled(e))
-        pthread_cond_wait(&e->qcv, &e->qmu);
-    pthread_mutex_unlock(&e->qmu);
-    return !atomic_load(&e->stopping);
+/* Holds the worker while a stall is armed and reached; false on stop or
+ * abort. */
+static bool wait_unstalled(struct engine *e, struct task *t) {
+    if (stalled(e)) {
+        pthread_mutex_lock(&e->qmu);
+        while (!atomic_load(&e->stopping) && !atomic_load(&t->aborted) &&
+               stalled(e))
+            pthread_cond_wait(&e->qcv, &e->qmu);
+        pthread_mutex_unlock(&e->qmu);
+    }
+    return !atomic_load(&e->stopping) && !atomic_load(&t->aborted);
 }
 
 /*
@@ -74,16 +78,18 @@ static int corrupt(struct engine *e, struct task *t) {
     const struct transfer_request *r = &t->req;
     uint64_t off = r->length / 2;
     if (r->opcode != OPCODE_WRITE) {
+        if (!local_begin(t)) return -ECANCELED;
         volatile uint8_t *b = (uint8_t *)r->source + off;
         *b ^= 0xff;
+        local_end(t);
         return 0;
     }
     uint8_t b;
-    int rc = peer_transfer(e, t->peer, OPCODE_READ, (uintptr_t)&b,
+    int rc = peer_transfer(e, NULL, t->peer, OPCODE_READ, (uintptr_t)&b,
                            r->target_offset + off, 1);
     b ^= 0xff;
     if (rc == 0)
-        rc = peer_transfer(e, t->peer, OPCODE_WRITE, (uintptr_t)&b,
+        rc = peer_transfer(e, NULL, t->peer, OPCODE_WRITE, (uintptr_t)&b,
                            r->target_offset + off, 1);
     return rc;
 }
@@ -105,8 +111,8 @@ static void run_task(struct engine *e, struct task *t) {
     int state = STATUS_COMPLETED;
     while (done < r->length) {
         int64_t delay = atomic_load(&e->delay_us);
-        if (delay > 0) pause_us(e, delay);
-        if (!wait_unstalled(e) || atomic_load(&e->stopping)) {
+        if (delay > 0) pause_us(e, t, delay);
+        if (!wait_unstalled(e, t)) {
             state = STATUS_CANCELED;
             break;
         }
@@ -121,11 +127,13 @@ static void run_task(struct engine *e, struct task *t) {
             state = STATUS_FAILED;
             break;
         }
-        int rc = peer_transfer(e, t->peer, r->opcode,
+        int rc = peer_transfer(e, t, t->peer, r->opcode,
                                (uintptr_t)r->source + done,
                                r->target_offset + done, n);
         if (rc) {
-            state = rc == -TE_CLOCK ? STATUS_TIMEOUT : STATUS_FAILED;
+            state = rc == -TE_CLOCK     ? STATUS_TIMEOUT
+                    : rc == -ECANCELED ? STATUS_CANCELED
+                                       : STATUS_FAILED;
             break;
         }
         done += n;
@@ -135,9 +143,10 @@ static void run_task(struct engine *e, struct task *t) {
             break;
         }
     }
-    if (state == STATUS_COMPLETED && r->length > 0 && take_corruption(e) &&
-        corrupt(e, t))
-        state = STATUS_FAILED;
+    if (state == STATUS_COMPLETED && r->length > 0 && take_corruption(e)) {
+        int rc = corrupt(e, t);
+        if (rc) state = rc == -ECANCELED ? STATUS_CANCELED : STATUS_FAILED;
+    }
     finish(e, t, state);
 }
 

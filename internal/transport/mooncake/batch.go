@@ -30,7 +30,29 @@ type Batch struct {
 	pollSt   *cStatus
 }
 
-var _ transport.Batch = (*Batch)(nil)
+var (
+	_ transport.Batch   = (*Batch)(nil)
+	_ transport.Aborter = (*Batch)(nil)
+)
+
+// CanAbort implements transport.Aborter: the mock exports an abort, the
+// real engine has none.
+func (b *Batch) CanAbort() bool { return b.e.lib.sym.mockAbort != 0 }
+
+// Abort implements transport.Aborter (mock_te_abort_batch). It runs even
+// while a poll given up earlier is still inside the library: the mock
+// serialises the two under its engine lock.
+func (b *Batch) Abort() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.id == 0 {
+		return status.Errorf(status.State, "abort: batch already freed")
+	}
+	return b.e.use("mock_te_abort_batch", func(h uintptr) error {
+		_, err := b.e.lib.call("mock_te_abort_batch", b.e.lib.sym.mockAbort, negativeCode, h, uintptr(b.id))
+		return err
+	})
+}
 
 // Submit implements transport.Batch. Neither engine waits on a peer here:
 // the mock queues to its workers, and the real TCP transport, with the

@@ -40,6 +40,8 @@ func TestConformance(t *testing.T) {
 		{name: "FaultCorrupt", mockOnly: "flips a delivered byte", run: testFaultCorrupt},
 		{name: "FaultDelayTimeout", mockOnly: "delays slices past MOCK_TE_TIMEOUT_MS", run: testFaultDelayTimeout},
 		{name: "FaultDropPeer", mockOnly: "drops every connection of an engine", run: testFaultDropPeer},
+		{name: "CanAbort", run: testCanAbort},
+		{name: "Abort", mockOnly: "mock_te_abort_batch is the mock's own", run: testAbort},
 		{name: "SameHostEPERMFallback", mockOnly: "simulates Yama's EPERM on the same-host path", run: testEPERMFallback},
 	})
 }
@@ -735,6 +737,52 @@ func testFaultDropPeer(t *testing.T, lib string) {
 	st = transfer(t, p.a, read(p.seg, p.local, p.peer))
 	assert.Equal(t, transport.Completed, st[0].State, "after the drop ended")
 	assert.Equal(t, -1, p.local.firstMismatch(1))
+}
+
+// testCanAbort: only the mock can abort; the binding says so before any
+// transfer depends on it.
+func testCanAbort(t *testing.T, lib string) {
+	p := newPair(t, lib, 4096)
+	b := allocate(t, p.a, 1)
+	assert.Equal(t, p.a.IsMock(), b.CanAbort(), "CanAbort on %s", lib)
+	if !b.CanAbort() {
+		wantCode(t, b.Abort(), status.Unsupported, "abort on the real engine")
+	}
+}
+
+// testAbort: tasks held before their first byte (a stall) or between slices
+// (a delay far past the test's deadline) end Canceled once the batch is
+// aborted, and no byte reaches local memory after the abort returned, on
+// either data path, even when what held them lets go.
+func testAbort(t *testing.T, lib string) {
+	for _, path := range []Path{PathVM, PathTCP} {
+		for _, fault := range []Fault{FaultStallAfter, FaultDelay} {
+			p := newPair(t, lib, 12<<20) // three slices
+			require.NoError(t, p.a.SetPath(path))
+			arg := int64(0)
+			if fault == FaultDelay {
+				arg = int64(time.Hour / time.Microsecond)
+			}
+			require.NoError(t, p.a.SetFault(fault, arg))
+			p.local.fill(8)
+			b := allocate(t, p.a, 2)
+			require.NoError(t, b.Submit([]transport.Request{read(p.seg, p.local[:6<<20], p.peer[:6<<20]), read(p.seg, p.local[6<<20:], p.peer[6<<20:])}))
+			require.NoError(t, b.Abort(), "path %d fault %d", path, fault)
+			require.NoError(t, p.a.SetFault(FaultNone, 0))
+			st, err := transport.Wait(context.Background(), b, 0, 2, transport.DefaultBackoff)
+			require.NoError(t, err)
+			for i := range st {
+				assert.Equal(t, transport.Canceled, st[i].State, "path %d fault %d task %d", path, fault, i)
+			}
+			assert.Equal(t, -1, p.local.firstMismatch(8), "path %d fault %d: bytes landed after the abort", path, fault)
+			require.NoError(t, b.Free())
+			wantCode(t, b.Abort(), status.State, "abort after free")
+			// The engine goes on serving new batches.
+			st = transfer(t, p.a, read(p.seg, p.local, p.peer))
+			assert.Equal(t, transport.Completed, st[0].State, "path %d: after an abort", path)
+			assert.Equal(t, -1, p.local.firstMismatch(1))
+		}
+	}
 }
 
 func testEPERMFallback(t *testing.T, lib string) {

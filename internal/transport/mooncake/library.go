@@ -57,6 +57,7 @@ type symbols struct {
 	mockSetFault uintptr
 	mockSetPath  uintptr
 	mockGetStats uintptr
+	mockAbort    uintptr
 }
 
 // symbolTable lists every symbol with whether the binding needs it. The
@@ -86,6 +87,7 @@ var symbolTable = []Symbol[symbols]{
 	{"mock_te_set_fault", false, func(s *symbols) *uintptr { return &s.mockSetFault }},
 	{"mock_te_set_path", false, func(s *symbols) *uintptr { return &s.mockSetPath }},
 	{"mock_te_get_stats", false, func(s *symbols) *uintptr { return &s.mockGetStats }},
+	{"mock_te_abort_batch", false, func(s *symbols) *uintptr { return &s.mockAbort }},
 }
 
 var libraries struct {
