@@ -204,6 +204,70 @@ func placeSpan(base uintptr, stride uint64, row int, runs []Run, part []byte, fr
 	}
 }
 
+// Piece is a stretch of a layer's payload, bytes [Off, Off+Len), that sits
+// at Addr in the tensors once placed.
+type Piece struct {
+	Off  int
+	Len  int
+	Addr uintptr
+}
+
+// Pieces lists where layer l's payload lands at the block's cells, in
+// payload order: one piece per run for K and one for V, so that a transfer
+// can write each piece in place. It returns nil where rows do not sit back
+// to back (a padded stride, transposed V): there every row or element
+// would be a piece of its own, and the payload is staged and placed
+// instead.
+func (lo *Layout) Pieces(s *Shape, l int, runs []Run) []Piece {
+	g := s.Geometry
+	ly := lo.Layers[l]
+	krow, vrow := g.KRow[l], g.VRow[l]
+	if lo.VTrans || ly.KStride != uint64(krow) || ly.VStride != uint64(vrow) {
+		return nil
+	}
+	out := make([]Piece, 0, 2*len(runs))
+	for part, p := range []struct {
+		base uintptr
+		row  int
+	}{{ly.K, krow}, {ly.V, vrow}} {
+		for _, r := range runs {
+			out = append(out, Piece{
+				Off:  part*g.BlockTokens*krow + r.Pos*p.row,
+				Len:  r.N * p.row,
+				Addr: p.base + uintptr(uint64(r.Cell)*uint64(p.row)),
+			})
+		}
+	}
+	return out
+}
+
+// SumPieces is pool.Sum of the size bytes of payload that pieces (as
+// Pieces gives them) hold in the tensors: each chunk is summed where it
+// sits, or, when it spans pieces, gathered into scratch (SumChunk bytes)
+// first.
+func SumPieces(pieces []Piece, size int, scratch []byte) uint64 {
+	sum := pool.NewSummer()
+	i := 0
+	for off := 0; off < size; off += pool.SumChunk {
+		end := min(off+pool.SumChunk, size)
+		for pieces[i].Off+pieces[i].Len <= off {
+			i++
+		}
+		if p := pieces[i]; end <= p.Off+p.Len {
+			sum.Add(mem.Bytes(p.Addr+uintptr(off-p.Off), end-off))
+			continue
+		}
+		buf := scratch[:end-off]
+		for j, at := i, off; at < end; j++ {
+			p := pieces[j]
+			n := copy(buf[at-off:], mem.Bytes(p.Addr+uintptr(at-p.Off), p.Off+p.Len-at))
+			at += n
+		}
+		sum.Add(buf)
+	}
+	return sum.Sum64()
+}
+
 // Gather copies layer l's rows at the block's cells into payload.
 func (lo *Layout) Gather(s *Shape, l int, payload []byte, runs []Run) {
 	lo.move(s, l, payload, runs, false)

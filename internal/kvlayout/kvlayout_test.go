@@ -266,6 +266,40 @@ func checkPlaceGather(t testing.TB, r *rand.Rand, lo *Layout, s *Shape, l int, c
 		require.True(t, bytes.Equal(tt.k.buf, wantK[i]), "Gather changed layer %d's K tensor", i)
 		require.True(t, bytes.Equal(tt.v.buf, wantV[i]), "Gather changed layer %d's V tensor", i)
 	}
+
+	// Pieces: each piece landed where it says gives the tensors Place
+	// gives, and SumPieces of what landed is the payload's checksum.
+	ly := lo.Layers[l]
+	pieces := lo.Pieces(s, l, runs)
+	packed := !lo.VTrans && ly.KStride == uint64(g.KRow[l]) && ly.VStride == uint64(g.VRow[l])
+	require.Equal(t, packed, pieces != nil, "Pieces of layer %d (layout %+v): pieces only where rows sit back to back", l, lo)
+	if pieces == nil {
+		return
+	}
+	for i, tt := range ts {
+		copy(tt.k.buf, before[i].k)
+		copy(tt.v.buf, before[i].v)
+	}
+	at := 0
+	for _, p := range pieces {
+		require.Equal(t, at, p.Off, "pieces of layer %d cover the payload in order", l)
+		copy(mem.Bytes(p.Addr, p.Len), payload[p.Off:p.Off+p.Len])
+		at += p.Len
+	}
+	require.Equal(t, n, at, "pieces of layer %d cover the payload", l)
+	for i, tt := range ts {
+		require.True(t, bytes.Equal(tt.k.buf, wantK[i]), "pieces of layer %d: layer %d's K tensor differs from the reference", l, i)
+		require.True(t, bytes.Equal(tt.v.buf, wantV[i]), "pieces of layer %d: layer %d's V tensor differs from the reference", l, i)
+		require.True(t, tt.k.slackIntact() && tt.v.slackIntact(), "pieces of layer %d lie outside layer %d's tensors", l, i)
+	}
+	scratch := make([]byte, pool.SumChunk)
+	require.Equal(t, pool.Sum(payload), SumPieces(pieces, n, scratch), "SumPieces of layer %d: not the payload's checksum", l)
+	for _, p := range []Piece{pieces[0], pieces[len(pieces)/2], pieces[len(pieces)-1]} {
+		b := mem.Bytes(p.Addr+uintptr(p.Len-1), 1)
+		b[0] ^= 1
+		require.NotEqual(t, pool.Sum(payload), SumPieces(pieces, n, scratch), "SumPieces of layer %d missed a flipped byte at payload offset %d", l, p.Off+p.Len-1)
+		b[0] ^= 1
+	}
 }
 
 func buildLayout(t testing.TB, lo *Layout, s *Shape) []tensors {
