@@ -43,7 +43,9 @@
  * positions [0, n_tokens_ok) are verified, byte for byte, and the cells of
  * every later position hold unspecified bytes: the host removes them from
  * the sequence (llama.cpp's own restore does) and recomputes from
- * n_tokens_ok. No verified position is ever wrong.
+ * n_tokens_ok. No verified position is ever wrong, and once mcb_load_end
+ * returns nothing the load started writes into the cells again, even a
+ * transfer from a peer that answers after the deadline.
  *
  * Configuration: mcb_bridge_open takes a JSON document; NULL or "" reads
  * the MCB_CONFIG environment variable (inline JSON, or a file path) and,

@@ -1,6 +1,7 @@
 package bridge
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"math/rand"
@@ -238,7 +239,7 @@ func TestEvictedDuringRead(t *testing.T) {
 	res, err := loadAll(t, mb, dst, key.Scope{}, tokens, kvtest.SeqCells(16))
 	require.Equal(t, status.Corrupt, status.Of(err), "stale read: %v", err)
 	require.Zero(t, res.OKTokens, "stale read: %+v", res)
-	require.NoError(t, dst.Check(tokens, kvtest.SeqCells(16), 0))
+	require.NoError(t, dst.CheckRestored(tokens, kvtest.SeqCells(16), 0))
 	require.NotZero(t, a.Stats().Evictions, "no eviction counted")
 }
 
@@ -508,4 +509,95 @@ func TestNoDirectoryCallOnTheHostPath(t *testing.T) {
 	require.NoError(t, dst.Check(last, kvtest.SeqCells(64), 64))
 	close(dir.release)
 	require.NoError(t, b.Close())
+}
+
+// A load from a peer lands each layer in the host's cells where its rows
+// sit back to back. One whose peer answers only after the deadline ends
+// with the batch aborted: the host gets its cells back, and the late
+// transfers never write into them, however long the batch lives on.
+func TestLandedLoadFencedAtTheDeadline(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.TransferTimeoutMS = 200
+	cfg.PeerDownMS = 0
+	a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
+	for _, vtrans := range []bool{false, true} {
+		src := newHost(t, 3, 32, 32, 32, vtrans)
+		dst := newHost(t, 3, 32, 32, 32, vtrans)
+		ma, mb := register(t, a, src, 4), register(t, b, dst, 4)
+		tokens := kvtest.Tokens(rand.New(rand.NewSource(9)), 16)
+		cells := kvtest.ScatteredCells(rand.New(rand.NewSource(10)), 16, 32)
+		src.Fill(tokens, kvtest.SeqCells(16))
+		saveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(16))
+
+		dst.Scribble()
+		ld, err := mb.LoadBegin(key.Scope{}, dst.Layout(), tokens, cells)
+		require.NoError(t, err)
+		require.Equal(t, !vtrans, ld.landed, "vtrans %v: transfers land in place only where rows sit back to back", vtrans)
+		res, err := ld.End()
+		require.NoError(t, err, "vtrans %v", vtrans)
+		require.Equal(t, 16, res.OKTokens)
+		require.NoError(t, dst.Check(tokens, cells, 16), "vtrans %v", vtrans)
+
+		a.tr.(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(2 * cfg.TransferTimeoutMS * int(time.Millisecond))})
+		dst.Scribble()
+		ld, err = mb.LoadBegin(key.Scope{}, dst.Layout(), tokens, cells)
+		require.NoError(t, err)
+		res, err = ld.End()
+		require.Equal(t, status.Timeout, status.Of(err), "vtrans %v: %v", vtrans, err)
+		require.Zero(t, res.OKTokens)
+		require.NoError(t, dst.CheckRestored(tokens, cells, 0))
+		var k, v [][]byte
+		for l := range dst.K {
+			k, v = append(k, bytes.Clone(dst.K[l])), append(v, bytes.Clone(dst.V[l]))
+		}
+		require.NotZero(t, b.Stats().ParkedBatches, "the timed-out batch is parked")
+		time.Sleep(3 * time.Duration(cfg.TransferTimeoutMS) * time.Millisecond)
+		b.reap() // polls the parked batch past the transfers' delayed due time
+		for l := range dst.K {
+			require.Equal(t, k[l], dst.K[l], "vtrans %v: layer %d's K changed after the load ended", vtrans, l)
+			require.Equal(t, v[l], dst.V[l], "vtrans %v: layer %d's V changed after the load ended", vtrans, l)
+		}
+		a.tr.(*transport.Loopback).SetFault(transport.Fault{})
+		require.NoError(t, b.UnregisterModel(mb))
+		require.NoError(t, a.UnregisterModel(ma))
+	}
+}
+
+// Cells scattered into more runs than landing in place pays for are
+// staged and placed instead, and restore as well.
+func TestScatteredCellsStaged(t *testing.T) {
+	cfg := testConfig(t)
+	a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
+	src, dst := newHost(t, 2, 64, 32, 32, false), newHost(t, 2, 64, 32, 32, false)
+	ma, mb := register(t, a, src, 16), register(t, b, dst, 16)
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(11)), 32)
+	src.Fill(tokens, kvtest.SeqCells(32))
+	saveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(32))
+	for _, tc := range []struct {
+		name   string
+		cells  []uint32
+		landed bool
+	}{
+		{"runs of 4", func() (c []uint32) {
+			for i := range uint32(32) {
+				c = append(c, i+i/4*2) // 4 cells, a hole of 2
+			}
+			return c
+		}(), true},
+		{"every other cell", func() (c []uint32) {
+			for i := range uint32(32) {
+				c = append(c, 2*i)
+			}
+			return c
+		}(), false},
+	} {
+		dst.Scribble()
+		ld, err := mb.LoadBegin(key.Scope{}, dst.Layout(), tokens, tc.cells)
+		require.NoError(t, err, tc.name)
+		require.Equal(t, tc.landed, ld.landed, tc.name)
+		res, err := ld.End()
+		require.NoError(t, err, tc.name)
+		require.Equal(t, 32, res.OKTokens, tc.name)
+		require.NoError(t, dst.Check(tokens, tc.cells, 32), tc.name)
+	}
 }

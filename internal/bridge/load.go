@@ -32,8 +32,12 @@ type Load struct {
 
 	batch   transport.Batch
 	store   *storeFetch // blocks read from the store (storefetch.go)
-	remote  int         // blocks read through the transport
+	waves   []taskSpan  // per layer, the transport tasks of every remote block
 	staging []extent    // pool memory the transport writes into
+	// landed: remote blocks' layers land in place in the host's tensors,
+	// with only their headers staged (see submitRemote).
+	landed  bool
+	scratch [][]byte // per placing goroutine, for SumPieces
 
 	// The worker owns blocks and writes ok and err under mu until placed
 	// reaches the layer count; the host reads them under mu.
@@ -49,12 +53,18 @@ type loadBlock struct {
 	entry  directory.Entry
 	expect pool.Expect
 	runs   []kvlayout.Run
-	src    []byte // the block as verified: pool memory or staging
+	src    []byte // the block as verified: pool memory or staging (its header alone when landed)
 	local  bool
 	stored bool // read from the store into staging
-	task   int  // first transport task (layer 0) of a remote block
+	// A remote block's transport tasks, per layer, and, when its layers
+	// land in place, where each layer's payload lands.
+	tasks  []taskSpan
+	pieces [][]kvlayout.Piece
 	header pool.Header
 }
+
+// taskSpan is tasks [first, first+n) of a load's batch.
+type taskSpan struct{ first, n int }
 
 // LoadResult says how much of a load arrived intact.
 type LoadResult struct {
@@ -154,7 +164,7 @@ func (ld *Load) run() {
 // arrival is what the poller found for one layer's transfers.
 type arrival struct {
 	layer int
-	tasks []transport.TaskStatus // one per remote block, by lb.task
+	tasks []transport.TaskStatus // the layer's wave, from waves[layer].first
 	err   error
 }
 
@@ -165,8 +175,9 @@ func (ld *Load) poll(arrivals chan<- arrival) {
 	defer close(arrivals)
 	for l := 0; l < ld.m.geo.Layers(); l++ {
 		a := arrival{layer: l}
-		if ld.remote > 0 {
-			a.tasks, a.err = transport.Wait(ld.ctx, ld.batch, l*ld.remote, ld.remote, transport.DefaultBackoff)
+		if ld.waves != nil {
+			w := ld.waves[l]
+			a.tasks, a.err = transport.Wait(ld.ctx, ld.batch, w.first, w.n, transport.DefaultBackoff)
 		}
 		arrivals <- a
 	}
@@ -202,9 +213,15 @@ func (ld *Load) pinLocal() {
 	}
 }
 
-// submitRemote reads remote blocks into staging, one request per block and
-// layer, all blocks' layer 0 (with the header) first, so layer i can be
-// verified while later layers are still on the wire.
+// submitRemote reads remote blocks, one wave of requests per layer, all
+// blocks' layer 0 (with the header) first, so layer i can be verified while
+// later layers are still on the wire. Where the engine can abort a batch
+// and the host's rows sit back to back, each layer lands in place, in the
+// cells it fills: those belong to no sequence until the load ends, the
+// layer is verified where it landed before WaitLayer reports it, and an
+// abort at the deadline keeps a late transfer from writing into cells the
+// host has been given back. Elsewhere a block lands in staging and is
+// placed from there.
 func (ld *Load) submitRemote() error {
 	b := ld.m.b
 	g := &ld.m.geo
@@ -238,47 +255,99 @@ func (ld *Load) submitRemote() error {
 		return nil
 	}
 	layers := g.Layers()
-	batch, err := b.tr.AllocateBatch(len(remote) * layers)
+	pieces := ld.pieces(remote)
+	capacity := len(remote) * layers
+	if pieces != nil {
+		capacity = len(remote) // the headers
+		for _, p := range pieces {
+			for _, lp := range p {
+				capacity += len(lp)
+			}
+		}
+	}
+	batch, err := b.tr.AllocateBatch(capacity)
 	if err != nil {
 		return status.Wrap(status.Transfer, err, "allocating a transfer batch")
 	}
 	ld.batch = batch
+	ld.landed = pieces != nil && transport.CanAbort(batch) && ld.m.registerTensors(&ld.layout) == nil
+	stage := size
+	if ld.landed {
+		stage = int64(g.HeaderSize())
+	}
 	for j, i := range remote {
-		off, err := b.pool.Alloc(size)
+		off, err := b.pool.Alloc(stage)
 		if err != nil {
 			ld.fail(i, err)
 			remote = remote[:j]
 			break
 		}
-		ld.staging = append(ld.staging, extent{off, size})
+		ld.staging = append(ld.staging, extent{off, stage})
 		lb := &ld.blocks[i]
-		lb.src = b.pool.Bytes(off, size)
-		lb.task = j
-	}
-	ld.remote = len(remote)
-	reqs := make([]transport.Request, 0, len(remote)*layers)
-	for l := 0; l < layers; l++ {
-		from, to := g.LayerOffset(l), g.LayerOffset(l)+g.LayerSize(l)
-		if l == 0 {
-			from = 0
+		lb.src = b.pool.Bytes(off, stage)
+		lb.tasks = make([]taskSpan, layers)
+		if ld.landed {
+			lb.pieces = pieces[j]
 		}
+	}
+	if len(remote) == 0 {
+		return nil
+	}
+	reqs := make([]transport.Request, 0, capacity)
+	ld.waves = make([]taskSpan, layers)
+	for l := 0; l < layers; l++ {
+		ld.waves[l].first = len(reqs)
 		for j, i := range remote {
 			lb := &ld.blocks[i]
-			reqs = append(reqs, transport.Request{
-				Op:      transport.Read,
-				Local:   b.pool.Base() + uintptr(ld.staging[j].off) + uintptr(from),
-				Segment: segs[j],
-				Remote:  lb.entry.Loc.Addr + uint64(from),
-				Length:  uint64(to - from),
-			})
+			first := len(reqs)
+			read := func(local uintptr, from, n int) {
+				reqs = append(reqs, transport.Request{Op: transport.Read, Local: local, Segment: segs[j], Remote: lb.entry.Loc.Addr + uint64(from), Length: uint64(n)})
+			}
+			switch {
+			case !ld.landed:
+				from, to := g.LayerOffset(l), g.LayerOffset(l)+g.LayerSize(l)
+				if l == 0 {
+					from = 0
+				}
+				read(mem.Addr(lb.src[from:to]), from, to-from)
+			default:
+				if l == 0 {
+					read(mem.Addr(lb.src), 0, g.HeaderSize())
+				}
+				for _, p := range lb.pieces[l] {
+					read(p.Addr, g.LayerOffset(l)+p.Off, p.Len)
+				}
+			}
+			lb.tasks[l] = taskSpan{first, len(reqs) - first}
 		}
+		ld.waves[l].n = len(reqs) - ld.waves[l].first
 	}
-	if len(reqs) > 0 {
-		if err := batch.Submit(reqs); err != nil {
-			return status.Wrap(status.Transfer, err, "submitting transfers")
-		}
+	if err := batch.Submit(reqs); err != nil {
+		return status.Wrap(status.Transfer, err, "submitting transfers")
 	}
 	return nil
+}
+
+// maxLandedPieces bounds the requests of one block's layer landed in place
+// (two per run of cells): cells scattered wider cost more in requests than
+// the copy from staging they would save, and engines cap a batch's size.
+const maxLandedPieces = 8
+
+// pieces says where each remote block's layers would land in place (per
+// block, per layer), or nil where some layer's rows do not sit back to back
+// or a block's cells are scattered into too many runs.
+func (ld *Load) pieces(remote []int) [][][]kvlayout.Piece {
+	out := make([][][]kvlayout.Piece, len(remote))
+	for j, i := range remote {
+		out[j] = make([][]kvlayout.Piece, ld.m.geo.Layers())
+		for l := range out[j] {
+			out[j][l] = ld.layout.Pieces(&ld.m.shape, l, ld.blocks[i].runs)
+			if out[j][l] == nil || len(out[j][l]) > maxLandedPieces {
+				return nil
+			}
+		}
+	}
+	return out
 }
 
 // fail records that block i failed: it and every later block are dropped,
@@ -330,15 +399,7 @@ func (ld *Load) checkLayer(a arrival) int {
 				break
 			}
 		} else if !lb.local {
-			if st := a.tasks[lb.task]; st.State != transport.Completed {
-				code := status.Transfer
-				if st.State == transport.TimedOut {
-					code = status.Timeout
-				}
-				err := status.Errorf(code, "block %s layer %d: transfer %s", lb.entry.Key, l, st.State)
-				if a.err != nil {
-					err = status.Wrap(status.Of(a.err), a.err, fmt.Sprintf("block %s layer %d", lb.entry.Key, l))
-				}
+			if err := ld.arrived(lb, a); err != nil {
 				ld.failPlacing(i, err)
 				ld.m.b.peerFailed(lb.entry.Loc.Segment, err)
 				break
@@ -356,9 +417,29 @@ func (ld *Load) checkLayer(a arrival) int {
 	return ld.ok
 }
 
-// placeLayer places layer l of blocks [0, n), verifying each as it lands
-// (PlaceSum: one pass, each chunk summed right after it is copied), on as
-// many goroutines as the process has CPUs: the blocks' cells are
+// arrived reports whether every task of a remote block's layer completed.
+func (ld *Load) arrived(lb *loadBlock, a arrival) error {
+	w := lb.tasks[a.layer]
+	for _, st := range a.tasks[w.first-ld.waves[a.layer].first:][:w.n] {
+		if st.State == transport.Completed {
+			continue
+		}
+		if a.err != nil {
+			return status.Wrap(status.Of(a.err), a.err, fmt.Sprintf("block %s layer %d", lb.entry.Key, a.layer))
+		}
+		code := status.Transfer
+		if st.State == transport.TimedOut {
+			code = status.Timeout
+		}
+		return status.Errorf(code, "block %s layer %d: transfer %s", lb.entry.Key, a.layer, st.State)
+	}
+	return nil
+}
+
+// placeLayer places layer l of blocks [0, n) and verifies each: a staged
+// block with PlaceSum (one pass, each chunk summed right after it is
+// copied), one landed in place by summing it where it landed. It runs on
+// as many goroutines as the process has CPUs: the blocks' cells are
 // disjoint, and a copy with streaming stores is bound by one core well
 // below the memory's bandwidth. The first block whose sum does not match
 // fails; its cells and those of every later block hold unverified bytes,
@@ -368,21 +449,34 @@ func (ld *Load) placeLayer(l, n int) {
 	off, size := g.LayerOffset(l), g.LayerSize(l)
 	bad := make([]bool, n)
 	var next atomic.Int64
-	place := func() {
+	workers := min(runtime.GOMAXPROCS(0), n)
+	if ld.landed && ld.scratch == nil {
+		ld.scratch = make([][]byte, workers)
+	}
+	place := func(w int) {
 		for {
 			i := int(next.Add(1) - 1)
 			if i >= n {
 				return
 			}
 			lb := &ld.blocks[i]
-			bad[i] = ld.layout.PlaceSum(&ld.m.shape, l, lb.src[off:off+size], lb.runs) != lb.header.LayerSums[l]
+			var sum uint64
+			if lb.pieces != nil {
+				if ld.scratch[w] == nil {
+					ld.scratch[w] = make([]byte, pool.SumChunk)
+				}
+				sum = kvlayout.SumPieces(lb.pieces[l], size, ld.scratch[w])
+			} else {
+				sum = ld.layout.PlaceSum(&ld.m.shape, l, lb.src[off:off+size], lb.runs)
+			}
+			bad[i] = sum != lb.header.LayerSums[l]
 		}
 	}
 	var wg sync.WaitGroup
-	for range min(runtime.GOMAXPROCS(0), n) - 1 {
-		wg.Go(place)
+	for w := 1; w < workers; w++ {
+		wg.Go(func() { place(w) })
 	}
-	place()
+	place(0)
 	wg.Wait()
 	for i, b := range bad {
 		if b {
@@ -521,11 +615,21 @@ func (ld *Load) release() {
 		return
 	}
 	if err := ld.batch.Free(); err != nil {
+		if ld.landed {
+			ld.abort()
+		}
 		ld.m.b.parkBatch(ld.batch, ld.staging)
 	} else {
 		ld.freeStaging(ld.staging)
 	}
 	ld.batch, ld.staging = nil, nil
+}
+
+// abort stops the transfers still running into the host's tensors before
+// the host gets its cells back. Abort fails only on an engine already
+// closed, whose workers are gone, or a batch already freed: neither writes.
+func (ld *Load) abort() {
+	_ = ld.batch.(transport.Aborter).Abort()
 }
 
 func (ld *Load) freeStaging(ex []extent) {

@@ -38,6 +38,8 @@ type Model struct {
 	mu     sync.RWMutex
 	mirror map[key.BlockKey]directory.Entry
 	cancel func()
+
+	tensors tensorRegs
 }
 
 // Bridge is the bridge the model is registered with.
@@ -147,6 +149,7 @@ func (m *Model) stop() {
 	if cancel != nil {
 		cancel()
 	}
+	m.unregisterTensors()
 }
 
 // apply mirrors one directory event.
