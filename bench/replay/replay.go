@@ -12,8 +12,9 @@
 //   - Servers simulated llama-server processes, each with its own bridge,
 //     pool and arbiter, share one memory directory; request i goes to
 //     server i mod Servers. A server restores blocks from its own pool
-//     in place and from its peers' pools through Loopback reads into
-//     staging, with every check a real restore makes.
+//     in place and from its peers' pools through Loopback reads, which
+//     land in the host's cells (or in staging, where those are scattered),
+//     with every check a real restore makes.
 //
 //   - The bytes moved belong to a tiny KV geometry (one layer, a few bytes
 //     per token), so that a trace of 60 million tokens replays in seconds.

@@ -23,6 +23,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/internal/pool"
 	"github.com/mcbridge/mcbridge/internal/status"
 	"github.com/mcbridge/mcbridge/internal/transport/mooncake"
 )
@@ -142,7 +143,7 @@ var faultCases = []faultCase{
 	{"token mismatch", "owner's block 5 header names other tokens, valid sums (a key collision)", status.Corrupt, 80, tokenMismatch},
 	{"transfer timeout", "FaultDelay 400 ms per slice, transfer_timeout_ms 150", status.Timeout, 0, transferTimeout},
 	{"transfer status FAILED", "FaultFailAfter 0", status.Transfer, 0, transferFailed},
-	{"pool full", "1 MiB pool, every block pinned by an open load", status.PoolFull, 0, poolFull},
+	{"pool full", "a pool of 31 whole blocks, every one pinned by an open load", status.PoolFull, 0, poolFull},
 	{"directory full", "etcd 3.7 (embedded) NOSPACE, 1 MiB quota", status.NotFound, 0, directoryFull},
 	{"etcd down", "etcd stopped after the mirror filled", status.OK, 128, etcdDown},
 	{"etcd slow", "TCP proxy holds bytes 1.5 s, op_timeout_ms 500", status.OK, 128, etcdSlow},
@@ -329,7 +330,12 @@ func transferFailed(c *fcase) outcome {
 func poolFull(c *fcase) outcome {
 	j := c.job()
 	rc := j.Config
-	rc.PoolBytes = 1 << 20
+	// Whole blocks to the byte, the fewest that make the 1 MiB a pool
+	// needs: a load that lands in place stages only the blocks' headers,
+	// which the slack of a pool of another size holds.
+	probe := newHost(c.t, 1)
+	size := int64((&pool.Geometry{BlockTokens: blockTokens, KRow: probe.KRow, VRow: probe.VRow}).Size())
+	rc.PoolBytes = (1<<20 + size - 1) / size * size
 	_, r, a := c.ownerWithA(j, rc)
 	// The reader fills its pool with its own prompt and holds a load of
 	// all of it open: nothing can be evicted for staging.
