@@ -37,7 +37,7 @@ type Load struct {
 	// landed: remote blocks' layers land in place in the host's tensors,
 	// with only their headers staged (see submitRemote).
 	landed  bool
-	scratch [][]byte // per placing goroutine, for SumPieces
+	scratch [][]byte // per placing goroutine (GOMAXPROCS), for SumPieces
 
 	// The worker owns blocks and writes ok and err under mu until placed
 	// reaches the layer count; the host reads them under mu.
@@ -274,6 +274,10 @@ func (ld *Load) submitRemote() error {
 	stage := size
 	if ld.landed {
 		stage = int64(g.HeaderSize())
+		ld.scratch = make([][]byte, runtime.GOMAXPROCS(0))
+		for w := range ld.scratch {
+			ld.scratch[w] = make([]byte, pool.SumChunk)
+		}
 	}
 	for j, i := range remote {
 		off, err := b.pool.Alloc(stage)
@@ -450,8 +454,8 @@ func (ld *Load) placeLayer(l, n int) {
 	bad := make([]bool, n)
 	var next atomic.Int64
 	workers := min(runtime.GOMAXPROCS(0), n)
-	if ld.landed && ld.scratch == nil {
-		ld.scratch = make([][]byte, workers)
+	if ld.landed {
+		workers = min(workers, len(ld.scratch)) // GOMAXPROCS may have grown since
 	}
 	place := func(w int) {
 		for {
@@ -462,9 +466,6 @@ func (ld *Load) placeLayer(l, n int) {
 			lb := &ld.blocks[i]
 			var sum uint64
 			if lb.pieces != nil {
-				if ld.scratch[w] == nil {
-					ld.scratch[w] = make([]byte, pool.SumChunk)
-				}
 				sum = kvlayout.SumPieces(lb.pieces[l], size, ld.scratch[w])
 			} else {
 				sum = ld.layout.PlaceSum(&ld.m.shape, l, lb.src[off:off+size], lb.runs)

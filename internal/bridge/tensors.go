@@ -36,8 +36,8 @@ func (m *Model) registerTensors(lo *kvlayout.Layout) error {
 	if loc == "" {
 		loc = "cpu:0"
 	}
+	g := &m.geo
 	for l, ly := range lo.Layers {
-		g := &m.geo
 		for _, t := range []tensorSpan{
 			{ly.K, uintptr(ly.KStride)*uintptr(lo.Cells-1) + uintptr(g.KRow[l])},
 			{ly.V, uintptr(ly.VStride)*uintptr(lo.Cells-1) + uintptr(g.VRow[l])},
