@@ -181,7 +181,7 @@ func startTLSEtcd(t *testing.T, p *pki, clientCertAuth bool) string {
 // directory keys are tested by their names.
 func secureConfig(t *testing.T, endpoint, prefix string, directory map[string]any) config.Config {
 	t.Helper()
-	dir := map[string]any{"kind": "etcd", "endpoints": []string{endpoint}, "prefix": prefix, "op_timeout_ms": 1000}
+	dir := map[string]any{"kind": "etcd", "endpoints": []string{endpoint}, "prefix": prefix, "op_timeout_ms": 5000}
 	for k, v := range directory {
 		dir[k] = v
 	}
