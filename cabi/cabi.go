@@ -210,6 +210,7 @@ func u32s(p uintptr, n int, what string) ([]int, error) {
 	return out, nil
 }
 
+// tokensArg copies the caller's tokens: a plan keeps them past the call.
 func tokensArg(p unsafe.Pointer, n uint64) ([]int32, error) {
 	if n == 0 || n > maxTokens {
 		return nil, status.Errorf(status.InvalidArg, "%d tokens (1..%d)", n, maxTokens)

@@ -36,7 +36,7 @@ type Model struct {
 	refs            int // guarded by b.mu
 
 	mu     sync.RWMutex
-	mirror map[key.BlockKey]directory.Entry
+	mirror mirror
 	cancel func()
 
 	tensors tensorRegs
@@ -103,7 +103,7 @@ func (b *Bridge) RegisterModel(spec ModelSpec) (*Model, error) {
 		return m, nil
 	}
 	m := &Model{b: b, fp: fp, spec: spec, geo: geo, kvBytesPerToken: perToken, refs: 1,
-		mirror: map[key.BlockKey]directory.Entry{}}
+		mirror: newMirror()}
 	m.shape = kvlayout.Shape{Geometry: &m.geo, VElem: spec.VElem}
 	b.models[fp] = m
 	b.modelEventsLocked(m)
@@ -158,12 +158,12 @@ func (m *Model) apply(ev directory.Event) {
 	defer m.mu.Unlock()
 	switch ev.Kind {
 	case directory.Put:
-		m.mirror[ev.Entry.Key] = ev.Entry
+		m.mirror.put(ev.Entry)
 	case directory.Delete:
 		// A delete for an entry that was since republished elsewhere must
 		// not drop the new one.
-		if have, ok := m.mirror[ev.Entry.Key]; ok && (ev.Entry.Loc.Owner == "" || have.Loc.Owner == ev.Entry.Loc.Owner) {
-			delete(m.mirror, ev.Entry.Key)
+		if have, ok := m.mirror.get(ev.Entry.Key); ok && (ev.Entry.Loc.Owner == "" || have.Loc.Owner == ev.Entry.Loc.Owner) {
+			m.mirror.delete(ev.Entry.Key)
 		}
 	}
 }
@@ -172,8 +172,8 @@ func (m *Model) apply(ev directory.Event) {
 // view changes at once, before the directory's event comes back.
 func (m *Model) forget(k key.BlockKey, segment string) {
 	m.mu.Lock()
-	if e, ok := m.mirror[k]; ok && e.Loc.Segment == segment {
-		delete(m.mirror, k)
+	if e, ok := m.mirror.get(k); ok && e.Loc.Segment == segment {
+		m.mirror.delete(k)
 	}
 	m.mu.Unlock()
 }
@@ -212,14 +212,14 @@ func (m *Model) walk(root key.Hash, chain []key.BlockKey, visit func(directory.E
 func (m *Model) walkMirror(root key.Hash, chain []key.BlockKey, down map[string]bool, visit func(directory.Entry)) (int, key.Hash) {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
-	parent := root
+	parent, prev := root, int32(-1)
 	for i, k := range chain {
-		e, ok := m.mirror[k]
-		if !ok || e.Parent != parent || down[e.Loc.Segment] || !m.b.readable(e) {
+		e, slot, ok := m.mirror.next(prev, k)
+		if !ok || e.Parent != parent || down[e.Loc.Segment] || !m.b.readable(*e) {
 			return i, parent
 		}
-		visit(e)
-		parent = k
+		visit(*e)
+		parent, prev = k, slot
 	}
 	return len(chain), parent
 }
@@ -228,7 +228,7 @@ func (m *Model) walkMirror(root key.Hash, chain []key.BlockKey, down map[string]
 func (m *Model) Mirrored() int {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
-	return len(m.mirror)
+	return m.mirror.len()
 }
 
 // Plan is a lookup's answer: how many leading tokens to restore, and the
@@ -244,7 +244,7 @@ type Plan struct {
 	m      *Model
 	root   key.Hash
 	chain  []key.BlockKey // the restore's blocks
-	tokens []int32        // the restore's tokens, copied
+	tokens []int32        // the restore's tokens, the caller's
 }
 
 // Model is the model the plan belongs to.
@@ -258,7 +258,10 @@ func (p *Plan) Tokens() []int32 { return p.tokens }
 // holds the first cached tokens under this scope. The decision is final:
 // a plan that restores goes past what the host holds and beats computing
 // the rest. It changes nothing and waits on nothing (a want for the blocks
-// after the last one found is queued for that block's holder).
+// after the last one found is queued for that block's holder). The plan
+// keeps tokens[:RestoreTokens], not a copy: a 128k-token prompt is 512 KiB,
+// and copying it on every lookup cost more than hashing it. The caller
+// leaves them unchanged while it uses the plan.
 func (m *Model) Lookup(scope key.Scope, tokens []int32, cached int) (*Plan, error) {
 	if len(tokens) == 0 {
 		return nil, status.Errorf(status.InvalidArg, "lookup of an empty prompt")
@@ -304,7 +307,7 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32, cached int) (*Plan, erro
 	p := &Plan{MatchedBlocks: matched, Decision: d, RestoreTokens: d.RestoreBlocks * B, m: m, root: root}
 	if p.RestoreTokens > 0 {
 		p.chain = chain[:d.RestoreBlocks]
-		p.tokens = append([]int32(nil), tokens[:p.RestoreTokens]...)
+		p.tokens = tokens[:p.RestoreTokens:p.RestoreTokens]
 	}
 	return p, nil
 }
