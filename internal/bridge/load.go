@@ -255,9 +255,17 @@ func (ld *Load) submitRemote() error {
 		return nil
 	}
 	layers := g.Layers()
-	pieces := ld.pieces(remote)
+	// Landing in place needs the engine's fence (transport.Aborter), rows
+	// that pieces can name, and tensors the engine can write.
+	var pieces [][][]kvlayout.Piece
+	if transport.CanAbort(b.tr) {
+		if p := ld.pieces(remote); p != nil && ld.m.registerTensors(&ld.layout) == nil {
+			pieces = p
+		}
+	}
+	ld.landed = pieces != nil
 	capacity := len(remote) * layers
-	if pieces != nil {
+	if ld.landed {
 		capacity = len(remote) // the headers
 		for _, p := range pieces {
 			for _, lp := range p {
@@ -270,7 +278,6 @@ func (ld *Load) submitRemote() error {
 		return status.Wrap(status.Transfer, err, "allocating a transfer batch")
 	}
 	ld.batch = batch
-	ld.landed = pieces != nil && transport.CanAbort(batch) && ld.m.registerTensors(&ld.layout) == nil
 	stage := size
 	if ld.landed {
 		stage = int64(g.HeaderSize())

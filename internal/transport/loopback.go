@@ -245,6 +245,10 @@ func (l *Loopback) Notifications() ([]Notification, error) {
 	return out, nil
 }
 
+// CanAbort: the engine copies inside Status, under the batch's lock, so an
+// abort that takes the lock fences every copy.
+func (l *Loopback) CanAbort() bool { return true }
+
 func (l *Loopback) AllocateBatch(capacity int) (Batch, error) {
 	if capacity <= 0 {
 		return nil, status.Errorf(status.InvalidArg, "batch capacity %d", capacity)
@@ -269,10 +273,6 @@ type loopbackBatch struct {
 }
 
 var _ Aborter = (*loopbackBatch)(nil)
-
-// CanAbort implements Aborter: the engine copies inside Status, under the
-// batch's lock, so an abort that takes the lock fences every copy.
-func (b *loopbackBatch) CanAbort() bool { return true }
 
 func (b *loopbackBatch) Abort() error {
 	b.mu.Lock()

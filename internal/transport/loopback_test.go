@@ -666,7 +666,7 @@ func TestAbort(t *testing.T) {
 	const mb = 1_000_000
 	p := newPair(t, 2*mb, Link{Bandwidth: 1e9})
 	b := submit(t, p.a, p.read(0, mb), p.read(mb, mb))
-	require.True(t, CanAbort(b))
+	require.True(t, CanAbort(p.a))
 	p.clock.Advance(time.Millisecond)
 	require.Equal(t, TaskStatus{Completed, mb}, state(t, b, 0), "the first request is due")
 	require.NoError(t, b.(Aborter).Abort())

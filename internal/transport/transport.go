@@ -144,18 +144,19 @@ type Batch interface {
 // deadline (the bridge's KV tensors). Mooncake's engine cannot: its TCP
 // transport writes whatever arrives, whenever it arrives.
 type Aborter interface {
-	// CanAbort reports whether Abort works on this batch's engine.
-	CanAbort() bool
 	// Abort stops the batch: once it returns, no task submitted so far
 	// reads or writes local memory, and those not yet done end Canceled.
 	// It waits only for copies under way, never on a peer. The batch must
-	// still be polled to final states before Free.
+	// still be polled to final states before Free. Unsupported unless the
+	// batch's engine CanAbort.
 	Abort() error
 }
 
-// CanAbort reports whether b can be aborted (see Aborter).
-func CanAbort(b Batch) bool {
-	a, ok := b.(Aborter)
+// CanAbort reports whether t's batches are Aborters whose Abort works. It
+// asks the engine, not a batch, so that a caller knows before it sizes a
+// batch for transfers that only a fence makes safe.
+func CanAbort(t Transport) bool {
+	a, ok := t.(interface{ CanAbort() bool })
 	return ok && a.CanAbort()
 }
 

@@ -35,10 +35,6 @@ var (
 	_ transport.Aborter = (*Batch)(nil)
 )
 
-// CanAbort implements transport.Aborter: the mock exports an abort, the
-// real engine has none.
-func (b *Batch) CanAbort() bool { return b.e.lib.sym.mockAbort != 0 }
-
 // Abort implements transport.Aborter (mock_te_abort_batch). It runs even
 // while a poll given up earlier is still inside the library: the mock
 // serialises the two under its engine lock.

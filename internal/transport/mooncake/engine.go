@@ -410,6 +410,10 @@ func (e *Engine) UnregisterMemoryBatch(addrs []uintptr) error {
 	})
 }
 
+// CanAbort reports whether the engine's batches can be aborted (see
+// transport.Aborter): the mock exports an abort, the real engine has none.
+func (e *Engine) CanAbort() bool { return e.lib.sym.mockAbort != 0 }
+
 // AllocateBatch implements transport.Transport.
 func (e *Engine) AllocateBatch(capacity int) (transport.Batch, error) {
 	if capacity <= 0 {
