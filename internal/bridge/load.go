@@ -158,6 +158,11 @@ func (ld *Load) run() {
 		ld.layers = a.layer + 1
 		ld.placed.Broadcast()
 		ld.mu.Unlock()
+		// The host waiting for this layer was readied onto this
+		// processor, behind the worker, which would go on to the next
+		// layer first: with the poller holding the other processor, the
+		// host woke 1-5 ms late. Yielding lets it run now.
+		runtime.Gosched()
 	}
 }
 
