@@ -563,6 +563,34 @@ func TestLandedLoadFencedAtTheDeadline(t *testing.T) {
 	}
 }
 
+// The tensors a load landed in stay registered with the engine until the
+// host says it frees them; then they are the engine's no more, which the
+// engine shows by taking a registration of the same memory again.
+func TestUnregisterTensors(t *testing.T) {
+	cfg := testConfig(t)
+	a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
+	src, dst := newHost(t, 2, 32, 32, 32, false), newHost(t, 2, 32, 32, 32, false)
+	ma, mb := register(t, a, src, 4), register(t, b, dst, 4)
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(12)), 8)
+	src.Fill(tokens, kvtest.SeqCells(8))
+	saveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(8))
+	lo := dst.Layout()
+	ld, err := mb.LoadBegin(key.Scope{}, lo, tokens, kvtest.SeqCells(8))
+	require.NoError(t, err)
+	require.True(t, ld.landed)
+	res, err := ld.End()
+	require.NoError(t, err)
+	require.Equal(t, 8, res.OKTokens)
+	k0 := lo.Layers[0].K
+	require.Error(t, b.tr.RegisterMemory(k0, 64, "cpu:0", false), "the landed tensors are registered")
+	mb.UnregisterTensors(&lo)
+	require.Empty(t, mb.tensors.spans)
+	require.NoError(t, b.tr.RegisterMemory(k0, 64, "cpu:0", false), "the tensors are still registered")
+	require.NoError(t, b.tr.UnregisterMemory(k0))
+	require.NoError(t, b.UnregisterModel(mb))
+	require.NoError(t, a.UnregisterModel(ma))
+}
+
 // Cells scattered into more runs than landing in place pays for are
 // staged and placed instead, and restore as well.
 func TestScatteredCellsStaged(t *testing.T) {

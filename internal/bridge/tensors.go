@@ -26,6 +26,17 @@ func (s tensorSpan) overlaps(o tensorSpan) bool {
 	return s.addr < o.addr+o.n && o.addr < s.addr+s.n
 }
 
+// tensorSpans are the memory of lo's K and V tensors.
+func (m *Model) tensorSpans(lo *kvlayout.Layout) []tensorSpan {
+	g := &m.geo
+	out := make([]tensorSpan, 0, 2*len(lo.Layers))
+	for l, ly := range lo.Layers {
+		out = append(out, tensorSpan{ly.K, uintptr(ly.KStride)*uintptr(lo.Cells-1) + uintptr(g.KRow[l])},
+			tensorSpan{ly.V, uintptr(ly.VStride)*uintptr(lo.Cells-1) + uintptr(g.VRow[l])})
+	}
+	return out
+}
+
 // registerTensors registers every K and V tensor of lo not yet registered.
 // An error leaves the load to stage what it reads.
 func (m *Model) registerTensors(lo *kvlayout.Layout) error {
@@ -36,33 +47,49 @@ func (m *Model) registerTensors(lo *kvlayout.Layout) error {
 	if loc == "" {
 		loc = "cpu:0"
 	}
-	g := &m.geo
-	for l, ly := range lo.Layers {
-		for _, t := range []tensorSpan{
-			{ly.K, uintptr(ly.KStride)*uintptr(lo.Cells-1) + uintptr(g.KRow[l])},
-			{ly.V, uintptr(ly.VStride)*uintptr(lo.Cells-1) + uintptr(g.VRow[l])},
-		} {
-			if r.registered(t) {
-				continue
-			}
-			kept := r.spans[:0]
-			for _, s := range r.spans {
-				if s.overlaps(t) {
-					if err := m.b.tr.UnregisterMemory(s.addr); err != nil {
-						return err
-					}
-					continue
-				}
-				kept = append(kept, s)
-			}
-			r.spans = kept
-			if err := m.b.tr.RegisterMemory(t.addr, uint64(t.n), loc, false); err != nil {
-				return err
-			}
-			r.spans = append(r.spans, t)
+	for _, t := range m.tensorSpans(lo) {
+		if r.registered(t) {
+			continue
 		}
+		if err := m.dropOverlapsLocked(t); err != nil {
+			return err
+		}
+		if err := m.b.tr.RegisterMemory(t.addr, uint64(t.n), loc, false); err != nil {
+			return err
+		}
+		r.spans = append(r.spans, t)
 	}
 	return nil
+}
+
+// UnregisterTensors drops the registrations of lo's tensors, memory the
+// host is about to free: a state blob's rows live for one restore, and a
+// registration outliving them would hold the engine to memory that the
+// process reuses (an RDMA engine pins it).
+func (m *Model) UnregisterTensors(lo *kvlayout.Layout) {
+	r := &m.tensors
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, t := range m.tensorSpans(lo) {
+		_ = m.dropOverlapsLocked(t)
+	}
+}
+
+// dropOverlapsLocked unregisters every span that overlaps t.
+func (m *Model) dropOverlapsLocked(t tensorSpan) error {
+	r := &m.tensors
+	kept := r.spans[:0]
+	var err error
+	for _, s := range r.spans {
+		if err == nil && s.overlaps(t) {
+			if err = m.b.tr.UnregisterMemory(s.addr); err == nil {
+				continue
+			}
+		}
+		kept = append(kept, s)
+	}
+	r.spans = kept
+	return err
 }
 
 func (r *tensorRegs) registered(t tensorSpan) bool {

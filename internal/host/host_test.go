@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -260,6 +261,10 @@ func TestStateRoundTrip(t *testing.T) {
 			func(n int) []byte { return make([]byte, n) })
 		require.NoError(t, err)
 		require.Equal(t, 12, res.OKTokens)
+		// The blob is the caller's to free: the engine holds none of it.
+		blobAddr := uintptr(unsafe.Pointer(unsafe.SliceData(blob)))
+		require.NoError(t, bb.Transport().RegisterMemory(blobAddr, uint64(len(blob)), "cpu:0", false), "vtrans %v: the blob is still registered", vtrans)
+		require.NoError(t, bb.Transport().UnregisterMemory(blobAddr))
 		st, err := llamastate.Parse(blob)
 		require.NoError(t, err)
 		words, err := st.PromptTokens()

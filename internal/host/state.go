@@ -101,8 +101,10 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 	for i := range cells {
 		cells[i] = uint32(i)
 	}
-	ld, err := p.Load(StateLayout(buf, &st.Streams[0]), cells)
+	layout := StateLayout(buf, &st.Streams[0])
+	ld, err := p.Load(layout, cells)
 	if err != nil {
+		m.Model.UnregisterTensors(&layout)
 		return nil, bridge.LoadResult{}, err
 	}
 	for l := range m.Format.Layers {
@@ -111,6 +113,9 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 		}
 	}
 	res, loadErr := ld.End()
+	// The load is fenced: nothing writes into buf any more, and the
+	// caller may free it.
+	m.Model.UnregisterTensors(&layout)
 	runtime.KeepAlive(buf)
 	if res.OKTokens == 0 {
 		if loadErr == nil {
