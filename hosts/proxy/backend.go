@@ -41,6 +41,7 @@ type backend struct {
 	// publishOff says why nothing is published from this upstream ("" while
 	// on).
 	publishOff string
+	states     statePool
 
 	routed, restarts atomic.Int64
 }
