@@ -207,6 +207,7 @@ func runTTFT(b *testing.B, prefixes []int, rounds int) ttftResult {
 		row.StockMS = ms(d)
 
 		measure := func(url string, slot int) ttftPath {
+			settle()
 			d, c := ttft(b, url, measured, slot, nil)
 			t := c.Timings
 			return ttftPath{TTFTms: ms(d), Decision: t.Decision, RestoredN: t.RestoredN, RestoredBytes: t.RestoredBytes,
@@ -227,6 +228,7 @@ func runTTFT(b *testing.B, prefixes []int, rounds int) ttftResult {
 					testenv.Post(b, u+"?action=erase", map[string]any{}, nil)
 				}
 			}
+			settle()
 			slot = append(slot, slotReuse(b, stock.URL, next, measured, 1, 0, want, p))
 			ownSlot = append(ownSlot, measure(x.URL, 1))
 			mock = append(mock, measure(y.URL, 1))
@@ -257,6 +259,13 @@ func runTTFT(b *testing.B, prefixes []int, rounds int) ttftResult {
 
 // pathRounds is how many rounds measure every path.
 const pathRounds = 3
+
+// settle lets the server that answered last go idle before the next path
+// is measured: llama.cpp's OpenMP threads spin for up to 10 ms after a
+// request (with OMP_WAIT_POLICY=PASSIVE a 512-token prefill took 20%
+// longer), and on two cores that spin took a quarter of the next path's
+// restore from it (perf, 4k cross mock).
+func settle() { time.Sleep(50 * time.Millisecond) }
 
 // medianPath is the rounds' median of each timing; a round that answered
 // otherwise than stock, or restored less than the prefix, marks the whole.
