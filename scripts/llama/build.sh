@@ -4,18 +4,20 @@
 #
 #   stock    the pristine tree from fetch.sh
 #   patched  a copy of that tree with llama-patches/apply.sh applied, configured with
-#            -DMCBRIDGE_ROOT=<this repository> so that the patches' CMake hook finds
-#            csrc/ and include/ here
+#            -DMCBRIDGE_ROOT=<a mirror of this repository> so that the patches' CMake
+#            hook finds hosts/llama-server/, include/ and the Go module there
 #
 # The hash in the directory names covers everything that needs a fresh configure: the
 # source tree, the CMake options below, LLAMA_EXTRA_CMAKE_ARGS (word-split) and, for
-# patched, apply.sh, the patch series and the repository path. Sources inside the
-# repository (csrc/) are not in it: the build system tracks them, so editing them is an
-# incremental rebuild, not a new directory. A rebuild with nothing changed is a ninja
-# no-op. Under $MCB_CACHE/llama.cpp-<tag>/:
+# patched, apply.sh and the patch series. The repository is not in it: the patched build
+# reads it through patched-<hash>/mcbridge/, a copy that every build brings up to date
+# file by file (sync_mirror), so a checkout anywhere else (each CI clone is a new
+# directory) reuses the build and rebuilds only what its files change, where a build
+# keyed by the checkout's path configured and compiled anew (about 200 s with ccache).
+# A rebuild with nothing changed is a ninja no-op. Under $MCB_CACHE/llama.cpp-<tag>/:
 #
 #   src/  build-stock-<hash>/              the pristine tree and its build
-#   patched-<hash>/src/  patched-<hash>/build/
+#   patched-<hash>/src/  patched-<hash>/build/  patched-<hash>/mcbridge/
 #
 # Both builds reach their sources as ../src: with ccache's base_dir that makes the
 # compile commands identical, so a patched build recompiles only what the patches
@@ -54,7 +56,7 @@ cmake_args=(
 # shellcheck disable=SC2206 # word splitting is the interface
 extra_args=(${LLAMA_EXTRA_CMAKE_ARGS:-})
 if [[ $variant == patched ]]; then
-	extra_args+=("-DMCBRIDGE_ROOT=$mcb_repo")
+	extra_args+=("-DMCBRIDGE_ROOT=<mirror>") # named once the hash is known
 fi
 
 # series_digest: apply.sh and every patch, by name and content.
@@ -83,7 +85,32 @@ if [[ $variant == stock ]]; then
 	build=$llama_root/build-stock-$hash
 else
 	build=$llama_root/patched-$hash/build
+	mirror=$llama_root/patched-$hash/mcbridge
+	extra_args[${#extra_args[@]}-1]="-DMCBRIDGE_ROOT=$mirror"
 fi
+
+# sync_mirror: makes the mirror hold this checkout's files (tracked, and untracked ones
+# git does not ignore) byte for byte. Only files that differ are copied, so ninja and go
+# see the others unchanged; files the checkout no longer has are removed (a stale .go
+# file would still be built). Runs under the build's lock.
+sync_mirror() {
+	local list=$mirror.files f
+	mkdir -p "$mirror"
+	: >"$list"
+	git -C "$mcb_repo" ls-files -z --cached --others --exclude-standard | LC_ALL=C sort -z |
+		while IFS= read -r -d '' f; do
+			[[ -f $mcb_repo/$f ]] || continue # deleted in the work tree, not yet in git
+			printf '%s\0' "$f" >>"$list"
+			if ! cmp -s "$mcb_repo/$f" "$mirror/$f"; then
+				mkdir -p "$(dirname "$mirror/$f")"
+				cp "$mcb_repo/$f" "$mirror/$f"
+			fi
+		done
+	(cd "$mirror" && find . -type f -printf '%P\0' | LC_ALL=C sort -z) |
+		LC_ALL=C comm -z -13 "$list" - | while IFS= read -r -d '' f; do
+			rm -f "$mirror/$f"
+		done
+}
 
 # patched_tree: a private copy of the pristine tree with the series applied, keyed like
 # the build directory, so the stock tree (and a user's LLAMA_SRC) is never modified.
@@ -114,6 +141,7 @@ build_server() {
 	local tree=$src launcher=() generator=()
 	if [[ $variant == patched ]]; then
 		tree=$(patched_tree)
+		sync_mirror
 	fi
 	if command -v ccache >/dev/null; then
 		# Paths under base_dir are hashed relative to the build directory (see above).
