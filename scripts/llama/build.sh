@@ -14,6 +14,9 @@
 # file by file (sync_mirror), so a checkout anywhere else (each CI clone is a new
 # directory) reuses the build and rebuilds only what its files change, where a build
 # keyed by the checkout's path configured and compiled anew (about 200 s with ccache).
+# Checkouts share the mirror, so the binary is the one built for the checkout that ran
+# last: every make target that runs the binary runs deps.sh first, and two checkouts of
+# different code building at the same time take turns on the build's lock.
 # A rebuild with nothing changed is a ninja no-op. Under $MCB_CACHE/llama.cpp-<tag>/:
 #
 #   src/  build-stock-<hash>/              the pristine tree and its build
