@@ -32,11 +32,8 @@ func newMirror() mirror {
 // get returns the entry under k. The pointer is valid until the next put
 // or delete.
 func (mr *mirror) get(k key.BlockKey) (*directory.Entry, bool) {
-	i, ok := mr.at[k]
-	if !ok {
-		return nil, false
-	}
-	return &mr.entries[i], true
+	e, _, ok := mr.next(-1, k)
+	return e, ok
 }
 
 // next returns the entry under k, a child of the entry in slot prev (-1

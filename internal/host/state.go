@@ -102,9 +102,11 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 		cells[i] = uint32(i)
 	}
 	layout := StateLayout(buf, &st.Streams[0])
+	// At return the load is fenced or was refused: nothing writes into buf
+	// any more, and the caller may free it.
+	defer m.Model.UnregisterTensors(&layout)
 	ld, err := p.Load(layout, cells)
 	if err != nil {
-		m.Model.UnregisterTensors(&layout)
 		return nil, bridge.LoadResult{}, err
 	}
 	for l := range m.Format.Layers {
@@ -113,9 +115,6 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 		}
 	}
 	res, loadErr := ld.End()
-	// The load is fenced: nothing writes into buf any more, and the
-	// caller may free it.
-	m.Model.UnregisterTensors(&layout)
 	runtime.KeepAlive(buf)
 	if res.OKTokens == 0 {
 		if loadErr == nil {
