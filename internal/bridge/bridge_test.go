@@ -629,3 +629,54 @@ func TestScatteredCellsStaged(t *testing.T) {
 		require.NoError(t, dst.Check(tokens, tc.cells, 32), tc.name)
 	}
 }
+
+// The seqlock's second read of every remote block goes out as one batch
+// as soon as the payloads are in, before the host ends the load. One that
+// times out fails its block, and its batch is parked with the memory it
+// reads into until the read is done with it.
+func TestGenerationCheck(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.TransferTimeoutMS = 200
+	cfg.PeerDownMS = 0
+	a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
+	src, dst := newHost(t, 2, 32, 32, 32, false), newHost(t, 2, 32, 32, 32, false)
+	ma, mb := register(t, a, src, 4), register(t, b, dst, 4)
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(13)), 16)
+	src.Fill(tokens, kvtest.SeqCells(16))
+	saveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(16))
+
+	begin := func() *Load {
+		dst.Scribble()
+		ld, err := mb.LoadBegin(key.Scope{}, dst.Layout(), tokens, kvtest.SeqCells(16))
+		require.NoError(t, err)
+		for l := range dst.K {
+			ok, err := ld.WaitLayer(l)
+			require.NoError(t, err)
+			require.Equal(t, 16, ok)
+		}
+		require.NotNil(t, ld.gens.batch, "the generation reads are out when the last layer is placed")
+		require.Equal(t, 4, ld.gens.batch.Tasks(), "one read a remote block, in one batch")
+		return ld
+	}
+	res, err := begin().End()
+	require.NoError(t, err)
+	require.Equal(t, 16, res.OKTokens)
+	require.NoError(t, dst.Check(tokens, kvtest.SeqCells(16), 16))
+	idle := b.pool.Used()
+
+	ld := begin()
+	// The reads are out but not yet served: Loopback moves a task's bytes
+	// when it is polled, which End does next.
+	delay := 2 * time.Duration(cfg.TransferTimeoutMS) * time.Millisecond
+	a.tr.(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(delay)})
+	parked := b.Stats().ParkedBatches
+	res, err = ld.End()
+	require.Equal(t, status.Timeout, status.Of(err), "%v", err)
+	require.Zero(t, res.OKTokens)
+	require.Equal(t, parked+1, b.Stats().ParkedBatches, "the generation check is parked")
+	require.Equal(t, idle+4*genSlot, b.pool.Used(), "its reads' memory stays allocated while they may write")
+	time.Sleep(delay + 50*time.Millisecond)
+	b.reap()
+	require.Equal(t, idle, b.pool.Used(), "and is freed once they are done")
+	a.tr.(*transport.Loopback).SetFault(transport.Fault{})
+}

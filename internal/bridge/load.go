@@ -38,6 +38,7 @@ type Load struct {
 	// with only their headers staged (see submitRemote).
 	landed  bool
 	scratch [][]byte // per placing goroutine (GOMAXPROCS), for SumPieces
+	gens    genCheck // the seqlock's second read of the remote blocks
 
 	// The worker owns blocks and writes ok and err under mu until placed
 	// reaches the layer count; the host reads them under mu.
@@ -53,7 +54,8 @@ type loadBlock struct {
 	entry  directory.Entry
 	expect pool.Expect
 	runs   []kvlayout.Run
-	src    []byte // the block as verified: pool memory or staging (its header alone when landed)
+	src    []byte              // the block as verified: pool memory or staging (its header alone when landed)
+	seg    transport.SegmentID // a remote block's holder
 	local  bool
 	stored bool // read from the store into staging
 	// A remote block's transport tasks, per layer, and, when its layers
@@ -65,6 +67,21 @@ type loadBlock struct {
 
 // taskSpan is tasks [first, first+n) of a load's batch.
 type taskSpan struct{ first, n int }
+
+// genCheck reads the generation of every remote block again once all of
+// its payload has arrived: one batch of 64-byte reads, one per remote
+// block, into an extent of its own (the header staging may still be
+// under verification when it is issued).
+type genCheck struct {
+	at    extent          // genSlot bytes a remote block, in remote order
+	task  []int           // per block, its task in batch, -1 for blocks not remote
+	batch transport.Batch // nil until submitted
+	err   error           // why it was not submitted
+}
+
+// genSlot is the bytes each generation read brings: the pool's alignment,
+// which holds the generation word.
+const genSlot = 64
 
 // LoadResult says how much of a load arrived intact.
 type LoadResult struct {
@@ -178,14 +195,51 @@ type arrival struct {
 // polling them together costs one backoff.
 func (ld *Load) poll(arrivals chan<- arrival) {
 	defer close(arrivals)
-	for l := 0; l < ld.m.geo.Layers(); l++ {
+	last := ld.m.geo.Layers() - 1
+	for l := 0; l <= last; l++ {
 		a := arrival{layer: l}
 		if ld.waves != nil {
 			w := ld.waves[l]
 			a.tasks, a.err = transport.Wait(ld.ctx, ld.batch, w.first, w.n, transport.DefaultBackoff)
+			if l == last {
+				// Every payload read is done: the second reads of the
+				// generations go out now, while the worker still places
+				// the last layer, not one round trip a block in End.
+				ld.submitGenerations()
+			}
 		}
 		arrivals <- a
 	}
+}
+
+// submitGenerations issues the generation reads of every remote block.
+// Blocks that failed meanwhile are read too: the poller does not know,
+// and a read costs one small request.
+func (ld *Load) submitGenerations() {
+	g := &ld.gens
+	if err := ld.ctx.Err(); err != nil {
+		g.err = status.Wrap(status.Timeout, err, "the generation check")
+		return
+	}
+	var reqs []transport.Request
+	for i := range ld.blocks {
+		if t := g.task[i]; t >= 0 {
+			lb := &ld.blocks[i]
+			local := ld.m.b.pool.Bytes(g.at.off+int64(t)*genSlot, genSlot)
+			reqs = append(reqs, transport.Request{Op: transport.Read, Local: mem.Addr(local), Segment: lb.seg, Remote: lb.entry.Loc.Addr, Length: genSlot})
+		}
+	}
+	batch, err := ld.m.b.tr.AllocateBatch(len(reqs))
+	if err != nil {
+		g.err = status.Wrap(status.Transfer, err, "allocating the generation check")
+		return
+	}
+	if err := batch.Submit(reqs); err != nil {
+		_ = batch.Free()
+		g.err = status.Wrap(status.Transfer, err, "submitting the generation check")
+		return
+	}
+	g.batch = batch
 }
 
 // failPlacing is fail for the worker, which shares ok and err with the host.
@@ -278,6 +332,12 @@ func (ld *Load) submitRemote() error {
 			}
 		}
 	}
+	genOff, err := b.pool.Alloc(int64(len(remote)) * genSlot)
+	if err != nil {
+		ld.fail(remote[0], err)
+		return nil
+	}
+	ld.gens.at = extent{genOff, int64(len(remote)) * genSlot}
 	batch, err := b.tr.AllocateBatch(capacity)
 	if err != nil {
 		return status.Wrap(status.Transfer, err, "allocating a transfer batch")
@@ -301,6 +361,7 @@ func (ld *Load) submitRemote() error {
 		ld.staging = append(ld.staging, extent{off, stage})
 		lb := &ld.blocks[i]
 		lb.src = b.pool.Bytes(off, stage)
+		lb.seg = segs[j]
 		lb.tasks = make([]taskSpan, layers)
 		if ld.landed {
 			lb.pieces = pieces[j]
@@ -308,6 +369,13 @@ func (ld *Load) submitRemote() error {
 	}
 	if len(remote) == 0 {
 		return nil
+	}
+	ld.gens.task = make([]int, len(ld.blocks))
+	for i := range ld.gens.task {
+		ld.gens.task[i] = -1
+	}
+	for j, i := range remote {
+		ld.gens.task[i] = j
 	}
 	reqs := make([]transport.Request, 0, capacity)
 	ld.waves = make([]taskSpan, layers)
@@ -555,21 +623,38 @@ func (ld *Load) touchLocal() {
 }
 
 // recheck reads each good block's generation again after its payload: a
-// writer that reused the location meanwhile changed it.
+// writer that reused the location meanwhile changed it. Remote blocks'
+// second reads were issued by the poller (submitGenerations).
 func (ld *Load) recheck() {
 	b := ld.m.b
+	g := &ld.gens
+	var remote []transport.TaskStatus
+	if g.batch != nil {
+		remote, _ = transport.Wait(ld.ctx, g.batch, 0, g.batch.Tasks(), transport.DefaultBackoff)
+	}
 	for i := 0; i < ld.ok; i++ {
 		lb := &ld.blocks[i]
 		var gen uint64
 		if lb.local || lb.stored {
 			gen = pool.Generation(lb.src)
 		} else {
-			g, err := ld.remoteGeneration(lb)
-			if err != nil {
-				ld.fail(i, err)
+			t := g.task[i]
+			if g.batch == nil {
+				ld.fail(i, g.err)
+				b.peerFailed(lb.entry.Loc.Segment, g.err)
 				return
 			}
-			gen = g
+			if st := remote[t].State; st != transport.Completed {
+				code := status.Transfer
+				if st == transport.TimedOut {
+					code = status.Timeout
+				}
+				err := status.Errorf(code, "block %s generation check: %s", lb.entry.Key, st)
+				ld.fail(i, err)
+				b.peerFailed(lb.entry.Loc.Segment, err)
+				return
+			}
+			gen = pool.Generation(b.pool.Bytes(g.at.off+int64(t)*genSlot, genSlot))
 		}
 		if gen != lb.expect.Generation {
 			ld.fail(i, status.Errorf(status.Corrupt, "block %s changed while read (generation %d, read at %d)", lb.entry.Key, gen, lb.expect.Generation))
@@ -577,36 +662,6 @@ func (ld *Load) recheck() {
 			return
 		}
 	}
-}
-
-// remoteGeneration reads a remote block's first 64 bytes again into its
-// staging, which holds the verified header copy no longer needed.
-func (ld *Load) remoteGeneration(lb *loadBlock) (uint64, error) {
-	b := ld.m.b
-	seg, err := b.segment(ld.ctx, lb.entry.Loc.Segment)
-	if err != nil {
-		return 0, err
-	}
-	batch, err := b.tr.AllocateBatch(1)
-	if err != nil {
-		return 0, status.Wrap(status.Transfer, err, "allocating a transfer batch")
-	}
-	req := transport.Request{Op: transport.Read, Local: mem.Addr(lb.src), Segment: seg, Remote: lb.entry.Loc.Addr, Length: 64}
-	if err := batch.Submit([]transport.Request{req}); err != nil {
-		_ = batch.Free()
-		return 0, status.Wrap(status.Transfer, err, "submitting the generation check")
-	}
-	st, err := transport.Wait(ld.ctx, batch, 0, 1, transport.DefaultBackoff)
-	if err != nil {
-		ld.m.b.parkBatch(batch, nil)
-		b.peerFailed(lb.entry.Loc.Segment, err)
-		return 0, err
-	}
-	_ = batch.Free()
-	if st[0].State != transport.Completed {
-		return 0, status.Errorf(status.Transfer, "block %s generation check: %s", lb.entry.Key, st[0].State)
-	}
-	return pool.Generation(lb.src), nil
 }
 
 // release unpins local blocks and frees staging and the batch; a batch
@@ -623,6 +678,7 @@ func (ld *Load) release() {
 		}
 	}
 	b.mu.Unlock()
+	ld.releaseGenerations()
 	if ld.batch == nil {
 		ld.freeStaging(ld.staging)
 		return
@@ -636,6 +692,22 @@ func (ld *Load) release() {
 		ld.freeStaging(ld.staging)
 	}
 	ld.batch, ld.staging = nil, nil
+}
+
+// releaseGenerations frees the generation check's batch and extent, or
+// parks them while a read is still in flight.
+func (ld *Load) releaseGenerations() {
+	g := &ld.gens
+	at := []extent{g.at}
+	if g.at.n == 0 {
+		at = nil
+	}
+	if g.batch != nil && g.batch.Free() != nil {
+		ld.m.b.parkBatch(g.batch, at)
+	} else {
+		ld.freeStaging(at)
+	}
+	*g = genCheck{}
 }
 
 // abort stops the transfers still running into the host's tensors before
