@@ -1,12 +1,15 @@
 // Stage 2 (docs/design.md §5.1): a restore runs llama.cpp's own machinery,
-// llama_kv_cache::state_read -> state_read_meta (seq_rm, find_slot, apply_ubatch, the
-// checks) -> state_read_data (layer count, V layout, types and row sizes, one read per
-// contiguous run of cells), with a reader whose header is synthesized (P cells at
-// positions 0..P-1) and whose tensor reads become one bridge load into the KV tensors.
+// llama_kv_cache::state_read_sinfo -> state_read_meta (the checks, apply_ubatch) ->
+// state_read_data (layer count, V layout, types and row sizes, one read per contiguous
+// run of cells), with a reader whose header is synthesized (P cells at positions
+// 0..P-1) and whose tensor reads are checked against a bridge load into the KV tensors.
+// The cells are chosen first, by llama.cpp's find_slot, and handed to state_read_sinfo,
+// so that the load's transfers run while llama.cpp does its bookkeeping for them.
 // Any failure throws inside state_read_data, where llama.cpp rolls the sequence back.
 // The save is the mirror: the cells and tensors of the sequence, handed to the bridge.
 #include "llama-mcbridge-impl.h"
 
+#include "llama-batch.h"
 #include "llama-context.h"
 #include "llama-impl.h"
 #include "llama-io.h"
@@ -14,6 +17,7 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
@@ -59,42 +63,42 @@ std::vector<uint32_t> seq_cells(const llama_kv_cache * kv, llama_seq_id seq_id, 
     return cell;
 }
 
-namespace {
+uint32_t seq_stream(const llama_kv_cache * kv, llama_seq_id seq_id) {
+    // get_cells hands out one element of the cache's vector of streams, and sequence 0
+    // is always in stream 0.
+    const std::ptrdiff_t strm = &kv->get_cells(seq_id) - &kv->get_cells(0);
+    if (strm < 0 || (uint32_t) strm >= kv->get_n_stream()) {
+        throw std::runtime_error("sequence " + std::to_string(seq_id) + " maps to no stream of the cache");
+    }
+    return (uint32_t) strm;
+}
 
-// The per-stream K and V tensors of every KV layer, as bound by the cache.
-struct kv_tensors {
-    std::vector<ggml_tensor *> k;
-    std::vector<ggml_tensor *> v;
-};
-
-// Builds the bridge's view of the tensors: rows of cell c at data + c * row stride, or,
-// with V transposed, dimension j of cell c at data + (j * n_cells + c) * element size.
-std::vector<mcb_kv_layer> layers_of(const kv_tensors & t, uint32_t n_cells, bool v_trans) {
-    std::vector<mcb_kv_layer> layers(t.k.size());
-    for (size_t l = 0; l < t.k.size(); l++) {
-        for (ggml_tensor * x : {t.k[l], t.v[l]}) {
-            if (x->buffer == nullptr || !ggml_backend_buffer_is_host(x->buffer) || x->data == nullptr) {
-                throw std::runtime_error(std::string("KV tensor ") + x->name + " is not in host memory");
-            }
-        }
-        layers[l].k        = t.k[l]->data;
-        layers[l].k_stride = t.k[l]->nb[1];
-        layers[l].v        = t.v[l]->data;
-        layers[l].v_stride = v_trans ? (uint64_t) n_cells * ggml_element_size(t.v[l]) : t.v[l]->nb[1];
+std::vector<mcb_kv_layer> stream_layers(const kv_storage & st, uint32_t n_cells, bool v_trans, uint32_t strm) {
+    std::vector<mcb_kv_layer> layers(st.k.size());
+    for (size_t l = 0; l < st.k.size(); l++) {
+        const ggml_tensor * k = st.k[l];
+        const ggml_tensor * v = st.v[l];
+        layers[l].k        = static_cast<uint8_t *>(k->data) + strm * k->nb[2];
+        layers[l].k_stride = k->nb[1];
+        layers[l].v        = static_cast<uint8_t *>(v->data) + strm * v->nb[2];
+        layers[l].v_stride = v_trans ? (uint64_t) n_cells * ggml_element_size(v) : v->nb[1];
     }
     return layers;
 }
 
+namespace {
+
 // The stage-2 reader. Its byte stream is the state blob of a sequence that holds
 // positions 0..P-1 (llama-patches/README.md, "Sequence-state blob"), minus the tensor
-// bytes; the tensor reads are checked against the runs of the cells that find_slot
-// chose, and the last of them runs the load.
+// bytes. The load already runs into the cells find_slot chose; each tensor read must be
+// the next one of those cells' runs, in the tensor the load writes, and the last of them
+// waits for the load.
 class bridge_reader : public llama_io_read_i {
 public:
-    bridge_reader(llama_kv_cache * kv, const llama_hparams & hp, const attachment & att, mcb_plan p,
-                  llama_seq_id seq_id, int32_t n_tokens) :
-        plan(p), kv(kv), hp(hp), att(att), seq_id(seq_id), n_tokens(n_tokens),
-        layer_ids(kv->get_layer_ids()) {
+    bridge_reader(llama_kv_cache * kv, const llama_hparams & hp, const attachment & att, mcb_load load,
+                  llama_seq_id seq_id, const std::vector<uint32_t> & cells, const std::vector<mcb_kv_layer> & layers) :
+        load(load), kv(kv), hp(hp), att(att), seq_id(seq_id), n_tokens((int32_t) cells.size()), cells(cells),
+        runs(runs_of(cells)), layers(layers), layer_ids(kv->get_layer_ids()) {
         put<uint32_t>(kv->get_n_stream());
         // The cells go in the first stream section; state_read places a single-sequence
         // blob in the destination's own stream whichever section carries it.
@@ -124,9 +128,13 @@ public:
         for (uint32_t s = 1; s < kv->get_n_stream(); s++) {
             put<uint32_t>(0);
         }
-        tensors.k.assign(layer_ids.size(), nullptr);
-        tensors.v.assign(layer_ids.size(), nullptr);
+        n_reads_total = layer_ids.size() * runs.size();
+        for (uint32_t il : layer_ids) {
+            n_reads_total += runs.size() * (att.v_trans ? hp.n_embd_v_gqa(il) : 1);
+        }
     }
+
+    ~bridge_reader() { end(); }
 
     void read(void * dst, size_t size) override {
         if (size > stream.size() - cur) {
@@ -138,12 +146,12 @@ public:
 
     void read_tensor(ggml_tensor * t, size_t offset, size_t size) override {
         try {
-            if (cells.empty()) {
-                find_cells(); // state_read_meta has placed the cells by now
+            if (n_reads == 0 && seq_cells(kv, seq_id, n_tokens) != cells) {
+                throw std::runtime_error("mcbridge: llama.cpp placed the sequence in other cells than the load's");
             }
             expect(t, offset, size);
             if (++n_reads == n_reads_total) {
-                load();
+                finish();
             }
         } catch (const std::exception & e) {
             error = e.what(); // state_read_data swallows the exception itself
@@ -153,30 +161,32 @@ public:
 
     size_t n_bytes() override { return cur; }
 
-    // The plan, until the load takes it; llama.cpp may refuse the cells before.
-    mcb_plan   plan    = 0;
-    int32_t    n_ok    = 0;
-    uint64_t   bytes   = 0;
-    mcb_status  status  = MCB_STATUS_OK;
+    // Ends the load if it is still open: it waits out every layer, so that nothing the
+    // load started writes into the cells once llama.cpp has them back. Status and error
+    // keep the first failure.
+    void end() {
+        if (load == 0) {
+            return;
+        }
+        mcb_load_result res = {};
+        const mcb_status st = mcb_load_end(load, &res);
+        load = 0;
+        if (st != MCB_STATUS_OK && status == MCB_STATUS_OK) {
+            status = st;
+        }
+        n_ok  = std::min(n_ok, (int32_t) res.n_tokens_ok);
+        bytes = res.n_bytes;
+    }
+
+    int32_t    n_ok   = 0;
+    uint64_t   bytes  = 0;
+    mcb_status status = MCB_STATUS_OK;
     std::string error;
 
 private:
     template <typename T> void put(T v) {
         const auto * p = reinterpret_cast<const uint8_t *>(&v);
         stream.insert(stream.end(), p, p + sizeof(T));
-    }
-
-    void find_cells() {
-        cells = seq_cells(kv, seq_id, n_tokens);
-        if ((int32_t) cells.size() != n_tokens) {
-            throw std::runtime_error("mcbridge: restored positions are not all in the cache");
-        }
-        runs = runs_of(cells);
-        const size_t L = layer_ids.size();
-        n_reads_total = L * runs.size();
-        for (uint32_t il : layer_ids) {
-            n_reads_total += runs.size() * (att.v_trans ? hp.n_embd_v_gqa(il) : 1);
-        }
     }
 
     // The read that state_read_data issues next, by its index: K of every layer, then V
@@ -186,14 +196,14 @@ private:
         const size_t L = layer_ids.size();
         size_t i = n_reads;
         size_t want_off, want_size;
-        ggml_tensor ** slot;
+        const void * want_data;
         if (i < L * R) {
             const size_t l = i / R;
             const cell_run & r = runs[i % R];
             const size_t row = ggml_row_size(kv->type_k(), hp.n_embd_k_gqa(layer_ids[l]));
             want_off  = r.from * row;
             want_size = r.n * row;
-            slot = &tensors.k[l];
+            want_data = layers[l].k;
         } else {
             i -= L * R;
             size_t l = 0;
@@ -218,69 +228,51 @@ private:
                 want_off  = (r.from + j * kv->get_size()) * el;
                 want_size = r.n * el;
             }
-            slot = &tensors.v[l];
+            want_data = layers[l].v;
         }
-        if (offset != want_off || size != want_size || (*slot != nullptr && *slot != t)) {
+        if (offset != want_off || size != want_size || t->data != want_data) {
             throw std::runtime_error("mcbridge: llama.cpp read tensor " + std::string(t->name) + " at " +
                                      std::to_string(offset) + "+" + std::to_string(size) + ", expected " +
-                                     std::to_string(want_off) + "+" + std::to_string(want_size));
+                                     std::to_string(want_off) + "+" + std::to_string(want_size) +
+                                     " of the tensor the load writes");
         }
-        *slot = t;
     }
 
-    // One load for all the runs: the bridge moves every block and verifies each layer
-    // before this returns, so no compute ever sees unverified rows (docs/design.md §5.2).
-    void load() {
-        const std::vector<mcb_kv_layer> layers = layers_of(tensors, kv->get_size(), att.v_trans);
-        mcb_kv_layout layout = {};
-        layout.n_layer  = (uint32_t) layers.size();
-        layout.n_cells  = kv->get_size();
-        layout.v_trans  = att.v_trans;
-        layout.location = "cpu:0";
-        layout.layers   = layers.data();
-
-        mcb_load h = 0;
-        status = mcb_load_begin(plan, &layout, cells.data(), &h);
-        plan = 0; // consumed, also on failure
-        if (status != MCB_STATUS_OK) {
-            throw std::runtime_error("mcb_load_begin: " + status_message(status));
-        }
+    // Waits for every layer, each verified before it is reported, so no compute ever
+    // sees unverified rows (docs/design.md §5.2), then ends the load.
+    void finish() {
         uint32_t ok = (uint32_t) n_tokens;
-        for (uint32_t l = 0; l < layout.n_layer; l++) {
+        for (uint32_t l = 0; l < (uint32_t) layers.size(); l++) {
             uint32_t ok_l = 0;
-            const mcb_status st = mcb_load_wait_layer(h, l, &ok_l);
+            const mcb_status st = mcb_load_wait_layer(load, l, &ok_l);
             if (st != MCB_STATUS_OK && status == MCB_STATUS_OK) {
                 status = st;
             }
             ok = std::min(ok, st == MCB_STATUS_OK ? ok_l : 0u);
         }
-        mcb_load_result res = {};
-        const mcb_status st_end = mcb_load_end(h, &res);
-        if (st_end != MCB_STATUS_OK && status == MCB_STATUS_OK) {
-            status = st_end;
-        }
-        n_ok  = (int32_t) std::min<uint32_t>(ok, res.n_tokens_ok);
-        bytes = res.n_bytes;
+        n_ok = (int32_t) ok;
+        end();
         if (n_ok == 0) {
             throw std::runtime_error("mcbridge: no block restored (" + status_message(status) + ")");
         }
     }
 
+    mcb_load              load = 0; // open until end
     llama_kv_cache *      kv;
     const llama_hparams & hp;
     const attachment &    att;
     const llama_seq_id    seq_id;
     const int32_t         n_tokens;
-    const std::vector<uint32_t> layer_ids;
+    const std::vector<uint32_t>     cells;
+    const std::vector<cell_run>     runs;
+    const std::vector<mcb_kv_layer> layers;
+    const std::vector<uint32_t>     layer_ids;
 
     std::vector<uint8_t> stream;
     size_t cur = 0;
 
-    std::vector<uint32_t> cells;
-    std::vector<cell_run> runs;
     size_t n_reads = 0;
     size_t n_reads_total = 0;
-    kv_tensors tensors;
 };
 
 // Learns which tensors hold a sequence's K and V from a state_write of it: each layer's
@@ -304,7 +296,7 @@ private:
 
 } // namespace
 
-std::vector<mcb_kv_layer> seq_layers(llama_kv_cache * kv, llama_seq_id seq_id, bool v_trans) {
+kv_storage capture_storage(llama_kv_cache * kv, llama_seq_id seq_id) {
     tensor_capture cap;
     kv->state_write(cap, seq_id);
     const size_t L = kv->get_layer_ids().size();
@@ -312,11 +304,52 @@ std::vector<mcb_kv_layer> seq_layers(llama_kv_cache * kv, llama_seq_id seq_id, b
         throw std::runtime_error("state_write named " + std::to_string(cap.order.size()) + " tensors for " +
                                  std::to_string(L) + " layers");
     }
-    kv_tensors t;
-    t.k.assign(cap.order.begin(), cap.order.begin() + L);
-    t.v.assign(cap.order.begin() + L, cap.order.end());
-    return layers_of(t, kv->get_size(), v_trans);
+    // Each named tensor is the sequence's stream's view of a layer's K or V: a view at
+    // stream * nb[2] of the whole tensor, with its rows.
+    const uint32_t strm = seq_stream(kv, seq_id);
+    kv_storage st;
+    for (size_t i = 0; i < cap.order.size(); i++) {
+        ggml_tensor * view = cap.order[i];
+        ggml_tensor * whole = view->view_src != nullptr ? view->view_src : view;
+        if (whole->buffer == nullptr || !ggml_backend_buffer_is_host(whole->buffer) || whole->data == nullptr) {
+            throw std::runtime_error(std::string("KV tensor ") + whole->name + " is not in host memory");
+        }
+        if (whole->ne[2] != (int64_t) kv->get_n_stream() || view->nb[1] != whole->nb[1] ||
+            view->data != static_cast<uint8_t *>(whole->data) + strm * whole->nb[2]) {
+            throw std::runtime_error(std::string("KV tensor ") + whole->name + " is not laid out by stream");
+        }
+        (i < L ? st.k : st.v).push_back(whole);
+    }
+    return st;
 }
+
+mcb_kv_layout layout_of(const llama_kv_cache * kv, bool v_trans, const std::vector<mcb_kv_layer> & layers) {
+    mcb_kv_layout layout = {};
+    layout.n_layer  = (uint32_t) layers.size();
+    layout.n_cells  = kv->get_size();
+    layout.v_trans  = v_trans;
+    layout.location = "cpu:0";
+    layout.layers   = layers.data();
+    return layout;
+}
+
+namespace {
+
+// The cells llama.cpp's restore of positions [0, n) into the empty seq_id would take:
+// find_slot over the ubatch state_read_meta builds for it. Empty when they do not fit.
+llama_kv_cache::slot_info place(const llama_kv_cache * kv, const llama_hparams & hp, llama_seq_id seq_id, int32_t n) {
+    llama_batch_allocr balloc(hp.n_pos_per_embd());
+    llama_ubatch ub = balloc.ubatch_reserve((uint32_t) n, 1);
+    ub.seq_id_unq[0] = seq_id;
+    for (int32_t i = 0; i < n; i++) {
+        ub.pos[i]      = i;
+        ub.n_seq_id[i] = 1;
+        ub.seq_id[i]   = &seq_id;
+    }
+    return kv->find_slot(ub, false);
+}
+
+} // namespace
 
 restore_result seq_restore(llama_context * ctx, const attachment & att, mcb_plan plan,
                            llama_seq_id seq_id, int32_t n_tokens) {
@@ -331,27 +364,51 @@ restore_result seq_restore(llama_context * ctx, const attachment & att, mcb_plan
     // No compute may be writing the cache while the bridge does.
     llama_synchronize(ctx);
 
-    bridge_reader reader(kv, llama_get_model(ctx)->hparams, att, plan, seq_id, n_tokens);
+    // llama.cpp's restore begins so; the cells it frees may take the load.
+    kv->seq_rm(seq_id, -1, -1);
+    out.seq_cleared = true;
+    const llama_kv_cache::slot_info sinfo = place(kv, llama_get_model(ctx)->hparams, seq_id, n_tokens);
+    if (sinfo.empty()) {
+        mcb_plan_drop(plan);
+        out.status = MCB_STATUS_LAYOUT;
+        out.error  = "no room in the cache for " + std::to_string(n_tokens) + " cells";
+        return out;
+    }
+    // The load starts now, into cells that belong to no sequence yet (nothing reads
+    // them), and runs while llama.cpp allocates them to seq_id.
+    const std::vector<uint32_t> & cells = sinfo.idxs[0];
+    const std::vector<mcb_kv_layer> layers = stream_layers(att.storage, kv->get_size(), att.v_trans, sinfo.strm[0]);
+    const mcb_kv_layout layout = layout_of(kv, att.v_trans, layers);
+    mcb_load load = 0;
+    out.status = mcb_load_begin(plan, &layout, cells.data(), &load);
+    if (out.status != MCB_STATUS_OK) {
+        out.error = "mcb_load_begin: " + status_message(out.status);
+        return out;
+    }
+
+    bridge_reader reader(kv, llama_get_model(ctx)->hparams, att, load, seq_id, cells, layers);
+    llama_kv_cache::slot_info_vec_t placed(kv->get_n_stream());
+    placed[0] = sinfo; // the blob's first section carries the cells
     try {
-        kv->state_read(reader, seq_id);
+        kv->state_read_sinfo(reader, seq_id, 0, nullptr, &placed);
+        reader.end(); // a no-op when the last tensor read ended it, as it should have
     } catch (const std::exception & e) {
-        // state_read_sinfo has removed the sequence (seq_rm(seq, -1, -1)).
-        // Without a bridge status llama.cpp refused the cells (no room, a check failed).
-        out.status      = reader.status != MCB_STATUS_OK ? reader.status : MCB_STATUS_LAYOUT;
-        out.error       = reader.error.empty() ? e.what() : reader.error;
-        out.seq_cleared = true;
+        // state_read_sinfo has removed the sequence (seq_rm(seq, -1, -1)). Without a
+        // bridge status llama.cpp refused the cells (a check failed).
+        reader.end();
+        out.status = reader.status != MCB_STATUS_OK ? reader.status : MCB_STATUS_LAYOUT;
+        out.error  = reader.error.empty() ? e.what() : reader.error;
         if (kv->seq_pos_max(seq_id) >= 0) {
             kv->seq_rm(seq_id, -1, -1);
         }
-        if (reader.plan != 0) {
-            mcb_plan_drop(reader.plan); // llama.cpp refused the cells before the load took it
-        }
         return out;
     }
-    out.seq_cleared = true;
-    out.status      = reader.status;
-    out.n_bytes     = reader.bytes;
-    out.n_tokens    = reader.n_ok;
+    out.status   = reader.status;
+    out.n_bytes  = reader.bytes;
+    out.n_tokens = reader.n_ok;
+    if (out.n_tokens == 0) {
+        out.error = "mcbridge: llama.cpp did not read the restore to its end";
+    }
     if (out.n_tokens < n_tokens) {
         // A partial load: keep the verified prefix; the cells past it hold unverified
         // bytes and leave the sequence.
@@ -381,18 +438,13 @@ save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scop
 
     std::vector<mcb_kv_layer> layers;
     try {
-        layers = seq_layers(kv, seq_id, att.v_trans);
+        layers = stream_layers(att.storage, kv->get_size(), att.v_trans, seq_stream(kv, seq_id));
     } catch (const std::exception & e) {
         out.status = MCB_STATUS_UNSUPPORTED;
         out.error  = e.what();
         return out;
     }
-    mcb_kv_layout layout = {};
-    layout.n_layer  = (uint32_t) layers.size();
-    layout.n_cells  = kv->get_size();
-    layout.v_trans  = att.v_trans;
-    layout.location = "cpu:0";
-    layout.layers   = layers.data();
+    const mcb_kv_layout layout = layout_of(kv, att.v_trans, layers);
 
     mcb_save h = 0;
     out.status = mcb_save_begin(att.model, scope, &layout, tokens, (size_t) n, cells.data(), &h);

@@ -4,8 +4,9 @@
 //
 //   - a save from one context and a restore into another with the same KV format
 //     places byte-identical K and V at every restored position, into cells that
-//     find_slot scattered around another sequence's cells, with V row-major (flash
-//     attention on) and transposed (off);
+//     find_slot scattered around another sequence's cells, and into the second stream
+//     of a cache with a stream a sequence, with V row-major (flash attention on) and
+//     transposed (off);
 //   - another model, another K type and another V layout find nothing and restore
 //     nothing, and a failed restore leaves every other sequence's KV untouched;
 //   - a restore that cannot fit rolls back;
@@ -152,10 +153,11 @@ std::vector<llama_token> tokens(size_t n, int mul, int off) {
     return t;
 }
 
-// Positions [0, n) of seq hold the same KV bytes in a and b.
-bool same_kv(const context & a, const context & b, llama_seq_id seq, int32_t n) {
-    const auto ka = a.kv_by_pos(seq);
-    const auto kb = b.kv_by_pos(seq);
+// Positions [0, n) of seq_a in a hold the same KV bytes as those of seq_b in b, which
+// holds nothing else.
+bool same_kv(const context & a, llama_seq_id seq_a, const context & b, llama_seq_id seq_b, int32_t n) {
+    const auto ka = a.kv_by_pos(seq_a);
+    const auto kb = b.kv_by_pos(seq_b);
     for (llama_pos p = 0; p < n; p++) {
         auto ia = ka.find(p);
         auto ib = kb.find(p);
@@ -191,9 +193,20 @@ void round_trip(const model_file & model, const kv_format & f) {
     check(llama_memory_seq_pos_max(dst.mem(), 0) == want - 1, "%s: seq 0 ends at %d", f.name,
           llama_memory_seq_pos_max(dst.mem(), 0));
     llama_memory_seq_rm(src.mem(), 0, want, -1);
-    check(same_kv(src, dst, 0, want), "%s: restored K and V are byte-identical to the computed ones", f.name);
+    check(same_kv(src, 0, dst, 0, want), "%s: restored K and V are byte-identical to the computed ones", f.name);
     check(dst.blob(1) == before, "%s: the other sequence is untouched", f.name);
     check(dst.clean_end(0) > want, "%s: a restored sequence is clean", f.name);
+
+    // A cache of one stream a sequence, as llama-server makes with -np N: seq 1's load
+    // goes into stream 1 and stream 0 keeps its own KV.
+    context streams(model, f, 1024, 2, false);
+    streams.decode(0, tokens(100, 5, 1), 0);
+    const auto before_stream0 = streams.blob(0);
+    const auto rs = streams.restore(1, prompt);
+    check(rs.n_tokens == want && rs.status == MCB_STATUS_OK, "%s: restored %d of %d tokens into stream 1 %s", f.name,
+          rs.n_tokens, want, rs.error.c_str());
+    check(same_kv(src, 0, streams, 1, want), "%s: stream 1's K and V are byte-identical to the computed ones", f.name);
+    check(streams.blob(0) == before_stream0, "%s: stream 0 is untouched", f.name);
 
     // Nothing fits: a one-sequence cache full of seq 0 cannot take seq 1's 192 cells.
     context full(model, f, 256, 2, true);

@@ -77,9 +77,11 @@ process_state & state() {
 std::atomic<bool> g_tracking{false};
 
 // Decodes the probe prompt into sequence 0 of an empty cache and registers the model
-// with the KV it produced; the sequence is emptied again either way.
+// with the KV it produced, learning where the cache's tensors are; the sequence is
+// emptied again either way.
 mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const mcb_model_params & params,
-                               const mcb_kv_format & format, bool v_trans, mcb_model & out, std::string & why) {
+                               const mcb_kv_format & format, bool v_trans, mcb_model & out, kv_storage & storage,
+                               std::string & why) {
     if (kv->seq_pos_max(0) >= 0) {
         why = "sequence 0 is not empty";
         return MCB_STATUS_STATE;
@@ -108,13 +110,9 @@ mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const m
             if (cells.size() != toks.size()) {
                 throw std::runtime_error("the probe's positions are not all in the cache");
             }
-            const std::vector<mcb_kv_layer> layers = seq_layers(kv, 0, v_trans);
-            mcb_kv_layout layout = {};
-            layout.n_layer  = (uint32_t) layers.size();
-            layout.n_cells  = kv->get_size();
-            layout.v_trans  = v_trans;
-            layout.location = "cpu:0";
-            layout.layers   = layers.data();
+            storage = capture_storage(kv, 0);
+            const std::vector<mcb_kv_layer> layers = stream_layers(storage, kv->get_size(), v_trans, 0);
+            const mcb_kv_layout layout = layout_of(kv, v_trans, layers);
             st = mcb_model_register(state().bridge, &params, &format, &layout, cells.data(), &out);
             if (st != MCB_STATUS_OK) {
                 why = "mcb_model_register: " + status_message(st);
@@ -275,8 +273,9 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     f.v_trans      = v_trans;
 
     mcb_model m = 0;
+    kv_storage storage;
     std::string why_probe;
-    if (register_with_probe(ctx, kv, p, f, v_trans, m, why_probe) != MCB_STATUS_OK) {
+    if (register_with_probe(ctx, kv, p, f, v_trans, m, storage, why_probe) != MCB_STATUS_OK) {
         why_off = "registering the model: " + why_probe;
         return false;
     }
@@ -285,6 +284,7 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     a.model   = m;
     a.n_layer = f.n_layer;
     a.v_trans = v_trans;
+    a.storage = storage;
     std::ostringstream d;
     d << model.arch_name() << ", " << f.n_layer << " KV layers, K " << ggml_type_name(tk) << " V " << ggml_type_name(tv)
       << (v_trans ? " (V transposed)" : "") << ", " << kv->get_n_stream() << " stream(s) of " << kv->get_size()

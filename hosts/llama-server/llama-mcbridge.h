@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 class llama_kv_cache;
 
@@ -36,11 +37,19 @@ void set_config(const std::string & json_or_path);
 void set_tenant(const std::string & tenant);
 const std::string & default_tenant();
 
+// The K and V tensors of every KV layer of a cache, each [n_embd, kv_size, n_stream]:
+// stream s of layer l starts s * nb[2] bytes into k[l] and v[l].
+struct kv_storage {
+    std::vector<ggml_tensor *> k;
+    std::vector<ggml_tensor *> v;
+};
+
 // A context the bridge serves: its registration and what the server reports.
 struct attachment {
     mcb_model   model   = 0;
     uint32_t    n_layer = 0;
     bool        v_trans = false;
+    kv_storage  storage; // learned from the probe's sequence, which names its stream's views
     std::string describe; // one line for the log: types, layers, layout
 };
 
