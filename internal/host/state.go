@@ -89,8 +89,10 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 		return nil, bridge.LoadResult{}, status.Errorf(status.InvalidArg, "a state of %d streams", fr.NStream)
 	}
 	empty := m.emptyState(fr, tokens)
-	buf, err := empty.AppendTo(alloc(empty.Size())[:0])
-	if err != nil {
+	// The rows are left for the load to fill: written here, they would
+	// be written twice.
+	buf := alloc(empty.Size())
+	if err := empty.FrameInto(buf); err != nil {
 		return nil, bridge.LoadResult{}, err
 	}
 	st, err := llamastate.Parse(buf)
@@ -138,8 +140,8 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 }
 
 // emptyState is a state of n cells at positions 0..n-1 whose rows the load
-// then writes in place. Every layer's rows alias one zero buffer: building
-// only reads them.
+// then writes in place. Every layer's rows alias one zero buffer, which
+// only gives them their lengths: FrameInto writes around them.
 func (m *Model) emptyState(fr Frame, tokens []int32) *llamastate.State {
 	n := len(tokens)
 	st := &llamastate.State{Kind: fr.Kind, SeqID: fr.SeqID, Streams: make([]llamastate.Stream, fr.NStream)}

@@ -298,7 +298,34 @@ func (st *State) AppendTo(w []byte) ([]byte, error) {
 	if err := st.check(); err != nil {
 		return nil, err
 	}
+	return st.encode(w, true), nil
+}
+
+// FrameInto writes the state into b, which must be Size bytes long, all but
+// the bytes of its K and V rows, which it leaves as they are: for a caller
+// that fills the rows in place afterwards, so that they are not written
+// twice.
+func (st *State) FrameInto(b []byte) error {
+	if err := st.check(); err != nil {
+		return err
+	}
+	if len(b) != st.Size() {
+		return status.Errorf(status.InvalidArg, "a state of %d bytes framed into %d", st.Size(), len(b))
+	}
+	st.encode(b[:0], false)
+	return nil
+}
+
+// encode appends the state to w, the rows' bytes too, or, without rows,
+// only room for them, which w's capacity must hold.
+func (st *State) encode(w []byte, rows bool) []byte {
 	le := binary.LittleEndian
+	put := func(b []byte) []byte {
+		if rows {
+			return append(w, b...)
+		}
+		return w[:len(w)+len(b)]
+	}
 	if st.Kind == SlotFile {
 		w = le.AppendUint32(w, SlotMagic)
 		w = le.AppendUint32(w, SlotVersion)
@@ -332,7 +359,7 @@ func (st *State) AppendTo(w []byte) ([]byte, error) {
 		for _, l := range s.Layers {
 			w = le.AppendUint32(w, uint32(l.KType))
 			w = le.AppendUint64(w, l.KRowSize)
-			w = append(w, l.K...)
+			w = put(l.K)
 		}
 		for _, l := range s.Layers {
 			w = le.AppendUint32(w, uint32(l.VType))
@@ -342,10 +369,10 @@ func (st *State) AppendTo(w []byte) ([]byte, error) {
 			} else {
 				w = le.AppendUint64(w, l.VRowSize)
 			}
-			w = append(w, l.V...)
+			w = put(l.V)
 		}
 	}
-	return w, nil
+	return w
 }
 
 // check verifies what Build relies on, for states assembled by hand.

@@ -288,3 +288,29 @@ func TestBuildRefusesInconsistentStates(t *testing.T) {
 	_, err = (&State{Kind: Memory}).Build()
 	assert.Equal(t, status.InvalidArg, status.Of(err), "no streams: %v", err)
 }
+
+// FrameInto writes what Build writes except the rows, whose bytes it
+// leaves as they were: put back, they make the same file.
+func TestFrameIntoLeavesTheRows(t *testing.T) {
+	for _, file := range []string{"seq-fa-on.bin", "seq-fa-off.bin", "seq-two-streams-fa-off.bin", "slot-fa-on.bin"} {
+		st, err := Parse(readTestdata(t, file))
+		require.NoError(t, err, file)
+		full, err := st.Build()
+		require.NoError(t, err, file)
+		b := bytes.Repeat([]byte{0xa5}, st.Size())
+		require.NoError(t, st.FrameInto(b), file)
+		framed, err := Parse(b)
+		require.NoError(t, err, file)
+		for s := range framed.Streams {
+			for l, ly := range framed.Streams[s].Layers {
+				want := st.Streams[s].Layers[l]
+				require.Equal(t, bytes.Repeat([]byte{0xa5}, len(want.K)), ly.K, "%s: stream %d layer %d K untouched", file, s, l)
+				require.Equal(t, bytes.Repeat([]byte{0xa5}, len(want.V)), ly.V, "%s: stream %d layer %d V untouched", file, s, l)
+				copy(ly.K, want.K)
+				copy(ly.V, want.V)
+			}
+		}
+		require.Equal(t, full, b, file)
+		require.Error(t, st.FrameInto(b[:len(b)-1]), "%s: a buffer of the wrong size", file)
+	}
+}
