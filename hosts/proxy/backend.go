@@ -40,8 +40,9 @@ type backend struct {
 	offWhy  string // why the bridge is off (model == nil)
 	// publishOff says why nothing is published from this upstream ("" while
 	// on).
-	publishOff string
-	states     statePool
+	publishOff  string
+	files       map[int]*slotFile // restores load into these, by slot
+	filesClosed bool              // the proxy closed them
 
 	routed, restarts atomic.Int64
 }

@@ -42,6 +42,9 @@ func startFront(t testing.TB, fakes []*fakeServer, dir, owner string, opts Optio
 	t.Cleanup(func() {
 		srv.Close()
 		assert.NoError(t, p.Close(), "proxy close")
+		for _, fs := range fakes {
+			assertEmptyDir(t, nil, fs.dir)
+		}
 	})
 	return &front{p: p, url: srv.URL, fakes: fakes}
 }

@@ -343,6 +343,9 @@ func (p *Proxy) Close() error {
 	close(p.queue)
 	p.mu.Unlock()
 	p.workers.Wait()
+	for _, be := range p.ups {
+		be.closeFiles()
+	}
 	return err
 }
 

@@ -64,6 +64,7 @@ func startNode(t testing.TB, fs *fakeServer, dir, owner string, opts Options) *n
 	t.Cleanup(func() {
 		srv.Close()
 		assert.NoError(t, p.Close(), "proxy close")
+		assertEmptyDir(t, nil, fs.dir)
 	})
 	return &node{fs: fs, p: p, url: srv.URL}
 }
@@ -175,19 +176,33 @@ func TestSharedPrefixAcrossServers(t *testing.T) {
 			require.Equal(t, cacheFree(t, direct), cacheFree(t, b2), "answer through the proxy, without")
 			require.Len(t, n2.fs.restores, 1, "restores")
 			n2.flush(t)
-			assertEmptyDir(t, n1.fs.dir)
-			assertEmptyDir(t, n2.fs.dir)
+			assertEmptyDir(t, n1.p, n1.fs.dir)
+			assertEmptyDir(t, n2.p, n2.fs.dir)
 		})
 	}
 }
 
-func assertEmptyDir(t testing.TB, dir string) {
+// assertEmptyDir checks that dir holds nothing but the files p's restores
+// load into (one a slot, for p's life; none once p is nil, after Close).
+func assertEmptyDir(t testing.TB, p *Proxy, dir string) {
 	t.Helper()
+	kept := map[string]bool{}
+	if p != nil {
+		for _, be := range p.ups {
+			be.mu.Lock()
+			for _, sf := range be.files {
+				kept[sf.name] = true
+			}
+			be.mu.Unlock()
+		}
+	}
 	es, err := os.ReadDir(dir)
 	require.NoError(t, err)
 	var left []string
 	for _, e := range es {
-		left = append(left, e.Name())
+		if !kept[e.Name()] {
+			left = append(left, e.Name())
+		}
 	}
 	assert.Empty(t, left, "left in the slot directory")
 }
@@ -272,7 +287,7 @@ func TestFallbacks(t *testing.T) {
 			if tc.code != 200 {
 				require.Zero(t, st.Saves, "saved after an error: %+v", st)
 			}
-			assertEmptyDir(t, fs.dir)
+			assertEmptyDir(t, n.p, fs.dir)
 		})
 	}
 }
@@ -297,7 +312,7 @@ func TestUnknownSlotFileVersionTurnsBridgeOff(t *testing.T) {
 	require.Zero(t, st.Restores, "stats %+v", st)
 	require.Zero(t, st.PublishedBlocks, "stats %+v", st)
 	require.Equal(t, int64(2), st.Pinned, "stats %+v", st)
-	assertEmptyDir(t, fs.dir)
+	assertEmptyDir(t, n.p, fs.dir)
 }
 
 func TestStreamingPassesThroughAsItComes(t *testing.T) {

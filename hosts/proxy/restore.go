@@ -2,13 +2,11 @@ package proxy
 
 import (
 	"context"
-	"os"
-	"slices"
-	"sync"
 
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/host"
 	"github.com/mcbridge/mcbridge/internal/llamastate"
+	"github.com/mcbridge/mcbridge/internal/mem"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -41,18 +39,27 @@ func (be *backend) restore(ctx context.Context, lm *learned, slot int, plan *bri
 		return 0, &fallback{"check_failed", err}
 	}
 	t1 := p.opts.Now()
+	sf, err := be.restoreFile(slot)
+	if err != nil {
+		return 0, &fallback{"file_error", err}
+	}
+	defer sf.mu.Unlock()
 	frame := host.Frame{Kind: llamastate.SlotFile, NStream: lm.nStream, SeqID: int32(slot)}
-	var lent [][]byte
-	defer func() {
-		for _, buf := range lent {
-			be.states.put(buf, lm.props.TotalSlots)
-		}
-	}()
+	// The load lands in the file itself. A partial load's verified blocks
+	// are framed again in a buffer, copied into the file below.
+	var fileErr error
+	resize := sf.resize
 	data, res, err := lm.m.RestoreState(plan, frame, func(n int) []byte {
-		buf := be.states.get(n)
-		lent = append(lent, buf)
-		return buf
+		if resize == nil {
+			return make([]byte, n)
+		}
+		b, err := resize(n)
+		resize, fileErr = nil, err
+		return b // nil on an error, which RestoreState refuses before any transfer
 	})
+	if fileErr != nil {
+		return 0, &fallback{"file_error", fileErr}
+	}
 	if err != nil && res.OKTokens == 0 {
 		if status.Of(err) == status.NotFound {
 			return 0, &fallback{"evicted", err}
@@ -61,13 +68,14 @@ func (be *backend) restore(ctx context.Context, lm *learned, slot int, plan *bri
 	}
 	good := res.OKTokens
 	t2 := p.opts.Now()
-	name := p.fileName("r", slot)
-	path := be.slotPath(name)
-	if err := os.WriteFile(path, data, 0o644); err != nil {
-		_ = os.Remove(path)
-		return 0, &fallback{"file_error", err}
+	if mem.Addr(data) != mem.Addr(sf.mem) {
+		b, err := sf.resize(len(data))
+		if err != nil {
+			return 0, &fallback{"file_error", err}
+		}
+		copy(b, data)
 	}
-	defer os.Remove(path)
+	name := sf.name
 	t3 := p.opts.Now()
 	r, err := be.up.slotAction(ctx, slot, "restore", name)
 	if err != nil {
@@ -77,44 +85,45 @@ func (be *backend) restore(ctx context.Context, lm *learned, slot int, plan *bri
 		return 0, &slotTouched{&fallback{"restore_refused", status.Errorf(status.Internal, "the server restored %d of %d tokens", r.Restored, good)}}
 	}
 	p.log.Debug("mcbridge proxy: restored", "upstream", be.name, "slot", slot, "tokens", good, "bytes", len(data),
-		"check", t1.Sub(t0), "load", t2.Sub(t1), "write", t3.Sub(t2), "server_restore", p.opts.Now().Sub(t3))
+		"check", t1.Sub(t0), "load", t2.Sub(t1), "copy", t3.Sub(t2), "server_restore", p.opts.Now().Sub(t3))
 	return good, nil
 }
 
-// statePool keeps the slot-file buffers of finished restores for the next
-// ones, at most one a slot: a 4096-token load (48 MiB) took 171-241 ms into
-// a fresh buffer and 20-30 ms into one used before (proxy -v timings, mock
-// engine).
-type statePool struct {
-	mu   sync.Mutex
-	free [][]byte
-}
-
-// get returns a buffer of n bytes, one kept if one is large enough.
-func (sp *statePool) get(n int) []byte {
-	sp.mu.Lock()
-	defer sp.mu.Unlock()
-	for i, b := range sp.free {
-		if cap(b) >= n {
-			sp.free = slices.Delete(sp.free, i, i+1)
-			return b[:n]
-		}
+// restoreFile returns the file restores into slot load into, created at
+// the first, and locked. The caller holds the slot.
+func (be *backend) restoreFile(slot int) (*slotFile, error) {
+	be.mu.Lock()
+	defer be.mu.Unlock()
+	if be.filesClosed {
+		return nil, status.Errorf(status.State, "the proxy is closing")
 	}
-	return make([]byte, n)
+	sf := be.files[slot]
+	if sf == nil {
+		var err error
+		if sf, err = createSlotFile(be.spec.SlotDir, be.p.fileName("r", slot)); err != nil {
+			return nil, err
+		}
+		if be.files == nil {
+			be.files = map[int]*slotFile{}
+		}
+		be.files[slot] = sf
+	}
+	sf.mu.Lock()
+	return sf, nil
 }
 
-// put keeps b for later, dropping the smallest buffer when keep are kept.
-func (sp *statePool) put(b []byte, keep int) {
-	sp.mu.Lock()
-	defer sp.mu.Unlock()
-	sp.free = append(sp.free, b)
-	if len(sp.free) > max(keep, 1) {
-		smallest := 0
-		for i, f := range sp.free {
-			if cap(f) < cap(sp.free[smallest]) {
-				smallest = i
-			}
+// closeFiles removes the slot files, each once the restore using it is
+// done, and refuses new ones.
+func (be *backend) closeFiles() {
+	be.mu.Lock()
+	defer be.mu.Unlock()
+	be.filesClosed = true
+	for slot, sf := range be.files {
+		sf.mu.Lock()
+		if err := sf.close(); err != nil {
+			be.p.log.Warn("mcbridge proxy: removing a slot file", "path", sf.path, "err", err)
 		}
-		sp.free = slices.Delete(sp.free, smallest, smallest+1)
+		sf.mu.Unlock()
+		delete(be.files, slot)
 	}
 }

@@ -1,34 +1,37 @@
 package proxy
 
 import (
+	"bytes"
+	"os"
 	"testing"
-	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
-// A restore's buffer comes back for the next one that fits in it, and the
-// pool keeps the largest ones, at most one a slot.
-func TestStatePool(t *testing.T) {
-	var sp statePool
-	addr := func(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(b))) }
-	a := sp.get(100)
-	require.Len(t, a, 100)
-	sp.put(a, 2)
-	b := sp.get(80)
-	assert.Len(t, b, 80)
-	assert.Equal(t, addr(a), addr(b), "a kept buffer that fits is reused")
-	c := sp.get(200)
-	assert.NotEqual(t, addr(a), addr(c), "a buffer in use is not handed out")
-	d := sp.get(50)
-	sp.put(b, 2)
-	sp.put(c, 2)
-	sp.put(d, 2)
-	require.Len(t, sp.free, 2, "at most one a slot")
-	for _, f := range sp.free {
-		assert.GreaterOrEqual(t, cap(f), 100, "the smallest buffer went")
+// What is written through a slot file's mapping is the file the server
+// reads, at the size of the last resize, and closing removes it.
+func TestSlotFile(t *testing.T) {
+	dir := t.TempDir()
+	sf, err := createSlotFile(dir, "r0.bin")
+	require.NoError(t, err)
+	_, err = createSlotFile(dir, "r0.bin")
+	require.Error(t, err, "a file of that name exists: another proxy's")
+
+	for _, n := range []int{3 << 20, 1 << 20, 5 << 20, 5<<20 + 7} {
+		b, err := sf.resize(n)
+		require.NoError(t, err, "resize to %d", n)
+		require.Len(t, b, n)
+		for i := range b {
+			b[i] = byte(i*7 + n)
+		}
+		got, err := os.ReadFile(sf.path)
+		require.NoError(t, err)
+		require.Len(t, got, n)
+		assert.True(t, bytes.Equal(b, got), "%d bytes: the file holds what was written through the mapping", n)
 	}
-	e := sp.get(150)
-	assert.Equal(t, addr(c), addr(e), "the buffer that fits")
+
+	require.NoError(t, sf.close())
+	_, err = os.Stat(sf.path)
+	assert.True(t, os.IsNotExist(err), "closed files are removed: %v", err)
 }

@@ -57,7 +57,7 @@ func TestSlotsAreVerifiedBeforeTheyAreRelied(t *testing.T) {
 			}
 			assert.Equal(t, tc.restarts, f.p.State().Upstreams[0].Restarts)
 			assert.True(t, f.p.State().Bridge, "the bridge is on (relearned after a restart)")
-			assertEmptyDir(t, fs.dir)
+			assertEmptyDir(t, f.p, fs.dir)
 		})
 	}
 }
