@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
@@ -563,17 +564,32 @@ func TestLandedLoadFencedAtTheDeadline(t *testing.T) {
 	}
 }
 
+// peers is a reader b with a model on dst and a holder a that saved
+// tokens, computed on src in cells 0..n-1, for b to read.
+type peers struct {
+	a, b     *Bridge
+	src, dst *kvtest.Host
+	ma, mb   *Model
+	tokens   []int32
+}
+
+func savedPeers(t *testing.T, cfg config.Config, cells, blockTokens, n int, seed int64) peers {
+	t.Helper()
+	p := peers{a: openBridge(t, cfg, "a"), b: openBridge(t, cfg, "b"),
+		src: newHost(t, 2, cells, 32, 32, false), dst: newHost(t, 2, cells, 32, 32, false)}
+	p.ma, p.mb = register(t, p.a, p.src, blockTokens), register(t, p.b, p.dst, blockTokens)
+	p.tokens = kvtest.Tokens(rand.New(rand.NewSource(seed)), n)
+	p.src.Fill(p.tokens, kvtest.SeqCells(n))
+	saveAll(t, p.ma, p.src, key.Scope{}, p.tokens, kvtest.SeqCells(n))
+	return p
+}
+
 // The tensors a load landed in stay registered with the engine until the
 // host says it frees them; then they are the engine's no more, which the
 // engine shows by taking a registration of the same memory again.
 func TestUnregisterTensors(t *testing.T) {
-	cfg := testConfig(t)
-	a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
-	src, dst := newHost(t, 2, 32, 32, 32, false), newHost(t, 2, 32, 32, 32, false)
-	ma, mb := register(t, a, src, 4), register(t, b, dst, 4)
-	tokens := kvtest.Tokens(rand.New(rand.NewSource(12)), 8)
-	src.Fill(tokens, kvtest.SeqCells(8))
-	saveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(8))
+	p := savedPeers(t, testConfig(t), 32, 4, 8, 12)
+	a, b, dst, ma, mb, tokens := p.a, p.b, p.dst, p.ma, p.mb, p.tokens
 	lo := dst.Layout()
 	ld, err := mb.LoadBegin(key.Scope{}, lo, tokens, kvtest.SeqCells(8))
 	require.NoError(t, err)
@@ -594,13 +610,8 @@ func TestUnregisterTensors(t *testing.T) {
 // Cells scattered into more runs than landing in place pays for are
 // staged and placed instead, and restore as well.
 func TestScatteredCellsStaged(t *testing.T) {
-	cfg := testConfig(t)
-	a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
-	src, dst := newHost(t, 2, 64, 32, 32, false), newHost(t, 2, 64, 32, 32, false)
-	ma, mb := register(t, a, src, 16), register(t, b, dst, 16)
-	tokens := kvtest.Tokens(rand.New(rand.NewSource(11)), 32)
-	src.Fill(tokens, kvtest.SeqCells(32))
-	saveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(32))
+	p := savedPeers(t, testConfig(t), 64, 16, 32, 11)
+	dst, mb, tokens := p.dst, p.mb, p.tokens
 	for _, tc := range []struct {
 		name   string
 		cells  []uint32
@@ -638,12 +649,8 @@ func TestGenerationCheck(t *testing.T) {
 	cfg := testConfig(t)
 	cfg.TransferTimeoutMS = 200
 	cfg.PeerDownMS = 0
-	a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
-	src, dst := newHost(t, 2, 32, 32, 32, false), newHost(t, 2, 32, 32, 32, false)
-	ma, mb := register(t, a, src, 4), register(t, b, dst, 4)
-	tokens := kvtest.Tokens(rand.New(rand.NewSource(13)), 16)
-	src.Fill(tokens, kvtest.SeqCells(16))
-	saveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(16))
+	p := savedPeers(t, cfg, 32, 4, 16, 13)
+	a, b, dst, mb, tokens := p.a, p.b, p.dst, p.mb, p.tokens
 
 	begin := func() *Load {
 		dst.Scribble()
