@@ -256,6 +256,9 @@ func TestStoreFull(t *testing.T) {
 // says so without waiting, and a restarted master serves the client again
 // (empty: a master without HA keeps nothing).
 func TestMasterDown(t *testing.T) {
+	if !isolated(t) {
+		return
+	}
 	m := mastertest.Start(t, mastertest.Options{})
 	src := newRegion(t, 1<<20)
 	c := client(t, m, 16<<20, src)
@@ -288,6 +291,9 @@ func TestMasterDown(t *testing.T) {
 // gets status.Timeout at its deadline, the op lands later, and Close
 // during it returns at once and leaves destroying to the op.
 func TestMasterStopped(t *testing.T) {
+	if !isolated(t) {
+		return
+	}
 	m := mastertest.Start(t, mastertest.Options{})
 	dst := newRegion(t, 1<<20)
 	c, err := Open(ctxT(t, 30*time.Second), Config{Library: mastertest.Lib(t), Master: m.Addr(), SegmentBytes: 16 << 20})
