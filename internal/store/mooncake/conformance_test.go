@@ -300,7 +300,7 @@ func TestMasterStopped(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, c.Register(ctxT(t, 10*time.Second), dst.addr(), uint64(len(dst))))
 
-	m.Signal(syscall.SIGSTOP)
+	m.Freeze()
 	defer m.Signal(syscall.SIGCONT)
 	op, err := c.StartGetInto([]string{"k"}, []Buffer{dst.buf(0, len(dst))})
 	require.NoError(t, err)
@@ -321,7 +321,7 @@ func TestMasterStopped(t *testing.T) {
 	assert.Contains(t, []int64{CodeNotFound, CodeRPCFailed, CodeRPCTimeout}, Code(got[0].Err), "%v", got[0].Err)
 
 	require.NoError(t, c.Unregister(ctxT(t, 10*time.Second), dst.addr()))
-	m.Signal(syscall.SIGSTOP)
+	m.Freeze()
 	op2, err := c.StartGetInto([]string{"k"}, []Buffer{{Addr: dst.addr(), Len: 64}})
 	require.NoError(t, err)
 	start := time.Now()

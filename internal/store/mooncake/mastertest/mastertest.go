@@ -111,6 +111,35 @@ func (m *Master) Kill() {
 	<-m.Done()
 }
 
+// Freeze stops the master (SIGSTOP) and returns once every thread of it
+// is stopped: the signal only asks, and a thread already running finishes
+// its time slice first, long enough to answer a request sent right after
+// kill returned (TestMasterStopped saw a get served that way).
+func (m *Master) Freeze() {
+	m.tb.Helper()
+	m.Signal(syscall.SIGSTOP)
+	tasks := filepath.Join("/proc", strconv.Itoa(m.Pid()), "task")
+	require.Eventually(m.tb, func() bool {
+		ids, err := os.ReadDir(tasks)
+		if err != nil {
+			return false
+		}
+		for _, id := range ids {
+			st, err := os.ReadFile(filepath.Join(tasks, id.Name(), "stat"))
+			if err != nil {
+				return false
+			}
+			// The state is the first field after the command's closing
+			// parenthesis: T (stopped) or t (traced).
+			f := bytes.Fields(st[bytes.LastIndexByte(st, ')')+1:])
+			if len(f) == 0 || (f[0][0] != 'T' && f[0][0] != 't') {
+				return false
+			}
+		}
+		return len(ids) > 0
+	}, 10*time.Second, time.Millisecond, "mooncake_master never stopped")
+}
+
 // Log is what the master has written so far.
 func (m *Master) Log() string { return m.log.String() }
 
