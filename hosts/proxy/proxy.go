@@ -72,11 +72,20 @@ type Upstream struct {
 	Patched bool
 }
 
-// UpstreamIdleTimeout is how long an idle connection to an upstream is
-// kept for reuse: below llama-server's keep-alive of 5 s (cpp-httplib's
-// default), so that a POST never goes out on a connection the server is
-// closing, which fails with EOF and is not retried.
-const UpstreamIdleTimeout = 2 * time.Second
+// upstreamTransport carries requests to llama-server without reusing
+// connections. llama-server v0.5.0 closes a connection after every streamed
+// answer while that answer's headers offer keep-alive (its chunked content
+// provider returns false after the last chunk, which cpp-httplib takes for
+// a failed write), and closes an idle one after 5 s: a POST sent on such a
+// connection just as the server closes it fails with EOF and is not
+// retried (CI saw it as a test's request failing right after a streamed
+// one). A connection on the same host or network costs far less than that
+// failure, and frees the server's HTTP thread at once.
+func upstreamTransport() *http.Transport {
+	t := http.DefaultTransport.(*http.Transport).Clone()
+	t.DisableKeepAlives = true
+	return t
+}
 
 // Options configure a Proxy.
 type Options struct {
@@ -113,8 +122,8 @@ type Options struct {
 	// HealthInterval is how often every upstream's health is checked (0:
 	// 1s; negative: never, the tests call CheckHealth).
 	HealthInterval time.Duration
-	// Transport carries requests to the upstreams; nil uses a clone of
-	// http.DefaultTransport with UpstreamIdleTimeout.
+	// Transport carries requests to the upstreams; nil uses
+	// upstreamTransport.
 	Transport http.RoundTripper
 	// Log receives the proxy's events; nil discards them.
 	Log *slog.Logger
@@ -182,9 +191,7 @@ func New(b *bridge.Bridge, opts Options) (*Proxy, error) {
 		}
 	}
 	if opts.Transport == nil {
-		t := http.DefaultTransport.(*http.Transport).Clone()
-		t.IdleConnTimeout = UpstreamIdleTimeout
-		opts.Transport = t
+		opts.Transport = upstreamTransport()
 	}
 	if opts.Log == nil {
 		opts.Log = slog.New(slog.DiscardHandler)

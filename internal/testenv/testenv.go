@@ -289,13 +289,14 @@ func (p *Proc) LogLine(s string) string {
 }
 
 // Client is the HTTP client of the tests: prefill on the bench model takes
-// tens of seconds on two cores. Idle connections are dropped before
-// llama-server's 5 s keep-alive closes them, as the proxy does.
-var Client = &http.Client{Timeout: 15 * time.Minute, Transport: idleTransport()}
+// tens of seconds on two cores. It reuses no connection, as the proxy does
+// not (hosts/proxy, upstreamTransport): llama-server closes one after every
+// streamed answer, and a request sent on it right after failed with EOF.
+var Client = &http.Client{Timeout: 15 * time.Minute, Transport: newConnTransport()}
 
-func idleTransport() http.RoundTripper {
+func newConnTransport() http.RoundTripper {
 	t := http.DefaultTransport.(*http.Transport).Clone()
-	t.IdleConnTimeout = 2 * time.Second
+	t.DisableKeepAlives = true
 	return t
 }
 
