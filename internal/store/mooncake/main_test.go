@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -35,29 +34,14 @@ const (
 // envIsolated marks a process that runs one test by itself.
 const envIsolated = "MCB_STORE_ISOLATED"
 
-// isolated runs the calling test in a process of its own and reports
-// whether this is that process, which goes on with the test. The library's
-// RPC threads are per process: after a test had stopped and killed its
-// master under a client of this process, the next test's client could not
-// reach its own, new master for 30 s ("Client not available", CI, on
-// TestRefusedArguments after TestMasterDown and TestMasterStopped). Tests
-// that do that to a master run alone.
-func isolated(t *testing.T) bool {
-	t.Helper()
-	if os.Getenv(envIsolated) != "" {
-		return true
-	}
-	args := []string{"-test.run=^" + regexp.QuoteMeta(t.Name()) + "$", "-test.count=1", "-test.v"}
-	if d, ok := t.Deadline(); ok {
-		args = append(args, "-test.timeout="+time.Until(d).Round(time.Second).String())
-	}
-	cmd := exec.Command(os.Args[0], args...)
-	cmd.Env = append(os.Environ(), envIsolated+"=1")
-	out, err := cmd.CombinedOutput()
-	require.NoError(t, err, "%s in its own process:\n%s", t.Name(), out)
-	require.Contains(t, string(out), "--- PASS: "+t.Name()+" ", "%s never ran in its own process:\n%s", t.Name(), out)
-	return false
-}
+// isolated runs the calling test in a process of its own (testenv.Alone)
+// and reports whether this is that process. The library's RPC threads are
+// per process: after a test had stopped and killed its master under a
+// client of this process, the next test's client could not reach its own,
+// new master for 30 s ("Client not available", CI, on TestRefusedArguments
+// after TestMasterDown and TestMasterStopped). Tests that do that to a
+// master run alone.
+func isolated(t *testing.T) bool { return testenv.Alone(t, envIsolated) }
 
 func TestMain(m *testing.M) {
 	if role := os.Getenv(envChild); role != "" {

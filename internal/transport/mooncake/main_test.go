@@ -9,9 +9,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"regexp"
 	"strconv"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -22,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/testenv"
 	"github.com/mcbridge/mcbridge/internal/transport"
 	"github.com/mcbridge/mcbridge/internal/transport/mooncake/mocklib"
 )
@@ -111,8 +110,9 @@ func runScenarios(t *testing.T, scs []scenario) {
 					continue
 				}
 				t.Run(im.name, func(t *testing.T) {
-					if !im.mock() && os.Getenv(envIsolated) == "" {
-						runIsolated(t)
+					// The mock the parent found goes to the child, so
+					// that the child need not build one.
+					if !im.mock() && !testenv.Alone(t, envIsolated, mocklib.Env+"="+mockLib) {
 						return
 					}
 					sc.run(t, im.lib(t))
@@ -123,30 +123,12 @@ func runScenarios(t *testing.T, scs []scenario) {
 }
 
 // envIsolated marks a process that runs one real-library case by itself.
+// The real engine hands a freed batch's memory out again, and its TCP
+// threads run a slice's continuation after the task already reads as done;
+// a late write of its in a shared heap could land in whatever the mock
+// allocates next (the likeliest cause of a mock failure CI saw once): each
+// real case gets a heap the mock never touches.
 const envIsolated = "MCB_TE_ISOLATED"
-
-// runIsolated runs the test t names in a process of its own. The real
-// engine hands a freed batch's memory out again, and its TCP threads run a
-// slice's continuation after the task already reads as done; a late write
-// of its in a shared heap could land in whatever the mock allocates next
-// (the likeliest cause of a mock failure CI saw once): each real case gets
-// a heap the mock never touches.
-func runIsolated(t *testing.T) {
-	var pattern []string
-	for _, part := range strings.Split(t.Name(), "/") {
-		pattern = append(pattern, "^"+regexp.QuoteMeta(part)+"$")
-	}
-	args := []string{"-test.run=" + strings.Join(pattern, "/"), "-test.count=1", "-test.v"}
-	if d, ok := t.Deadline(); ok {
-		args = append(args, "-test.timeout="+time.Until(d).Round(time.Second).String())
-	}
-	cmd := exec.Command(os.Args[0], args...)
-	// The mock the parent found, so that the child need not build one.
-	cmd.Env = append(os.Environ(), envIsolated+"=1", mocklib.Env+"="+mockLib)
-	out, err := cmd.CombinedOutput()
-	require.NoError(t, err, "%s in its own process:\n%s", t.Name(), out)
-	require.Contains(t, string(out), "--- PASS: "+t.Name()+" ", "%s never ran in its own process:\n%s", t.Name(), out)
-}
 
 // buffer is memory outside the Go heap, as the engines' worker threads may
 // touch it at any time.
