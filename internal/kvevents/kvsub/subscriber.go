@@ -195,18 +195,31 @@ func (s *Subscriber) run() {
 			s.counts.Gaps++
 		}
 		s.mu.Unlock()
-		if int64(seq) > last+1 {
-			s.replay(ctx, topic, uint64(last+1), seq)
+		gap, replayed := int64(seq) > last+1, false
+		if gap {
+			replayed = s.replay(ctx, topic, uint64(last+1), seq)
 		}
-		s.apply(topic, seq, payload, false)
+		cleared := s.apply(topic, seq, payload, false)
+		// Past a gap with nothing to replay before it, a clear is the new
+		// process's first batch, heard live.
+		if gap && !replayed && last >= 0 && cleared {
+			s.countRestart()
+		}
 	}
 }
 
+func (s *Subscriber) countRestart() {
+	s.mu.Lock()
+	s.counts.Restarts++
+	s.mu.Unlock()
+}
+
 // replay asks for the batches from start on and applies those before until.
-func (s *Subscriber) replay(ctx context.Context, topic string, start, until uint64) {
+// It says whether it applied any.
+func (s *Subscriber) replay(ctx context.Context, topic string, start, until uint64) bool {
 	if s.opts.Replay == "" {
 		s.fail("gap before %d and no replay endpoint", until)
-		return
+		return false
 	}
 	rctx, cancel := context.WithTimeout(ctx, replayTimeout)
 	defer cancel()
@@ -214,13 +227,13 @@ func (s *Subscriber) replay(ctx context.Context, topic string, start, until uint
 	defer d.Close()
 	if err := d.Dial(s.opts.Replay); err != nil {
 		s.fail("replay dial: %v", err)
-		return
+		return false
 	}
 	var startb [8]byte
 	binary.BigEndian.PutUint64(startb[:], start)
 	if err := d.SendMulti(zmq4.NewMsgFrom(nil, startb[:])); err != nil {
 		s.fail("replay request: %v", err)
-		return
+		return false
 	}
 	end := bytes.Repeat([]byte{0xff}, 8)
 	first := true
@@ -228,15 +241,15 @@ func (s *Subscriber) replay(ctx context.Context, topic string, start, until uint
 		msg, err := d.Recv()
 		if err != nil {
 			s.fail("replay answer: %v", err)
-			return
+			return !first
 		}
 		f := msg.Frames
 		if len(f) != 3 || len(f[0]) != 0 || len(f[1]) != 8 {
 			s.fail("replay answer of %d frames, not [empty, seq, payload]", len(f))
-			return
+			return !first
 		}
 		if bytes.Equal(f[1], end) && len(f[2]) == 0 {
-			return
+			return !first
 		}
 		seq := binary.BigEndian.Uint64(f[1])
 		if seq < start || seq >= until {
@@ -247,9 +260,7 @@ func (s *Subscriber) replay(ctx context.Context, topic string, start, until uint
 		// clear: not a gap in the old stream but a new process whose
 		// numbers went on above the old one's (as mcbridge's do).
 		if first && start > 0 && seq > start && cleared {
-			s.mu.Lock()
-			s.counts.Restarts++
-			s.mu.Unlock()
+			s.countRestart()
 		}
 		first = false
 	}
