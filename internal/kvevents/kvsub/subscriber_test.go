@@ -44,15 +44,15 @@ func TestRestartHeardLive(t *testing.T) {
 	s, err := Subscribe(idx, "tcp://"+pub.Addr().String(), Options{Replay: "tcp://" + router.Addr().String()})
 	require.NoError(t, err)
 	defer s.Close()
+	// send runs inside Eventually's goroutine too, where require must not.
 	send := func(seq uint64, events ...kvevents.Event) {
 		payload, err := kvevents.Encode(&kvevents.Batch{Events: events}, false)
-		require.NoError(t, err)
+		assert.NoError(t, err)
 		var seqb [8]byte
 		binary.BigEndian.PutUint64(seqb[:], seq)
-		require.NoError(t, pub.SendMulti(zmq4.NewMsgFrom([]byte("kv@pod@m"), seqb[:], payload)))
+		assert.NoError(t, pub.SendMulti(zmq4.NewMsgFrom([]byte("kv@pod@m"), seqb[:], payload)))
 	}
-	tokens := []uint32{1, 2, 3, 4}
-	stored := kvevents.Event{Tag: kvevents.TagStored, Hashes: SeqHashes(tokens, 4, 1, nil), Tokens: []int32{1, 2, 3, 4}, BlockSize: 4}
+	stored := kvevents.Event{Tag: kvevents.TagStored, Hashes: SeqHashes([]uint32{1, 2, 3, 4}, 4, 1, nil), Tokens: []int32{1, 2, 3, 4}, BlockSize: 4}
 	// The old stream holds a block; it goes on until the subscription has
 	// reached the publisher, and its batches arrive in order before the new
 	// stream's first.
