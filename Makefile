@@ -39,7 +39,7 @@ test-go: deps
 
 # cgocheck2 catches Go pointers kept by C; the cgo packages run under it.
 test-cgocheck: deps
-	$(E2E) GOEXPERIMENT=cgocheck2 $(GO) test -count=1 ./cabi/... ./internal/transport/mooncake/... ./internal/store/mooncake/...
+	$(E2E) GOEXPERIMENT=cgocheck2 $(GO) test -count=1 ./bridge/... ./internal/transport/mooncake/... ./internal/store/mooncake/...
 
 test-c: deps
 	$(E2E) ctest --test-dir $(BUILD) --output-on-failure

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# apply.sh TREE: brings a llama.cpp tree of the pinned tag (PIN) to the state of
+# apply.sh TREE: brings a llama.cpp tree of the pinned tag (internal/llamapin/PIN) to the state of
 # llama-patches/[0-9]*.patch applied in name order. Idempotent: a tree with some or
 # all of the series already applied gets only the rest; a tree where the series
 # neither applies nor is applied is an error, and nothing in it is changed.
@@ -17,9 +17,19 @@ die() {
 }
 
 patch_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=internal/llamapin/PIN
+source "$patch_dir/../internal/llamapin/PIN"
 [[ $# -eq 1 ]] || die "usage: $0 LLAMA_TREE"
 [[ -f $1/CMakeLists.txt && -d $1/src ]] || die "$1 is not a llama.cpp source tree"
 tree=$(cd "$1" && pwd)
+
+# The series is cut against one tree. A git checkout says which tree it holds; one of
+# another tag would mostly fail below, but a patch whose context happens to match would
+# land hooks in code they were not written for, so say so first.
+if head_tree=$(git -C "$tree" rev-parse --verify --quiet 'HEAD^{tree}' 2>/dev/null) &&
+	[[ $head_tree != "$LLAMA_TREE" ]]; then
+	echo "apply: warning: $tree's HEAD is tree $head_tree, not llama.cpp $LLAMA_TAG ($LLAMA_TREE)" >&2
+fi
 
 mapfile -t series < <(LC_ALL=C compgen -G "$patch_dir/[0-9]*.patch" | LC_ALL=C sort)
 n=${#series[@]}

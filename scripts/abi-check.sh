@@ -4,7 +4,7 @@
 # function the public header declares is defined in the archive, and every
 # Go export is called by the shims (an export nobody calls means a shim
 # was lost).
-# usage: abi-check.sh CC include/mcbridge.h build/libmcbridge.h build/libmcbridge.a cabi/mcbridge.c
+# usage: abi-check.sh CC include/mcbridge.h build/libmcbridge.h build/libmcbridge.a bridge/mcbridge.c
 set -euo pipefail
 cc=$1 public=$2 generated=$3 archive=$4 shims=$5
 tmp=$(mktemp -d)

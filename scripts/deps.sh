@@ -8,7 +8,7 @@
 #   MCB_MOONCAKE_STORE_DIR                             scripts/mooncake/build.sh store: the
 #                                                      folder of mooncake_master, libasio.so,
 #                                                      libmooncake_store.so and store_c.h
-#   MCB_LIBLLAMA_BUILD                                 hosts/libllama against the stock build
+#   MCB_LIBLLAMA_BUILD                                 csrc/embed (mcb_libllama) against the stock build
 #   MCB_TE_MOCK_LIB                                    the mock Transfer Engine of BUILD
 #
 # Each step prints its time. Everything slow is cached under $MCB_CACHE. A step that
@@ -41,7 +41,7 @@ store=
 mooncake_store() { store=$(JOBS=2 last "$repo/scripts/mooncake/build.sh" store)/out; }
 libllama() {
 	local dir=$build/libllama
-	[[ -f $dir/CMakeCache.txt ]] || cmake -S "$repo/hosts/libllama" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	[[ -f $dir/CMakeCache.txt ]] || cmake -S "$repo/csrc/embed" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 		-DLLAMA_BUILD_DIR="$(dirname "$(dirname "$stock")")" -DMCB_BUILD_DIR="$build" >/dev/null
 	cmake --build "$dir" -j "$(nproc)" >/dev/null
 }
@@ -50,7 +50,7 @@ step "llama-server (stock)" llama_stock
 step "llama-server (patched)" llama_patched
 step "Mooncake Transfer Engine" mooncake_te
 step "Mooncake Store" mooncake_store
-step "hosts/libllama" libllama
+step "csrc/embed (mcb_libllama)" libllama
 
 cat >"$build/e2e.env" <<ENV
 export MCB_LLAMA_SERVER_STOCK=$stock

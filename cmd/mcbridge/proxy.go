@@ -14,11 +14,11 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/mcbridge/mcbridge/hosts/proxy"
-	"github.com/mcbridge/mcbridge/hosts/proxy/route"
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/proxy"
+	"github.com/mcbridge/mcbridge/internal/proxy/route"
 )
 
 func init() {

@@ -3,7 +3,7 @@
 // and reads the metadata and tensor directory of any GGUF file.
 //
 // The format is GGUF v3 as read by ggml/src/gguf.cpp in the pinned llama.cpp
-// (llama-patches/PIN): little-endian header, metadata key/value pairs, tensor infos,
+// (internal/llamapin/PIN): little-endian header, metadata key/value pairs, tensor infos,
 // then the tensor data, each tensor starting at a multiple of the alignment.
 package gguf
 

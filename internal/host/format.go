@@ -11,15 +11,14 @@ package host
 import (
 	"math"
 
-	llamapatches "github.com/mcbridge/mcbridge/llama-patches"
-
+	"github.com/mcbridge/mcbridge/internal/llamapin"
 	"github.com/mcbridge/mcbridge/internal/llamastate"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
-// LlamaVersion is the llama.cpp tag (llama-patches/PIN) whose state format
+// LlamaVersion is the llama.cpp tag (internal/llamapin/PIN) whose state format
 // this build reads and writes. Every fingerprint carries it.
-var LlamaVersion = llamapatches.Tag
+var LlamaVersion = llamapin.Tag
 
 // LayerFormat is one layer's K and V as llama.cpp lays them out. VElSize and
 // NEmbdV are set only for transposed V, where the state format names them.

@@ -16,7 +16,7 @@ import (
 
 // The files in testdata were written by llama.cpp v0.5.0 (stock build) on the
 // tiny preset of internal/gguf (2 layers, 2 KV heads of 16) by
-// `libllama_test testdata MODEL DIR` (hosts/libllama/tests): 24 prompt
+// `libllama_test testdata MODEL DIR` (csrc/embed/tests): 24 prompt
 // tokens, and each state's first 16 tokens computed alone (-prefix16).
 func readTestdata(t testing.TB, name string) []byte {
 	t.Helper()

@@ -37,7 +37,7 @@ const (
 	EnvRealTE        = "MCB_TE_REAL_LIB"          // scripts/mooncake/build.sh te: <dir>/install/lib/libtransfer_engine.so
 	EnvStoreDir      = "MCB_MOONCAKE_STORE_DIR"   // scripts/mooncake/build.sh store: <dir>/out
 	EnvBin           = "MCB_BIN"                  // mcbridge, else built from this tree
-	EnvLibllama      = "MCB_LIBLLAMA_BUILD"       // the build of hosts/libllama: libllama_test, libllama_test_asan
+	EnvLibllama      = "MCB_LIBLLAMA_BUILD"       // the build of csrc/embed: libllama_test, libllama_test_asan
 )
 
 // Binary returns the file an environment variable names, failing the test
@@ -290,7 +290,7 @@ func (p *Proc) LogLine(s string) string {
 
 // Client is the HTTP client of the tests: prefill on the bench model takes
 // tens of seconds on two cores. It reuses no connection, as the proxy does
-// not (hosts/proxy, upstreamTransport): llama-server closes one after every
+// not (internal/proxy, upstreamTransport): llama-server closes one after every
 // streamed answer, and a request sent on it right after failed with EOF.
 var Client = &http.Client{Timeout: 15 * time.Minute, Transport: newConnTransport()}
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Makes the pinned llama.cpp source tree (llama-patches/PIN) available and prints its
+# Makes the pinned llama.cpp source tree (internal/llamapin/PIN) available and prints its
 # path on the last line of stdout.
 #
 #   scripts/llama/fetch.sh                      # cached tree under $MCB_CACHE (default ~/.cache/mcbridge)

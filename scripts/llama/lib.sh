@@ -4,8 +4,8 @@
 # which Makefiles and other scripts capture with $(...).
 
 mcb_repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-# shellcheck source=llama-patches/PIN
-source "$mcb_repo/llama-patches/PIN"
+# shellcheck source=internal/llamapin/PIN
+source "$mcb_repo/internal/llamapin/PIN"
 mcb_cache=${MCB_CACHE:-$HOME/.cache/mcbridge}
 llama_root=$mcb_cache/llama.cpp-$LLAMA_TAG
 

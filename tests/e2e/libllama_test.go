@@ -19,7 +19,7 @@ import (
 
 func libllamaTest(t *testing.T, variant string) string {
 	dir := os.Getenv(testenv.EnvLibllama)
-	require.NotEmpty(t, dir, "%s is not set: it names the build of hosts/libllama (make test sets it)", testenv.EnvLibllama)
+	require.NotEmpty(t, dir, "%s is not set: it names the build of csrc/embed (make test sets it)", testenv.EnvLibllama)
 	bin := filepath.Join(dir, "libllama_test"+variant)
 	_, err := os.Stat(bin)
 	require.NoError(t, err)
@@ -27,7 +27,7 @@ func libllamaTest(t *testing.T, variant string) string {
 }
 
 // The libllama host against real llama.cpp contexts
-// (hosts/libllama/tests/libllama_test.cpp), plain and under ASan and UBSan
+// (csrc/embed/tests/libllama_test.cpp), plain and under ASan and UBSan
 // with a leak check at exit: round trips into contexts of other shapes with
 // the KV byte-identical and the next token's logits bit-identical,
 // mismatches, a restore llama.cpp refuses, and partial loads under the mock

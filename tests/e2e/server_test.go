@@ -102,7 +102,7 @@ func TestPatchesOnlyInsertHooks(t *testing.T) {
 }
 
 // Stage 2 inside one process against real llama_contexts
-// (hosts/llama-server/llama-mcbridge-test.cpp): byte-identical K and V
+// (csrc/testing/llama-mcbridge-test.cpp): byte-identical K and V
 // after a restore into scattered cells with flash attention on and off,
 // mismatches restoring nothing, rollback, clean marks.
 func TestStage2Contexts(t *testing.T) {

@@ -17,7 +17,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/mcbridge/mcbridge/hosts/proxy/route"
+	"github.com/mcbridge/mcbridge/internal/proxy/route"
 )
 
 // front is a proxy in front of several fake servers.

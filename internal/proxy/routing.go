@@ -4,8 +4,8 @@ import (
 	"context"
 	"errors"
 
-	"github.com/mcbridge/mcbridge/hosts/proxy/route"
 	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/proxy/route"
 )
 
 // defaultPredict is what the router assumes a request generates when it

@@ -29,7 +29,7 @@ var probeTokens = host.ProbeTokens()
 func TestMain(m *testing.M) { os.Exit(runTests(m)) }
 
 func runTests(m *testing.M) int {
-	dir, err := os.MkdirTemp("", "mcbridge-cabi-")
+	dir, err := os.MkdirTemp("", "mcbridge-bridge-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1

@@ -1,6 +1,6 @@
 /*
  * The public functions of include/mcbridge.h, as shims over the Go exports
- * of cabi (declared in the cgo-generated _cgo_export.h). The shims
+ * of this package (declared in the cgo-generated _cgo_export.h). The shims
  * own what Go cannot express: const-correct prototypes, enums, static
  * strings, and a thread-local error buffer each call fills.
  *
@@ -12,7 +12,7 @@
 #include "mcbridge.h"
 #include "_cgo_export.h"
 
-/* The Go mirrors in cabi/mirror.go assume these layouts;
+/* The Go mirrors in bridge/mirror.go assume these layouts;
  * mirror_test.go asserts the same numbers on the Go side. */
 _Static_assert(sizeof(struct mcb_model_params) == 32, "mcb_model_params size");
 _Static_assert(offsetof(struct mcb_model_params, block_tokens) == 16, "mcb_model_params.block_tokens");

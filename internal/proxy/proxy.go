@@ -52,9 +52,9 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/mcbridge/mcbridge/hosts/proxy/route"
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/proxy/route"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 

@@ -9,8 +9,8 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/mcbridge/mcbridge/hosts/proxy/route"
 	"github.com/mcbridge/mcbridge/internal/metrics"
+	"github.com/mcbridge/mcbridge/internal/proxy/route"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 

@@ -5,24 +5,25 @@
 # It builds libmcbridge.a (the Go core as a C archive) and adds, without touching any
 # other source's compile flags (so ccache serves the unpatched files from the stock
 # build):
-#   llama          hosts/llama-server/llama-mcbridge*.cpp (stage 2, registration, clean marks),
+#   llama          csrc/libllama/llama-mcbridge*.cpp (stage 2, registration, clean marks),
 #                  LLAMA_MCBRIDGE on the patched llama-kv-cache.cpp
 #   llama-common   LLAMA_MCBRIDGE on the patched arg.cpp (--mcb-config, --mcb-tenant)
-#   server-context hosts/llama-server/server-mcbridge.cpp and LLAMA_MCBRIDGE for every file that
+#   server-context csrc/server/server-mcbridge.cpp and LLAMA_MCBRIDGE for every file that
 #                  sees server-common.h or server-task.h (they gain members under it)
 if (CMAKE_VERSION VERSION_LESS 3.18)
     message(FATAL_ERROR "mcbridge: CMake 3.18 or newer is needed (source properties in other directories)")
 endif()
 
 set(MCB_ROOT      ${MCBRIDGE_ROOT})
-set(MCB_LLAMA_DIR ${MCB_ROOT}/hosts/llama-server)
-set(MCB_INCLUDES  ${MCB_LLAMA_DIR} ${MCB_ROOT}/include)
+set(MCB_LIBLLAMA_DIR ${MCB_ROOT}/csrc/libllama)
+set(MCB_SERVER_DIR   ${MCB_ROOT}/csrc/server)
+set(MCB_INCLUDES     ${MCB_LIBLLAMA_DIR} ${MCB_SERVER_DIR} ${MCB_ROOT}/include)
 
-# The tag the patches are written against keys the state format (llama-patches/PIN).
-file(STRINGS ${MCB_ROOT}/llama-patches/PIN MCB_PIN_TAG REGEX "^LLAMA_TAG=")
+# The tag the patches are written against keys the state format (internal/llamapin/PIN).
+file(STRINGS ${MCB_ROOT}/internal/llamapin/PIN MCB_PIN_TAG REGEX "^LLAMA_TAG=")
 string(REGEX REPLACE "^LLAMA_TAG=" "" MCB_LLAMA_TAG "${MCB_PIN_TAG}")
 if (NOT MCB_LLAMA_TAG)
-    message(FATAL_ERROR "mcbridge: no LLAMA_TAG in ${MCB_ROOT}/llama-patches/PIN")
+    message(FATAL_ERROR "mcbridge: no LLAMA_TAG in ${MCB_ROOT}/internal/llamapin/PIN")
 endif()
 message(STATUS "mcbridge: ${MCB_ROOT} (llama.cpp ${MCB_LLAMA_TAG})")
 
@@ -32,13 +33,13 @@ find_program(MCB_GO go HINTS /usr/local/go/bin REQUIRED)
 # libmcbridge.a, rebuilt when a Go or cgo source of the bridge changes (Go's own build
 # cache makes an unchanged rebuild cheap).
 file(GLOB_RECURSE MCB_GO_SOURCES CONFIGURE_DEPENDS
-    ${MCB_ROOT}/cabi/*.go ${MCB_ROOT}/cabi/*.c ${MCB_ROOT}/internal/*.go)
+    ${MCB_ROOT}/bridge/*.go ${MCB_ROOT}/bridge/*.c ${MCB_ROOT}/internal/*.go ${MCB_ROOT}/internal/llamapin/PIN)
 list(FILTER MCB_GO_SOURCES EXCLUDE REGEX "_test\\.go$")
 set(MCB_ARCHIVE ${CMAKE_BINARY_DIR}/mcbridge/libmcbridge.a)
 add_custom_command(
     OUTPUT  ${MCB_ARCHIVE}
     COMMAND ${CMAKE_COMMAND} -E env CGO_ENABLED=1
-            ${MCB_GO} build -buildmode=c-archive -trimpath -o ${MCB_ARCHIVE} ./cabi
+            ${MCB_GO} build -buildmode=c-archive -trimpath -o ${MCB_ARCHIVE} ./bridge
     WORKING_DIRECTORY ${MCB_ROOT}
     DEPENDS ${MCB_GO_SOURCES} ${MCB_ROOT}/include/mcbridge.h ${MCB_ROOT}/go.mod ${MCB_ROOT}/go.sum
     COMMENT "mcbridge: go build -buildmode=c-archive -> ${MCB_ARCHIVE}"
@@ -59,7 +60,7 @@ function(mcb_patched_source target)
 endfunction()
 
 # libllama
-set(MCB_LLAMA_SOURCES ${MCB_LLAMA_DIR}/llama-mcbridge.cpp ${MCB_LLAMA_DIR}/llama-mcbridge-io.cpp)
+set(MCB_LLAMA_SOURCES ${MCB_LIBLLAMA_DIR}/llama-mcbridge.cpp ${MCB_LIBLLAMA_DIR}/llama-mcbridge-io.cpp)
 target_sources(llama PRIVATE ${MCB_LLAMA_SOURCES})
 mcb_patched_source(llama ${MCB_LLAMA_SOURCES} ${CMAKE_SOURCE_DIR}/src/llama-kv-cache.cpp)
 set_property(SOURCE ${MCB_LLAMA_SOURCES} TARGET_DIRECTORY llama PROPERTY SKIP_UNITY_BUILD_INCLUSION ON)
@@ -74,13 +75,13 @@ endif()
 
 # llama-server
 if (TARGET server-context)
-    target_sources(server-context PRIVATE ${MCB_LLAMA_DIR}/server-mcbridge.cpp)
+    target_sources(server-context PRIVATE ${MCB_SERVER_DIR}/server-mcbridge.cpp)
     target_compile_definitions(server-context PUBLIC LLAMA_MCBRIDGE)
     target_include_directories(server-context PUBLIC ${MCB_INCLUDES})
 endif()
 
 # Stage 2 against real contexts (scripts/deps.sh builds it, tests/e2e runs it).
-add_executable(llama-mcbridge-test EXCLUDE_FROM_ALL ${MCB_LLAMA_DIR}/llama-mcbridge-test.cpp)
-target_include_directories(llama-mcbridge-test PRIVATE ${MCB_INCLUDES} ${MCB_ROOT}/hosts/testing)
+add_executable(llama-mcbridge-test EXCLUDE_FROM_ALL ${MCB_ROOT}/csrc/testing/llama-mcbridge-test.cpp)
+target_include_directories(llama-mcbridge-test PRIVATE ${MCB_INCLUDES} ${MCB_ROOT}/csrc/testing)
 target_link_libraries(llama-mcbridge-test PRIVATE llama)
 target_compile_features(llama-mcbridge-test PRIVATE cxx_std_17)

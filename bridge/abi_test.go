@@ -354,7 +354,7 @@ func TestLlamaVersion(t *testing.T) {
 	require.NotNil(t, p)
 	s, err := cString(uintptr(unsafe.Pointer(p)), 64, "version")
 	require.NoError(t, err)
-	assert.Equal(t, "v0.5.0", s, "the tag of llama-patches/PIN")
+	assert.Equal(t, "v0.5.0", s, "the tag of internal/llamapin/PIN")
 	assert.Equal(t, p, mcbgo_llama_version(), "a static string")
 }
 

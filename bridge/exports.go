@@ -1,4 +1,4 @@
-// Command cabi is the C ABI of the bridge, built with
+// Command bridge is the C ABI (include/mcbridge.h), built with
 // go build -buildmode=c-archive into libmcbridge.a. The public functions of
 // include/mcbridge.h are C shims (mcbridge.c, beside this file) over the
 // mcbgo_ exports here; this file only converts arguments, keeps the handle
