@@ -5,7 +5,7 @@
 #   stock    the pristine tree from fetch.sh
 #   patched  a copy of that tree with llama-patches/apply.sh applied, configured with
 #            -DMCBRIDGE_ROOT=<a mirror of this repository> so that the patches' CMake
-#            hook finds hosts/llama-server/, include/ and the Go module there
+#            hook finds csrc/, include/ and the Go module there
 #
 # The hash in the directory names covers everything that needs a fresh configure: the
 # source tree, the CMake options below, LLAMA_EXTRA_CMAKE_ARGS (word-split) and, for
@@ -16,7 +16,10 @@
 # keyed by the checkout's path configured and compiled anew (about 200 s with ccache).
 # Checkouts share the mirror, so the binary is the one built for the checkout that ran
 # last: every make target that runs the binary runs deps.sh first, and two checkouts of
-# different code building at the same time take turns on the build's lock.
+# different code building at the same time take turns on the build's lock. An engineer
+# who works in several checkouts at once names each with MCB_LLAMA_MIRROR=<name>: the
+# name goes into the patched build's hash, so each checkout gets a build of its own
+# (ccache makes the first one cheap) and none overwrites another's binary.
 # A rebuild with nothing changed is a ninja no-op. Under $MCB_CACHE/llama.cpp-<tag>/:
 #
 #   src/  build-stock-<hash>/              the pristine tree and its build
@@ -82,6 +85,8 @@ extra=${extra_args[*]}"
 if [[ $variant == patched ]]; then
 	key+="
 series=$(series_digest)"
+	[[ -z ${MCB_LLAMA_MIRROR:-} ]] || key+="
+mirror=$MCB_LLAMA_MIRROR"
 fi
 hash=$(printf '%s' "$key" | sha256sum | cut -c1-12)
 if [[ $variant == stock ]]; then
