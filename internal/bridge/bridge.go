@@ -21,10 +21,10 @@ import (
 	"github.com/mcbridge/mcbridge/internal/arbiter"
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/directory"
+	"github.com/mcbridge/mcbridge/internal/holdings"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvevents"
 	"github.com/mcbridge/mcbridge/internal/logs"
-	"github.com/mcbridge/mcbridge/internal/pool"
 	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/status"
 	"github.com/mcbridge/mcbridge/internal/transport"
@@ -51,7 +51,7 @@ type Bridge struct {
 	owner   string
 	tr      transport.Transport
 	dir     directory.Directory
-	pool    *pool.Pool
+	hold    *holdings.Holdings // the pool and the blocks in it
 	arb     *arbiter.Arbiter
 	now     func() time.Time
 	log     *slog.Logger
@@ -66,7 +66,6 @@ type Bridge struct {
 	publisher *kvevents.Publisher
 
 	mu       sync.Mutex
-	resident *residency.Tree[slot] // blocks this process stores in its pool
 	segments map[string]transport.SegmentID
 	down     map[string]time.Time  // peers planned around until then (peers.go)
 	retired  []transport.SegmentID // segments forgotten after a failure, closed at Close
@@ -80,32 +79,6 @@ type Bridge struct {
 
 	rep  *reporter // reports to blocks' holders, and from readers; nil without a Notifier
 	tier *diskTier // a store node's disk tier; nil without one
-}
-
-// slot is where a resident block sits in the pool. A replica is a copy
-// of another owner's block that a store node holds unpublished until that
-// owner's entry goes (or a block read back from its disk tier, until it is
-// published). One of ours is publishing while its save's publish is out,
-// and pending when that publish went unanswered; a takeover is a store's
-// copy being published in its owner's place, which becomes a replica again
-// if another process published the block first. entry is what the
-// directory was, or will be, offered. persisted: the disk tier has it.
-type slot struct {
-	fp         key.Fingerprint
-	off        int64
-	size       int64
-	gen        uint64
-	depth      uint32
-	replica    bool
-	publishing bool
-	pending    bool
-	takeover   bool
-	persisted  bool
-	entry      directory.Entry
-	// chain names the block to routers until it is announced: block index
-	// of chain (events.go). Nil when events are off or not in its scope.
-	chain *kvevents.Chain
-	index int
 }
 
 // parked holds a timed-out batch and the staging it may still write into;
@@ -143,14 +116,11 @@ func Open(cfg config.Config, deps Deps) (*Bridge, error) {
 
 func (b *Bridge) build(deps Deps) error {
 	var err error
-	if b.pool, err = pool.New(b.cfg.PoolBytes, b.evict); err != nil {
+	policy, _ := residency.PolicyNamed(b.cfg.Eviction) // the config validated it
+	if b.hold, err = holdings.New(holdings.Config{PoolBytes: b.cfg.PoolBytes, Policy: policy, Gone: b.gone, Log: b.log}); err != nil {
 		return err
 	}
 	b.closers = append(b.closers, b.closePool)
-	policy, _ := residency.PolicyNamed(b.cfg.Eviction) // the config validated it
-	if b.resident, err = residency.New[slot](residency.Config{BudgetBytes: b.pool.Size(), Policy: policy}); err != nil {
-		return err
-	}
 	ap, err := arbiter.ParsePolicy(b.cfg.Arbiter.Policy)
 	if err != nil {
 		return status.Wrap(status.Config, err, "arbiter policy")
@@ -164,10 +134,10 @@ func (b *Bridge) build(deps Deps) error {
 		}
 		b.closers = append(b.closers, b.tr.Close)
 	}
-	if err = b.tr.RegisterMemory(b.pool.Base(), uint64(b.pool.Size()), "cpu:0", true); err != nil {
+	if err = b.tr.RegisterMemory(b.hold.Base(), uint64(b.hold.Size()), "cpu:0", true); err != nil {
 		return status.Wrap(status.Transfer, err, "registering the pool")
 	}
-	base := b.pool.Base()
+	base := b.hold.Base()
 	b.closers = append(b.closers, func() error { return b.tr.UnregisterMemory(base) })
 	if b.dir = deps.Directory; b.dir == nil {
 		if b.dir, err = openDirectory(b.cfg); err != nil {
@@ -273,14 +243,14 @@ func (b *Bridge) Close() error {
 	b.stopReports()
 	b.stopDisk()
 	byModel := map[key.Fingerprint][]key.BlockKey{}
-	b.mu.Lock()
-	b.resident.Walk(func(e residency.Entry[slot]) bool {
-		if !e.Value.replica {
-			byModel[e.Value.fp] = append(byModel[e.Value.fp], e.Key)
-		}
-		return true
+	b.hold.View(func(r holdings.Reader) {
+		r.Walk(func(e holdings.Entry) bool {
+			if e.Value.State.Ours() {
+				byModel[e.Value.Model] = append(byModel[e.Value.Model], e.Key)
+			}
+			return true
+		})
 	})
-	b.mu.Unlock()
 	// What the publisher holds goes out first, so the unpublishing below
 	// finds every entry it must remove.
 	flushCtx, cancelFlush := b.opContext()
@@ -365,7 +335,7 @@ func (b *Bridge) reap() {
 			continue
 		}
 		for _, e := range p.staging {
-			_ = b.pool.Free(e.off, e.n)
+			_ = b.hold.Free(e.off, e.n)
 		}
 	}
 	if len(still) > 0 {
@@ -390,7 +360,7 @@ func (b *Bridge) closePool() error {
 	if b.poolBusy {
 		return nil
 	}
-	return b.pool.Close()
+	return b.hold.Close()
 }
 
 func (b *Bridge) end() {
@@ -446,40 +416,19 @@ func (b *Bridge) retireSegment(name string) {
 	}
 }
 
-// evict frees at least need bytes of resident blocks for the pool. It
-// never waits on the directory: the blocks leave the local mirror at once,
-// an odd generation makes any reader that a stale entry sends here fail
+// gone hears the blocks that leave the pool: an evicted one goes to the
+// disk tier first, when there is one. Neither waits on the directory: the
+// blocks leave the local mirror at once, their odd generation (holdings
+// stamps it next) makes any reader that a stale entry sends here fail
 // verification, and the unpublishing is queued for the publisher.
-func (b *Bridge) evict(need int64) error {
-	b.mu.Lock()
-	have := b.resident.Bytes()
-	if have == 0 {
-		b.mu.Unlock()
-		return status.Errorf(status.PoolFull, "pool full and nothing evictable")
-	}
-	gone, err := b.resident.Evict(b.pool.Size() - have + min(need, have))
-	b.mu.Unlock()
-	if err != nil {
-		return err
-	}
-	if len(gone) == 0 {
-		return status.Errorf(status.PoolFull, "pool full: the rest is pinned or staging")
-	}
-	if b.tier != nil {
-		b.tier.spill(gone)
+func (b *Bridge) gone(gone []holdings.Entry, evicted bool) {
+	if evicted {
+		if b.tier != nil {
+			b.tier.spill(gone)
+		}
+		b.stats.add(&b.stats.evictions, int64(len(gone)))
 	}
 	b.discard(gone)
-	b.stats.add(&b.stats.evictions, int64(len(gone)))
-	return nil
-}
-
-// invalidate stamps a fresh odd generation on a block and frees its
-// extent, so a reader that still holds its old entry fails verification.
-func (b *Bridge) invalidate(off, size int64) {
-	pool.BeginWrite(b.pool.Bytes(off, size), b.pool.NextGeneration())
-	if err := b.pool.Free(off, size); err != nil {
-		b.log.Error("mcbridge: freeing a pool block", "err", err)
-	}
 }
 
 // Health says whether the bridge serves the swarm: nil, or why not (the

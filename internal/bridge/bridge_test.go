@@ -226,7 +226,7 @@ func TestEvictedDuringRead(t *testing.T) {
 		other := kvtest.Tokens(r, 16)
 		h.Fill(other, kvtest.SeqCells(16))
 		saveAll(t, ma, h, key.Scope{}, other, kvtest.SeqCells(16))
-		if _, ok := a.resident.Get(stale[0].Key); !ok {
+		if _, ok := a.hold.Get(stale[0].Key); !ok {
 			break
 		}
 		require.LessOrEqual(t, i, 100, "block never evicted")
@@ -332,7 +332,7 @@ func TestMisuse(t *testing.T) {
 	assert.Equal(t, status.State, status.Of(err), "end with a layer missing: %v", err)
 	n, _, _ := a.Resident()
 	assert.Equal(t, 2, n, "blocks an incomplete save left resident")
-	assert.Equal(t, 2*int64(m.geo.Size()), a.pool.Used(), "pool bytes, want two blocks'")
+	assert.Equal(t, 2*int64(m.geo.Size()), a.hold.Used(), "pool bytes, want two blocks'")
 }
 
 // A restore counts as a use: under LRU, the prompt restored last outlives
@@ -350,7 +350,7 @@ func TestRestoreRefreshesRecency(t *testing.T) {
 	}
 	_, err := loadAll(t, m, h, key.Scope{}, first, kvtest.SeqCells(16))
 	require.NoError(t, err)
-	require.NoError(t, b.evict(1))
+	require.NoError(t, b.hold.Evict(1))
 	lk, _ := m.Lookup(key.Scope{}, append(first, 1), 0)
 	require.Equal(t, 1, lk.MatchedBlocks, "the block restored last was evicted first")
 	lk, _ = m.Lookup(key.Scope{}, append(second, 1), 0)
@@ -423,14 +423,14 @@ func TestPublishTimeoutKeepsBlocks(t *testing.T) {
 				require.Equal(t, 8, got.OKTokens, "restore of the committed entries: %+v", got)
 				require.NoError(t, dst.Check(tokens, kvtest.SeqCells(8), 8))
 			}
-			used := b.pool.Used()
+			used := b.hold.Used()
 			before := b.Stats()
 			dir.down.Store(false)
 			require.Equal(t, int64(2), published(t, b, before), "the retried publish counts the blocks as this process's")
 			require.Zero(t, b.Stats().DedupedBlocks, "a late commit of our own entries is not another process's win")
 			again := saveAll(t, m, h, key.Scope{}, tokens, kvtest.SeqCells(8))
 			require.Zero(t, again.Written, "second save: %+v", again)
-			require.Equal(t, used, b.pool.Used(), "pool bytes after the second save")
+			require.Equal(t, used, b.hold.Used(), "pool bytes after the second save")
 			require.Eventually(t, func() bool {
 				lk, _ := mr.Lookup(key.Scope{}, append(tokens, 1), 0)
 				return lk.MatchedBlocks == 2
@@ -669,7 +669,7 @@ func TestGenerationCheck(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 16, res.OKTokens)
 	require.NoError(t, dst.Check(tokens, kvtest.SeqCells(16), 16))
-	idle := b.pool.Used()
+	idle := b.hold.Used()
 
 	ld := begin()
 	// The reads are out but not yet served: Loopback moves a task's bytes
@@ -681,9 +681,9 @@ func TestGenerationCheck(t *testing.T) {
 	require.Equal(t, status.Timeout, status.Of(err), "%v", err)
 	require.Zero(t, res.OKTokens)
 	require.Equal(t, parked+1, b.Stats().ParkedBatches, "the generation check is parked")
-	require.Equal(t, idle+4*genSlot, b.pool.Used(), "its reads' memory stays allocated while they may write")
+	require.Equal(t, idle+4*genSlot, b.hold.Used(), "its reads' memory stays allocated while they may write")
 	time.Sleep(delay + 50*time.Millisecond)
 	b.reap()
-	require.Equal(t, idle, b.pool.Used(), "and is freed once they are done")
+	require.Equal(t, idle, b.hold.Used(), "and is freed once they are done")
 	a.tr.(*transport.Loopback).SetFault(transport.Fault{})
 }

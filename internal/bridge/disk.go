@@ -6,9 +6,9 @@ import (
 
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/disk"
+	"github.com/mcbridge/mcbridge/internal/holdings"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/pool"
-	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -125,42 +125,36 @@ func (d *diskTier) run() {
 // persistAll writes every block of the pool that has no file yet.
 func (d *diskTier) persistAll() {
 	var keys []key.BlockKey
-	d.b.mu.Lock()
-	d.b.resident.Walk(func(e residency.Entry[slot]) bool {
-		if !e.Value.persisted {
-			keys = append(keys, e.Key)
-		}
-		return true
+	d.b.hold.View(func(r holdings.Reader) {
+		r.Walk(func(e holdings.Entry) bool {
+			if !d.disk.Has(e.Key) {
+				keys = append(keys, e.Key)
+			}
+			return true
+		})
 	})
-	d.b.mu.Unlock()
 	for _, k := range keys {
 		d.write(k)
 	}
 }
 
-func metaOf(s *slot, uses uint32) disk.Meta {
-	return disk.Meta{Key: s.entry.Key, Parent: s.entry.Parent, Model: s.fp, Depth: s.depth, Uses: uses}
+func metaOf(s *holdings.Block, uses uint32) disk.Meta {
+	return disk.Meta{Key: s.Entry.Key, Parent: s.Entry.Parent, Model: s.Model, Depth: s.Depth, Uses: uses}
 }
 
 // write writes one block of the pool to its file, pinned meanwhile.
 func (d *diskTier) write(k key.BlockKey) {
 	b := d.b
-	b.mu.Lock()
-	e, ok := b.resident.Entry(k)
-	s := e.Value
-	if !ok || s.persisted || b.resident.Pin(k) != nil {
-		b.mu.Unlock()
+	if d.disk.Has(k) {
 		return
 	}
-	b.mu.Unlock()
-	err := d.disk.Put(b.pool.Bytes(s.off, s.size), metaOf(&s, e.Uses))
-	b.mu.Lock()
-	_ = b.resident.Unpin(k)
-	if cur, ok := b.resident.Get(k); ok && cur.off == s.off && err == nil {
-		cur.persisted = true
-		b.resident.Set(k, cur)
+	e, ok := b.hold.Pin(k, holdings.AnyGeneration)
+	if !ok {
+		return
 	}
-	b.mu.Unlock()
+	s := e.Value
+	err := d.disk.Put(b.hold.Bytes(s.Off, s.Size), metaOf(&s, e.Uses))
+	b.hold.Unpin(k)
 	if err != nil {
 		b.log.Warn("mcbridge: disk tier: a block stays in memory only", "block", k, "err", err)
 		return
@@ -170,14 +164,14 @@ func (d *diskTier) write(k key.BlockKey) {
 
 // spill writes evicted blocks that have no file yet, before their memory
 // is reused: eviction moves them to the disk instead of losing them.
-func (d *diskTier) spill(gone []residency.Entry[slot]) {
+func (d *diskTier) spill(gone []holdings.Entry) {
 	b := d.b
 	for i := range gone {
 		s := &gone[i].Value
-		if s.persisted {
+		if d.disk.Has(gone[i].Key) {
 			continue
 		}
-		if err := d.disk.Put(b.pool.Bytes(s.off, s.size), metaOf(s, gone[i].Uses)); err != nil {
+		if err := d.disk.Put(b.hold.Bytes(s.Off, s.Size), metaOf(s, gone[i].Uses)); err != nil {
 			b.log.Warn("mcbridge: disk tier: an evicted block is lost", "block", gone[i].Key, "err", err)
 			continue
 		}
@@ -201,11 +195,8 @@ func (b *Bridge) bringBack(keys []key.BlockKey) int {
 	var held []key.BlockKey
 	brought := 0
 	for _, k := range keys {
-		b.mu.Lock()
-		s, resident := b.resident.Get(k)
-		b.mu.Unlock()
-		if resident {
-			if s.replica {
+		if s, ok := b.hold.Get(k); ok {
+			if s.State == holdings.Replica {
 				held = append(held, k)
 			}
 			continue
@@ -230,8 +221,8 @@ func (b *Bridge) bringBack(keys []key.BlockKey) int {
 // a generation of this pool's own.
 func (b *Bridge) readBack(m disk.Meta) error {
 	d := b.tier
-	if m.RawLen > b.pool.Size()/2 {
-		return status.Errorf(status.PoolFull, "a block of %d bytes in a pool of %d", m.RawLen, b.pool.Size())
+	if m.RawLen > b.hold.Size()/2 {
+		return status.Errorf(status.PoolFull, "a block of %d bytes in a pool of %d", m.RawLen, b.hold.Size())
 	}
 	d.readMu.Lock()
 	defer d.readMu.Unlock()
@@ -246,28 +237,20 @@ func (b *Bridge) readBack(m disk.Meta) error {
 	if err != nil {
 		return err
 	}
-	off, err := b.pool.Alloc(m.RawLen)
+	off, err := b.hold.Alloc(m.RawLen)
 	if err != nil {
 		return err
 	}
-	block := b.pool.Bytes(off, m.RawLen)
-	gen := b.pool.NextGeneration()
+	block := b.hold.Bytes(off, m.RawLen)
+	gen := b.hold.NextGeneration()
 	pool.BeginWrite(block, gen)
 	copy(block[:8], buf[:8])
 	copy(block[16:], buf[16:])
 	pool.EndWrite(block, gen)
-	s := slot{fp: m.Model, off: off, size: m.RawLen, gen: gen, replica: true, persisted: true, depth: m.Depth,
-		entry: directory.Entry{Model: m.Model, Key: m.Key, Parent: m.Parent, Loc: directory.Location{Checksum: m.HeaderSum}}}
-	b.mu.Lock()
-	if _, held := b.resident.Get(m.Key); held {
-		err = status.Errorf(status.State, "block %s came back meanwhile", m.Key)
-	} else {
-		err = b.insertResidentLocked(m.Parent, residency.Block[slot]{Key: m.Key, Value: s, Bytes: m.RawLen,
-			Cost: b.blockCost(g.BlockTokens, m.Depth), Uses: m.Uses})
-	}
-	b.mu.Unlock()
-	if err != nil {
-		b.invalidate(off, m.RawLen)
+	s := holdings.Block{Model: m.Model, Off: off, Size: m.RawLen, Gen: gen, Depth: m.Depth,
+		Entry: directory.Entry{Model: m.Model, Key: m.Key, Parent: m.Parent, Loc: directory.Location{Checksum: m.HeaderSum}}}
+	if err := b.hold.Admit(m.Parent, s, b.blockCost(g.BlockTokens, m.Depth), m.Uses); err != nil {
+		b.hold.Invalidate(off, m.RawLen)
 		return err
 	}
 	b.stats.add(&b.stats.pagedIn, 1)
@@ -278,35 +261,11 @@ func (b *Bridge) readBack(m disk.Meta) error {
 // name as this store's: copies whose owner let go, blocks read back from
 // the disk. One another process publishes first stays a replica.
 func (b *Bridge) publishHeld(keys []key.BlockKey) {
-	var entries []directory.Entry
-	b.mu.Lock()
-	for _, k := range keys {
-		s, ok := b.resident.Get(k)
-		if !ok || !s.replica {
-			continue
-		}
-		s.replica, s.publishing, s.takeover = false, true, true
-		s.entry.Loc = directory.Location{Segment: b.tr.LocalSegment(), Addr: uint64(b.pool.Base()) + uint64(s.off),
-			Length: uint64(s.size), Checksum: s.entry.Loc.Checksum, Generation: s.gen, Owner: b.owner}
-		b.resident.Set(k, s)
-		entries = append(entries, s.entry)
-	}
-	b.mu.Unlock()
-	if len(entries) == 0 {
-		return
-	}
-	n := b.pub.offer(entries)
-	if left := entries[n:]; len(left) > 0 {
-		b.stats.add(&b.stats.publishDropped, int64(len(left)))
-		b.mu.Lock()
-		for _, e := range left {
-			if s, ok := b.resident.Get(e.Key); ok && s.gen == e.Loc.Generation {
-				s.replica, s.publishing, s.takeover = true, false, false
-				b.resident.Set(e.Key, s)
-			}
-		}
-		b.mu.Unlock()
-	}
+	_, refused := b.hold.TakeOver(keys, func(s holdings.Block) directory.Location {
+		return directory.Location{Segment: b.tr.LocalSegment(), Addr: uint64(b.hold.Base()) + uint64(s.Off),
+			Length: uint64(s.Size), Checksum: s.Entry.Loc.Checksum, Generation: s.Gen, Owner: b.owner}
+	}, b.pub.offer)
+	b.stats.add(&b.stats.publishDropped, int64(refused))
 }
 
 // RefillFromDisk reads the disk tier back into the pool after a restart,
@@ -332,7 +291,7 @@ func (b *Bridge) RefillFromDisk() int {
 		onDisk[m.Key] = true
 	}
 	in := map[key.BlockKey]bool{}
-	limit := b.pool.Size() / 8 * 7
+	limit := b.hold.Size() / 8 * 7
 	var order []key.BlockKey
 	var used int64
 	for _, m := range blocks {

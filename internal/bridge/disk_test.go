@@ -128,8 +128,7 @@ func TestDiskTierBringsBackWhatReadersWant(t *testing.T) {
 			chain := key.Chain(key.Root(registeredFP(t, cfg), key.Scope{}), tokens[:24], 4)
 			// Eviction takes the chain's last four blocks, as the pool's
 			// budget would: leaves first.
-			gone := evictChainTail(t, store, chain, 2)
-			require.Len(t, gone, 4)
+			require.Equal(t, 4, evictChainTail(t, store, chain, 2))
 			flush(t, store)
 			if tc.changed {
 				flipFileByte(t, tier.Dir()+"/"+chain[3].String()[:2]+"/"+chain[3].String())
@@ -160,17 +159,19 @@ func TestDiskTierBringsBackWhatReadersWant(t *testing.T) {
 	}
 }
 
-// evictChainTail evicts chain[keep:] from b's pool as its evict does
-// (spill, then discard) and returns what went.
-func evictChainTail(t *testing.T, b *Bridge, chain []key.BlockKey, keep int) []residency.Entry[slot] {
+// evictChainTail evicts chain[keep:] from b's pool, the only chain it
+// holds, as its budget would (leaves first), and returns how many went.
+func evictChainTail(t *testing.T, b *Bridge, chain []key.BlockKey, keep int) int {
 	t.Helper()
-	b.mu.Lock()
-	gone, err := b.resident.Remove(chain[keep])
-	b.mu.Unlock()
-	require.NoError(t, err)
-	b.tier.spill(gone)
-	b.discard(gone)
-	return gone
+	before := b.Stats().Evictions
+	blk, ok := b.hold.Get(chain[keep])
+	require.True(t, ok, "block %d is held", keep)
+	require.NoError(t, b.hold.Evict(int64(len(chain)-keep)*blk.Size))
+	for i, k := range chain {
+		_, held := b.hold.Get(k)
+		require.Equal(t, i < keep, held, "block %d held after the eviction", i)
+	}
+	return int(b.Stats().Evictions - before)
 }
 
 // flush waits until b's publisher has handed the directory everything.
@@ -202,13 +203,7 @@ func TestEvictionSpills(t *testing.T) {
 	chain := key.Chain(key.Root(registeredFP(t, cfg), key.Scope{}), tokens[:12], 4)
 	// As if the write-behind had not got to the last block yet.
 	tier.Remove(chain[2])
-	store.mu.Lock()
-	s, ok := store.resident.Get(chain[2])
-	require.True(t, ok)
-	s.persisted = false
-	store.resident.Set(chain[2], s)
-	store.mu.Unlock()
-	require.NoError(t, store.evict(store.pool.Size()))
+	require.NoError(t, store.hold.Evict(store.hold.Size()))
 	assert.True(t, tier.Has(chain[2]), "the evicted block is on the disk")
 	assert.Equal(t, int64(1), store.Stats().Spilled)
 }

@@ -1,6 +1,7 @@
 package bridge
 
 import (
+	"github.com/mcbridge/mcbridge/internal/holdings"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvevents"
 	"github.com/mcbridge/mcbridge/internal/pool"
@@ -8,9 +9,9 @@ import (
 
 // EventSink hears which blocks this process answers for: those the
 // directory names it for, saved here and published, or taken over by a
-// store node (docs/kvevents.md). It is called with b.mu held, from the
-// publisher's goroutine, the store node's replication and eviction, never
-// from a host's thread, and must not block.
+// store node (docs/kvevents.md). It is called from the publisher's
+// goroutine, the store node's replication and eviction, never from a
+// host's thread, and must not block.
 type EventSink interface {
 	// Model: a model's events start; what a process before this one left
 	// under the same name is gone.
@@ -87,38 +88,41 @@ func (b *Bridge) eventNameLocked(fp key.Fingerprint) string {
 	return fp.String()
 }
 
-// announceLocked tells the sink that s, resident under k, is this
-// process's to answer for now: a block it saved whose publish won, or a
-// store node's copy (still marked a replica) that it took over. b.mu is
-// held, so that an eviction of the block is heard after it.
-func (b *Bridge) announceLocked(k key.BlockKey, s *slot) {
+// announce tells the sink that s, held under k, is this process's to
+// answer for now: a block it saved whose publish won, or a store node's
+// copy that it took over. It runs under the holdings' lock (Settle), so
+// that an eviction of the block is heard after it.
+func (b *Bridge) announce(k key.BlockKey, s *holdings.Block, r holdings.Reader) {
 	if b.events == nil {
 		return
 	}
-	c, i := s.chain, s.index
-	s.chain = nil
+	c, i := s.Chain, s.Index
+	s.Chain = nil
 	if c == nil {
-		if !s.replica && !s.takeover {
+		if s.State.Ours() && !s.State.Takeover() {
 			return // saved outside the base scope
 		}
 		// A store node's copy, or one it took over: its chain is read
 		// back from the copies above it.
-		if c, i = b.residentChainLocked(k, s); c == nil {
+		if c, i = b.heldChain(k, s, r); c == nil {
 			return
 		}
 	}
 	B := len(c.Tokens) / len(c.Hashes)
-	b.events.Stored(b.eventNameLocked(s.fp), B, []kvevents.Block{{Key: k, Chain: c, Index: i}})
+	b.mu.Lock()
+	name := b.eventNameLocked(s.Model)
+	b.mu.Unlock()
+	b.events.Stored(name, B, []kvevents.Block{{Key: k, Chain: c, Index: i}})
 }
 
-// residentChainLocked rebuilds the chain of a block from the headers of the
-// blocks this pool holds above it, up to the base scope's root of its
-// model. Chains of other scopes, or with a block missing here, give nil.
-func (b *Bridge) residentChainLocked(k key.BlockKey, s *slot) (*kvevents.Chain, int) {
-	root := key.Root(s.fp, key.Scope{})
+// heldChain rebuilds the chain of a block from the headers of the blocks
+// this pool holds above it, up to the base scope's root of its model.
+// Chains of other scopes, or with a block missing here, give nil.
+func (b *Bridge) heldChain(k key.BlockKey, s *holdings.Block, r holdings.Reader) (*kvevents.Chain, int) {
+	root := key.Root(s.Model, key.Scope{})
 	var rev [][]int32
 	for cur, cs := k, *s; ; {
-		mem := b.pool.Bytes(cs.off, cs.size)
+		mem := b.hold.Bytes(cs.Off, cs.Size)
 		g, err := pool.ParseGeometry(mem)
 		if err != nil {
 			return nil, 0
@@ -131,8 +135,8 @@ func (b *Bridge) residentChainLocked(k key.BlockKey, s *slot) (*kvevents.Chain, 
 		if h.Parent == root {
 			break
 		}
-		next, ok := b.resident.Get(h.Parent)
-		if !ok || next.fp != s.fp {
+		next, ok := r.Get(h.Parent)
+		if !ok || next.Model != s.Model {
 			return nil, 0
 		}
 		cur, cs = h.Parent, next

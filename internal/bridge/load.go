@@ -225,7 +225,7 @@ func (ld *Load) submitGenerations() {
 	for i := range ld.blocks {
 		if t := g.task[i]; t >= 0 {
 			lb := &ld.blocks[i]
-			local := ld.m.b.pool.Bytes(g.at.off+int64(t)*genSlot, genSlot)
+			local := ld.m.b.hold.Bytes(g.at.off+int64(t)*genSlot, genSlot)
 			reqs = append(reqs, transport.Request{Op: transport.Read, Local: mem.Addr(local), Segment: lb.seg, Remote: lb.entry.Loc.Addr, Length: genSlot})
 		}
 	}
@@ -255,20 +255,24 @@ func (ld *Load) failPlacing(i int, err error) {
 func (ld *Load) pinLocal() {
 	b := ld.m.b
 	seg := b.tr.LocalSegment()
-	b.mu.Lock()
-	defer b.mu.Unlock()
 	for i := range ld.blocks {
 		lb := &ld.blocks[i]
-		if lb.entry.Loc.Segment != seg && !b.ownCopyLocked(lb.entry) {
+		// A store block this pool still holds, the very block (same
+		// generation), is read here, as the nearest copy.
+		inStore := lb.entry.Loc.Segment != seg
+		if inStore && (b.store == nil || !b.store.names(lb.entry.Loc)) {
 			continue
 		}
-		s, ok := b.resident.Get(lb.entry.Key)
-		if !ok || s.gen != lb.entry.Loc.Generation || b.resident.Pin(lb.entry.Key) != nil {
+		e, ok := b.hold.Pin(lb.entry.Key, lb.entry.Loc.Generation)
+		if !ok && inStore {
+			continue
+		}
+		if !ok {
 			ld.fail(i, status.Errorf(status.Corrupt, "block %s left the pool since the lookup", lb.entry.Key))
 			return
 		}
 		lb.local = true
-		lb.src = b.pool.Bytes(s.off, s.size)
+		lb.src = b.hold.Bytes(e.Value.Off, e.Value.Size)
 	}
 }
 
@@ -332,7 +336,7 @@ func (ld *Load) submitRemote() error {
 			}
 		}
 	}
-	genOff, err := b.pool.Alloc(int64(len(remote)) * genSlot)
+	genOff, err := b.hold.Alloc(int64(len(remote)) * genSlot)
 	if err != nil {
 		ld.fail(remote[0], err)
 		return nil
@@ -352,7 +356,7 @@ func (ld *Load) submitRemote() error {
 		}
 	}
 	for j, i := range remote {
-		off, err := b.pool.Alloc(stage)
+		off, err := b.hold.Alloc(stage)
 		if err != nil {
 			ld.fail(i, err)
 			remote = remote[:j]
@@ -360,7 +364,7 @@ func (ld *Load) submitRemote() error {
 		}
 		ld.staging = append(ld.staging, extent{off, stage})
 		lb := &ld.blocks[i]
-		lb.src = b.pool.Bytes(off, stage)
+		lb.src = b.hold.Bytes(off, stage)
 		lb.seg = segs[j]
 		lb.tasks = make([]taskSpan, layers)
 		if ld.landed {
@@ -616,9 +620,7 @@ func (ld *Load) touchLocal() {
 		}
 	}
 	if len(keys) > 0 {
-		b.mu.Lock()
-		b.resident.Touch(keys...)
-		b.mu.Unlock()
+		b.hold.Touch(keys...)
 	}
 }
 
@@ -654,7 +656,7 @@ func (ld *Load) recheck() {
 				b.peerFailed(lb.entry.Loc.Segment, err)
 				return
 			}
-			gen = pool.Generation(b.pool.Bytes(g.at.off+int64(t)*genSlot, genSlot))
+			gen = pool.Generation(b.hold.Bytes(g.at.off+int64(t)*genSlot, genSlot))
 		}
 		if gen != lb.expect.Generation {
 			ld.fail(i, status.Errorf(status.Corrupt, "block %s changed while read (generation %d, read at %d)", lb.entry.Key, gen, lb.expect.Generation))
@@ -670,14 +672,12 @@ func (ld *Load) release() {
 	b := ld.m.b
 	ld.cancel()
 	ld.releaseStore()
-	b.mu.Lock()
 	for i := range ld.blocks {
 		if ld.blocks[i].local {
-			_ = b.resident.Unpin(ld.blocks[i].entry.Key)
+			b.hold.Unpin(ld.blocks[i].entry.Key)
 			ld.blocks[i].local = false
 		}
 	}
-	b.mu.Unlock()
 	ld.releaseGenerations()
 	if ld.batch == nil {
 		ld.freeStaging(ld.staging)
@@ -719,7 +719,7 @@ func (ld *Load) abort() {
 
 func (ld *Load) freeStaging(ex []extent) {
 	for _, e := range ex {
-		_ = ld.m.b.pool.Free(e.off, e.n)
+		_ = ld.m.b.hold.Free(e.off, e.n)
 	}
 }
 

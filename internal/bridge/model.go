@@ -5,6 +5,7 @@ import (
 
 	"github.com/mcbridge/mcbridge/internal/arbiter"
 	"github.com/mcbridge/mcbridge/internal/directory"
+	"github.com/mcbridge/mcbridge/internal/holdings"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout"
 	"github.com/mcbridge/mcbridge/internal/pool"
@@ -73,8 +74,8 @@ func (b *Bridge) RegisterModel(spec ModelSpec) (*Model, error) {
 	if err := geo.Validate(); err != nil {
 		return nil, err
 	}
-	if int64(geo.Size()) > b.pool.Size()/2 {
-		return nil, status.Errorf(status.Config, "a block of %d bytes does not fit twice in a pool of %d", geo.Size(), b.pool.Size())
+	if int64(geo.Size()) > b.hold.Size()/2 {
+		return nil, status.Errorf(status.Config, "a block of %d bytes does not fit twice in a pool of %d", geo.Size(), b.hold.Size())
 	}
 	var perToken int64
 	for l := 0; l < n; l++ {
@@ -194,17 +195,16 @@ func (m *Model) match(root key.Hash, chain []key.BlockKey) []directory.Entry {
 // this walk runs).
 func (m *Model) walk(root key.Hash, chain []key.BlockKey, visit func(directory.Entry)) int {
 	n, parent := m.walkMirror(root, chain, m.b.downSegments(), visit)
-	b := m.b
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	for ; n < len(chain); n++ {
-		s, ok := b.resident.Get(chain[n])
-		if !ok || s.replica || s.fp != m.fp || s.entry.Parent != parent {
-			break
+	m.b.hold.View(func(r holdings.Reader) {
+		for ; n < len(chain); n++ {
+			s, ok := r.Get(chain[n])
+			if !ok || !s.State.Ours() || s.Model != m.fp || s.Entry.Parent != parent {
+				break
+			}
+			visit(s.Entry)
+			parent = chain[n]
 		}
-		visit(s.entry)
-		parent = chain[n]
-	}
+	})
 	return n
 }
 
@@ -275,7 +275,7 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32, cached int) (*Plan, erro
 	root := key.Root(m.fp, scope)
 	chain := key.Chain(root, tokens[:len(tokens)-1], B)
 	// The link is named after the walk, which holds the mirror's and the
-	// bridge's locks while it visits.
+	// holdings' locks while it visits.
 	// first is copied, not pointed to: a pointer to the callback's
 	// argument would move every visited entry to the heap.
 	var first directory.Entry
@@ -323,10 +323,7 @@ func (b *Bridge) linkFor(e directory.Entry) string {
 	if !ok || b.store == nil {
 		return e.Loc.Segment
 	}
-	b.mu.Lock()
-	own := b.ownCopyLocked(e)
-	b.mu.Unlock()
-	if own {
+	if b.ownCopy(e) {
 		return "local"
 	}
 	return b.store.link(writer)

@@ -248,9 +248,7 @@ func (b *Bridge) publishNow(entries []directory.Entry) error {
 		// The mirror takes the block before its publishing flag clears, so
 		// the walk through this process's own blocks never loses sight of
 		// it. One evicted meanwhile leaves the mirror again.
-		b.mu.Lock()
-		m := b.models[e.Model]
-		b.mu.Unlock()
+		m := b.model(e.Model)
 		if m == nil {
 			b.settle(e.Key, e.Loc.Generation)
 			continue
@@ -266,54 +264,21 @@ func (b *Bridge) publishNow(entries []directory.Entry) error {
 	return nil
 }
 
-// settle marks a resident block as answered for by the directory and
-// reports whether it is still the block published (not evicted since).
+// settle marks a held block as answered for by the directory and reports
+// whether it is still the block published (not evicted since). The sink
+// hears of it under the holdings' lock, so that an eviction of the block
+// is heard after it.
 func (b *Bridge) settle(k key.BlockKey, gen uint64) bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	s, ok := b.resident.Get(k)
-	if !ok || s.gen != gen {
-		return false
-	}
-	b.announceLocked(k, &s)
-	if s.takeover {
+	held, tookOver := b.hold.Settle(k, gen, b.announce)
+	if tookOver {
 		b.stats.add(&b.stats.takenOver, 1)
 	}
-	s.publishing, s.pending, s.takeover = false, false, false
-	b.resident.Set(k, s)
-	return true
+	return held
 }
 
-// dropLost unindexes and frees blocks another process published first. A
-// lost block that a won one hangs under stays, answered for: its key is
-// held elsewhere, and eviction will take it.
+// dropLost records the blocks another process published first.
 func (b *Bridge) dropLost(lost []directory.Entry) {
 	for i := len(lost) - 1; i >= 0; i-- {
-		e := lost[i]
-		b.mu.Lock()
-		s, ok := b.resident.Get(e.Key)
-		if !ok || s.gen != e.Loc.Generation {
-			b.mu.Unlock()
-			continue
-		}
-		if s.takeover {
-			// A store's copy: another process holds the block now, and
-			// the copy waits for it to let go again.
-			s.replica, s.publishing, s.takeover = true, false, false
-			b.resident.Set(e.Key, s)
-			b.mu.Unlock()
-			continue
-		}
-		s.publishing, s.pending = false, false
-		b.resident.Set(e.Key, s)
-		free := b.resident.Leaf(e.Key)
-		if free {
-			_, err := b.resident.Remove(e.Key)
-			free = err == nil
-		}
-		b.mu.Unlock()
-		if free {
-			b.invalidate(s.off, s.size)
-		}
+		b.hold.Lose(lost[i].Key, lost[i].Loc.Generation)
 	}
 }

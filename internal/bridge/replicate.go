@@ -8,10 +8,10 @@ import (
 	"time"
 
 	"github.com/mcbridge/mcbridge/internal/directory"
+	"github.com/mcbridge/mcbridge/internal/holdings"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/mem"
 	"github.com/mcbridge/mcbridge/internal/pool"
-	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/status"
 	"github.com/mcbridge/mcbridge/internal/transport"
 )
@@ -111,45 +111,32 @@ func (r *replicator) run(stop chan struct{}) {
 func (b *Bridge) copyBlock(e directory.Entry) {
 	// Another owner publishing a block again is a sign of demand too: it
 	// computed what it could not find.
-	b.mu.Lock()
-	have := b.resident.Touch(e.Key) == 1
-	b.mu.Unlock()
-	if have || e.Loc.Length == 0 || int64(e.Loc.Length) > b.pool.Size()/2 {
+	have := b.hold.Touch(e.Key) == 1
+	if have || e.Loc.Length == 0 || int64(e.Loc.Length) > b.hold.Size()/2 {
 		return
 	}
 	size := int64(e.Loc.Length)
-	off, err := b.pool.Alloc(size)
+	off, err := b.hold.Alloc(size)
 	if err != nil {
 		b.stats.add(&b.stats.replicationFailures, 1)
 		return
 	}
-	block := b.pool.Bytes(off, size)
 	g, h, err := b.readVerified(e, extent{off, size})
 	if err != nil {
 		if !errors.Is(err, errParked) {
-			pool.BeginWrite(block, b.pool.NextGeneration())
-			_ = b.pool.Free(off, size)
+			b.hold.Invalidate(off, size)
 		}
 		b.stats.add(&b.stats.replicationFailures, 1)
 		return
 	}
-	persisted := b.tier != nil && b.tier.disk.Has(e.Key)
-	b.mu.Lock()
-	if _, held := b.resident.Get(e.Key); held {
-		err = status.Errorf(status.State, "block %s became resident meanwhile", e.Key)
-	} else {
-		err = b.insertResidentLocked(e.Parent, residency.Block[slot]{
-			Key: e.Key, Bytes: size, Cost: b.blockCost(g.BlockTokens, h.Depth),
-			Value: slot{fp: e.Model, off: off, size: size, gen: e.Loc.Generation, depth: h.Depth, replica: true, persisted: persisted, entry: e},
-		})
-	}
-	b.mu.Unlock()
+	err = b.hold.Admit(e.Parent, holdings.Block{Model: e.Model, Off: off, Size: size, Gen: e.Loc.Generation, Depth: h.Depth, Entry: e},
+		b.blockCost(g.BlockTokens, h.Depth), 0)
 	if err != nil {
-		_ = b.pool.Free(off, size)
+		_ = b.hold.Free(off, size)
 		return
 	}
 	b.stats.add(&b.stats.replicated, 1)
-	if b.tier != nil && !persisted {
+	if b.tier != nil && !b.tier.disk.Has(e.Key) {
 		b.tier.persistLater(e.Key)
 	}
 }
@@ -160,7 +147,7 @@ func (b *Bridge) readVerified(e directory.Entry, ext extent) (pool.Geometry, poo
 	if err := b.readBlock(e, ext); err != nil {
 		return pool.Geometry{}, pool.Header{}, err
 	}
-	dst := b.pool.Bytes(ext.off, ext.n)
+	dst := b.hold.Bytes(ext.off, ext.n)
 	g, h, err := pool.VerifyBlock(dst, &pool.Expect{Key: e.Key, Parent: e.Parent, Model: e.Model, Generation: e.Loc.Generation})
 	if err == nil && pool.HeaderSum(dst) != e.Loc.Checksum {
 		err = status.Errorf(status.Corrupt, "block %s header sum differs from the directory's", e.Key)
@@ -175,7 +162,7 @@ var errParked = errors.New("transfer parked in flight")
 
 // readBlock reads the whole block an entry names into the pool extent ext.
 func (b *Bridge) readBlock(e directory.Entry, ext extent) error {
-	dst := b.pool.Bytes(ext.off, ext.n)
+	dst := b.hold.Bytes(ext.off, ext.n)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(b.cfg.TransferTimeoutMS)*time.Millisecond)
 	defer cancel()
 	seg, err := b.segment(ctx, e.Loc.Segment)

@@ -59,7 +59,7 @@ func TestStoreRefusesCorruptCopies(t *testing.T) {
 	waitFor(t, "two failed copies", func() bool { return store.Stats().ReplicationFails == 2 })
 	n, _, _ := store.Resident()
 	require.Zero(t, n, "corrupt copies the store kept")
-	require.Zero(t, store.pool.Used(), "pool bytes failed copies leaked")
+	require.Zero(t, store.hold.Used(), "pool bytes failed copies leaked")
 }
 
 // ownerCopiedBy opens owner "a", saves 20 tokens (5 blocks) there and

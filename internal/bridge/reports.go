@@ -9,9 +9,9 @@ import (
 	"time"
 
 	"github.com/mcbridge/mcbridge/internal/directory"
+	"github.com/mcbridge/mcbridge/internal/holdings"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/pool"
-	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/status"
 	"github.com/mcbridge/mcbridge/internal/transport"
 )
@@ -361,9 +361,7 @@ func (b *Bridge) handleReport(kind reportKind, items []reportItem) {
 		for i, it := range items {
 			keys[i] = it.key
 		}
-		b.mu.Lock()
-		n := b.resident.Touch(keys...)
-		b.mu.Unlock()
+		n := b.hold.Touch(keys...)
 		b.stats.add(&b.stats.peerUses, int64(n))
 		if t := b.tier; t != nil {
 			t.disk.Touch(keys...)
@@ -383,78 +381,46 @@ func (b *Bridge) handleReport(kind reportKind, items []reportItem) {
 	}
 }
 
-// Outcomes of a holder's check of a block a reader reported.
-const (
-	badDropped = iota // the copy here fails too: dropped and unpublished
-	badIntact         // the copy here verifies: the reader's read went wrong
-	badGone           // no longer held at that generation: nothing to do
-	badBusy           // a load here holds it: checked again on the next report
-	badOutcomes
-)
+// Outcomes of a holder's check of a block a reader reported, as Drop
+// returns them: the copy here fails too (dropped and unpublished), it
+// verifies (the reader's read went wrong), it is no longer held at that
+// generation, or a load here holds it (checked again on the next report).
+const badOutcomes = holdings.Outcomes
 
-var badOutcomeNames = [badOutcomes]string{"dropped", "intact", "gone", "busy"}
+var badOutcomeNames = [badOutcomes]string{holdings.Dropped: "dropped", holdings.Intact: "intact", holdings.Gone: "gone", holdings.Busy: "busy"}
 
 // recheck verifies this pool's copy of a block a reader found bad, and
 // drops it (with the blocks under it, which no prefix reaches without
 // it) and unpublishes it when it fails here too.
 func (b *Bridge) recheck(k key.BlockKey, gen uint64) {
-	outcome := b.recheckOutcome(k, gen)
+	outcome, why, n := b.hold.Drop(k, gen, func(s holdings.Block, block []byte) error {
+		_, _, err := pool.VerifyBlock(block, &pool.Expect{Key: k, Parent: s.Entry.Parent, Model: s.Model, Generation: gen})
+		if err == nil && pool.HeaderSum(block) != s.Entry.Loc.Checksum {
+			err = status.Errorf(status.Corrupt, "block %s header sum differs from the directory's", k)
+		}
+		return err
+	})
+	if outcome == holdings.Dropped {
+		b.log.Warn("mcbridge: a block readers found bad fails here too: dropped and unpublished", "block", k, "err", why, "with", n-1)
+	}
 	b.stats.add(&b.stats.badChecks[outcome], 1)
 }
 
-func (b *Bridge) recheckOutcome(k key.BlockKey, gen uint64) int {
-	b.mu.Lock()
-	s, ok := b.resident.Get(k)
-	if !ok || s.gen != gen {
-		b.mu.Unlock()
-		return badGone
-	}
-	if err := b.resident.Pin(k); err != nil {
-		b.mu.Unlock()
-		return badBusy
-	}
-	b.mu.Unlock()
-	block := b.pool.Bytes(s.off, s.size)
-	_, _, err := pool.VerifyBlock(block, &pool.Expect{Key: k, Parent: s.entry.Parent, Model: s.fp, Generation: gen})
-	if err == nil && pool.HeaderSum(block) != s.entry.Loc.Checksum {
-		err = status.Errorf(status.Corrupt, "block %s header sum differs from the directory's", k)
-	}
-	b.mu.Lock()
-	_ = b.resident.Unpin(k)
-	if err == nil {
-		b.mu.Unlock()
-		return badIntact
-	}
-	gone, rerr := b.resident.Remove(k)
-	b.mu.Unlock()
-	if rerr != nil {
-		return badBusy
-	}
-	b.log.Warn("mcbridge: a block readers found bad fails here too: dropped and unpublished", "block", k, "err", err, "with", len(gone)-1)
-	b.discard(gone)
-	return badDropped
-}
-
-// discard frees blocks taken out of the index and withdraws those the
-// directory names as this process's.
-func (b *Bridge) discard(gone []residency.Entry[slot]) {
+// discard forgets blocks that left the pool and withdraws those the
+// directory names as this process's; holdings frees their memory after.
+func (b *Bridge) discard(gone []holdings.Entry) {
 	byModel := map[key.Fingerprint][]key.BlockKey{}
 	for _, e := range gone {
 		// A block in the store stays published: the store still holds it.
-		if b.store != nil && b.store.names(e.Value.entry.Loc) {
-			b.invalidate(e.Value.off, e.Value.size)
+		if b.store != nil && b.store.names(e.Value.Entry.Loc) {
 			continue
 		}
-		if !e.Value.replica {
-			byModel[e.Value.fp] = append(byModel[e.Value.fp], e.Key)
+		if e.Value.State.Ours() {
+			byModel[e.Value.Model] = append(byModel[e.Value.Model], e.Key)
 		}
-		b.mu.Lock()
-		m := b.models[e.Value.fp]
-		b.mu.Unlock()
-		if m != nil {
+		if m := b.model(e.Value.Model); m != nil {
 			m.forget(e.Key, b.tr.LocalSegment())
 		}
-		b.invalidate(e.Value.off, e.Value.size)
 	}
 	b.removedEvents(byModel)
 	for fp, keys := range byModel {

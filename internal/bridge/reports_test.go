@@ -1,6 +1,7 @@
 package bridge
 
 import (
+	"github.com/mcbridge/mcbridge/internal/holdings"
 	"math/rand"
 	"strings"
 	"testing"
@@ -149,7 +150,7 @@ func TestStoreKeepsWhatReadersRestore(t *testing.T) {
 			var held int
 			store.mu.Lock()
 			for _, k := range key.Chain(key.Root(mr.fp, key.Scope{}), hot[:16], 4) {
-				if _, ok := store.resident.Get(k); ok {
+				if _, ok := store.hold.Get(k); ok {
 					held++
 				}
 			}
@@ -166,11 +167,9 @@ func TestStoreKeepsWhatReadersRestore(t *testing.T) {
 // corruptResident flips a payload byte of a block in b's pool.
 func corruptResident(t *testing.T, b *Bridge, k key.BlockKey) {
 	t.Helper()
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	s, ok := b.resident.Get(k)
+	s, ok := b.hold.Get(k)
 	require.True(t, ok)
-	blk := b.pool.Bytes(s.off, s.size)
+	blk := b.hold.Bytes(s.Off, s.Size)
 	blk[len(blk)-100] ^= 0x40
 }
 
@@ -197,7 +196,7 @@ func TestBadBlockIsDropped(t *testing.T) {
 	res, err := loadAll(t, mr, dst, key.Scope{}, tokens[:16], kvtest.SeqCells(16))
 	require.Equal(t, status.Corrupt, status.Of(err), "%+v", res)
 	a.tr.(*transport.Loopback).SetFault(transport.Fault{})
-	waitFor(t, "the holder to check the block", func() bool { return a.Stats().BadChecks[badIntact] == 1 })
+	waitFor(t, "the holder to check the block", func() bool { return a.Stats().BadChecks[holdings.Intact] == 1 })
 	lk, err := mr.Lookup(key.Scope{}, tokens, 0)
 	require.NoError(t, err)
 	require.Equal(t, 4, lk.MatchedBlocks, "a block damaged in transit stays published")
@@ -210,7 +209,7 @@ func TestBadBlockIsDropped(t *testing.T) {
 	require.Equal(t, status.Corrupt, status.Of(err))
 	require.Equal(t, 4, res.OKTokens, "the block before the bad one restores")
 	require.NoError(t, dst.CheckRestored(tokens[:16], kvtest.SeqCells(16), 4))
-	waitFor(t, "the holder to drop the bad block", func() bool { return a.Stats().BadChecks[badDropped] == 1 })
+	waitFor(t, "the holder to drop the bad block", func() bool { return a.Stats().BadChecks[holdings.Dropped] == 1 })
 	waitFor(t, "the reader's mirror to lose it", func() bool {
 		lk, err := mr.Lookup(key.Scope{}, tokens, 0)
 		require.NoError(t, err)
@@ -247,7 +246,7 @@ func TestOwnBadBlockIsDropped(t *testing.T) {
 	h.Scribble()
 	_, err := loadAll(t, m, h, key.Scope{}, tokens[:8], kvtest.SeqCells(8))
 	require.Equal(t, status.Corrupt, status.Of(err))
-	waitFor(t, "the block to be dropped", func() bool { return a.Stats().BadChecks[badDropped] == 1 })
+	waitFor(t, "the block to be dropped", func() bool { return a.Stats().BadChecks[holdings.Dropped] == 1 })
 	n, _, _ := a.Resident()
 	assert.Zero(t, n)
 	lk, err := m.Lookup(key.Scope{}, tokens, 0)

@@ -4,11 +4,11 @@ import (
 	"sync"
 
 	"github.com/mcbridge/mcbridge/internal/directory"
+	"github.com/mcbridge/mcbridge/internal/holdings"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvevents"
 	"github.com/mcbridge/mcbridge/internal/kvlayout"
 	"github.com/mcbridge/mcbridge/internal/pool"
-	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -24,8 +24,8 @@ type Save struct {
 
 	mu        sync.Mutex
 	blocks    []saveBlock
-	republish []directory.Entry // held here, sealed, publish unanswered before
-	saved     []bool            // per layer
+	republish []key.BlockKey // held here, sealed, publish unanswered before
+	saved     []bool         // per layer
 	ended     bool
 	err       error // why the save stopped short (pool full)
 }
@@ -94,24 +94,22 @@ func (m *Model) SaveBegin(scope key.Scope, layout kvlayout.Layout, tokens []int3
 		// A block this pool already holds is not written twice: a sealed
 		// block whose publish went unanswered is offered to the directory
 		// again as it is, and any other one is already shared.
-		b.mu.Lock()
-		held, ok := b.resident.Get(chain[i])
-		b.mu.Unlock()
+		held, ok := b.hold.Get(chain[i])
 		if ok {
 			// A block whose own publish is still out is left to it.
-			if held.pending && !held.publishing {
-				sv.republish = append(sv.republish, held.entry)
+			if held.State.Waiting() {
+				sv.republish = append(sv.republish, chain[i])
 			}
 			parent = chain[i]
 			continue
 		}
-		off, err := b.pool.Alloc(size)
+		off, err := b.hold.Alloc(size)
 		if err != nil {
 			sv.err = err
 			break
 		}
-		gen := b.pool.NextGeneration()
-		pool.BeginWrite(b.pool.Bytes(off, size), gen)
+		gen := b.hold.NextGeneration()
+		pool.BeginWrite(b.hold.Bytes(off, size), gen)
 		sv.blocks = append(sv.blocks, saveBlock{
 			index: i, key: chain[i], parent: parent, tokens: tokens[i*B : (i+1)*B],
 			runs: kvlayout.Runs(cells[i*B : (i+1)*B]), off: off, gen: gen, sums: make([]uint64, m.geo.Layers()),
@@ -146,7 +144,7 @@ func (sv *Save) SaveLayer(il int) error {
 	off, n := g.LayerOffset(il), g.LayerSize(il)
 	for i := range sv.blocks {
 		blk := &sv.blocks[i]
-		payload := sv.m.b.pool.Bytes(blk.off+int64(off), int64(n))
+		payload := sv.m.b.hold.Bytes(blk.off+int64(off), int64(n))
 		sv.layout.Gather(&sv.m.shape, il, payload, blk.runs)
 		blk.sums[il] = pool.Sum(payload)
 	}
@@ -180,7 +178,7 @@ func (sv *Save) End() (SaveResult, error) {
 	entries := make([]directory.Entry, len(sv.blocks))
 	for i := range sv.blocks {
 		blk := &sv.blocks[i]
-		mem := b.pool.Bytes(blk.off, size)
+		mem := b.hold.Bytes(blk.off, size)
 		h := pool.Header{Key: blk.key, Parent: blk.parent, Model: m.fp, Depth: uint32(blk.index), Tokens: blk.tokens, LayerSums: blk.sums}
 		if err := pool.EncodeHeader(mem, g, &h); err != nil {
 			sv.free(sv.blocks)
@@ -188,20 +186,20 @@ func (sv *Save) End() (SaveResult, error) {
 		}
 		pool.EndWrite(mem, blk.gen)
 		entries[i] = directory.Entry{Model: m.fp, Key: blk.key, Parent: blk.parent, Loc: directory.Location{
-			Segment: b.tr.LocalSegment(), Addr: uint64(b.pool.Base()) + uint64(blk.off), Length: uint64(size),
+			Segment: b.tr.LocalSegment(), Addr: uint64(b.hold.Base()) + uint64(blk.off), Length: uint64(size),
 			Checksum: pool.HeaderSum(mem), Generation: blk.gen, Owner: b.owner,
 		}}
 	}
-	// Index the blocks, publishing, before any entry can name them: a load
-	// of this process that finds a block in the mirror finds it resident,
-	// and one that does not finds it through the resident walk. Blocks
-	// another save of this process indexed first are duplicates.
-	in, err := sv.insertResident(sv.blocks, entries)
-	var offered []directory.Entry
+	// Hold the blocks before any entry can name them: a load of this
+	// process that finds a block in the mirror finds it held, and one that
+	// does not finds it through the walk of its own blocks. Blocks another
+	// save of this process sealed first are duplicates.
+	in, err := sv.seal(entries)
+	var offer []key.BlockKey
 	var dups []saveBlock
 	for i, next := 0, 0; i < len(sv.blocks); i++ {
 		if next < len(in) && in[next] == i {
-			offered = append(offered, entries[i])
+			offer = append(offer, sv.blocks[i].key)
 			next++
 		} else {
 			dups = append(dups, sv.blocks[i])
@@ -212,20 +210,11 @@ func (sv *Save) End() (SaveResult, error) {
 	if err != nil {
 		return res, err
 	}
-	offered = append(offered, sv.republish...)
-	res.Queued = b.pub.offer(offered)
-	if left := offered[res.Queued:]; len(left) > 0 {
-		// Still restorable here; the next save of these tokens offers them.
-		b.stats.add(&b.stats.publishDropped, int64(len(left)))
-		b.mu.Lock()
-		for _, e := range left {
-			if s, ok := b.resident.Get(e.Key); ok {
-				s.publishing, s.pending = false, true
-				b.resident.Set(e.Key, s)
-			}
-		}
-		b.mu.Unlock()
-	}
+	// What the publisher cannot queue stays restorable here, pending: the
+	// next save of these tokens offers it again.
+	queued, refused := b.hold.OfferPending(append(offer, sv.republish...), b.pub.offer)
+	res.Queued = queued
+	b.stats.add(&b.stats.publishDropped, int64(refused))
 	b.stats.add(&b.stats.saves, 1)
 	return res, sv.err
 }
@@ -234,54 +223,34 @@ func directoryPut(e directory.Entry) directory.Event {
 	return directory.Event{Kind: directory.Put, Entry: e}
 }
 
-// insertResident indexes sealed blocks, publishing, so eviction and loads
-// can find them; entries are what the directory is offered for each.
-//
-// It returns the positions in blocks of those it indexed. A block whose key
-// is already resident (another save of this process sealed it first) is
-// left out for the caller to free; so is everything after an error.
-func (sv *Save) insertResident(blocks []saveBlock, entries []directory.Entry) ([]int, error) {
+// seal holds the sealed blocks, pending, so that eviction and loads find
+// them; entries are what the directory is offered for each. It returns
+// the positions in sv.blocks of those it holds. A block whose key is held
+// already (another save of this process sealed it first) is left out for
+// the caller to free; so is everything after an error.
+func (sv *Save) seal(entries []directory.Entry) ([]int, error) {
 	b := sv.m.b
 	size := int64(sv.m.geo.Size())
 	B := sv.m.geo.BlockTokens
-	b.mu.Lock()
-	defer b.mu.Unlock()
 	var in []int
-	for i, blk := range blocks {
-		if _, held := b.resident.Get(blk.key); held {
-			continue
-		}
-		ib := residency.Block[slot]{
-			Key: blk.key,
-			Value: slot{fp: sv.m.fp, off: blk.off, size: size, gen: blk.gen, publishing: true, entry: entries[i],
-				chain: blk.chain, index: blk.index},
-			Bytes: size,
-			Cost:  b.arb.PrefillTime(blk.index*B, (blk.index+1)*B).Seconds(),
-		}
-		if err := b.insertResidentLocked(blk.parent, ib); err != nil {
+	for i, blk := range sv.blocks {
+		held, err := b.hold.Seal(blk.parent, holdings.Block{Model: sv.m.fp, Off: blk.off, Size: size, Gen: blk.gen,
+			Depth: uint32(blk.index), Entry: entries[i], Chain: blk.chain, Index: blk.index},
+			b.arb.PrefillTime(blk.index*B, (blk.index+1)*B).Seconds())
+		if err != nil {
 			return in, err
 		}
-		in = append(in, i)
+		if held {
+			in = append(in, i)
+		}
 	}
 	return in, nil
-}
-
-// insertResidentLocked indexes one block under parent. A block whose parent
-// is held elsewhere hangs under that parent's key as under a root: the
-// index only needs the shape of the chains held here. b.mu is held.
-func (b *Bridge) insertResidentLocked(parent key.Hash, ib residency.Block[slot]) error {
-	if _, ok := b.resident.Get(parent); ok {
-		_, err := b.resident.Insert(parent, ib)
-		return err
-	}
-	_, err := b.resident.InsertChain(parent, []residency.Block[slot]{ib})
-	return err
 }
 
 // free invalidates and frees blocks that no reader was ever sent to.
 func (sv *Save) free(blocks []saveBlock) {
 	size := int64(sv.m.geo.Size())
 	for _, blk := range blocks {
-		sv.m.b.invalidate(blk.off, size)
+		sv.m.b.hold.Invalidate(blk.off, size)
 	}
 }

@@ -139,9 +139,8 @@ func (b *Bridge) Stats() Stats {
 // Resident reports the blocks and bytes this bridge holds in its pool, and
 // the pool's size.
 func (b *Bridge) Resident() (blocks int, bytes, poolBytes int64) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.resident.Len(), b.resident.Bytes(), b.pool.Size()
+	blocks, bytes = b.hold.Len()
+	return blocks, bytes, b.hold.Size()
 }
 
 // Mirrored is the number of blocks the local mirror knows, over every

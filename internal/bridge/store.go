@@ -124,7 +124,7 @@ func (s *storeBackend) connect(timeout time.Duration) {
 		ctx, cancel := context.WithTimeout(s.ctx, timeout)
 		c, err := mcstore.Open(ctx, s.cfg)
 		if err == nil {
-			if err = c.Register(ctx, s.b.pool.Base(), uint64(s.b.pool.Size())); err != nil {
+			if err = c.Register(ctx, s.b.hold.Base(), uint64(s.b.hold.Size())); err != nil {
 				_ = c.Close()
 				err = status.Wrap(status.Of(err), err, "registering the pool with Mooncake Store")
 			}
@@ -192,7 +192,7 @@ func (s *storeBackend) shutdown() error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.opTimeout)
 	defer cancel()
-	if err := cn.c.Unregister(ctx, s.b.pool.Base()); err != nil {
+	if err := cn.c.Unregister(ctx, s.b.hold.Base()); err != nil {
 		s.b.poolBusy = true
 		return err
 	}
@@ -297,30 +297,26 @@ func (s *storeBackend) put(entries []directory.Entry) []directory.Entry {
 	var out, todo []directory.Entry
 	var keys []string
 	var bufs []mcstore.Buffer
-	b.mu.Lock()
 	for _, e := range entries {
 		if s.names(e.Loc) {
 			out = append(out, e)
 			continue
 		}
-		sl, ok := b.resident.Get(e.Key)
-		if !ok || sl.gen != e.Loc.Generation || b.resident.Pin(e.Key) != nil {
+		held, ok := b.hold.Pin(e.Key, e.Loc.Generation)
+		if !ok {
 			continue
 		}
 		todo = append(todo, e)
 		keys = append(keys, storeKey(e.Key))
-		bufs = append(bufs, mcstore.Buffer{Addr: b.pool.Base() + uintptr(sl.off), Len: uint64(sl.size)})
+		bufs = append(bufs, mcstore.Buffer{Addr: b.hold.Base() + uintptr(held.Value.Off), Len: uint64(held.Value.Size)})
 	}
-	b.mu.Unlock()
 	if len(todo) == 0 {
 		return out
 	}
 	unpin := func() {
-		b.mu.Lock()
 		for _, e := range todo {
-			_ = b.resident.Unpin(e.Key)
+			b.hold.Unpin(e.Key)
 		}
-		b.mu.Unlock()
 	}
 	var errs []error
 	err := notReady
@@ -332,26 +328,16 @@ func (s *storeBackend) put(entries []directory.Entry) []directory.Entry {
 	}
 	why := firstErr(err, errs, func(e error) error { return e })
 	stored := 0
-	b.mu.Lock()
 	for i, e := range todo {
-		sl, ok := b.resident.Get(e.Key)
-		held := ok && sl.gen == e.Loc.Generation
 		if err != nil || errs[i] != nil {
-			if held {
-				sl.publishing, sl.pending = false, true
-				b.resident.Set(e.Key, sl)
-			}
+			b.hold.Refuse(e.Key, e.Loc.Generation)
 			continue
 		}
 		stored++
 		e.Loc.Segment, e.Loc.Addr = cn.own, 0
-		if held {
-			sl.entry = e
-			b.resident.Set(e.Key, sl)
-		}
+		b.hold.Rename(e)
 		out = append(out, e)
 	}
-	b.mu.Unlock()
 	b.stats.add(&b.stats.storePuts, int64(stored))
 	if failed := len(todo) - stored; failed > 0 {
 		s.mu.Lock()
@@ -403,15 +389,11 @@ func hostPart(hostPort string) string {
 	return hostPort
 }
 
-// ownCopyLocked reports whether e names a store block that this pool
-// still holds, the very block (same generation): it is read here, as the
-// nearest copy. b.mu is held.
-func (b *Bridge) ownCopyLocked(e directory.Entry) bool {
-	if b.store == nil || !b.store.names(e.Loc) {
-		return false
-	}
-	s, ok := b.resident.Get(e.Key)
-	return ok && s.gen == e.Loc.Generation
+// ownCopy reports whether e names a store block that this pool still
+// holds, the very block (same generation): it is read here, as the
+// nearest copy.
+func (b *Bridge) ownCopy(e directory.Entry) bool {
+	return b.store != nil && b.store.names(e.Loc) && b.hold.Holds(e.Key, e.Loc.Generation)
 }
 
 // readable reports whether this bridge can read the block e names now: a

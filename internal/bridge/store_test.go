@@ -106,7 +106,7 @@ func TestStoreRoundTrip(t *testing.T) {
 
 	// A block evicted from the writer's pool stays published: the store
 	// holds it.
-	require.NoError(t, a.evict(a.pool.Size()))
+	require.NoError(t, a.hold.Evict(a.hold.Size()))
 	n, _, _ := a.Resident()
 	require.Zero(t, n)
 	require.NoError(t, a.Flush(context.Background()))
@@ -215,7 +215,7 @@ func TestStoreAuditDropsLostBlocks(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 8, got.OKTokens, "b restores the blocks put back")
 
-	require.NoError(t, a.evict(a.pool.Size()))
+	require.NoError(t, a.hold.Evict(a.hold.Size()))
 	remove()
 	waitFor(t, "the audits to drop the lost blocks", func() bool { return mb.Mirrored() == 0 && ma.Mirrored() == 0 })
 	p, err := mb.Lookup(key.Scope{}, tokens, 0)
@@ -279,11 +279,9 @@ func TestStoreRefusesCorruptBlocks(t *testing.T) {
 	// Overwrite block 1 in the store with a copy whose last layer has a
 	// flipped byte (put_from of an existing key replaces nothing, so the
 	// key goes first).
-	a.mu.Lock()
-	sl, ok := a.resident.Get(es[1].Key)
-	a.mu.Unlock()
+	sl, ok := a.hold.Get(es[1].Key)
 	require.True(t, ok)
-	bad := append([]byte(nil), a.pool.Bytes(sl.off, sl.size)...)
+	bad := append([]byte(nil), a.hold.Bytes(sl.Off, sl.Size)...)
 	bad[ma.geo.LayerOffset(ma.geo.Layers()-1)+1] ^= 0xff
 	ctx := context.Background()
 	require.NoError(t, a.store.conn.Load().c.Remove(ctx, storeKey(es[1].Key), true))

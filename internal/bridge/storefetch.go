@@ -53,7 +53,7 @@ func (ld *Load) submitStore() {
 		}
 		var off int64
 		if err == nil {
-			off, err = b.pool.Alloc(size)
+			off, err = b.hold.Alloc(size)
 		}
 		if err != nil {
 			ld.fail(i, err)
@@ -62,9 +62,9 @@ func (ld *Load) submitStore() {
 		f.staging = append(f.staging, extent{off, size})
 		f.blocks = append(f.blocks, i)
 		keys = append(keys, storeKey(lb.entry.Key))
-		bufs = append(bufs, mcstore.Buffer{Addr: b.pool.Base() + uintptr(off), Len: uint64(size)})
+		bufs = append(bufs, mcstore.Buffer{Addr: b.hold.Base() + uintptr(off), Len: uint64(size)})
 		lb.stored = true
-		lb.src = b.pool.Bytes(off, size)
+		lb.src = b.hold.Bytes(off, size)
 	}
 	if len(keys) == 0 {
 		return

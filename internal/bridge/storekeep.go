@@ -6,7 +6,6 @@ import (
 
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
-	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -241,49 +240,17 @@ func (k *keeper) reoffer() {
 // the directory (its publish went unanswered or was refused) to the
 // publisher again.
 func (b *Bridge) reofferPending() {
-	b.mu.Lock()
-	var keys []key.BlockKey
-	b.resident.Walk(func(e residency.Entry[slot]) bool {
-		if v := e.Value; v.pending && !v.publishing && !v.replica {
-			keys = append(keys, e.Key)
-		}
-		return true
-	})
-	entries := make([]directory.Entry, 0, len(keys))
-	for _, k := range keys {
-		s, _ := b.resident.Get(k)
-		s.pending, s.publishing = false, true
-		b.resident.Set(k, s)
-		entries = append(entries, s.entry)
-	}
-	b.mu.Unlock()
-	if len(entries) == 0 {
-		return
-	}
-	n := b.pub.offer(entries)
-	b.mu.Lock()
-	for _, e := range entries[n:] {
-		if s, ok := b.resident.Get(e.Key); ok && s.gen == e.Loc.Generation {
-			s.pending, s.publishing = true, false
-			b.resident.Set(e.Key, s)
-		}
-	}
-	b.mu.Unlock()
+	_, refused := b.hold.OfferPending(nil, b.pub.offer)
+	b.stats.add(&b.stats.publishDropped, int64(refused))
 }
 
 // repend marks this pool's copy of a block the store lost as pending, its
 // entry naming the pool again, so the next save of its tokens offers it to
 // the store once more.
 func (b *Bridge) repend(e directory.Entry) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	s, ok := b.resident.Get(e.Key)
-	if !ok || s.gen != e.Loc.Generation || s.replica {
+	if !b.hold.Repend(e.Key, e.Loc.Generation, b.tr.LocalSegment()) {
 		return
 	}
-	s.entry.Loc.Segment, s.entry.Loc.Addr = b.tr.LocalSegment(), uint64(b.pool.Base())+uint64(s.off)
-	s.publishing, s.pending = false, true
-	b.resident.Set(e.Key, s)
 	b.store.mu.Lock()
 	b.store.pending = true
 	b.store.mu.Unlock()

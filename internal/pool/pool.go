@@ -9,17 +9,13 @@ import (
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
-// Evictor frees at least need bytes of the pool, typically by evicting
-// unpinned blocks from the index and calling Free for each. It returns a
-// status.PoolFull error when nothing more can go.
-type Evictor func(need int64) error
-
 // Pool is a fixed region of anonymous memory, carved into 64-byte-aligned
 // extents by a first-fit allocator with coalescing. The region never moves,
-// so transfer engines can register it once. Safe for concurrent use.
+// so transfer engines can register it once. A full pool refuses an
+// allocation: what to evict is its owner's choice (internal/holdings).
+// Safe for concurrent use.
 type Pool struct {
 	region []byte
-	evict  Evictor
 	gen    atomic.Uint64
 
 	mu   sync.Mutex
@@ -29,9 +25,8 @@ type Pool struct {
 
 type extent struct{ off, n int64 }
 
-// New maps size bytes (rounded up to the alignment) for a pool. evict may
-// be nil: then a full pool refuses allocations.
-func New(size int64, evict Evictor) (*Pool, error) {
+// New maps size bytes (rounded up to the alignment) for a pool.
+func New(size int64) (*Pool, error) {
 	size = int64(alignUp(int(size)))
 	if size <= 0 {
 		return nil, status.Errorf(status.Config, "pool of %d bytes", size)
@@ -40,15 +35,7 @@ func New(size int64, evict Evictor) (*Pool, error) {
 	if err != nil {
 		return nil, status.Wrap(status.PoolFull, err, "mapping the pool")
 	}
-	return &Pool{region: region, evict: evict, free: []extent{{0, size}}}, nil
-}
-
-// SetEvictor installs the eviction hook; the index that tracks the pool's
-// blocks usually exists only after the pool.
-func (p *Pool) SetEvictor(e Evictor) {
-	p.mu.Lock()
-	p.evict = e
-	p.mu.Unlock()
+	return &Pool{region: region, free: []extent{{0, size}}}, nil
 }
 
 // Base is the region's address, Size its length.
@@ -70,30 +57,19 @@ func (p *Pool) Bytes(off, n int64) []byte { return p.region[off : off+n : off+n]
 // passes a check against the generation it had before.
 func (p *Pool) NextGeneration() uint64 { return p.gen.Add(2) }
 
-// Alloc returns the offset of n free bytes, evicting through the Evictor
-// when the pool is full.
+// Alloc returns the offset of n free bytes.
 func (p *Pool) Alloc(n int64) (int64, error) {
 	if n <= 0 || n > p.Size() {
 		return 0, status.Errorf(status.PoolFull, "block of %d bytes in a pool of %d", n, p.Size())
 	}
 	n = int64(alignUp(int(n)))
-	for attempt := 0; ; attempt++ {
-		p.mu.Lock()
-		off, ok := p.take(n)
-		evict := p.evict
-		p.mu.Unlock()
-		if ok {
-			return off, nil
-		}
-		// Fragmentation can leave room in pieces; give eviction a few
-		// rounds before declaring the pool full.
-		if evict == nil || attempt == 8 {
-			return 0, status.Errorf(status.PoolFull, "no %d contiguous bytes free in a pool of %d", n, p.Size())
-		}
-		if err := evict(n); err != nil {
-			return 0, err
-		}
+	p.mu.Lock()
+	off, ok := p.take(n)
+	p.mu.Unlock()
+	if !ok {
+		return 0, status.Errorf(status.PoolFull, "no %d contiguous bytes free in a pool of %d", n, p.Size())
 	}
+	return off, nil
 }
 
 func (p *Pool) take(n int64) (int64, bool) {

@@ -1,7 +1,6 @@
 package pool
 
 import (
-	"errors"
 	"math"
 	"math/rand"
 	"sync"
@@ -13,9 +12,9 @@ import (
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
-func newPool(t *testing.T, size int64, evict Evictor) *Pool {
+func newPool(t *testing.T, size int64) *Pool {
 	t.Helper()
-	p, err := New(size, evict)
+	p, err := New(size)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = p.Close() })
 	return p
@@ -41,10 +40,10 @@ func (p *Pool) freeList() []extent {
 
 func TestNew(t *testing.T) {
 	for _, size := range []int64{0, -64, math.MaxInt64} {
-		_, err := New(size, nil)
+		_, err := New(size)
 		assert.Equal(t, status.Config, status.Of(err), "New(%d): %v", size, err)
 	}
-	p := newPool(t, 100, nil)
+	p := newPool(t, 100)
 	require.Equal(t, int64(128), p.Size(), "a 100-byte pool must be aligned up")
 	require.NotZero(t, p.Base(), "base is not a mapped page")
 	require.Zero(t, p.Base()%4096, "base %#x is not a mapped page", p.Base())
@@ -56,7 +55,7 @@ func TestNew(t *testing.T) {
 }
 
 func TestAllocFirstFitAndCoalesce(t *testing.T) {
-	p := newPool(t, 1024, nil)
+	p := newPool(t, 1024)
 	a := mustAlloc(t, p, 1) // rounded to 64
 	b := mustAlloc(t, p, 100)
 	c := mustAlloc(t, p, 64)
@@ -78,7 +77,7 @@ func TestAllocFirstFitAndCoalesce(t *testing.T) {
 }
 
 func TestFreeRefusesBadExtents(t *testing.T) {
-	p := newPool(t, 1024, nil)
+	p := newPool(t, 1024)
 	a := mustAlloc(t, p, 128)
 	b := mustAlloc(t, p, 128)
 	mustFree(t, p, a, 128)
@@ -105,8 +104,8 @@ func TestFreeRefusesBadExtents(t *testing.T) {
 	require.Equal(t, int64(128), p.Used(), "used after refused frees")
 }
 
-func TestAllocFullWithoutEvictor(t *testing.T) {
-	p := newPool(t, 256, nil)
+func TestAllocFull(t *testing.T) {
+	p := newPool(t, 256)
 	for _, n := range []int64{0, -1, 257} {
 		_, err := p.Alloc(n)
 		assert.Equal(t, status.PoolFull, status.Of(err), "Alloc(%d): %v", n, err)
@@ -118,65 +117,10 @@ func TestAllocFullWithoutEvictor(t *testing.T) {
 	mustAlloc(t, p, 64)
 }
 
-func TestAllocEvicts(t *testing.T) {
-	type blk struct{ off, n int64 }
-	var p *Pool
-	var live []blk
-	var asked []int64
-	p = newPool(t, 512, func(need int64) error {
-		asked = append(asked, need)
-		// Oldest first, until a block of need bytes is free.
-		for freed := int64(0); freed < need; {
-			if len(live) == 0 {
-				return status.Errorf(status.PoolFull, "nothing to evict")
-			}
-			v := live[0]
-			live = live[1:]
-			if err := p.Free(v.off, v.n); err != nil {
-				return err
-			}
-			freed += v.n
-		}
-		return nil
-	})
-	for i := 0; i < 4; i++ {
-		live = append(live, blk{mustAlloc(t, p, 128), 128})
-	}
-	off := mustAlloc(t, p, 200)
-	require.Equal(t, []int64{256}, asked, "what the evictor was asked for")
-	require.Zero(t, off, "block offset")
-	require.Len(t, live, 2, "blocks left")
-	_, err := p.Alloc(512)
-	require.Equal(t, status.PoolFull, status.Of(err), "allocating more than eviction can free: %v", err)
-}
-
-func TestAllocReturnsEvictorError(t *testing.T) {
-	boom := errors.New("index unavailable")
-	calls := 0
-	p := newPool(t, 128, func(int64) error { calls++; return boom })
-	mustAlloc(t, p, 128)
-	_, err := p.Alloc(64)
-	require.ErrorIs(t, err, boom, "Alloc must return the evictor's error")
-	require.Equal(t, 1, calls, "evictions")
-
-	// An evictor that frees nothing cannot loop forever.
-	calls = 0
-	p.SetEvictor(func(int64) error { calls++; return nil })
-	_, err = p.Alloc(64)
-	require.Equal(t, status.PoolFull, status.Of(err), "Alloc = %v after %d evictions", err, calls)
-	require.Positive(t, calls, "evictions")
-	require.LessOrEqual(t, calls, 16, "evictions")
-	p.SetEvictor(nil)
-	calls = 0
-	_, err = p.Alloc(64)
-	require.Equal(t, status.PoolFull, status.Of(err), "without an evictor: %v", err)
-	require.Zero(t, calls, "evictions without an evictor")
-}
-
 // Concurrent owners write their own pattern into their extents; an extent
 // handed out twice shows up as another owner's byte.
 func TestAllocConcurrent(t *testing.T) {
-	p := newPool(t, 1<<20, nil)
+	p := newPool(t, 1<<20)
 	var wg sync.WaitGroup
 	errs := make(chan error, 4)
 	for w := 0; w < 4; w++ {
@@ -236,7 +180,7 @@ func TestAllocConcurrent(t *testing.T) {
 }
 
 func TestNextGeneration(t *testing.T) {
-	p := newPool(t, 64, nil)
+	p := newPool(t, 64)
 	const workers, each = 4, 500
 	var mu sync.Mutex
 	seen := map[uint64]bool{}
@@ -264,7 +208,7 @@ func TestNextGeneration(t *testing.T) {
 }
 
 func TestClose(t *testing.T) {
-	p, err := New(4096, nil)
+	p, err := New(4096)
 	require.NoError(t, err)
 	require.NoError(t, p.Close())
 	require.NoError(t, p.Close(), "second Close")
