@@ -14,6 +14,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/pool"
 	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
 // refBlock is the reference the model tests hold Holdings to: each block's
@@ -31,35 +32,6 @@ type refBlock struct {
 	chain  bool // announce has not cleared its Chain yet
 }
 
-// source yields the choices an op sequence is made of: a seeded generator in
-// the property test, fuzz bytes in FuzzHoldings.
-type source interface {
-	intn(n int) int
-	done() bool
-}
-
-type randSource struct{ r *rand.Rand }
-
-func (s randSource) intn(n int) int { return s.r.Intn(n) }
-func (s randSource) done() bool     { return false }
-
-type byteSource struct {
-	data      []byte
-	exhausted bool
-}
-
-func (s *byteSource) intn(n int) int {
-	if len(s.data) == 0 {
-		s.exhausted = true
-		return 0
-	}
-	v := int(s.data[0]) % n
-	s.data = s.data[1:]
-	return v
-}
-
-func (s *byteSource) done() bool { return s.exhausted }
-
 func testKey(tag byte, n uint32) key.Hash {
 	var h key.Hash
 	h[0] = tag
@@ -73,7 +45,7 @@ const ownSegment = "self"
 // fails the test at the first difference.
 type harness struct {
 	t     testing.TB
-	src   source
+	src   testenv.Choices
 	h     *Holdings
 	ref   map[key.BlockKey]*refBlock
 	roots []key.Hash
@@ -84,7 +56,7 @@ type harness struct {
 	evicted []bool
 }
 
-func newHarness(t testing.TB, policy residency.Policy, poolBytes int64, src source) *harness {
+func newHarness(t testing.TB, policy residency.Policy, poolBytes int64, src testenv.Choices) *harness {
 	hs := &harness{t: t, src: src, ref: map[key.BlockKey]*refBlock{}}
 	h, err := New(Config{PoolBytes: poolBytes, Policy: policy, Gone: func(gone []Entry, evicted bool) {
 		hs.heard = append(hs.heard, gone...)
@@ -108,11 +80,11 @@ func (hs *harness) fail(format string, args ...any) {
 
 // someKey is a held key, now and then one not held.
 func (hs *harness) someKey() key.BlockKey {
-	if len(hs.ref) == 0 || hs.src.intn(8) == 0 {
+	if len(hs.ref) == 0 || hs.src.Intn(8) == 0 {
 		hs.keys++
 		return testKey('b', hs.keys)
 	}
-	n := hs.src.intn(len(hs.ref))
+	n := hs.src.Intn(len(hs.ref))
 	for k := range sortedKeys(hs.ref) {
 		if n == 0 {
 			return k
@@ -124,10 +96,10 @@ func (hs *harness) someKey() key.BlockKey {
 
 // someKeys is a few keys, or nil (every held block) now and then.
 func (hs *harness) someKeys(allowNil bool) []key.BlockKey {
-	if allowNil && hs.src.intn(4) == 0 {
+	if allowNil && hs.src.Intn(4) == 0 {
 		return nil
 	}
-	keys := make([]key.BlockKey, hs.src.intn(5))
+	keys := make([]key.BlockKey, hs.src.Intn(5))
 	for i := range keys {
 		keys[i] = hs.someKey()
 	}
@@ -136,16 +108,16 @@ func (hs *harness) someKeys(allowNil bool) []key.BlockKey {
 
 // someGen is k's generation, now and then another.
 func (hs *harness) someGen(k key.BlockKey) uint64 {
-	if b, ok := hs.ref[k]; ok && hs.src.intn(6) != 0 {
+	if b, ok := hs.ref[k]; ok && hs.src.Intn(6) != 0 {
 		return b.gen
 	}
-	return uint64(2 * (1 + hs.src.intn(1000)))
+	return uint64(2 * (1 + hs.src.Intn(1000)))
 }
 
 func (hs *harness) run(maxSteps int) {
-	for hs.step = 0; hs.step < maxSteps && !hs.src.done(); hs.step++ {
+	for hs.step = 0; hs.step < maxSteps && !hs.src.Done(); hs.step++ {
 		hs.heard, hs.evicted = nil, nil
-		switch hs.src.intn(16) {
+		switch hs.src.Intn(16) {
 		case 0, 1, 2:
 			hs.hold(true)
 		case 3:
@@ -178,7 +150,7 @@ func (hs *harness) run(maxSteps int) {
 // hold allocates a block, evicting when the pool is full, and seals it
 // (ours) or admits it (a copy).
 func (hs *harness) hold(ours bool) {
-	size := int64(64 * (1 + hs.src.intn(4)))
+	size := int64(64 * (1 + hs.src.Intn(4)))
 	off, err := hs.h.Alloc(size)
 	hs.left(true, off, size)
 	if err != nil {
@@ -188,8 +160,8 @@ func (hs *harness) hold(ours bool) {
 		return
 	}
 	k := hs.someKey()
-	parent := hs.roots[hs.src.intn(len(hs.roots))]
-	if len(hs.ref) > 0 && hs.src.intn(3) != 0 {
+	parent := hs.roots[hs.src.Intn(len(hs.roots))]
+	if len(hs.ref) > 0 && hs.src.Intn(3) != 0 {
 		parent = hs.someKey()
 		if _, ok := hs.ref[parent]; !ok {
 			parent = hs.roots[0]
@@ -262,7 +234,7 @@ func (hs *harness) left(evicted bool, off, size int64) {
 func (hs *harness) take(got *[]directory.Entry, n *int) Take {
 	return func(es []directory.Entry) int {
 		*got = append(*got, es...)
-		*n = min(len(es), hs.src.intn(len(es)+2))
+		*n = min(len(es), hs.src.Intn(len(es)+2))
 		return *n
 	}
 }
@@ -457,7 +429,7 @@ func (hs *harness) lose() {
 func (hs *harness) pin() {
 	k := hs.someKey()
 	gen := hs.someGen(k)
-	if hs.src.intn(4) == 0 {
+	if hs.src.Intn(4) == 0 {
 		gen = AnyGeneration
 	}
 	e, ok := hs.h.Pin(k, gen)
@@ -476,7 +448,7 @@ func (hs *harness) pin() {
 
 func (hs *harness) unpin() {
 	for k := range sortedKeys(hs.ref) {
-		if r := hs.ref[k]; r.pins > 0 && hs.src.intn(2) == 0 {
+		if r := hs.ref[k]; r.pins > 0 && hs.src.Intn(2) == 0 {
 			hs.h.Unpin(k)
 			r.pins--
 			return
@@ -500,7 +472,7 @@ func (hs *harness) subtree(k key.BlockKey) []key.BlockKey {
 func (hs *harness) drop() {
 	k := hs.someKey()
 	gen := hs.someGen(k)
-	bad := hs.src.intn(2) == 0
+	bad := hs.src.Intn(2) == 0
 	checked := false
 	outcome, why, n := hs.h.Drop(k, gen, func(b Block, mem []byte) error {
 		checked = true
@@ -544,7 +516,7 @@ func (hs *harness) drop() {
 }
 
 func (hs *harness) evict() {
-	need := int64(64 * hs.src.intn(8))
+	need := int64(64 * hs.src.Intn(8))
 	var held int64
 	for _, r := range hs.ref {
 		held += r.size
@@ -620,7 +592,7 @@ func TestHoldingsMatchReference(t *testing.T) {
 		for _, poolBytes := range []int64{1024, 4096} {
 			t.Run(fmt.Sprintf("%s/pool=%d", policy, poolBytes), func(t *testing.T) {
 				for seed := int64(1); seed <= 12; seed++ {
-					newHarness(t, policy, poolBytes, randSource{rand.New(rand.NewSource(seed))}).run(400)
+					newHarness(t, policy, poolBytes, testenv.Seeded(seed)).run(400)
 				}
 			})
 		}
@@ -637,7 +609,7 @@ func FuzzHoldings(f *testing.F) {
 		if len(data) == 0 {
 			return
 		}
-		hs := newHarness(t, residency.Policy(data[0]%3), []int64{1024, 4096}[int(data[0]/3)%2], &byteSource{data: data[1:]})
+		hs := newHarness(t, residency.Policy(data[0]%3), []int64{1024, 4096}[int(data[0]/3)%2], testenv.FuzzBytes(data[1:]))
 		hs.run(1000)
 	})
 }

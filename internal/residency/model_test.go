@@ -12,6 +12,7 @@ import (
 
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
 // refTree is the reference that the property and fuzz tests hold Tree to:
@@ -249,35 +250,6 @@ func (r *refTree) before(a, b *refBlock) bool {
 	return a.tick < b.tick
 }
 
-// source yields the choices an op sequence is made of: a seeded generator in
-// the property test, fuzz bytes in FuzzTree.
-type source interface {
-	intn(n int) int
-	done() bool
-}
-
-type randSource struct{ r *rand.Rand }
-
-func (s randSource) intn(n int) int { return s.r.Intn(n) }
-func (s randSource) done() bool     { return false }
-
-type byteSource struct {
-	data      []byte
-	exhausted bool
-}
-
-func (s *byteSource) intn(n int) int {
-	if len(s.data) == 0 {
-		s.exhausted = true
-		return 0
-	}
-	v := int(s.data[0]) % n
-	s.data = s.data[1:]
-	return v
-}
-
-func (s *byteSource) done() bool { return s.exhausted }
-
 func testKey(tag byte, n uint32) key.Hash {
 	var h key.Hash
 	h[0] = tag
@@ -294,7 +266,7 @@ type knownChain struct {
 // the test at the first difference.
 type harness struct {
 	t      testing.TB
-	src    source
+	src    testenv.Choices
 	tree   *Tree[int]
 	ref    *refTree
 	roots  []key.Hash
@@ -306,7 +278,7 @@ type harness struct {
 
 const maxKnownChains = 48
 
-func newHarness(t testing.TB, cfg Config, src source) *harness {
+func newHarness(t testing.TB, cfg Config, src testenv.Choices) *harness {
 	tr, err := New[int](cfg)
 	require.NoError(t, err)
 	h := &harness{t: t, src: src, tree: tr, ref: newRef(cfg)}
@@ -328,11 +300,11 @@ func (h *harness) freshKey() key.BlockKey {
 
 // knownKey returns a key from a known chain, indexed or not, or a fresh one.
 func (h *harness) knownKey() key.BlockKey {
-	if len(h.chains) == 0 || h.src.intn(8) == 0 {
+	if len(h.chains) == 0 || h.src.Intn(8) == 0 {
 		return h.freshKey()
 	}
-	c := h.chains[h.src.intn(len(h.chains))]
-	return c.keys[h.src.intn(len(c.keys))]
+	c := h.chains[h.src.Intn(len(h.chains))]
+	return c.keys[h.src.Intn(len(c.keys))]
 }
 
 func (h *harness) remember(c knownChain) {
@@ -343,24 +315,24 @@ func (h *harness) remember(c knownChain) {
 		h.chains = append(h.chains, c)
 		return
 	}
-	h.chains[h.src.intn(len(h.chains))] = c
+	h.chains[h.src.Intn(len(h.chains))] = c
 }
 
 func (h *harness) block(k key.BlockKey, depth int) Block[int] {
 	h.values++
-	b := Block[int]{Key: k, Value: h.values, Bytes: int64(1 + h.src.intn(4)), Cost: float64(h.src.intn(4) * (depth + 1)), Uses: uint32(h.src.intn(3))}
-	switch h.src.intn(32) {
+	b := Block[int]{Key: k, Value: h.values, Bytes: int64(1 + h.src.Intn(4)), Cost: float64(h.src.Intn(4) * (depth + 1)), Uses: uint32(h.src.Intn(3))}
+	switch h.src.Intn(32) {
 	case 0:
-		b.Bytes = int64(-h.src.intn(2))
+		b.Bytes = int64(-h.src.Intn(2))
 	case 1:
-		b.Cost = []float64{-1, math.NaN(), math.Inf(1)}[h.src.intn(3)]
+		b.Cost = []float64{-1, math.NaN(), math.Inf(1)}[h.src.Intn(3)]
 	}
 	return b
 }
 
 func (h *harness) run(maxSteps int) {
-	for h.step = 0; h.step < maxSteps && !h.src.done(); h.step++ {
-		switch h.src.intn(12) {
+	for h.step = 0; h.step < maxSteps && !h.src.Done(); h.step++ {
+		switch h.src.Intn(12) {
 		case 0, 1, 2:
 			h.insertChain()
 		case 3:
@@ -382,20 +354,20 @@ func (h *harness) run(maxSteps int) {
 
 func (h *harness) insertChain() {
 	var c knownChain
-	if len(h.chains) == 0 || h.src.intn(4) == 0 {
-		c.root = h.roots[h.src.intn(len(h.roots))]
+	if len(h.chains) == 0 || h.src.Intn(4) == 0 {
+		c.root = h.roots[h.src.Intn(len(h.roots))]
 	} else {
-		base := h.chains[h.src.intn(len(h.chains))]
+		base := h.chains[h.src.Intn(len(h.chains))]
 		c.root = base.root
-		c.keys = slices.Clone(base.keys[:h.src.intn(len(base.keys)+1)])
+		c.keys = slices.Clone(base.keys[:h.src.Intn(len(base.keys)+1)])
 	}
-	for n := h.src.intn(5); n > 0; n-- {
+	for n := h.src.Intn(5); n > 0; n-- {
 		c.keys = append(c.keys, h.freshKey())
 	}
-	switch h.src.intn(16) {
+	switch h.src.Intn(16) {
 	case 0: // a key repeated inside the chain
 		if len(c.keys) > 0 {
-			c.keys = append(c.keys, c.keys[h.src.intn(len(c.keys))])
+			c.keys = append(c.keys, c.keys[h.src.Intn(len(c.keys))])
 		}
 	case 1: // a key that may be indexed under another parent
 		c.keys = append(c.keys, h.knownKey())
@@ -418,14 +390,14 @@ func (h *harness) insertOne() {
 	if len(h.chains) == 0 {
 		return
 	}
-	c := h.chains[h.src.intn(len(h.chains))]
-	i := h.src.intn(len(c.keys))
+	c := h.chains[h.src.Intn(len(h.chains))]
+	i := h.src.Intn(len(c.keys))
 	parent := c.keys[i]
-	if h.src.intn(8) == 0 {
+	if h.src.Intn(8) == 0 {
 		parent = h.freshKey()
 	}
 	k := h.freshKey()
-	if i+1 < len(c.keys) && h.src.intn(2) == 0 {
+	if i+1 < len(c.keys) && h.src.Intn(2) == 0 {
 		k = c.keys[i+1]
 	}
 	b := h.block(k, i+1)
@@ -443,8 +415,8 @@ func (h *harness) touch() {
 	if len(h.chains) == 0 {
 		return
 	}
-	c := h.chains[h.src.intn(len(h.chains))]
-	keys := append(slices.Clone(c.keys[:h.src.intn(len(c.keys)+1)]), h.knownKey())
+	c := h.chains[h.src.Intn(len(h.chains))]
+	keys := append(slices.Clone(c.keys[:h.src.Intn(len(c.keys)+1)]), h.knownKey())
 	if got, want := h.tree.Touch(keys...), h.ref.touch(keys); got != want {
 		h.fail("Touch = %d, reference %d", got, want)
 	}
@@ -459,9 +431,9 @@ func (h *harness) pin() {
 
 func (h *harness) unpin() {
 	k := h.knownKey()
-	if h.src.intn(4) != 0 {
+	if h.src.Intn(4) != 0 {
 		if pinned := h.pinnedKeys(); len(pinned) > 0 {
-			k = pinned[h.src.intn(len(pinned))]
+			k = pinned[h.src.Intn(len(pinned))]
 		}
 	}
 	if err, code := h.tree.Unpin(k), h.ref.unpin(k); status.Of(err) != code {
@@ -513,7 +485,7 @@ func (h *harness) evict() {
 	if h.ref.cfg.BudgetBytes > 0 {
 		limit = int(h.ref.cfg.BudgetBytes) + 3
 	}
-	need := int64(h.src.intn(limit)) - 1
+	need := int64(h.src.Intn(limit)) - 1
 	got, err := h.tree.Evict(need)
 	want, code := h.ref.evict(need)
 	if status.Of(err) != code || !slices.Equal(entryKeys(got), want) {
@@ -656,7 +628,7 @@ func TestTreeMatchesReference(t *testing.T) {
 		for _, budget := range []int64{0, 16, 64} {
 			t.Run(fmt.Sprintf("%s/budget=%d", policy, budget), func(t *testing.T) {
 				for seed := int64(1); seed <= 12; seed++ {
-					h := newHarness(t, Config{BudgetBytes: budget, Policy: policy}, randSource{rand.New(rand.NewSource(seed))})
+					h := newHarness(t, Config{BudgetBytes: budget, Policy: policy}, testenv.Seeded(seed))
 					h.run(400)
 				}
 			})
@@ -676,7 +648,7 @@ func FuzzTree(f *testing.F) {
 			return
 		}
 		cfg := Config{Policy: Policy(data[0] % 3), BudgetBytes: []int64{0, 8, 24}[int(data[0]/3)%3]}
-		h := newHarness(t, cfg, &byteSource{data: data[1:]})
+		h := newHarness(t, cfg, testenv.FuzzBytes(data[1:]))
 		h.run(1000)
 	})
 }
