@@ -4,6 +4,6 @@
 // pipeline's stall, and the overhead on requests that hit nothing. They
 // live in this package's tests; `go test -bench . ./bench` runs them,
 // MCB_BENCH_QUICK=1 at small sizes, and bench/report.sh turns them, the
-// trace replay (bench/replay) and the arbiter's evaluation
+// trace replay (internal/replay, which `mcbridge replay` ships) and the arbiter's evaluation
 // (bench/arbitereval) into docs/bench/README.md.
 package bench

@@ -6,7 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/mcbridge/mcbridge/bench/preset"
+	"github.com/mcbridge/mcbridge/internal/preset"
 )
 
 // missAndSave is what the bridge adds to a request that hits nothing: a

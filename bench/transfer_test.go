@@ -6,7 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/mcbridge/mcbridge/bench/kvhost"
+	"github.com/mcbridge/mcbridge/internal/kvhost"
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/mem"
@@ -15,7 +15,7 @@ import (
 // blocksFor is how many blocks of g one restore or save moves.
 func blocksFor(g geometry) int { return max(int(restoreBytes()/g.blockBytes()), 2) }
 
-// BenchmarkRestore restores a prefix through the orchestrator (LoadBegin,
+// BenchmarkRestore restores a prefix through the bridge (LoadBegin,
 // WaitLayer per layer, End: transfer, verification, placement into the
 // host's tensors) for each block size and link. x_memcpy is its throughput
 // over a memcpy of the same bytes between the same tensors, timed in the
@@ -103,7 +103,7 @@ func (r *saveRig) warm(tb testing.TB) {
 	r.memcpy()
 }
 
-// BenchmarkSave saves new blocks through the orchestrator (SaveBegin,
+// BenchmarkSave saves new blocks through the bridge (SaveBegin,
 // SaveLayer per layer: gather and checksum, End: headers, publish, index),
 // evicting older blocks as the pool fills. Saves never cross a link: a
 // process saves into its own pool. x_memcpy compares with a memcpy of the

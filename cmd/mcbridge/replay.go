@@ -9,8 +9,8 @@ import (
 	"os"
 	"time"
 
-	"github.com/mcbridge/mcbridge/bench/preset"
-	"github.com/mcbridge/mcbridge/bench/replay"
+	"github.com/mcbridge/mcbridge/internal/preset"
+	"github.com/mcbridge/mcbridge/internal/replay"
 	"github.com/mcbridge/mcbridge/internal/arbiter"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
@@ -29,9 +29,9 @@ func runReplay(args []string, out io.Writer) error {
 
 Replays a Mooncake-format trace (JSON lines: timestamp, input_length,
 output_length, hash_ids) through the bridge's keys, directory, arbiter,
-pool and orchestrator over the Loopback transport, once per policy, and
-prints the prefix hit ratio and a modelled time to first token (see the
-package documentation of bench/replay for the model).
+pool and bridge over the Loopback transport, once per policy, and prints
+the prefix hit ratio and a modelled time to first token (see the package
+documentation of internal/replay for the model).
 
 flags:`)
 		fs.PrintDefaults()

@@ -1,7 +1,7 @@
-// Package orchestrator is the bridge's core: it registers models, answers
-// lookups from the local mirror of the directory, restores blocks layer by
-// layer into a host's KV tensors, and saves a host's new blocks into the
-// pool and publishes them.
+// Package bridge is a process's cache endpoint: it registers models,
+// answers lookups from the local mirror of the directory, restores blocks
+// layer by layer into a host's KV tensors, and saves a host's new blocks
+// into the pool and publishes them.
 //
 // Lookup is side-effect free and never waits on the network. A load moves
 // every block through verification before any of its rows reach the host:

@@ -1,4 +1,4 @@
-// Package index is the local radix index over chained block keys.
+// Package residency is the local radix index over chained block keys.
 //
 // A block key already commits to every token before its block (key.Chain), so
 // the radix tree over token prefixes collapses into a tree of blocks: a node's

@@ -21,8 +21,8 @@ import (
 	"time"
 
 	"github.com/mcbridge/mcbridge/bench/arbitereval"
-	"github.com/mcbridge/mcbridge/bench/preset"
-	"github.com/mcbridge/mcbridge/bench/replay"
+	"github.com/mcbridge/mcbridge/internal/preset"
+	"github.com/mcbridge/mcbridge/internal/replay"
 	"github.com/mcbridge/mcbridge/bench/route"
 	"github.com/mcbridge/mcbridge/internal/arbiter"
 )
@@ -36,7 +36,7 @@ type report struct {
 	LoadStart string    `json:"loadavg_start"`
 	LoadEnd   string    `json:"loadavg_end"`
 
-	Bench []benchResult `json:"bench"` // ./bench and ./bridge/index
+	Bench []benchResult `json:"bench"` // ./bench and ./internal/residency
 
 	Trace       string                `json:"trace"`
 	Replay      *replay.Result        `json:"replay,omitempty"`
@@ -87,7 +87,7 @@ type stage struct {
 func main() {
 	out := flag.String("out", "docs/bench", "directory for README.md and the plots")
 	raw := flag.String("raw", "bench/out", "directory for raw outputs; e2e.json is read from it")
-	trace := flag.String("trace", "", "Mooncake trace to replay ($MCB_TRACE, else bench/replay/testdata/synthetic_trace.jsonl)")
+	trace := flag.String("trace", "", "Mooncake trace to replay ($MCB_TRACE, else internal/replay/testdata/synthetic_trace.jsonl)")
 	renderOnly := flag.Bool("render-only", false, "measure nothing: rewrite the README and plots from the last report.json and the current e2e.json")
 	flag.Parse()
 	run := measure
@@ -118,7 +118,7 @@ func measure(outDir, rawDir, tracePath string) error {
 		r.Trace = os.Getenv("MCB_TRACE")
 	}
 	if r.Trace == "" {
-		r.Trace = filepath.Join("bench", "replay", "testdata", "synthetic_trace.jsonl")
+		r.Trace = filepath.Join("internal", "replay", "testdata", "synthetic_trace.jsonl")
 	}
 
 	timed := func(name string, fn func() error) error {

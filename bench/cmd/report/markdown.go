@@ -7,7 +7,7 @@ import (
 	"sort"
 	"strings"
 
-	"github.com/mcbridge/mcbridge/bench/preset"
+	"github.com/mcbridge/mcbridge/internal/preset"
 )
 
 // md writes markdown; the first write error sticks and later writes stop.
@@ -303,7 +303,7 @@ func (r *report) writeIndex(m *md) {
 
 func (r *report) writeThroughput(m *md) {
 	m.p("## Restore and save throughput\n")
-	m.p("`BenchmarkRestore`: a whole prefix (about 64 MiB, at least two blocks) restored through the orchestrator: `LoadBegin`, `WaitLayer` per layer, `End` (for peers, transfers that land in the host's cells, the header into staging; header and per-layer checksum verification, where the rows landed or fused with the copy from the own pool; the seqlock's second read). `x memcpy` divides its throughput by a plain memcpy of the same bytes between the same tensors, run right after each restore. `own pool` restores from the reader's own pool (verify in place, one copy); `unshaped` reads from a peer's pool over the Loopback engine without shaping (the mock RDMA path: the engine's memcpy stands where a NIC's DMA would be); the GB/s columns shape the link, and `x line rate` divides the throughput by the link's.\n")
+	m.p("`BenchmarkRestore`: a whole prefix (about 64 MiB, at least two blocks) restored through the bridge: `LoadBegin`, `WaitLayer` per layer, `End` (for peers, transfers that land in the host's cells, the header into staging; header and per-layer checksum verification, where the rows landed or fused with the copy from the own pool; the seqlock's second read). `x memcpy` divides its throughput by a plain memcpy of the same bytes between the same tensors, run right after each restore. `own pool` restores from the reader's own pool (verify in place, one copy); `unshaped` reads from a peer's pool over the Loopback engine without shaping (the mock RDMA path: the engine's memcpy stands where a NIC's DMA would be); the GB/s columns shape the link, and `x line rate` divides the throughput by the link's.\n")
 	m.p("![restore and save against memcpy](%s)\n", throughputPlot)
 	links := []string{}
 	byBlock := map[string]map[string]benchResult{}
@@ -425,7 +425,7 @@ func (r *report) writeReplay(m *md) {
 		m.p("Not run.\n")
 		return
 	}
-	m.p("`mcbridge replay` of `%s`: %d requests, %d input tokens, %d distinct blocks of %d tokens, over %d simulated servers (request i on server i mod %d) sharing a memory directory, each with its own pool and arbiter, over the Loopback transport. Keys, mirror matching, pool allocation and eviction, loads (verification included) and saves are the real code; the KV moved is a tiny stand-in geometry and every restored row is checked. Times are modelled from the preset (see `bench/replay`'s package documentation): TTFT = restore (own pool at the preset's local bandwidth, peers over the link) + the preset's prefill of the rest. Default link %g GB/s + %g µs.\n",
+	m.p("`mcbridge replay` of `%s`: %d requests, %d input tokens, %d distinct blocks of %d tokens, over %d simulated servers (request i on server i mod %d) sharing a memory directory, each with its own pool and arbiter, over the Loopback transport. Keys, mirror matching, pool allocation and eviction, loads (verification included) and saves are the real code; the KV moved is a tiny stand-in geometry and every restored row is checked. Times are modelled from the preset (see `internal/replay`'s package documentation): TTFT = restore (own pool at the preset's local bandwidth, peers over the link) + the preset's prefill of the rest. Default link %g GB/s + %g µs.\n",
 		filepathBase(r.Trace), rp.Requests, rp.InputTokens, rp.DistinctBlocks, rp.BlockTokens, rp.Servers, rp.Servers, rp.LinkGBps, rp.LatencyUS)
 	var rows [][]string
 	for _, run := range rp.Runs {

@@ -1,6 +1,6 @@
 // Package replay runs a Mooncake request trace through the bridge's real
 // code (keys, the mirror of the memory directory, the arbiter, the pool and
-// its eviction, the orchestrator's loads and saves over the Loopback
+// its eviction, the bridge's loads and saves over the Loopback
 // transport) and reports the prefix hit ratio and a modelled time to first
 // token for each arbiter policy.
 //
@@ -37,12 +37,12 @@
 //     requests run one at a time.
 //
 //   - The decision is the arbiter's, asked with the preset's KV bytes per
-//     token (the orchestrator's own Lookup asks with the tiny geometry's
+//     token (the bridge's own Lookup asks with the tiny geometry's
 //     bytes; that answer is ignored). Each server's arbiter starts from
 //     its defaults and learns from what each request cost, through
 //     ObservePrefill and ObserveTransfer, on the trace's clock. A decision
 //     names the link of the prompt's first block, "local" or "fabric",
-//     as the orchestrator names it by segment.
+//     as the bridge names it by segment.
 package replay
 
 import (
@@ -54,8 +54,8 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/mcbridge/mcbridge/bench/kvhost"
-	"github.com/mcbridge/mcbridge/bench/preset"
+	"github.com/mcbridge/mcbridge/internal/kvhost"
+	"github.com/mcbridge/mcbridge/internal/preset"
 	"github.com/mcbridge/mcbridge/internal/arbiter"
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/config"
@@ -508,7 +508,7 @@ func (c *cluster) request(i int, r *Request) error {
 	return c.save(sv, tokens)
 }
 
-// linkName names the link a block comes over, as the orchestrator does:
+// linkName names the link a block comes over, as the bridge does:
 // this server's own pool, or any peer's.
 func linkName(holder, s int) string {
 	if holder == s {
