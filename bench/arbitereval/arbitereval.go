@@ -19,8 +19,8 @@ import (
 	"math/rand/v2"
 	"time"
 
-	"github.com/mcbridge/mcbridge/internal/preset"
 	"github.com/mcbridge/mcbridge/internal/arbiter"
+	"github.com/mcbridge/mcbridge/internal/preset"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 

@@ -7,8 +7,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/mcbridge/mcbridge/internal/preset"
 	"github.com/mcbridge/mcbridge/internal/arbiter"
+	"github.com/mcbridge/mcbridge/internal/preset"
 )
 
 // TestArbiterTarget is docs/design.md §15's arbiter target on the default sweep:

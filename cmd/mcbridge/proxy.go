@@ -6,12 +6,9 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"os"
-	"os/signal"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/mcbridge/mcbridge/internal/bridge"
@@ -141,28 +138,19 @@ func runProxy(args []string) error {
 	_ = p.Learn(ctx)
 	cancel()
 
-	ln, err := net.Listen("tcp", *listen)
+	srv, err := serveHTTP(*listen, p, 10*time.Second)
 	if err != nil {
 		return err
 	}
-	// No write timeout: streamed completions run as long as they run.
-	srv := &http.Server{Handler: p, ReadHeaderTimeout: 10 * time.Second}
-	go func() { _ = srv.Serve(ln) }()
 	st := p.State()
-	log.Info("proxy serving", "listen", ln.Addr().String(), "upstreams", len(ups), "route", pol.String(), "segment", b.Segment(),
+	log.Info("proxy serving", "listen", srv.Addr(), "upstreams", len(ups), "route", pol.String(), "segment", b.Segment(),
 		"owner", b.Owner(), "directory", cfg.Directory.Kind, "transport", cfg.Transport.Kind,
 		"bridge", st.Bridge, "publishing", st.Publishing)
 	// The first line on stdout is machine-readable, for scripts.
-	_ = json.NewEncoder(os.Stdout).Encode(map[string]any{"listen": ln.Addr().String(), "segment": b.Segment(),
+	_ = json.NewEncoder(os.Stdout).Encode(map[string]any{"listen": srv.Addr(), "segment": b.Segment(),
 		"owner": b.Owner(), "bridge": st.Bridge, "fingerprint": st.Fingerprint})
 
-	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
-	<-sig
-	log.Info("shutting down: finishing publishes, then unpublishing this proxy's blocks")
-	sctx, scancel := context.WithTimeout(context.Background(), 30*time.Second)
-	_ = srv.Shutdown(sctx)
-	scancel()
+	srv.untilSignal(log, "finishing publishes, then unpublishing this proxy's blocks", 30*time.Second)
 	perr := p.Close()
 	bridgeOpen = false
 	if err := b.Close(); err != nil {

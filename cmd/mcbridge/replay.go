@@ -9,9 +9,9 @@ import (
 	"os"
 	"time"
 
+	"github.com/mcbridge/mcbridge/internal/arbiter"
 	"github.com/mcbridge/mcbridge/internal/preset"
 	"github.com/mcbridge/mcbridge/internal/replay"
-	"github.com/mcbridge/mcbridge/internal/arbiter"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 

@@ -1,16 +1,12 @@
 package main
 
 import (
-	"context"
 	"encoding/json"
 	"flag"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"os"
-	"os/signal"
-	"syscall"
 	"time"
 
 	"github.com/mcbridge/mcbridge/internal/bridge"
@@ -118,25 +114,17 @@ func serve(args []string) error {
 	if n := b.RefillFromDisk(); n > 0 {
 		log.Info("disk tier read back into the pool", "blocks", n)
 	}
-	ln, err := net.Listen("tcp", *listen)
+	srv, err := serveHTTP(*listen, serveMux(b), 5*time.Second)
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: serveMux(b), ReadHeaderTimeout: 5 * time.Second}
-	go func() { _ = srv.Serve(ln) }()
 	log.Info("store node serving", "segment", b.Segment(), "owner", b.Owner(), "pool_bytes", cfg.PoolBytes,
-		"http", ln.Addr().String(), "directory", cfg.Directory.Kind, "transport", cfg.Transport.Kind)
+		"http", srv.Addr(), "directory", cfg.Directory.Kind, "transport", cfg.Transport.Kind)
 	// The first line on stdout is machine-readable, for scripts that start
 	// a store and need its addresses.
-	_ = json.NewEncoder(os.Stdout).Encode(map[string]string{"segment": b.Segment(), "http": ln.Addr().String(), "owner": b.Owner()})
+	_ = json.NewEncoder(os.Stdout).Encode(map[string]string{"segment": b.Segment(), "http": srv.Addr(), "owner": b.Owner()})
 
-	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
-	<-sig
-	log.Info("shutting down: writing the pool to the disk tier (if any) and unpublishing this store's blocks")
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	_ = srv.Shutdown(ctx)
-	cancel()
+	srv.untilSignal(log, "writing the pool to the disk tier (if any) and unpublishing this store's blocks", 5*time.Second)
 	closed = true
 	return b.Close()
 }

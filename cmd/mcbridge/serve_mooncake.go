@@ -6,14 +6,11 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"os"
-	"os/signal"
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/mcbridge/mcbridge/internal/bridge"
@@ -98,10 +95,6 @@ func serveMooncake(args []string) error {
 	if err := b.WatchStore(); err != nil {
 		return err
 	}
-	ln, err := net.Listen("tcp", *listen)
-	if err != nil {
-		return err
-	}
 	mux := http.NewServeMux()
 	mux.Handle("/", serveMux(b))
 	mux.HandleFunc("/master", func(w http.ResponseWriter, _ *http.Request) {
@@ -112,22 +105,18 @@ func serveMooncake(args []string) error {
 		w.Header().Set("Content-Type", "application/json")
 		_ = json.NewEncoder(w).Encode(st)
 	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	go func() { _ = srv.Serve(ln) }()
+	srv, err := serveHTTP(*listen, mux, 5*time.Second)
+	if err != nil {
+		return err
+	}
 	log.Info("Mooncake Store node serving", "master", *addr, "supervised", sup != nil, "segment", b.StoreSegment(),
-		"segment_bytes", *segment, "owner", b.Owner(), "http", ln.Addr().String())
+		"segment_bytes", *segment, "owner", b.Owner(), "http", srv.Addr())
 	// The first line on stdout is machine-readable, for scripts that start
 	// a node and need its addresses.
 	_ = json.NewEncoder(os.Stdout).Encode(map[string]string{"master": *addr, "admin": "http://" + *admin,
-		"segment": b.StoreSegment(), "http": ln.Addr().String(), "owner": b.Owner()})
+		"segment": b.StoreSegment(), "http": srv.Addr(), "owner": b.Owner()})
 
-	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
-	<-sig
-	log.Info("shutting down: leaving the store, then stopping the master")
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	_ = srv.Shutdown(ctx)
-	cancel()
+	srv.untilSignal(log, "leaving the store, then stopping the master", 5*time.Second)
 	closed = true
 	return b.Close()
 }

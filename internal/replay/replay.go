@@ -54,14 +54,14 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/mcbridge/mcbridge/internal/kvhost"
-	"github.com/mcbridge/mcbridge/internal/preset"
 	"github.com/mcbridge/mcbridge/internal/arbiter"
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvhost"
 	"github.com/mcbridge/mcbridge/internal/pool"
+	"github.com/mcbridge/mcbridge/internal/preset"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 

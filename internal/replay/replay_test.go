@@ -10,8 +10,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/mcbridge/mcbridge/internal/preset"
 	"github.com/mcbridge/mcbridge/internal/arbiter"
+	"github.com/mcbridge/mcbridge/internal/preset"
 )
 
 // linear is a preset whose costs are easy to compute by hand: 1 ms per

@@ -21,10 +21,10 @@ import (
 	"time"
 
 	"github.com/mcbridge/mcbridge/bench/arbitereval"
-	"github.com/mcbridge/mcbridge/internal/preset"
-	"github.com/mcbridge/mcbridge/internal/replay"
 	"github.com/mcbridge/mcbridge/bench/route"
 	"github.com/mcbridge/mcbridge/internal/arbiter"
+	"github.com/mcbridge/mcbridge/internal/preset"
+	"github.com/mcbridge/mcbridge/internal/replay"
 )
 
 // report is everything the README is written from; bench/out/report.json
