@@ -70,7 +70,6 @@ const char *mcb_reason_str(mcb_reason reason) {
     case MCB_REASON_TOO_SHORT:         return "too short";
     case MCB_REASON_RESTORE:           return "restore";
     case MCB_REASON_RECOMPUTE_CHEAPER: return "recompute cheaper";
-    case MCB_REASON_SPLIT:             return "split";
     case MCB_REASON_POLICY_FORCED:     return "policy forced";
     case MCB_REASON_INVALID_INPUT:     return "invalid input";
     case MCB_REASON_LOCAL:             return "local";

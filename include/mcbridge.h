@@ -94,7 +94,8 @@ typedef enum mcb_reason {
     MCB_REASON_TOO_SHORT         = 1, /* no whole block fits before the token that must be computed */
     MCB_REASON_RESTORE           = 2, /* restoring is estimated faster */
     MCB_REASON_RECOMPUTE_CHEAPER = 3, /* recomputing is estimated faster */
-    MCB_REASON_SPLIT             = 4, /* computing the head while restoring the tail is fastest */
+    /* 4 is not used: it named split plans (compute the head while the tail
+     * is restored), which no host can place. */
     MCB_REASON_POLICY_FORCED     = 5, /* the configured policy chose, not the cost model */
     MCB_REASON_INVALID_INPUT     = 6, /* the input could not describe a prompt */
     MCB_REASON_LOCAL             = 7, /* the host's own cache holds as much, or computing the rest is cheaper */

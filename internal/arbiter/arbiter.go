@@ -32,11 +32,6 @@ const (
 // usable: every zero field takes its documented default.
 type Config struct {
 	Policy Policy
-	// Split allows plans that compute the first blocks while the rest of
-	// the prefix is restored (Decision.HeadComputeBlocks). Enable it only
-	// with a restore path that can place blocks after computed ones:
-	// llama.cpp's own state restore always starts at position 0.
-	Split bool
 	// Prefill is the prefill cost before any observation (DefaultPrefill).
 	Prefill PrefillCost
 	// DefaultLink is assumed for any link not named in Links (DefaultLink).

@@ -1,7 +1,6 @@
 package arbiter
 
 import (
-	"fmt"
 	"testing"
 	"time"
 )
@@ -9,17 +8,15 @@ import (
 // BenchmarkDecide times one decision for a 128k-token prompt with 512
 // matched blocks, the cost paid on every prompt.
 func BenchmarkDecide(b *testing.B) {
-	for _, split := range []bool{false, true} {
-		b.Run(fmt.Sprintf("m=512/split=%v", split), func(b *testing.B) {
-			a := mustNew(b, Config{Split: split})
-			a.ObserveTransfer("local", 64<<20, 5*time.Millisecond)
-			in := Input{PromptTokens: 512*256 + 64, BlockTokens: 256, MatchedBlocks: 512, KVBytesPerToken: 128 << 10, Link: "local"}
-			b.ReportAllocs()
-			for b.Loop() {
-				a.Decide(in)
-			}
-		})
-	}
+	b.Run("m=512", func(b *testing.B) {
+		a := mustNew(b, Config{})
+		a.ObserveTransfer("local", 64<<20, 5*time.Millisecond)
+		in := Input{PromptTokens: 512*256 + 64, BlockTokens: 256, MatchedBlocks: 512, KVBytesPerToken: 128 << 10, Link: "local"}
+		b.ReportAllocs()
+		for b.Loop() {
+			a.Decide(in)
+		}
+	})
 }
 
 func BenchmarkObservePrefill(b *testing.B) {

@@ -48,7 +48,7 @@ const (
 	TooShort                           // no whole block fits before the one token that must be computed
 	Restore                            // restoring is estimated faster
 	RecomputeCheaper                   // recomputing is estimated faster
-	Split                              // computing the head while restoring the tail is estimated fastest
+	_                                  // 4: a split plan (compute the head while restoring the tail), which no host could place
 	PolicyForced                       // the policy chose, not the cost model
 	InvalidInput                       // the input cannot describe a prompt; nothing is restored
 	Local                              // the host's own cache holds as much, or computing the rest of it is cheaper
@@ -59,14 +59,13 @@ var reasonNames = [...]string{
 	TooShort:         "too-short",
 	Restore:          "restore",
 	RecomputeCheaper: "recompute-cheaper",
-	Split:            "split",
 	PolicyForced:     "policy-forced",
 	InvalidInput:     "invalid-input",
 	Local:            "local",
 }
 
 func (r ReasonCode) String() string {
-	if r >= 0 && int(r) < len(reasonNames) {
+	if r >= 0 && int(r) < len(reasonNames) && reasonNames[r] != "" {
 		return reasonNames[r]
 	}
 	return fmt.Sprintf("reason(%d)", int(r))
@@ -85,24 +84,19 @@ type Input struct {
 	CachedTokens int
 }
 
-// Decision is the plan for one prompt. Blocks [0, HeadComputeBlocks) are
-// computed while blocks [HeadComputeBlocks, PrefixBlocks()) are restored;
-// then positions [PrefixBlocks()·B, P) are computed. Without a split plan
-// HeadComputeBlocks is 0 and the restored blocks are the leading ones.
+// Decision is the plan for one prompt: restore blocks [0, RestoreBlocks),
+// then compute positions [RestoreBlocks·B, P). A plan that computes the
+// first blocks while later ones are restored is not made: llama.cpp's own
+// state restore, which every host runs, always starts at position 0.
 type Decision struct {
-	RestoreBlocks     int
-	HeadComputeBlocks int
-	MatchedBlocks     int
-	Policy            Policy
-	Reason            ReasonCode
-	EstRestore        time.Duration // time to first token restoring every usable block
-	EstRecompute      time.Duration // time to first token computing the whole prompt
-	EstTotal          time.Duration // time to first token of this plan
+	RestoreBlocks int
+	MatchedBlocks int
+	Policy        Policy
+	Reason        ReasonCode
+	EstRestore    time.Duration // time to first token restoring every usable block
+	EstRecompute  time.Duration // time to first token computing the whole prompt
+	EstTotal      time.Duration // time to first token of this plan
 }
-
-// PrefixBlocks is how many leading blocks are in place before the rest of
-// the prompt is computed.
-func (d Decision) PrefixBlocks() int { return d.HeadComputeBlocks + d.RestoreBlocks }
 
 // String reads as a log line, e.g.
 // "restore 12/12 blocks: est 4.1ms vs recompute 310ms".
@@ -117,9 +111,6 @@ func (d Decision) String() string {
 		return fmt.Sprintf("local: the host's own cache wins over restoring %d blocks: est %s vs restore %s", d.MatchedBlocks, est(d.EstTotal), est(d.EstRestore))
 	case TooShort:
 		return fmt.Sprintf("recompute 0/%d blocks: no whole block before the last token: est %s", d.MatchedBlocks, est(d.EstTotal))
-	case Split:
-		return fmt.Sprintf("split %d/%d blocks, computing %d while restoring %d: est %s vs restore %s vs recompute %s",
-			d.PrefixBlocks(), d.MatchedBlocks, d.HeadComputeBlocks, d.RestoreBlocks, est(d.EstTotal), est(d.EstRestore), est(d.EstRecompute))
 	}
 	forced := ""
 	if d.Reason == PolicyForced {
@@ -177,29 +168,19 @@ func (a *Arbiter) Decide(in Input) Decision {
 		d.Reason, d.RestoreBlocks, d.EstTotal = PolicyForced, usable, d.EstRestore
 	case a.cfg.Policy == AlwaysRecompute:
 		d.Reason, d.EstTotal = PolicyForced, seconds(local)
-	case a.cfg.Split && in.CachedTokens == 0:
-		s, k, t := c.bestSplit(usable)
-		d.HeadComputeBlocks, d.RestoreBlocks, d.EstTotal = s, k-s, seconds(t)
-		d.Reason = reasonFor(k, s)
 	default:
 		k, t := c.bestSequential(held+1, usable, local)
 		d.RestoreBlocks, d.EstTotal = k, seconds(t)
-		d.Reason = reasonFor(k, 0)
-		if k == 0 && in.CachedTokens > 0 {
+		switch {
+		case k > 0:
+			d.Reason = Restore
+		case in.CachedTokens > 0:
 			d.Reason = Local
+		default:
+			d.Reason = RecomputeCheaper
 		}
 	}
 	return d
-}
-
-func reasonFor(prefix, head int) ReasonCode {
-	switch {
-	case prefix == 0:
-		return RecomputeCheaper
-	case head > 0:
-		return Split
-	}
-	return Restore
 }
 
 // plan evaluates candidate plans for one prompt, in seconds. It holds the
@@ -211,7 +192,6 @@ func reasonFor(prefix, head int) ReasonCode {
 type plan struct {
 	theta    vec     // the prefill model, per token
 	whole    float64 // compute(0, P)
-	fixed    float64 // c0
 	linear   float64 // c1·B
 	square   float64 // c2·B²/2
 	latency  float64 // per transfer batch
@@ -223,21 +203,11 @@ func newPlan(prompt, block int, prefill vec, latency, perBlock float64) plan {
 	return plan{
 		theta:    prefill,
 		whole:    prefill.dot(prefillFeatures(0, prompt)),
-		fixed:    prefill[0],
 		linear:   prefill[1] * b,
 		square:   prefill[2] * b * b / 2,
 		latency:  latency,
 		perBlock: perBlock,
 	}
-}
-
-// head is compute(0, sB): nothing, not even c0, when s is 0.
-func (c *plan) head(s int) float64 {
-	if s == 0 {
-		return 0
-	}
-	x := float64(s)
-	return c.fixed + x*(c.linear+x*c.square)
 }
 
 // tail is compute(kB, P), for kB < P.
@@ -266,9 +236,6 @@ func (c *plan) tailTokens(n int) float64 {
 // sequential is restore k blocks, then compute the rest.
 func (c *plan) sequential(k int) float64 { return c.restore(k) + c.tail(k) }
 
-// split is compute s blocks while restoring blocks [s, k), then compute the rest.
-func (c *plan) split(s, k int) float64 { return max(c.head(s), c.restore(k-s)) + c.tail(k) }
-
 // bestSequential searches every k in [from, usable] against restoring
 // nothing, which costs base. Under this model the optimum is at an end
 // (restore cost is linear in k, the compute saved is concave), but the scan
@@ -282,30 +249,4 @@ func (c *plan) bestSequential(from, usable int, base float64) (int, float64) {
 		}
 	}
 	return bestK, best
-}
-
-// bestSplit searches every (s, k) with 0 <= s <= k <= usable in O(usable).
-// For a fixed k, compute(0, sB) grows with s and restore(k-s) shrinks, so
-// their max is least where they cross: at the first s where the head's
-// compute reaches the tail's restore, or just before it. Raising k only
-// lengthens the restore, so that crossing never moves left and one pointer
-// sweeps it for all k. Ties go to the shorter prefix, then the shorter head.
-func (c *plan) bestSplit(usable int) (head, prefix int, best float64) {
-	best = c.sequential(0)
-	s := 0
-	for k := 1; k <= usable; k++ {
-		for s < k && c.head(s) < c.restore(k-s) {
-			s++
-		}
-		for _, cand := range [2]int{s - 1, s} {
-			if cand < 0 {
-				continue
-			}
-			t := c.split(cand, k)
-			if t < best {
-				head, prefix, best = cand, k, t
-			}
-		}
-	}
-	return head, prefix, best
 }

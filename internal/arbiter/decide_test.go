@@ -96,7 +96,6 @@ func TestDecide(t *testing.T) {
 			d := a.Decide(tc.in)
 			require.Equal(t, tc.restore, d.RestoreBlocks, "Decide(%+v) = %v: restored blocks", tc.in, d)
 			require.Equal(t, tc.reason, d.Reason, "Decide(%+v) = %v: reason", tc.in, d)
-			require.Zero(t, d.HeadComputeBlocks, "Decide(%+v) = %v: head blocks", tc.in, d)
 			require.Equal(t, tc.wantEstimate, d.EstTotal > 0, "EstTotal = %v: whether there is an estimate", d.EstTotal)
 			if tc.wantEstimate {
 				require.LessOrEqual(t, d.EstTotal, max(d.EstRestore, d.EstRecompute), "EstTotal above both endpoints (%v, %v)", d.EstRestore, d.EstRecompute)
@@ -118,54 +117,6 @@ func TestDecisionEstimatesMatchEstimateFunctions(t *testing.T) {
 	require.Equal(t, d.EstRestore, d.EstTotal, "decision %+v: total estimate", d)
 }
 
-func TestSplitOnlyWhenEnabled(t *testing.T) {
-	// A link whose transfer of the whole prefix costs about as much as
-	// computing half of it: overlapping the two beats either alone.
-	link := Link{Bandwidth: 1e9, Latency: 10 * time.Microsecond}
-	in := Input{PromptTokens: 8192 + 64, BlockTokens: 256, MatchedBlocks: 32, KVBytesPerToken: 1 << 20, Link: "l"}
-	links := map[string]Link{"l": link}
-
-	d := mustNew(t, Config{Links: links}).Decide(in)
-	require.Zero(t, d.HeadComputeBlocks, "split disabled but got %v", d)
-	require.NotEqual(t, Split, d.Reason, "split disabled but got %v", d)
-	sd := mustNew(t, Config{Links: links, Split: true}).Decide(in)
-	require.Equal(t, Split, sd.Reason, "split enabled: got %v (%+v)", sd, sd)
-	require.NotZero(t, sd.HeadComputeBlocks, "split enabled: got %v (%+v)", sd, sd)
-	require.NotZero(t, sd.RestoreBlocks, "split enabled: got %v (%+v)", sd, sd)
-	require.Less(t, sd.EstTotal, d.EstTotal, "split plan %v not better than sequential %v", sd, d)
-	require.LessOrEqual(t, sd.PrefixBlocks(), 32, "split plan %v", sd)
-	forced := mustNew(t, Config{Links: links, Split: true, Policy: AlwaysRestore}).Decide(in)
-	require.Zero(t, forced.HeadComputeBlocks, "always-restore must not split: %v", forced)
-	require.Equal(t, 32, forced.RestoreBlocks, "always-restore: %v", forced)
-}
-
-// bestSplit's one-pointer sweep must find the optimum that trying every
-// (s, k) finds.
-func TestBestSplitMatchesExhaustiveSearch(t *testing.T) {
-	rng := rand.New(rand.NewPCG(1, 2))
-	logUniform := func(lo, hi float64) float64 { return lo * math.Pow(hi/lo, rng.Float64()) }
-	for i := 0; i < 2000; i++ {
-		block := 1 + rng.IntN(64)
-		prompt := 1 + rng.IntN(80*block)
-		c := newPlan(prompt, block,
-			vec{logUniform(1e-6, 1e-1) * float64(rng.IntN(2)), logUniform(1e-7, 1e-2), logUniform(1e-12, 1e-5) * float64(rng.IntN(2))},
-			logUniform(1e-7, 1e-1)*float64(rng.IntN(2)), logUniform(1e-7, 1e-1))
-		usable := min(rng.IntN(80), (prompt-1)/block)
-
-		gotS, gotK, got := c.bestSplit(usable)
-		want := c.sequential(0)
-		for k := 0; k <= usable; k++ {
-			for s := 0; s <= k; s++ {
-				want = min(want, c.split(s, k))
-			}
-		}
-		require.Equal(t, want, got, "plan %+v usable %d: bestSplit = (%d, %d, %g) against the exhaustive min", c, usable, gotS, gotK, got)
-		require.Equal(t, got, c.split(gotS, gotK), "plan %+v usable %d: bestSplit = (%d, %d, %g) does not time its own split", c, usable, gotS, gotK, got)
-		require.LessOrEqual(t, gotS, gotK, "plan %+v usable %d: bestSplit = (%d, %d, %g)", c, usable, gotS, gotK, got)
-		require.LessOrEqual(t, gotK, usable, "plan %+v usable %d: bestSplit = (%d, %d, %g)", c, usable, gotS, gotK, got)
-	}
-}
-
 // plan expands the prefill model in blocks; it must time every range as
 // PrefillCost.Time does.
 func TestPlanMatchesPrefillModel(t *testing.T) {
@@ -176,16 +127,8 @@ func TestPlanMatchesPrefillModel(t *testing.T) {
 		prompt := 1 + rng.IntN(MaxPromptTokens)
 		k := rng.IntN(1 + (prompt-1)/block)
 		c := newPlan(prompt, block, cost.vec(), 0, 0)
-		for _, tc := range []struct {
-			got        float64
-			start, end int
-		}{
-			{c.head(k), 0, k * block},
-			{c.tail(k), k * block, prompt},
-		} {
-			want := cost.vec().dot(prefillFeatures(tc.start, tc.end))
-			require.InDelta(t, want, tc.got, 1e-9*max(want, 1e-3), "%+v, block %d, prompt %d: plan times [%d, %d) unlike the model", cost, block, prompt, tc.start, tc.end)
-		}
+		want := cost.vec().dot(prefillFeatures(k*block, prompt))
+		require.InDelta(t, want, c.tail(k), 1e-9*max(want, 1e-3), "%+v, block %d, prompt %d: plan times [%d, %d) unlike the model", cost, block, prompt, k*block, prompt)
 	}
 }
 
@@ -203,8 +146,6 @@ func TestDecisionString(t *testing.T) {
 			"restore 11/12 blocks (always-restore): est 500ms vs recompute 310ms"},
 		{Decision{MatchedBlocks: 12, Policy: AlwaysRecompute, Reason: PolicyForced, EstTotal: ms(310), EstRestore: ms(4.1), EstRecompute: ms(310)},
 			"recompute 0/12 blocks (always-recompute): est 310ms vs restore 4.1ms"},
-		{Decision{HeadComputeBlocks: 3, RestoreBlocks: 9, MatchedBlocks: 12, Reason: Split, EstTotal: ms(3), EstRestore: ms(4.1), EstRecompute: ms(310)},
-			"split 12/12 blocks, computing 3 while restoring 9: est 3ms vs restore 4.1ms vs recompute 310ms"},
 		{Decision{Reason: NoMatch, EstTotal: 1234567 * time.Microsecond}, "recompute: no cached blocks: est 1.23s"},
 		{Decision{MatchedBlocks: 1, Reason: TooShort, EstTotal: 1500 * time.Nanosecond}, "recompute 0/1 blocks: no whole block before the last token: est 1.5µs"},
 		{Decision{Reason: InvalidInput}, "recompute: invalid input"},
@@ -222,14 +163,16 @@ func TestEnumStrings(t *testing.T) {
 	_, err := ParsePolicy("arbiter")
 	assert.Equal(t, status.Config, status.Of(err), "ParsePolicy(unknown): %v", err)
 	assert.Equal(t, "policy(9)", Policy(9).String(), "Policy(9)")
-	for r := NoMatch; r <= InvalidInput; r++ {
-		assert.False(t, strings.HasPrefix(r.String(), "reason("), "reason %d has no name", int(r))
+	for r := NoMatch; r <= Local; r++ {
+		// 4 named split plans, which are no longer made; the C header
+		// keeps the value unused.
+		assert.Equal(t, r == 4, strings.HasPrefix(r.String(), "reason("), "reason %d: %q", int(r), r.String())
 	}
 }
 
 // Slots call the arbiter from several threads; -race checks the locking.
 func TestConcurrentUse(t *testing.T) {
-	a := mustNew(t, Config{Split: true})
+	a := mustNew(t, Config{})
 	var wg sync.WaitGroup
 	for g := 0; g < 4; g++ {
 		wg.Add(1)
@@ -239,7 +182,7 @@ func TestConcurrentUse(t *testing.T) {
 				a.ObservePrefill(0, 256+i, time.Duration(256+i)*time.Millisecond)
 				a.ObserveTransfer("local", int64(1+i)<<20, time.Duration(1+i)*100*time.Microsecond)
 				d := a.Decide(Input{PromptTokens: 4096 + g, BlockTokens: 256, MatchedBlocks: 16, KVBytesPerToken: benchKV, Link: "local"})
-				if !assert.LessOrEqual(t, d.PrefixBlocks()*256, 4096+g-1, "prefix %d leaves no token", d.PrefixBlocks()) {
+				if !assert.LessOrEqual(t, d.RestoreBlocks*256, 4096+g-1, "prefix %d leaves no token", d.RestoreBlocks) {
 					return
 				}
 				_ = a.Prefill()

@@ -38,48 +38,46 @@ func TestArbiterNearBestEndpoint(t *testing.T) {
 		latency = 100 * time.Microsecond
 	)
 	bandwidths := []float64{1e9, 1.5e9, 2e9, 3e9, 5e9, 8e9, 13e9, 20e9, 30e9, 50e9}
-	for _, split := range []bool{false, true} {
-		worst, best, decisions, restored := 0.0, math.Inf(1), 0, 0
-		worstAt := ""
-		for _, truth := range truths {
-			rng := rand.New(rand.NewPCG(31, 37))
-			a := mustNew(t, Config{Split: split, Now: newFakeClock().Now})
-			for i := 0; i < 400; i++ {
-				s, e := prefillSpan(rng, 128<<10)
-				a.ObservePrefill(s, e, noisy(rng, truth.prefill.Time(s, e), 0.05, 0.05))
+	worst, best, decisions, restored := 0.0, math.Inf(1), 0, 0
+	worstAt := ""
+	for _, truth := range truths {
+		rng := rand.New(rand.NewPCG(31, 37))
+		a := mustNew(t, Config{Now: newFakeClock().Now})
+		for i := 0; i < 400; i++ {
+			s, e := prefillSpan(rng, 128<<10)
+			a.ObservePrefill(s, e, noisy(rng, truth.prefill.Time(s, e), 0.05, 0.05))
+		}
+		for _, bw := range bandwidths {
+			link := Link{Bandwidth: bw, Latency: latency}
+			name := fmt.Sprintf("%gGB/s", bw/1e9)
+			for i := 0; i < 100; i++ {
+				n := int64(64 << 10 * math.Pow(16384, rng.Float64()))
+				a.ObserveTransfer(name, n, noisy(rng, link.Time(n), 0.05, 0.05))
 			}
-			for _, bw := range bandwidths {
-				link := Link{Bandwidth: bw, Latency: latency}
-				name := fmt.Sprintf("%gGB/s", bw/1e9)
-				for i := 0; i < 100; i++ {
-					n := int64(64 << 10 * math.Pow(16384, rng.Float64()))
-					a.ObserveTransfer(name, n, noisy(rng, link.Time(n), 0.05, 0.05))
-				}
-				for prefix := 1024.0; prefix <= 128<<10; prefix *= math.Sqrt2 {
-					for _, tail := range []int{1, 64, 1024} {
-						m := int(prefix) / block
-						in := Input{PromptTokens: m*block + tail, BlockTokens: block, MatchedBlocks: m, KVBytesPerToken: truth.kv, Link: name}
-						d := a.Decide(in)
-						real := newPlan(in.PromptTokens, block, truth.prefill.vec(), latency.Seconds(), float64(block)*float64(truth.kv)/bw)
-						usable := min(m, (in.PromptTokens-1)/block)
-						endpoint := min(real.sequential(0), real.sequential(usable))
-						ratio := real.split(d.HeadComputeBlocks, d.PrefixBlocks()) / endpoint
-						if ratio > worst {
-							worst = ratio
-							worstAt = fmt.Sprintf("%s over %s, %d+%d tokens: %v", truth.name, name, m*block, tail, d)
-						}
-						best = min(best, ratio)
-						decisions++
-						if d.RestoreBlocks > 0 {
-							restored++
-						}
-						assert.LessOrEqual(t, ratio, 1.05, "split=%v %s over %s, prompt %d (%d matched): chose %v, %.3fx the best endpoint",
-							split, truth.name, name, in.PromptTokens, m, d, ratio)
+			for prefix := 1024.0; prefix <= 128<<10; prefix *= math.Sqrt2 {
+				for _, tail := range []int{1, 64, 1024} {
+					m := int(prefix) / block
+					in := Input{PromptTokens: m*block + tail, BlockTokens: block, MatchedBlocks: m, KVBytesPerToken: truth.kv, Link: name}
+					d := a.Decide(in)
+					real := newPlan(in.PromptTokens, block, truth.prefill.vec(), latency.Seconds(), float64(block)*float64(truth.kv)/bw)
+					usable := min(m, (in.PromptTokens-1)/block)
+					endpoint := min(real.sequential(0), real.sequential(usable))
+					ratio := real.sequential(d.RestoreBlocks) / endpoint
+					if ratio > worst {
+						worst = ratio
+						worstAt = fmt.Sprintf("%s over %s, %d+%d tokens: %v", truth.name, name, m*block, tail, d)
 					}
+					best = min(best, ratio)
+					decisions++
+					if d.RestoreBlocks > 0 {
+						restored++
+					}
+					assert.LessOrEqual(t, ratio, 1.05, "%s over %s, prompt %d (%d matched): chose %v, %.3fx the best endpoint",
+						truth.name, name, in.PromptTokens, m, d, ratio)
 				}
 			}
 		}
-		t.Logf("split=%v: %d decisions (%d restoring), worst %.4fx the best endpoint (%s), best %.4fx",
-			split, decisions, restored, worst, worstAt, best)
 	}
+	t.Logf("%d decisions (%d restoring), worst %.4fx the best endpoint (%s), best %.4fx",
+		decisions, restored, worst, worstAt, best)
 }
