@@ -496,15 +496,3 @@ func (e *Engine) Notifications() ([]Notification, error) {
 	})
 	return out, err
 }
-
-// Links describes the engine's transports and links, as the library
-// reports them (JSON when json is set).
-func (e *Engine) Links(json bool) (string, error) {
-	buf := make([]byte, 64<<10)
-	err := e.use("showLinks", func(h uintptr) error {
-		_, err := e.lib.call("showLinks", e.lib.sym.showLinks, negativeCode,
-			h, uintptr(unsafe.Pointer(&buf[0])), uintptr(len(buf)), boolArg(json))
-		return err
-	})
-	return goString(buf), err
-}

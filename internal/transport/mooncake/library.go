@@ -52,7 +52,6 @@ type symbols struct {
 	getNotifsFromEngine      uintptr
 	freeNotifsMsgBuf         uintptr
 	genNotifyInEngine        uintptr
-	showLinks                uintptr
 
 	mockSetFault uintptr
 	mockSetPath  uintptr
@@ -83,7 +82,6 @@ var symbolTable = []Symbol[symbols]{
 	{"getNotifsFromEngine", false, func(s *symbols) *uintptr { return &s.getNotifsFromEngine }},
 	{"freeNotifsMsgBuf", false, func(s *symbols) *uintptr { return &s.freeNotifsMsgBuf }},
 	{"genNotifyInEngine", false, func(s *symbols) *uintptr { return &s.genNotifyInEngine }},
-	{"showLinks", false, func(s *symbols) *uintptr { return &s.showLinks }},
 	{"mock_te_set_fault", false, func(s *symbols) *uintptr { return &s.mockSetFault }},
 	{"mock_te_set_path", false, func(s *symbols) *uintptr { return &s.mockSetPath }},
 	{"mock_te_get_stats", false, func(s *symbols) *uintptr { return &s.mockGetStats }},
