@@ -67,6 +67,19 @@
 extern "C" {
 #endif
 
+/* MCB_API marks every function of the library. It exports them with
+ * default visibility, so that a host built with -fvisibility=hidden that
+ * links libmcbridge.a into a shared library (libllama) still exports them
+ * to its programs. A host may define MCB_API itself before including this
+ * file. */
+#ifndef MCB_API
+#if defined(__GNUC__) || defined(__clang__)
+#define MCB_API __attribute__((visibility("default")))
+#else
+#define MCB_API
+#endif
+#endif
+
 #define MCB_ABI_VERSION 2
 
 /* Status codes. The values are stable. */
@@ -218,116 +231,241 @@ struct mcb_stats {
     uint64_t pool_bytes;
 };
 
-/* The ABI version the library was built with (MCB_ABI_VERSION). */
-uint32_t mcb_abi_version(void);
+/*
+ * Every function below returns a status or says what it returns instead.
+ * Returns: lists the statuses a call gives and what each means for that
+ * call. Any call that returns an mcb_status may also give
+ * MCB_STATUS_INTERNAL: a bug inside the library, caught; the call had no
+ * effect. mcb_last_error says more about every status but MCB_STATUS_OK.
+ */
 
-/* The llama.cpp tag whose state format the library reads and writes. */
-const char *mcb_llama_version(void);
+/* The ABI version the library was built with.
+ * Returns: MCB_ABI_VERSION of the header the library was built with. */
+MCB_API uint32_t mcb_abi_version(void);
 
-/* A static description of a status or a reason. */
-const char *mcb_status_str(mcb_status status);
-const char *mcb_reason_str(mcb_reason reason);
+/* The llama.cpp tag whose state format the library reads and writes.
+ * Returns: a static string, e.g. "v0.5.0". */
+MCB_API const char *mcb_llama_version(void);
 
-/* The message of the last failed call on this thread, "" after a success. */
-const char *mcb_last_error(void);
+/* A description of a status or a reason.
+ * Returns: a static string; "unknown status" or "unknown reason" for a
+ * value the enum does not name. */
+MCB_API const char *mcb_status_str(mcb_status status);
+MCB_API const char *mcb_reason_str(mcb_reason reason);
+
+/* The message of the last failed call on this thread.
+ * Returns: a thread-local string, "" after a success; valid until the
+ * next mcb_ call on the same thread. */
+MCB_API const char *mcb_last_error(void);
 
 /* Opens a bridge. config_json may be NULL or "" (see the top of this file).
- * A refused configuration is remembered for mcb_metrics_text. */
-mcb_status mcb_bridge_open(const char *config_json, mcb_bridge *out);
+ * A refused configuration is remembered for mcb_metrics_text.
+ * Returns:
+ *   MCB_STATUS_OK           *out is the new bridge.
+ *   MCB_STATUS_INVALID_ARG  out is NULL or misaligned, or config_json is
+ *                           not terminated within the size limit.
+ *   MCB_STATUS_CONFIG       the configuration does not parse, or names
+ *                           what cannot be used (a library that does not
+ *                           load, an unknown policy).
+ *   MCB_STATUS_POOL_FULL    the pool cannot be mapped.
+ *   MCB_STATUS_TRANSFER     the transport cannot start or register the
+ *                           pool.
+ *   MCB_STATUS_DIRECTORY    the directory cannot be opened.
+ *   MCB_STATUS_UNSUPPORTED  the configuration asks for what this build
+ *                           lacks. */
+MCB_API mcb_status mcb_bridge_open(const char *config_json, mcb_bridge *out);
 
 /* Closes a bridge: hands the directory what the publisher still holds,
- * unpublishes its blocks and releases its pool. Refused with
- * MCB_STATUS_STATE while a load or save of it is not ended. Model and plan
- * handles of the bridge become invalid. */
-mcb_status mcb_bridge_close(mcb_bridge bridge);
+ * unpublishes its blocks and releases its pool. Model and plan handles of
+ * the bridge become invalid.
+ * Returns:
+ *   MCB_STATUS_OK           closed.
+ *   MCB_STATUS_BAD_HANDLE   bridge is not an open bridge.
+ *   MCB_STATUS_STATE        a load or save of the bridge is not ended:
+ *                           nothing was closed, the bridge stays usable.
+ *   MCB_STATUS_TIMEOUT, MCB_STATUS_DIRECTORY, MCB_STATUS_TRANSFER
+ *                           closed, but the directory or a transfer did
+ *                           not finish in time: entries it could not
+ *                           remove expire with this process's lease. */
+MCB_API mcb_status mcb_bridge_close(mcb_bridge bridge);
 
-/* Counters since open. */
-mcb_status mcb_bridge_stats(mcb_bridge bridge, struct mcb_stats *out);
+/* Counters since open.
+ * Returns:
+ *   MCB_STATUS_OK           *out is filled.
+ *   MCB_STATUS_BAD_HANDLE   bridge is not an open bridge.
+ *   MCB_STATUS_INVALID_ARG  out is NULL or misaligned. */
+MCB_API mcb_status mcb_bridge_stats(mcb_bridge bridge, struct mcb_stats *out);
 
 /* Writes the bridge's metrics in the Prometheus text format into buf
- * (NUL-terminated, truncated to cap - 1 bytes) and returns the length of the
- * whole text, so a host can retry with a larger buffer. Every host exposes
- * the same mcbridge_* series. bridge may be 0 (not open, or its
- * configuration refused): the text then says mcbridge_up 0 and why.
- * off_reason, when not NULL, is why the host does not use the bridge (a
- * draft model, say): mcbridge_up is then 0 with that reason. */
-size_t mcb_metrics_text(mcb_bridge bridge, const char *off_reason, char *buf, size_t cap);
+ * (NUL-terminated, truncated to cap - 1 bytes). Every host exposes the
+ * same mcbridge_* series. bridge may be 0 (not open, or its configuration
+ * refused): the text then says mcbridge_up 0 and why. off_reason, when not
+ * NULL, is why the host does not use the bridge (a draft model, say):
+ * mcbridge_up is then 0 with that reason.
+ * Returns: the length of the whole text, so a host can retry with a larger
+ * buffer; 0 when the text cannot be produced. */
+MCB_API size_t mcb_metrics_text(mcb_bridge bridge, const char *off_reason, char *buf, size_t cap);
 
 /* The probe prompt: a host decodes these tokens from position 0 into an
  * empty sequence, then registers the model with that sequence's KV. Writes
- * at most cap tokens and returns how many the probe has. */
-size_t mcb_probe_tokens(int32_t *out, size_t cap);
+ * at most cap tokens to out (nothing when out is NULL or misaligned).
+ * Returns: how many tokens the probe has. */
+MCB_API size_t mcb_probe_tokens(int32_t *out, size_t cap);
 
 /* Registers a model. probe_kv and probe_cells locate the KV of the probe
  * prompt, position i in cell probe_cells[i]; only those rows are read, and
  * only during the call. Registering the same model twice gives a second
- * handle on it. */
-mcb_status mcb_model_register(mcb_bridge bridge, const struct mcb_model_params *params,
-                              const struct mcb_kv_format *format,
-                              const struct mcb_kv_layout *probe_kv, const uint32_t *probe_cells,
-                              mcb_model *out);
+ * handle on it.
+ * Returns:
+ *   MCB_STATUS_OK              *out is the new model.
+ *   MCB_STATUS_BAD_HANDLE      bridge is not an open bridge.
+ *   MCB_STATUS_INVALID_ARG     a NULL or malformed argument, or a
+ *                              gguf_path that is not a readable GGUF.
+ *   MCB_STATUS_MODEL_MISMATCH  llama_version is not mcb_llama_version().
+ *   MCB_STATUS_LAYOUT          probe_kv does not fit format or the cells.
+ *   MCB_STATUS_UNSUPPORTED     a KV format the library cannot store
+ *                              (rows that are not whole ggml rows, K and V
+ *                              types that differ between layers). */
+MCB_API mcb_status mcb_model_register(mcb_bridge bridge, const struct mcb_model_params *params,
+                                      const struct mcb_kv_format *format,
+                                      const struct mcb_kv_layout *probe_kv, const uint32_t *probe_cells,
+                                      mcb_model *out);
 
 /* Registers a model for a host that sees KV as state blobs: the format and
  * the probe's KV are read from probe_state, a llama_state_seq_get_data blob
- * of a sequence that holds exactly the probe prompt. */
-mcb_status mcb_model_register_state(mcb_bridge bridge, const struct mcb_model_params *params,
-                                    const uint8_t *probe_state, size_t n_bytes, mcb_model *out);
+ * of a sequence that holds exactly the probe prompt.
+ * Returns:
+ *   MCB_STATUS_OK              *out is the new model.
+ *   MCB_STATUS_BAD_HANDLE      bridge is not an open bridge.
+ *   MCB_STATUS_INVALID_ARG     a NULL or malformed argument, or a
+ *                              gguf_path that is not a readable GGUF.
+ *   MCB_STATUS_MODEL_MISMATCH  llama_version is not mcb_llama_version(), or
+ *                              the blob does not hold the probe prompt.
+ *   MCB_STATUS_UNSUPPORTED     a blob this llama.cpp version does not
+ *                              write, or a KV format the library cannot
+ *                              store. */
+MCB_API mcb_status mcb_model_register_state(mcb_bridge bridge, const struct mcb_model_params *params,
+                                            const uint8_t *probe_state, size_t n_bytes, mcb_model *out);
 
-/* Drops a model handle. */
-mcb_status mcb_model_unregister(mcb_model model);
+/* Drops a model handle.
+ * Returns:
+ *   MCB_STATUS_OK          dropped.
+ *   MCB_STATUS_BAD_HANDLE  model is not an open model. */
+MCB_API mcb_status mcb_model_unregister(mcb_model model);
 
-/* Feeds the cost model a measured prefill of positions [pos_start, pos_end). */
-mcb_status mcb_model_observe_prefill(mcb_model model, uint32_t pos_start, uint32_t pos_end, double seconds);
+/* Feeds the cost model a measured prefill of positions [pos_start, pos_end).
+ * Returns:
+ *   MCB_STATUS_OK           taken.
+ *   MCB_STATUS_BAD_HANDLE   model is not an open model.
+ *   MCB_STATUS_INVALID_ARG  an empty range, or seconds not positive and
+ *                           finite. */
+MCB_API mcb_status mcb_model_observe_prefill(mcb_model model, uint32_t pos_start, uint32_t pos_end, double seconds);
 
 /* A digest naming a scope: a host keeps it with cells it computed, and
  * compares it with a request's, to know whether those cells hold that
- * request's KV. */
-mcb_status mcb_scope_id(const struct mcb_scope *scope, uint8_t out[16]);
+ * request's KV.
+ * Returns:
+ *   MCB_STATUS_OK           out holds the digest.
+ *   MCB_STATUS_INVALID_ARG  out is NULL, or a malformed scope. */
+MCB_API mcb_status mcb_scope_id(const struct mcb_scope *scope, uint8_t out[16]);
 
 /* Decides how many leading tokens of a prompt to restore. n_cached is how
  * many leading tokens the host already holds for this prompt under the
  * same scope: a restore replaces them, so it is chosen only when it goes
  * past them and beats computing the rest. The answer is final. When it
  * restores, out->plan is set: load it (mcb_load_begin, mcb_state_restore)
- * or drop it. Local only: it never waits on the network. */
-mcb_status mcb_lookup(mcb_model model, const struct mcb_scope *scope,
-                      const int32_t *tokens, size_t n_tokens, size_t n_cached,
-                      struct mcb_lookup_result *out);
+ * or drop it. Local only: it never waits on the network.
+ * Returns:
+ *   MCB_STATUS_OK           *out is the decision (out->reason says why).
+ *   MCB_STATUS_BAD_HANDLE   model is not an open model.
+ *   MCB_STATUS_INVALID_ARG  a NULL or malformed argument (tokens, scope,
+ *                           n_cached past n_tokens). */
+MCB_API mcb_status mcb_lookup(mcb_model model, const struct mcb_scope *scope,
+                              const int32_t *tokens, size_t n_tokens, size_t n_cached,
+                              struct mcb_lookup_result *out);
 
-/* Drops a plan that will not be loaded. */
-mcb_status mcb_plan_drop(mcb_plan plan);
+/* Drops a plan that will not be loaded.
+ * Returns:
+ *   MCB_STATUS_OK          dropped.
+ *   MCB_STATUS_BAD_HANDLE  plan is not an open plan. */
+MCB_API mcb_status mcb_plan_drop(mcb_plan plan);
 
 /* Starts restoring a plan's tokens into layout, position i into cell
  * cells[i] (cells NULL means cell i). The plan is consumed, also on
  * failure. Everything is checked before any byte moves: a refused load
- * leaves the tensors untouched. Blocks evicted since the lookup shorten the
- * load; none left gives MCB_STATUS_NOT_FOUND. */
-mcb_status mcb_load_begin(mcb_plan plan, const struct mcb_kv_layout *layout,
-                          const uint32_t *cells, mcb_load *out);
+ * leaves the tensors untouched.
+ * Returns:
+ *   MCB_STATUS_OK           *out is the load.
+ *   MCB_STATUS_BAD_HANDLE   plan is not an open plan.
+ *   MCB_STATUS_INVALID_ARG  out is NULL or misaligned, or cells malformed.
+ *   MCB_STATUS_LAYOUT       layout does not fit the model or the cells.
+ *   MCB_STATUS_NOT_FOUND    every block of the plan left the cache since
+ *                           the lookup (fewer leaving shortens the load).
+ *   MCB_STATUS_STATE        the bridge is closing. */
+MCB_API mcb_status mcb_load_begin(mcb_plan plan, const struct mcb_kv_layout *layout,
+                                  const uint32_t *cells, mcb_load *out);
 
 /* Waits until layer il (and every layer below it) is verified and in
- * place; *n_tokens_ok receives the good prefix so far (it only shrinks). */
-mcb_status mcb_load_wait_layer(mcb_load load, uint32_t il, uint32_t *n_tokens_ok);
+ * place; *n_tokens_ok receives the good prefix so far (it only shrinks).
+ * Returns:
+ *   MCB_STATUS_OK           *n_tokens_ok is set.
+ *   MCB_STATUS_BAD_HANDLE   load is not an open load.
+ *   MCB_STATUS_INVALID_ARG  il is not a layer, or n_tokens_ok is NULL or
+ *                           misaligned.
+ *   MCB_STATUS_STATE        the load has ended.
+ *   MCB_STATUS_CORRUPT, MCB_STATUS_TRANSFER, MCB_STATUS_TIMEOUT
+ *                           a block failed: *n_tokens_ok is the prefix
+ *                           before it, still good. */
+MCB_API mcb_status mcb_load_wait_layer(mcb_load load, uint32_t il, uint32_t *n_tokens_ok);
 
 /* Finishes a load; the handle is gone afterwards, also on failure. The
- * result is filled in either case; the status is the first failure's. */
-mcb_status mcb_load_end(mcb_load load, struct mcb_load_result *out);
+ * result is filled in either case.
+ * Returns:
+ *   MCB_STATUS_OK           every block arrived intact.
+ *   MCB_STATUS_BAD_HANDLE   load is not an open load.
+ *   MCB_STATUS_INVALID_ARG  out is NULL or misaligned.
+ *   MCB_STATUS_CORRUPT, MCB_STATUS_TRANSFER, MCB_STATUS_TIMEOUT
+ *                           the first failed block's status:
+ *                           out->n_tokens_ok says what is good. */
+MCB_API mcb_status mcb_load_end(mcb_load load, struct mcb_load_result *out);
 
 /* Starts saving the full blocks of tokens from layout (cells as for
  * mcb_load_begin). The KV must have been computed from position 0 over
- * exactly these tokens, under scope. A trailing partial block is ignored. */
-mcb_status mcb_save_begin(mcb_model model, const struct mcb_scope *scope,
-                          const struct mcb_kv_layout *layout,
-                          const int32_t *tokens, size_t n_tokens,
-                          const uint32_t *cells, mcb_save *out);
+ * exactly these tokens, under scope. A trailing partial block is ignored.
+ * Returns:
+ *   MCB_STATUS_OK           *out is the save.
+ *   MCB_STATUS_BAD_HANDLE   model is not an open model.
+ *   MCB_STATUS_INVALID_ARG  a NULL or malformed argument, or no full
+ *                           block in the tokens.
+ *   MCB_STATUS_LAYOUT       layout does not fit the model or the cells.
+ *   MCB_STATUS_POOL_FULL    no room for any new block, even after
+ *                           eviction.
+ *   MCB_STATUS_STATE        the bridge is closing. */
+MCB_API mcb_status mcb_save_begin(mcb_model model, const struct mcb_scope *scope,
+                                  const struct mcb_kv_layout *layout,
+                                  const int32_t *tokens, size_t n_tokens,
+                                  const uint32_t *cells, mcb_save *out);
 
 /* Copies layer il's rows of the new blocks; call once per layer, as soon as
- * the layer's KV is final. */
-mcb_status mcb_save_layer(mcb_save save, uint32_t il);
+ * the layer's KV is final.
+ * Returns:
+ *   MCB_STATUS_OK           copied.
+ *   MCB_STATUS_BAD_HANDLE   save is not an open save.
+ *   MCB_STATUS_INVALID_ARG  il is not a layer.
+ *   MCB_STATUS_STATE        the layer was saved already, or the save
+ *                           ended. */
+MCB_API mcb_status mcb_save_layer(mcb_save save, uint32_t il);
 
 /* Seals the saved blocks and queues them for publishing; it does not wait
- * for the directory. The handle is gone afterwards. */
-mcb_status mcb_save_end(mcb_save save, struct mcb_save_result *out);
+ * for the directory. The handle is gone afterwards.
+ * Returns:
+ *   MCB_STATUS_OK           *out says what was stored.
+ *   MCB_STATUS_BAD_HANDLE   save is not an open save.
+ *   MCB_STATUS_INVALID_ARG  out is NULL or misaligned.
+ *   MCB_STATUS_STATE        a layer was never saved: nothing is sealed.
+ *   MCB_STATUS_POOL_FULL    the pool filled before every block was
+ *                           written: *out counts the ones that were. */
+MCB_API mcb_status mcb_save_end(mcb_save save, struct mcb_save_result *out);
 
 /* Restores a plan of a model registered with mcb_model_register_state into
  * a new state blob for llama_state_seq_set_data: it holds positions
@@ -335,23 +473,49 @@ mcb_status mcb_save_end(mcb_save save, struct mcb_save_result *out);
  * *state and *n_bytes are set, also when the status is the failure that
  * cut the load short (a partial restore); free the blob with
  * mcb_state_free. out is filled once the load started, its first_error
- * saying what cut it short. */
-mcb_status mcb_state_restore(mcb_plan plan, uint8_t **state, size_t *n_bytes, struct mcb_load_result *out);
+ * saying what cut it short.
+ * Returns:
+ *   MCB_STATUS_OK           *state holds every planned block.
+ *   MCB_STATUS_BAD_HANDLE   plan is not an open plan.
+ *   MCB_STATUS_INVALID_ARG  a NULL or misaligned output.
+ *   MCB_STATUS_UNSUPPORTED  the model was registered with tensors:
+ *                           restore with mcb_load_begin.
+ *   MCB_STATUS_NOT_FOUND    every block of the plan left the cache since
+ *                           the lookup.
+ *   MCB_STATUS_CORRUPT, MCB_STATUS_TRANSFER, MCB_STATUS_TIMEOUT
+ *                           a block failed; *state holds the blocks
+ *                           before it, if any verified.
+ *   MCB_STATUS_STATE        the bridge is closing. */
+MCB_API mcb_status mcb_state_restore(mcb_plan plan, uint8_t **state, size_t *n_bytes, struct mcb_load_result *out);
 
-/* Frees a blob from mcb_state_restore. NULL is a no-op. */
-void mcb_state_free(uint8_t *state);
+/* Frees a blob from mcb_state_restore. NULL is a no-op.
+ * Returns: nothing. */
+MCB_API void mcb_state_free(uint8_t *state);
 
 /* Saves the full blocks of a state blob (llama_state_seq_get_data of a
  * sequence whose positions [0, n_tokens) hold tokens, computed from position
  * 0 under scope), as mcb_save_begin .. mcb_save_end do. A failure after
- * some blocks were saved still fills out with what was. */
-mcb_status mcb_state_save(mcb_model model, const struct mcb_scope *scope,
-                          const uint8_t *state, size_t n_bytes,
-                          const int32_t *tokens, size_t n_tokens,
-                          struct mcb_save_result *out);
+ * some blocks were saved still fills out with what was.
+ * Returns:
+ *   MCB_STATUS_OK              *out says what was stored.
+ *   MCB_STATUS_BAD_HANDLE      model is not an open model.
+ *   MCB_STATUS_INVALID_ARG     a NULL or malformed argument, or no full
+ *                              block in the tokens.
+ *   MCB_STATUS_MODEL_MISMATCH  the blob's KV format is not the model's.
+ *   MCB_STATUS_UNSUPPORTED     a blob this llama.cpp version does not
+ *                              write, or cells it cannot read as one
+ *                              sequence.
+ *   MCB_STATUS_POOL_FULL       the pool filled: *out counts what was
+ *                              stored.
+ *   MCB_STATUS_STATE           the bridge is closing. */
+MCB_API mcb_status mcb_state_save(mcb_model model, const struct mcb_scope *scope,
+                                  const uint8_t *state, size_t n_bytes,
+                                  const int32_t *tokens, size_t n_tokens,
+                                  struct mcb_save_result *out);
 
-/* Handles currently open, of every kind: a host can check for leaks at exit. */
-size_t mcb_handles_open(void);
+/* Handles currently open, of every kind: a host can check for leaks at exit.
+ * Returns: the count. */
+MCB_API size_t mcb_handles_open(void);
 
 #ifdef __cplusplus
 }
