@@ -1,5 +1,6 @@
-# mcbridge.cmake: included by llama.cpp's top-level CMakeLists.txt (llama-patches/0001)
-# when it is configured with -DMCBRIDGE_ROOT=<this repository>. Unset, nothing here runs
+# mcbridge.cmake: included by llama.cpp's top-level CMakeLists.txt
+# (llama-patches/0001-mcbridge-cmake-hook.patch) when it is configured with
+# -DMCBRIDGE_ROOT=<this repository>. Unset, nothing here runs
 # and the build is stock.
 #
 # It builds libmcbridge.a (the Go core as a C archive) and adds, without touching any

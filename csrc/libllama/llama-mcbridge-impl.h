@@ -1,4 +1,4 @@
-// Shared between the files of csrc/llama that are compiled into libllama; not used by
+// Shared between the files of csrc/libllama, which are compiled into libllama; not used by
 // the patches.
 #pragma once
 

@@ -208,7 +208,7 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     const llama_hparams & hp = model.hparams;
     const llama_cparams & cp = ctx->get_cparams();
 
-    // Amendment 6: what the bridge cannot describe or restore exactly.
+    // What the bridge cannot describe or restore exactly turns it off (docs/design.md §5.5).
     llama_kv_cache * kv = plain_kv(ctx);
     if (!configured()) {
         why_off = "not configured (--mcb-config or MCB_CONFIG)";

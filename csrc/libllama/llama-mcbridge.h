@@ -109,8 +109,8 @@ seq_origin seq_get_origin(llama_context * ctx, llama_seq_id seq_id);
 // also lowers the clean mark to 0, as nothing in it may be published.
 void seq_set_scope(llama_context * ctx, llama_seq_id seq_id, const uint8_t scope[16], bool known);
 
-// Called by llama_kv_cache (llama-patches/0002) before it edits its cells, so that the
-// clean marks follow every edit, whoever makes it.
+// Called by llama_kv_cache (llama-patches/0002-mcbridge-kv-cache-clean-marks.patch)
+// before it edits its cells, so that the clean marks follow every edit, whoever makes it.
 void kv_seq_rm  (const llama_kv_cache * kv, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
 void kv_seq_cp  (const llama_kv_cache * kv, llama_seq_id src, llama_seq_id dst, llama_pos p0, llama_pos p1);
 void kv_seq_keep(const llama_kv_cache * kv, llama_seq_id seq_id);

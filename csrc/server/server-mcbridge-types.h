@@ -1,6 +1,7 @@
 // server-mcbridge-types.h: the per-request data llama-server carries for mcbridge.
 // Plain structs, so that server-common.h and server-task.h can hold them as members
-// (llama-patches/0004) without pulling the bridge's headers into every server file.
+// (llama-patches/0004-mcbridge-server-request-fields.patch) without pulling the bridge's
+// headers into every server file.
 #pragma once
 
 #include <cstdint>
