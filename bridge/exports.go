@@ -141,6 +141,31 @@ func dropHandle(h uint64) {
 	table.Unlock()
 }
 
+// withHandle is the preamble of every export that acts on a handle: under
+// guard, it finds the object behind id (MCB_STATUS_BAD_HANDLE when id is
+// not an open handle of that kind) and runs f on it.
+func withHandle[T any](id uint64, kind string, errbuf unsafe.Pointer, errlen uint64, f func(T) error) int32 {
+	return guard(errbuf, errlen, func() error {
+		h, err := lookupHandle[T](id, kind)
+		if err != nil {
+			return err
+		}
+		return f(h)
+	})
+}
+
+// withPlan is withHandle for the exports that consume a plan: the plan is
+// gone from the table before f runs, also when f fails.
+func withPlan(plan uint64, errbuf unsafe.Pointer, errlen uint64, f func(*planHandle) error) int32 {
+	return guard(errbuf, errlen, func() error {
+		h, err := takePlan(plan)
+		if err != nil {
+			return err
+		}
+		return f(h)
+	})
+}
+
 // guard runs one export: it recovers panics (and memory faults, which
 // SetPanicOnFault turns into panics) into MCB_STATUS_INTERNAL and writes
 // the error's message into the caller's thread-local buffer.
@@ -433,11 +458,7 @@ func mcbgo_bridge_open(cfg unsafe.Pointer, out unsafe.Pointer, errbuf unsafe.Poi
 
 //export mcbgo_bridge_close
 func mcbgo_bridge_close(bridge uint64, errbuf unsafe.Pointer, errlen uint64) int32 {
-	return guard(errbuf, errlen, func() error {
-		h, err := lookupHandle[*bridgeHandle](bridge, "bridge")
-		if err != nil {
-			return err
-		}
+	return withHandle(bridge, "bridge", errbuf, errlen, func(h *bridgeHandle) error {
 		if err := h.b.Close(); status.Of(err) == status.State {
 			return err // work still open: the bridge stays usable
 		} else if err != nil {
@@ -472,11 +493,7 @@ func dropBridge(bridge uint64) {
 
 //export mcbgo_bridge_stats
 func mcbgo_bridge_stats(bridge uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
-	return guard(errbuf, errlen, func() error {
-		h, err := lookupHandle[*bridgeHandle](bridge, "bridge")
-		if err != nil {
-			return err
-		}
+	return withHandle(bridge, "bridge", errbuf, errlen, func(h *bridgeHandle) error {
 		if err := aligned(out, 8, "out"); err != nil {
 			return err
 		}
@@ -555,11 +572,7 @@ func mcbgo_llama_version() *C.char { return llamaVersionC }
 
 //export mcbgo_model_register
 func mcbgo_model_register(bridge uint64, params, format, probe, probeCells unsafe.Pointer, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
-	return guard(errbuf, errlen, func() error {
-		h, err := lookupHandle[*bridgeHandle](bridge, "bridge")
-		if err != nil {
-			return err
-		}
+	return withHandle(bridge, "bridge", errbuf, errlen, func(h *bridgeHandle) error {
 		if err := aligned(out, 8, "out"); err != nil {
 			return err
 		}
@@ -593,11 +606,7 @@ func mcbgo_model_register(bridge uint64, params, format, probe, probeCells unsaf
 
 //export mcbgo_model_register_state
 func mcbgo_model_register_state(bridge uint64, params, state unsafe.Pointer, n uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
-	return guard(errbuf, errlen, func() error {
-		h, err := lookupHandle[*bridgeHandle](bridge, "bridge")
-		if err != nil {
-			return err
-		}
+	return withHandle(bridge, "bridge", errbuf, errlen, func(h *bridgeHandle) error {
 		if err := aligned(out, 8, "out"); err != nil {
 			return err
 		}
@@ -631,11 +640,7 @@ func stateArg(p unsafe.Pointer, n uint64) ([]byte, error) {
 
 //export mcbgo_model_unregister
 func mcbgo_model_unregister(model uint64, errbuf unsafe.Pointer, errlen uint64) int32 {
-	return guard(errbuf, errlen, func() error {
-		h, err := lookupHandle[*modelHandle](model, "model")
-		if err != nil {
-			return err
-		}
+	return withHandle(model, "model", errbuf, errlen, func(h *modelHandle) error {
 		dropHandle(model)
 		return h.b.UnregisterModel(h.m.Model)
 	})
@@ -643,11 +648,7 @@ func mcbgo_model_unregister(model uint64, errbuf unsafe.Pointer, errlen uint64) 
 
 //export mcbgo_model_observe_prefill
 func mcbgo_model_observe_prefill(model uint64, start, end uint32, seconds float64, errbuf unsafe.Pointer, errlen uint64) int32 {
-	return guard(errbuf, errlen, func() error {
-		h, err := lookupHandle[*modelHandle](model, "model")
-		if err != nil {
-			return err
-		}
+	return withHandle(model, "model", errbuf, errlen, func(h *modelHandle) error {
 		if end <= start || !(seconds > 0) || math.IsInf(seconds, 0) {
 			return status.Errorf(status.InvalidArg, "prefill of [%d, %d) in %g s", start, end, seconds)
 		}
@@ -674,11 +675,7 @@ func mcbgo_scope_id(scope unsafe.Pointer, out unsafe.Pointer, errbuf unsafe.Poin
 
 //export mcbgo_lookup
 func mcbgo_lookup(model uint64, scope unsafe.Pointer, tokens unsafe.Pointer, n, cached uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
-	return guard(errbuf, errlen, func() error {
-		h, err := lookupHandle[*modelHandle](model, "model")
-		if err != nil {
-			return err
-		}
+	return withHandle(model, "model", errbuf, errlen, func(h *modelHandle) error {
 		if err := aligned(out, 8, "out"); err != nil {
 			return err
 		}
@@ -732,11 +729,7 @@ func mcbgo_plan_drop(plan uint64, errbuf unsafe.Pointer, errlen uint64) int32 {
 
 //export mcbgo_load_begin
 func mcbgo_load_begin(plan uint64, layout, cells unsafe.Pointer, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
-	return guard(errbuf, errlen, func() error {
-		h, err := takePlan(plan)
-		if err != nil {
-			return err
-		}
+	return withPlan(plan, errbuf, errlen, func(h *planHandle) error {
 		if err := aligned(out, 8, "out"); err != nil {
 			return err
 		}
@@ -759,11 +752,7 @@ func mcbgo_load_begin(plan uint64, layout, cells unsafe.Pointer, out unsafe.Poin
 
 //export mcbgo_save_begin
 func mcbgo_save_begin(model uint64, scope, layout, tokens unsafe.Pointer, n uint64, cells unsafe.Pointer, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
-	return guard(errbuf, errlen, func() error {
-		h, err := lookupHandle[*modelHandle](model, "model")
-		if err != nil {
-			return err
-		}
+	return withHandle(model, "model", errbuf, errlen, func(h *modelHandle) error {
 		if err := aligned(out, 8, "out"); err != nil {
 			return err
 		}
@@ -794,11 +783,7 @@ func mcbgo_save_begin(model uint64, scope, layout, tokens unsafe.Pointer, n uint
 
 //export mcbgo_load_wait_layer
 func mcbgo_load_wait_layer(load uint64, il uint32, nok unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
-	return guard(errbuf, errlen, func() error {
-		h, err := lookupHandle[*loadHandle](load, "load")
-		if err != nil {
-			return err
-		}
+	return withHandle(load, "load", errbuf, errlen, func(h *loadHandle) error {
 		if err := aligned(nok, 4, "n_tokens_ok"); err != nil {
 			return err
 		}
@@ -818,11 +803,7 @@ func loadResult(r bridge.LoadResult) cLoadResult {
 
 //export mcbgo_load_end
 func mcbgo_load_end(load uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
-	return guard(errbuf, errlen, func() error {
-		h, err := lookupHandle[*loadHandle](load, "load")
-		if err != nil {
-			return err
-		}
+	return withHandle(load, "load", errbuf, errlen, func(h *loadHandle) error {
 		if err := aligned(out, 8, "out"); err != nil {
 			return err
 		}
@@ -835,11 +816,7 @@ func mcbgo_load_end(load uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errl
 
 //export mcbgo_save_layer
 func mcbgo_save_layer(save uint64, il uint32, errbuf unsafe.Pointer, errlen uint64) int32 {
-	return guard(errbuf, errlen, func() error {
-		h, err := lookupHandle[*saveHandle](save, "save")
-		if err != nil {
-			return err
-		}
+	return withHandle(save, "save", errbuf, errlen, func(h *saveHandle) error {
 		return h.sv.SaveLayer(int(il))
 	})
 }
@@ -850,11 +827,7 @@ func saveResult(r bridge.SaveResult) cSaveResult {
 
 //export mcbgo_save_end
 func mcbgo_save_end(save uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
-	return guard(errbuf, errlen, func() error {
-		h, err := lookupHandle[*saveHandle](save, "save")
-		if err != nil {
-			return err
-		}
+	return withHandle(save, "save", errbuf, errlen, func(h *saveHandle) error {
 		if err := aligned(out, 4, "out"); err != nil {
 			return err
 		}
@@ -867,11 +840,7 @@ func mcbgo_save_end(save uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errl
 
 //export mcbgo_state_restore
 func mcbgo_state_restore(plan uint64, state, n, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
-	return guard(errbuf, errlen, func() error {
-		h, err := takePlan(plan)
-		if err != nil {
-			return err
-		}
+	return withPlan(plan, errbuf, errlen, func(h *planHandle) error {
 		if err := aligned(state, 8, "state"); err != nil {
 			return err
 		}
@@ -927,11 +896,7 @@ func mcbgo_state_free(state unsafe.Pointer) {
 
 //export mcbgo_state_save
 func mcbgo_state_save(model uint64, scope, state unsafe.Pointer, n uint64, tokens unsafe.Pointer, nTokens uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
-	return guard(errbuf, errlen, func() error {
-		h, err := lookupHandle[*modelHandle](model, "model")
-		if err != nil {
-			return err
-		}
+	return withHandle(model, "model", errbuf, errlen, func(h *modelHandle) error {
 		if err := aligned(out, 4, "out"); err != nil {
 			return err
 		}
