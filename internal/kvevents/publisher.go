@@ -151,14 +151,6 @@ func (p *Publisher) abort() {
 // it tells which port was taken.
 func (p *Publisher) Addr() string { return addr(p.pub) }
 
-// ReplayAddr is where the replay socket listens, "" without one.
-func (p *Publisher) ReplayAddr() string {
-	if p.replay == nil {
-		return ""
-	}
-	return addr(p.replay)
-}
-
 func addr(s zmq4.Socket) string {
 	if a := s.Addr(); a != nil {
 		return "tcp://" + a.String()

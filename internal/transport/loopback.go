@@ -100,13 +100,6 @@ func (l *Loopback) SetFault(f Fault) {
 	l.mu.Unlock()
 }
 
-// SetLink reshapes the link that requests this engine submits go over.
-func (l *Loopback) SetLink(k Link) {
-	l.mu.Lock()
-	l.opts.Link = k
-	l.mu.Unlock()
-}
-
 func (l *Loopback) RegisterMemory(addr uintptr, length uint64, location string, remoteAccessible bool) error {
 	if addr == 0 || length == 0 {
 		return status.Errorf(status.InvalidArg, "register: empty range")
