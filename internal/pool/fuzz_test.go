@@ -70,3 +70,20 @@ func FuzzDecodeHeader(f *testing.F) {
 		require.Equal(t, src[:n], again, "accepted header re-encodes differently")
 	})
 }
+
+// FuzzParseAddress: ParseAddress never panics, refuses with InvalidArg,
+// and what it accepts is exactly what String writes back.
+func FuzzParseAddress(f *testing.F) {
+	f.Add("0123456789abcdef:/run/user/1000/mcbridge/pool.sock")
+	f.Add("0123456789ABCDEF:/x")
+	f.Add(":/x")
+	f.Add("0123456789abcdef:/a\x00b")
+	f.Fuzz(func(t *testing.T, s string) {
+		a, err := ParseAddress(s)
+		if err != nil {
+			require.Equal(t, status.InvalidArg, status.Of(err))
+			return
+		}
+		require.Equal(t, s, a.String())
+	})
+}

@@ -5,6 +5,8 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/mcbridge/mcbridge/internal/mem"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
@@ -17,6 +19,8 @@ import (
 type Pool struct {
 	region []byte
 	gen    atomic.Uint64
+	fd     int    // the memfd of a shared pool (NewShared), else -1
+	id     uint64 // a shared pool's identity, random
 
 	mu   sync.Mutex
 	free []extent // sorted by offset, never adjacent
@@ -35,7 +39,7 @@ func New(size int64) (*Pool, error) {
 	if err != nil {
 		return nil, status.Wrap(status.PoolFull, err, "mapping the pool")
 	}
-	return &Pool{region: region, free: []extent{{0, size}}}, nil
+	return &Pool{region: region, free: []extent{{0, size}}, fd: -1}, nil
 }
 
 // Base is the region's address, Size its length.
@@ -119,12 +123,19 @@ func (p *Pool) Free(off, n int64) error {
 	return nil
 }
 
-// Close unmaps the region. Nothing may use the pool's memory afterwards,
-// and the transfer engine must have unregistered it.
+// Close unmaps the region and closes a shared pool's memfd (its Server
+// must be closed first; readers' mappings stay valid). Nothing may use the
+// pool's memory afterwards, and the transfer engine must have unregistered
+// it.
 func (p *Pool) Close() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	r := p.region
 	p.region = nil
-	return mem.Unmap(r)
+	err := mem.Unmap(r)
+	if p.fd >= 0 {
+		_ = unix.Close(p.fd)
+		p.fd = -1
+	}
+	return err
 }

@@ -1,10 +1,16 @@
 package testenv
 
 import (
+	"bytes"
+	"fmt"
 	"os"
 	"strconv"
 	"strings"
 	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
 )
 
 // What a native library does to the process it is loaded into, as
@@ -32,4 +38,31 @@ func SigpipeIgnored() bool {
 func Threads() int {
 	n, _ := strconv.Atoi(ProcStatus("Threads"))
 	return n
+}
+
+// Freeze stops process pid (SIGSTOP) and waits until every thread of it
+// is stopped: kill returns before that, and a thread still running for a
+// few milliseconds can answer a request sent right after.
+func Freeze(tb testing.TB, pid int) {
+	tb.Helper()
+	require.NoError(tb, syscall.Kill(pid, syscall.SIGSTOP))
+	require.Eventually(tb, func() bool { return threadsStopped(pid) }, 10*time.Second, 100*time.Microsecond, "process %d never stopped", pid)
+}
+
+// threadsStopped reports whether every thread of pid is stopped.
+func threadsStopped(pid int) bool {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil || len(tasks) == 0 {
+		return false
+	}
+	for _, task := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, task.Name()))
+		// The state is the first field after the command's closing
+		// parenthesis: T (stopped) or t (traced).
+		i := bytes.LastIndexByte(b, ')')
+		if err != nil || i < 0 || i+2 >= len(b) || (b[i+2] != 'T' && b[i+2] != 't') {
+			return false
+		}
+	}
+	return true
 }
