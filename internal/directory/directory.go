@@ -23,6 +23,12 @@ type Location struct {
 	Checksum   uint64 // the block's header sum, which covers every layer's sum
 	Generation uint64 // the generation the block had when published
 	Owner      string // the publishing process; its lease bounds the entry's life
+	// Host names the machine (its kernel's boot id) whose processes can
+	// map the holder's pool at Pool (a pool.Address), and read the block
+	// there instead of over the transport. Both are empty where the
+	// holder's pool is not shared.
+	Host string
+	Pool string
 }
 
 // Entry is one published block of one model.
@@ -96,16 +102,20 @@ type Watcher interface {
 
 // Value encoding, shared by directories that store entries as bytes:
 //
-//	u8 version (1) | parent[16] | addr u64 | length u64 | checksum u64 |
-//	generation u64 | str segment | str owner     (str = u16 length + bytes)
-const valueVersion = 1
+//	u8 version (2) | parent[16] | addr u64 | length u64 | checksum u64 |
+//	generation u64 | str segment | str owner | str host | str pool
+//	(str = u16 length + bytes)
+//
+// Version 1 had no host and pool. Every process of a swarm runs one build,
+// so a value of another version is refused, not guessed at.
+const valueVersion = 2
 
 // MaxNameLen bounds segment and owner names.
 const MaxNameLen = 1024
 
 // EncodeValue encodes the parts of e that are not in its key.
 func EncodeValue(e *Entry) []byte {
-	b := make([]byte, 0, 1+16+32+4+len(e.Loc.Segment)+len(e.Loc.Owner))
+	b := make([]byte, 0, 1+16+32+8+len(e.Loc.Segment)+len(e.Loc.Owner)+len(e.Loc.Host)+len(e.Loc.Pool))
 	b = append(b, valueVersion)
 	b = append(b, e.Parent[:]...)
 	b = binary.LittleEndian.AppendUint64(b, e.Loc.Addr)
@@ -113,7 +123,9 @@ func EncodeValue(e *Entry) []byte {
 	b = binary.LittleEndian.AppendUint64(b, e.Loc.Checksum)
 	b = binary.LittleEndian.AppendUint64(b, e.Loc.Generation)
 	b = appendName(b, e.Loc.Segment)
-	return appendName(b, e.Loc.Owner)
+	b = appendName(b, e.Loc.Owner)
+	b = appendName(b, e.Loc.Host)
+	return appendName(b, e.Loc.Pool)
 }
 
 func appendName(b []byte, s string) []byte {
@@ -139,6 +151,12 @@ func DecodeValue(b []byte, e *Entry) error {
 		return err
 	}
 	if e.Loc.Owner, rest, err = readName(rest); err != nil {
+		return err
+	}
+	if e.Loc.Host, rest, err = readName(rest); err != nil {
+		return err
+	}
+	if e.Loc.Pool, rest, err = readName(rest); err != nil {
 		return err
 	}
 	if len(rest) != 0 {

@@ -39,14 +39,14 @@ func FuzzDecodeValue(f *testing.F) {
 // FuzzEncodeValue checks that every entry with names within MaxNameLen
 // survives EncodeValue then DecodeValue.
 func FuzzEncodeValue(f *testing.F) {
-	f.Add([]byte{1, 2, 3}, uint64(4096), uint64(1<<20), uint64(0xdeadbeef), uint64(3), "node-1:12345", "host-42-abc")
-	f.Add([]byte{}, uint64(0), uint64(0), uint64(0), uint64(0), "", "")
-	f.Add(bytes.Repeat([]byte{0xff}, 16), ^uint64(0), ^uint64(0), ^uint64(0), ^uint64(0), strings.Repeat("x", directory.MaxNameLen), "\x00\xff")
-	f.Fuzz(func(t *testing.T, parent []byte, addr, length, checksum, generation uint64, segment, owner string) {
-		if len(segment) > directory.MaxNameLen || len(owner) > directory.MaxNameLen {
+	f.Add([]byte{1, 2, 3}, uint64(4096), uint64(1<<20), uint64(0xdeadbeef), uint64(3), "node-1:12345", "host-42-abc", "1b2e0f3c-boot", "00000000000000ff:/run/user/1000/mcbridge/pool.sock")
+	f.Add([]byte{}, uint64(0), uint64(0), uint64(0), uint64(0), "", "", "", "")
+	f.Add(bytes.Repeat([]byte{0xff}, 16), ^uint64(0), ^uint64(0), ^uint64(0), ^uint64(0), strings.Repeat("x", directory.MaxNameLen), "\x00\xff", "h", strings.Repeat("p", directory.MaxNameLen))
+	f.Fuzz(func(t *testing.T, parent []byte, addr, length, checksum, generation uint64, segment, owner, host, pool string) {
+		if len(segment) > directory.MaxNameLen || len(owner) > directory.MaxNameLen || len(host) > directory.MaxNameLen || len(pool) > directory.MaxNameLen {
 			return
 		}
-		in := directory.Entry{Loc: directory.Location{Segment: segment, Addr: addr, Length: length, Checksum: checksum, Generation: generation, Owner: owner}}
+		in := directory.Entry{Loc: directory.Location{Segment: segment, Addr: addr, Length: length, Checksum: checksum, Generation: generation, Owner: owner, Host: host, Pool: pool}}
 		copy(in.Parent[:], parent)
 		// Model and Key live in the etcd key, not the value.
 		out := directory.Entry{Model: key.Fingerprint{1}, Key: key.BlockKey{2}}
