@@ -77,8 +77,9 @@ type Bridge struct {
 	// stopReplication ends a store node's replication (Replicate).
 	stopReplication func()
 
-	rep  *reporter // reports to blocks' holders, and from readers; nil without a Notifier
-	tier *diskTier // a store node's disk tier; nil without one
+	shared *sameHost // shared pools of this host (samehost.go); nil when the pool is not shared
+	rep    *reporter // reports to blocks' holders, and from readers; nil without a Notifier
+	tier   *diskTier // a store node's disk tier; nil without one
 }
 
 // parked holds a timed-out batch and the staging it may still write into;
@@ -117,10 +118,13 @@ func Open(cfg config.Config, deps Deps) (*Bridge, error) {
 func (b *Bridge) build(deps Deps) error {
 	var err error
 	policy, _ := residency.PolicyNamed(b.cfg.Eviction) // the config validated it
-	if b.hold, err = holdings.New(holdings.Config{PoolBytes: b.cfg.PoolBytes, Policy: policy, Gone: b.gone, Log: b.log}); err != nil {
+	if b.hold, err = holdings.New(holdings.Config{PoolBytes: b.cfg.PoolBytes, Shared: b.cfg.SharedPool.Enabled, Policy: policy, Gone: b.gone, Log: b.log}); err != nil {
 		return err
 	}
-	b.closers = append(b.closers, b.closePool)
+	b.closers = append(b.closers, b.closePool, b.closeShared)
+	if err = b.openShared(); err != nil {
+		return err
+	}
 	ap, err := arbiter.ParsePolicy(b.cfg.Arbiter.Policy)
 	if err != nil {
 		return status.Wrap(status.Config, err, "arbiter policy")

@@ -262,8 +262,7 @@ func (b *Bridge) readBack(m disk.Meta) error {
 // the disk. One another process publishes first stays a replica.
 func (b *Bridge) publishHeld(keys []key.BlockKey) {
 	_, refused := b.hold.TakeOver(keys, func(s holdings.Block) directory.Location {
-		return directory.Location{Segment: b.tr.LocalSegment(), Addr: uint64(b.hold.Base()) + uint64(s.Off),
-			Length: uint64(s.Size), Checksum: s.Entry.Loc.Checksum, Generation: s.Gen, Owner: b.owner}
+		return b.location(s.Off, s.Size, s.Entry.Loc.Checksum, s.Gen)
 	}, b.pub.offer)
 	b.stats.add(&b.stats.publishDropped, int64(refused))
 }

@@ -54,10 +54,14 @@ type loadBlock struct {
 	entry  directory.Entry
 	expect pool.Expect
 	runs   []kvlayout.Run
-	src    []byte              // the block as verified: pool memory or staging (its header alone when landed)
+	src    []byte              // the block as verified: pool memory, a same-host pool's, or staging (its header alone when landed)
 	seg    transport.SegmentID // a remote block's holder
 	local  bool
 	stored bool // read from the store into staging
+	// mapped: read in place from a same-host process's shared pool
+	// (samehost.go), whose mapping unmap releases.
+	mapped bool
+	unmap  func()
 	// A remote block's transport tasks, per layer, and, when its layers
 	// land in place, where each layer's payload lands.
 	tasks  []taskSpan
@@ -150,6 +154,7 @@ func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, l
 	ld.ok = len(ld.blocks)
 	ld.placed.L = &ld.mu
 	ld.pinLocal()
+	ld.mapSameHost()
 	ld.submitStore()
 	if err := ld.submitRemote(); err != nil {
 		ld.release()
@@ -291,7 +296,7 @@ func (ld *Load) submitRemote() error {
 	size := int64(g.Size())
 	var remote []int
 	for i := 0; i < ld.ok; i++ {
-		if !ld.blocks[i].local && !ld.blocks[i].stored {
+		if !ld.blocks[i].local && !ld.blocks[i].stored && !ld.blocks[i].mapped {
 			remote = append(remote, i)
 		}
 	}
@@ -486,7 +491,7 @@ func (ld *Load) checkLayer(a arrival) int {
 				ld.failPlacing(i, err)
 				break
 			}
-		} else if !lb.local {
+		} else if !lb.local && !lb.mapped {
 			if err := ld.arrived(lb, a); err != nil {
 				ld.failPlacing(i, err)
 				ld.m.b.peerFailed(lb.entry.Loc.Segment, err)
@@ -584,6 +589,12 @@ func (ld *Load) End() (LoadResult, error) {
 		ld.placed.Wait()
 	}
 	ld.recheck()
+	mapped := 0
+	for i := 0; i < ld.ok; i++ {
+		if ld.blocks[i].mapped {
+			mapped++
+		}
+	}
 	ld.release()
 	ld.ended = true
 	b := ld.m.b
@@ -602,6 +613,7 @@ func (ld *Load) End() (LoadResult, error) {
 	ld.touchLocal()
 	b.noteRestored(ld.blocks[:ld.ok])
 	b.stats.load(res)
+	b.stats.add(&b.stats.sharedPoolBlocks, int64(mapped))
 	b.end()
 	if ld.err != nil && len(ld.blocks) > 0 {
 		return res, ld.err
@@ -637,7 +649,7 @@ func (ld *Load) recheck() {
 	for i := 0; i < ld.ok; i++ {
 		lb := &ld.blocks[i]
 		var gen uint64
-		if lb.local || lb.stored {
+		if lb.local || lb.stored || lb.mapped {
 			gen = pool.Generation(lb.src)
 		} else {
 			t := g.task[i]
@@ -676,6 +688,12 @@ func (ld *Load) release() {
 		if ld.blocks[i].local {
 			b.hold.Unpin(ld.blocks[i].entry.Key)
 			ld.blocks[i].local = false
+		}
+	}
+	for i := range ld.blocks {
+		if lb := &ld.blocks[i]; lb.mapped {
+			lb.unmap()
+			lb.mapped, lb.unmap = false, nil
 		}
 	}
 	ld.releaseGenerations()

@@ -160,6 +160,7 @@ func (m *Model) apply(ev directory.Event) {
 	switch ev.Kind {
 	case directory.Put:
 		m.mirror.put(ev.Entry)
+		m.b.warmSameHost(&ev.Entry)
 	case directory.Delete:
 		// A delete for an entry that was since republished elsewhere must
 		// not drop the new one.

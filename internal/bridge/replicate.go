@@ -165,6 +165,9 @@ func (b *Bridge) readBlock(e directory.Entry, ext extent) error {
 	dst := b.hold.Bytes(ext.off, ext.n)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(b.cfg.TransferTimeoutMS)*time.Millisecond)
 	defer cancel()
+	if ok, err := b.copySameHost(ctx, &e, dst); ok {
+		return err
+	}
 	seg, err := b.segment(ctx, e.Loc.Segment)
 	if err != nil {
 		return err

@@ -185,10 +185,7 @@ func (sv *Save) End() (SaveResult, error) {
 			return res, err
 		}
 		pool.EndWrite(mem, blk.gen)
-		entries[i] = directory.Entry{Model: m.fp, Key: blk.key, Parent: blk.parent, Loc: directory.Location{
-			Segment: b.tr.LocalSegment(), Addr: uint64(b.hold.Base()) + uint64(blk.off), Length: uint64(size),
-			Checksum: pool.HeaderSum(mem), Generation: blk.gen, Owner: b.owner,
-		}}
+		entries[i] = directory.Entry{Model: m.fp, Key: blk.key, Parent: blk.parent, Loc: b.location(blk.off, size, pool.HeaderSum(mem), blk.gen)}
 	}
 	// Hold the blocks before any entry can name them: a load of this
 	// process that finds a block in the mirror finds it held, and one that

@@ -34,6 +34,7 @@ type Stats struct {
 	TakenOver        int64 // copies a store node published when their owner let go
 	ReplicationFails int64
 	PeersDown        int64 // times a peer timed out and was planned around
+	SharedPoolBlocks int64 // blocks restored in place from a same-host process's shared pool
 	// Reports between readers and blocks' holders (reports.go).
 	ReportsSent       int64 // notifications sent to holders
 	ReportsFailed     int64 // notifications that could not be sent (holder gone)
@@ -67,6 +68,7 @@ type counters struct {
 	saves, saveFailures, savedBlocks, dedupedBlocks                         atomic.Int64
 	evictions, directoryErrors, tornReads, parkedBatches                    atomic.Int64
 	replicated, takenOver, replicationFailures, peersDown                   atomic.Int64
+	sharedPoolBlocks                                                        atomic.Int64
 	reportsSent, reportsFailed, reportsDropped, reportsUnreadable           atomic.Int64
 	peerUses, badReported                                                   atomic.Int64
 	badChecks                                                               [badOutcomes]atomic.Int64
@@ -120,7 +122,7 @@ func (b *Bridge) Stats() Stats {
 		Evictions: c.evictions.Load(), DirectoryErrors: c.directoryErrors.Load(),
 		TornReads: c.tornReads.Load(), ParkedBatches: c.parkedBatches.Load(),
 		Replicated: c.replicated.Load(), TakenOver: c.takenOver.Load(), ReplicationFails: c.replicationFailures.Load(),
-		PeersDown:   c.peersDown.Load(),
+		PeersDown: c.peersDown.Load(), SharedPoolBlocks: c.sharedPoolBlocks.Load(),
 		ReportsSent: c.reportsSent.Load(), ReportsFailed: c.reportsFailed.Load(), ReportsDropped: c.reportsDropped.Load(),
 		ReportsUnreadable: c.reportsUnreadable.Load(), PeerUses: c.peerUses.Load(), BadReported: c.badReported.Load(),
 		Persisted: c.persisted.Load(), Spilled: c.spilled.Load(), PagedIn: c.pagedIn.Load(),

@@ -11,6 +11,8 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"os/user"
+	"path/filepath"
 	"strconv"
 	"strings"
 
@@ -33,6 +35,9 @@ type Config struct {
 	Directory Directory `json:"directory"`
 	Arbiter   Arbiter   `json:"arbiter"`
 	Store     Store     `json:"store"`
+	// SharedPool puts the pool in memory that processes of the same host
+	// map read-only and restore from in place (docs/design.md §8.2).
+	SharedPool SharedPool `json:"shared_pool"`
 	// TransferTimeoutMS bounds a load's wait for its transfers, and every
 	// engine call that waits on a peer.
 	TransferTimeoutMS int `json:"transfer_timeout_ms"`
@@ -166,6 +171,45 @@ type Store struct {
 	AuditIntervalMS int `json:"audit_interval_ms"`
 }
 
+// SharedPool configures this process's pool as a shared one.
+type SharedPool struct {
+	// Enabled puts the pool in a sealed memfd and hands it to same-host
+	// readers over a unix socket in Dir.
+	Enabled bool `json:"enabled"`
+	// Dir holds the socket; empty is $XDG_RUNTIME_DIR/mcbridge, else
+	// /tmp/mcbridge-<uid>. It is made, or must be, a directory of this
+	// user that only the user (and Group) can enter.
+	Dir string `json:"dir"`
+	// Group (a name or a numeric id) may map the pool too; empty: only
+	// this user.
+	Group string `json:"group"`
+}
+
+// SocketDir is the directory the pool's socket goes in.
+func (s *SharedPool) SocketDir() string {
+	if s.Dir != "" {
+		return s.Dir
+	}
+	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
+		return filepath.Join(d, "mcbridge")
+	}
+	return filepath.Join(os.TempDir(), fmt.Sprintf("mcbridge-%d", os.Geteuid()))
+}
+
+// GID is the group's id, -1 without a group.
+func (s *SharedPool) GID() (int, error) {
+	if s.Group == "" {
+		return -1, nil
+	}
+	g, err := user.LookupGroup(s.Group)
+	if err != nil {
+		if g, err = user.LookupGroupId(s.Group); err != nil {
+			return -1, status.Errorf(status.Config, "shared_pool.group %q: no such group", s.Group)
+		}
+	}
+	return strconv.Atoi(g.Gid)
+}
+
 // Mooncake Store limits the configuration checks.
 const (
 	MaxStoreReplicas      = 16
@@ -288,6 +332,14 @@ func (c *Config) Validate() error {
 	}
 	if err := c.KVEvents.Validate(); err != nil {
 		return err
+	}
+	if c.SharedPool.Enabled {
+		if c.SharedPool.Dir != "" && !filepath.IsAbs(c.SharedPool.Dir) {
+			return status.Errorf(status.Config, "shared_pool.dir %q: an absolute path", c.SharedPool.Dir)
+		}
+		if _, err := c.SharedPool.GID(); err != nil {
+			return err
+		}
 	}
 	return c.Store.validate()
 }

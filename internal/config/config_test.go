@@ -282,3 +282,24 @@ func FuzzParse(f *testing.F) {
 		require.Equal(t, c, c2, "round trip of %q", doc)
 	})
 }
+
+func TestParseSharedPool(t *testing.T) {
+	c, err := Parse([]byte(`{"shared_pool": {"enabled": true, "dir": "/run/mcb", "group": "0"}}`))
+	require.NoError(t, err)
+	require.Equal(t, SharedPool{Enabled: true, Dir: "/run/mcb", Group: "0"}, c.SharedPool)
+	gid, err := c.SharedPool.GID()
+	require.NoError(t, err)
+	require.Zero(t, gid)
+	require.Equal(t, "/run/mcb", c.SharedPool.SocketDir())
+	t.Setenv("XDG_RUNTIME_DIR", "/run/user/7")
+	require.Equal(t, "/run/user/7/mcbridge", (&SharedPool{}).SocketDir())
+	t.Setenv("XDG_RUNTIME_DIR", "")
+	require.Contains(t, (&SharedPool{}).SocketDir(), "mcbridge-")
+	gid, err = (&SharedPool{}).GID()
+	require.NoError(t, err)
+	require.Equal(t, -1, gid, "no group: only this user")
+	for _, bad := range []string{`{"shared_pool": {"enabled": true, "dir": "rel"}}`, `{"shared_pool": {"enabled": true, "group": "no-such-group-here"}}`} {
+		_, err = Parse([]byte(bad))
+		require.Equal(t, status.Config, status.Of(err), bad)
+	}
+}

@@ -118,7 +118,10 @@ type Entry = residency.Entry[Block]
 // Config builds Holdings.
 type Config struct {
 	PoolBytes int64
-	Policy    residency.Policy
+	// Shared puts the pool in shared memory that Share hands to readers of
+	// this host (pool.NewShared).
+	Shared bool
+	Policy residency.Policy
 	// Gone hears the blocks that leave: evicted to make room (evicted
 	// true) or dropped. It runs without the holdings' lock, before their
 	// memory is invalidated: a disk tier can still write them out.
@@ -138,7 +141,11 @@ type Holdings struct {
 
 // New maps a pool of cfg.PoolBytes.
 func New(cfg Config) (*Holdings, error) {
-	p, err := pool.New(cfg.PoolBytes)
+	newPool := pool.New
+	if cfg.Shared {
+		newPool = pool.NewShared
+	}
+	p, err := newPool(cfg.PoolBytes)
 	if err != nil {
 		return nil, err
 	}
@@ -159,6 +166,11 @@ func New(cfg Config) (*Holdings, error) {
 
 // Close unmaps the pool: nothing may use its memory afterwards.
 func (h *Holdings) Close() error { return h.pool.Close() }
+
+// Share hands a shared pool to same-host readers (pool.Pool.Share).
+func (h *Holdings) Share(dir, name string, a pool.Access) (*pool.Server, error) {
+	return h.pool.Share(dir, name, a)
+}
 
 // Base is the pool's address, Size its length.
 func (h *Holdings) Base() uintptr { return h.pool.Base() }
