@@ -14,7 +14,7 @@ export MCB_TE_MOCK_LIB := $(abspath $(BUILD))/libmooncake_te_mock.so
 # The end-to-end environment scripts/deps.sh writes.
 E2E := . $(abspath $(BUILD))/e2e.env &&
 
-.PHONY: all bootstrap configure deps test test-go test-cgocheck test-c demo fuzz bench-report clean
+.PHONY: all bootstrap configure deps test test-go test-cgocheck test-c test-bench demo fuzz bench-report clean
 
 all: configure
 	cmake --build $(BUILD) -j$$(nproc)
@@ -28,7 +28,7 @@ configure: bootstrap
 deps: all
 	scripts/deps.sh $(BUILD)
 
-test: test-go test-cgocheck test-c
+test: test-go test-cgocheck test-c test-bench
 
 # Every Go package, the end-to-end suites (tests/e2e) included, under the race
 # detector.
@@ -43,6 +43,12 @@ test-cgocheck: deps
 
 test-c: deps
 	$(E2E) ctest --test-dir $(BUILD) --output-on-failure
+
+# The benchmarks of bench/ once each at the report's quick sizes, so that one
+# that no longer builds or runs fails the run (a few seconds); the report's own
+# run, with the end-to-end benchmarks, is bench-report.
+test-bench:
+	MCB_BENCH_QUICK=1 $(GO) test -run '^$$' -bench . -benchtime 1x -count 1 ./bench/
 
 # The swarm demo is a Go test behind the build tag "demo" (demo/demo_test.go),
 # so that test-go leaves it out.

@@ -13,7 +13,7 @@ import (
 
 func TestRestoreRig(t *testing.T) {
 	for _, g := range []geometry{geo64K, {"odd", 3, 6}} {
-		for _, l := range []link{linkLocal, linkUnshaped, shaped(10)} {
+		for _, l := range []link{linkLocal, linkShared, linkUnshaped, shaped(10)} {
 			t.Run(g.name+"/"+l.name, func(t *testing.T) {
 				r := newRestoreRig(t, g, 3, l)
 				require.Error(t, r.check(), "the reader's tensors hold the rows before any restore")

@@ -31,7 +31,7 @@ func newLookupRig(tb testing.TB, maxTokens, background int) *lookupRig {
 	tb.Helper()
 	dir := newDir(tb)
 	h := newHost(tb, geoTiny, maxTokens)
-	br := openBridge(tb, dir, "lookup", geoTiny, int64(maxTokens/blockTokens)+2, 0)
+	br := openBridge(tb, dir, "lookup", geoTiny, int64(maxTokens/blockTokens)+2, linkLocal)
 	r := &lookupRig{model: register(tb, br, h, "lookup"), tokens: promptTokens(maxTokens+1, 3)}
 	h.Compute(r.tokens, 0, maxTokens)
 	saveAndPublish(tb, r.model, h, key.Scope{}, r.tokens[:maxTokens])

@@ -69,15 +69,21 @@ func restoreBytes() int64 {
 var dirs atomic.Int64
 
 // link is how a restore reaches the blocks: from the reader's own pool,
-// or from a peer's over a Loopback link of GBps (0: unshaped).
+// from a peer's shared pool mapped in place (docs/design.md §8.2), or
+// from a peer's over a Loopback link of GBps (0: unshaped).
 type link struct {
-	name  string
-	local bool
-	GBps  float64
+	name   string
+	local  bool
+	shared bool
+	GBps   float64
+	// timeoutMS is the bridges' transfer_timeout_ms; 0 is a minute, which
+	// no restore of a benchmark reaches.
+	timeoutMS int
 }
 
 var (
 	linkLocal    = link{name: "local", local: true}
+	linkShared   = link{name: "shared", shared: true}
 	linkUnshaped = link{name: "unshaped"}
 )
 
@@ -85,14 +91,14 @@ func shaped(gbps float64) link { return link{name: fmt.Sprintf("%gGBps", gbps), 
 
 func links() []link {
 	if quick() {
-		return []link{linkLocal, linkUnshaped, shaped(10)}
+		return []link{linkLocal, linkShared, linkUnshaped, shaped(10)}
 	}
-	return []link{linkLocal, linkUnshaped, shaped(1), shaped(10), shaped(25), shaped(50)}
+	return []link{linkLocal, linkShared, linkUnshaped, shaped(1), shaped(10), shaped(25), shaped(50)}
 }
 
 // openBridge opens a bridge in directory dir whose pool holds poolBlocks
-// blocks of g, over a Loopback link of gbps.
-func openBridge(tb testing.TB, dir, owner string, g geometry, poolBlocks int64, gbps float64) *bridge.Bridge {
+// blocks of g, over link l's Loopback link, its pool shared where l is.
+func openBridge(tb testing.TB, dir, owner string, g geometry, poolBlocks int64, l link) *bridge.Bridge {
 	tb.Helper()
 	cfg := config.Default()
 	cfg.Owner = fmt.Sprintf("%s-%s", dir, owner)
@@ -100,8 +106,14 @@ func openBridge(tb testing.TB, dir, owner string, g geometry, poolBlocks int64, 
 	cfg.BlockTokens = blockTokens
 	// Headers and alignment add under 1% to a block of 64 KiB and more.
 	cfg.PoolBytes = max(poolBlocks*(g.blockBytes()+g.blockBytes()/64+4096), 1<<20)
-	cfg.Transport.BandwidthGBps = gbps
+	cfg.Transport.BandwidthGBps = l.GBps
+	cfg.SharedPool = config.SharedPool{Enabled: l.shared, Dir: os.TempDir() + "/mcb-bench-pools"}
 	cfg.TransferTimeoutMS = 60_000
+	if l.timeoutMS > 0 {
+		// A rig with a deadline of its own times its peer out on
+		// purpose and restores from it again right after.
+		cfg.TransferTimeoutMS, cfg.PeerDownMS = l.timeoutMS, 0
+	}
 	b, err := bridge.Open(cfg, bridge.Deps{})
 	require.NoError(tb, err)
 	tb.Cleanup(func() {
@@ -172,6 +184,7 @@ func saveAndPublish(tb testing.TB, m *bridge.Model, h *kvhost.Host, scope key.Sc
 // bridge (or the same one, for a local restore) to restore.
 type restoreRig struct {
 	src, dst *kvhost.Host
+	writer   *bridge.Bridge
 	reader   *bridge.Model
 	tokens   []int32
 	cells    []uint32
@@ -186,11 +199,11 @@ func newRestoreRig(tb testing.TB, g geometry, blocks int, l link) *restoreRig {
 	r := &restoreRig{src: newHost(tb, g, n), dst: newHost(tb, g, n), tokens: promptTokens(n, uint64(blocks)),
 		cells: kvhost.Positions(n), blocks: blocks, payload: int64(n) * g.bytesPerToken()}
 	// Room for the blocks and, on the reader, their staging.
-	writer := openBridge(tb, dir, "writer", g, int64(blocks)+2, l.GBps)
+	writer := openBridge(tb, dir, "writer", g, int64(blocks)+2, l)
 	wm := register(tb, writer, r.src, g.name)
-	r.reader = wm
+	r.reader, r.writer = wm, writer
 	if !l.local {
-		reader := openBridge(tb, dir, "reader", g, int64(blocks)+2, l.GBps)
+		reader := openBridge(tb, dir, "reader", g, int64(blocks)+2, l)
 		r.reader = register(tb, reader, r.dst, g.name)
 	}
 	r.src.Compute(r.tokens, 0, n)

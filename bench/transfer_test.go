@@ -62,7 +62,7 @@ func newSaveRig(tb testing.TB, g geometry, tokens int) *saveRig {
 	tb.Helper()
 	blocks := tokens / blockTokens
 	r := &saveRig{host: newHost(tb, g, tokens), tokens: promptTokens(tokens, 7), blocks: blocks}
-	br := openBridge(tb, newDir(tb), "saver", g, 2*int64(blocks)+2, 0)
+	br := openBridge(tb, newDir(tb), "saver", g, 2*int64(blocks)+2, linkLocal)
 	r.model = register(tb, br, r.host, g.name)
 	r.host.Compute(r.tokens, 0, tokens)
 	sink, err := mem.Map(int(int64(tokens) * g.bytesPerToken()))

@@ -35,6 +35,9 @@ func TestComputeCheck(t *testing.T) {
 			other := append([]int32(nil), tokens...)
 			other[7]++
 			require.Error(t, h.Check(other, 40), "rows of another token passed")
+			require.Zero(t, h.WrongPositions(tokens, 40))
+			require.Equal(t, 1, h.WrongPositions(other, 40), "one position's token differs")
+			require.Equal(t, 1, h.WrongPositions(tokens, 41), "one position never computed")
 			other2, err := New(tc.layers, 64, tc.krow, tc.vrow)
 			require.NoError(t, err)
 			defer other2.Close()
