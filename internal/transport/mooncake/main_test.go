@@ -4,7 +4,6 @@ package mooncake
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -12,7 +11,6 @@ import (
 	"strconv"
 	"syscall"
 	"testing"
-	"time"
 	"unsafe"
 
 	"github.com/ebitengine/purego"
@@ -308,29 +306,10 @@ func (c *child) signal(t testing.TB, sig syscall.Signal) {
 }
 
 // halt stops the child (SIGSTOP) and waits until every thread of it is
-// stopped: kill returns before that, and a thread still running for a few
-// milliseconds can answer a handshake.
+// stopped (testenv.Freeze).
 func (c *child) halt(t testing.TB) {
 	t.Helper()
-	c.signal(t, syscall.SIGSTOP)
-	require.Eventually(t, func() bool { return stopped(c.cmd.Process.Pid) }, 5*time.Second, 100*time.Microsecond, "the child never stopped")
-}
-
-// stopped reports whether every thread of pid is in the stopped state.
-func stopped(pid int) bool {
-	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
-	if err != nil || len(tasks) == 0 {
-		return false
-	}
-	for _, task := range tasks {
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, task.Name()))
-		// The state follows the parenthesised command name.
-		i := bytes.LastIndexByte(b, ')')
-		if err != nil || i < 0 || i+2 >= len(b) || b[i+2] != 'T' {
-			return false
-		}
-	}
-	return true
+	testenv.Freeze(t, c.cmd.Process.Pid)
 }
 
 // kill ends the child at once and reaps it.
