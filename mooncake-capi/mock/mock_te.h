@@ -8,7 +8,9 @@
  *   MOCK_TE_PATH=auto|tcp|vm     data path, as mock_te_set_path
  *   MOCK_TE_WORKERS=N            worker threads per engine (1..64, default 2)
  *   MOCK_TE_TIMEOUT_MS=N         a task running longer ends as TIMEOUT (0: never)
- *   MOCK_TE_IO_TIMEOUT_MS=N      socket deadline per frame (default 30000)
+ *   MOCK_TE_IO_TIMEOUT_MS=N      deadline of a status frame (default 30000);
+ *                                a streaming payload has none, as in the
+ *                                real TCP transport
  *   MOCK_TE_FAIL_AFTER=N         as MOCK_TE_FAULT_FAIL_AFTER
  *   MOCK_TE_DELAY_US=N           as MOCK_TE_FAULT_DELAY_US
  *   MOCK_TE_CORRUPT=N            as MOCK_TE_FAULT_CORRUPT

@@ -126,9 +126,11 @@ static int exchange(struct engine *e, int fd, uint16_t type, uint64_t addr,
     uint8_t raw[WIRE_HDR_LEN];
     uint64_t len = type == WIRE_READ ? in_len : out_len;
     wire_encode_request(raw, type, addr, len, tag);
+    /* As the real TCP transport: the status frame (a READ's reply header,
+     * a WRITE's ack) has the I/O deadline, a payload streaming either way
+     * none (tcp_transport_session_impl.h). */
     int rc = io_send_all(fd, raw, sizeof(raw), e->io_timeout_ms);
-    if (rc == 0 && out_len > 0)
-        rc = io_send_all(fd, out, out_len, e->io_timeout_ms);
+    if (rc == 0 && out_len > 0) rc = io_send_all(fd, out, out_len, -1);
     if (rc == 0) rc = io_recv_all(fd, raw, sizeof(raw), e->io_timeout_ms);
     if (rc) return io_error(rc);
     struct wire_hdr h;
@@ -155,7 +157,7 @@ static int exchange(struct engine *e, int fd, uint16_t type, uint64_t addr,
     }
     if (h.length != (type == WIRE_READ ? in_len : 0)) return -TE_MALFORMED_JSON;
     if (h.length > 0) {
-        rc = io_recv_all(fd, in, h.length, e->io_timeout_ms);
+        rc = io_recv_all(fd, in, h.length, -1);
         /* EFAULT: the local buffer went away; the stream is out of sync. */
         if (rc) return rc == -EFAULT ? -TE_MEMORY : io_error(rc);
     }

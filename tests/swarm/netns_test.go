@@ -132,7 +132,8 @@ func TestMultiHost(t *testing.T) {
 		rj.Config.Transport.LocalHostname = h.ipB
 		// The mock's same-host path would read across the namespaces (they
 		// share the kernel and the pid namespace), past any cut link: the
-		// mock goes over TCP, which gives up on a silent link after 2 s.
+		// mock goes over TCP, whose status frames give up on a silent link
+		// after 2 s (a payload already streaming waits, as the real one's).
 		var env []string
 		if im.mock() {
 			env = []string{"MOCK_TE_PATH=tcp", "MOCK_TE_IO_TIMEOUT_MS=2000"}
