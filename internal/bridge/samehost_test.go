@@ -1,6 +1,7 @@
 package bridge
 
 import (
+	"math/rand"
 	"os"
 	"path/filepath"
 	"testing"
@@ -105,4 +106,38 @@ func TestSameHostSocketIsPrivate(t *testing.T) {
 	require.NoError(t, b.Close())
 	_, err = os.Stat(addr.Path)
 	require.True(t, os.IsNotExist(err), "the socket outlived the bridge: %v", err)
+}
+
+// A store node with a shared pool copies a same-host owner's blocks from
+// the owner's mapped pool, with no transfer (the owner's engine fails
+// every request), and serves them the same way once the owner is gone.
+func TestSameHostStoreNode(t *testing.T) {
+	cfg := sharedConfig(t)
+	store := openBridge(t, cfg, "store")
+	require.NoError(t, store.Replicate())
+	a := openBridge(t, cfg, "a")
+	a.tr.(*transport.Loopback).SetFault(transport.Fault{Kind: transport.FailAll})
+	src := newHost(t, 2, 32, 16, 16, false)
+	ma := register(t, a, src, 4)
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(26)), 16)
+	src.Fill(tokens, kvtest.SeqCells(16))
+	saveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(16))
+	waitFor(t, "the store to copy 4 blocks", func() bool { return store.Stats().Replicated == 4 })
+	require.Zero(t, store.Stats().ReplicationFails)
+
+	require.NoError(t, a.Close())
+	waitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 4 })
+	store.tr.(*transport.Loopback).SetFault(transport.Fault{Kind: transport.FailAll})
+	c := openBridge(t, cfg, "c")
+	dst := newHost(t, 2, 32, 16, 16, false)
+	mc := register(t, c, dst, 4)
+	waitFor(t, "c's mirror to hold the store's blocks", func() bool {
+		p, err := mc.Lookup(key.Scope{}, append(tokens, 1), 0)
+		return err == nil && p.MatchedBlocks == 4
+	})
+	res, err := loadAll(t, mc, dst, key.Scope{}, tokens, kvtest.SeqCells(16))
+	require.NoError(t, err)
+	require.Equal(t, 16, res.OKTokens)
+	require.NoError(t, dst.Check(tokens, kvtest.SeqCells(16), 16))
+	require.Equal(t, int64(4), c.Stats().SharedPoolBlocks)
 }
