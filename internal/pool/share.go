@@ -117,6 +117,7 @@ func (p *Pool) Share(dir, name string, access Access) (*Server, error) {
 	if len(path) > MaxSocketPath {
 		return nil, status.Errorf(status.Config, "shared pool socket %q is longer than %d bytes", path, MaxSocketPath)
 	}
+	sweepSockets(dir)
 	_ = os.Remove(path) // a socket a killed process of this name left
 	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
 	if err != nil {
@@ -141,6 +142,24 @@ func (p *Pool) Share(dir, name string, access Access) (*Server, error) {
 	s := &Server{p: p, l: l, access: access, uid: os.Geteuid(), done: make(chan struct{}), path: path}
 	go s.serve()
 	return s, nil
+}
+
+// sweepSockets removes the sockets in dir that nothing listens on any
+// more: a holder killed with SIGKILL cannot unlink its own. Connecting
+// tells: refused where the listener is gone, accepted (into the backlog)
+// where it lives, stopped or not.
+func sweepSockets(dir string) {
+	names, _ := filepath.Glob(filepath.Join(dir, "*.sock"))
+	for _, n := range names {
+		c, err := net.DialTimeout("unix", n, 100*time.Millisecond)
+		if err == nil {
+			_ = c.Close()
+			continue
+		}
+		if errors.Is(err, syscall.ECONNREFUSED) {
+			_ = os.Remove(n)
+		}
+	}
 }
 
 // Address is where readers find the pool.

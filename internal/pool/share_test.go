@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -360,4 +361,29 @@ func TestPeers(t *testing.T) {
 	require.NoError(t, err)
 	rel()
 	require.Equal(t, 1, ps.Mapped(), "the idle mapping was dropped")
+}
+
+// Sharing a pool removes the sockets of holders that are gone (killed,
+// they could not unlink theirs) and leaves those of live holders.
+func TestShareSweepsDeadSockets(t *testing.T) {
+	dir := t.TempDir()
+	require.NoError(t, SocketDir(dir, Access{GID: -1}))
+	dead, err := net.ListenUnix("unix", &net.UnixAddr{Name: filepath.Join(dir, "dead.sock"), Net: "unix"})
+	require.NoError(t, err)
+	dead.SetUnlinkOnClose(false)
+	require.NoError(t, dead.Close())
+	live := startHolder(t, dir)
+	p, err := NewShared(1 << 20)
+	require.NoError(t, err)
+	defer p.Close()
+	s, err := p.Share(dir, "new.sock", Access{GID: -1})
+	require.NoError(t, err)
+	defer s.Close()
+	_, err = os.Stat(filepath.Join(dir, "dead.sock"))
+	require.True(t, os.IsNotExist(err), "the dead holder's socket is still there: %v", err)
+	_, err = os.Stat(live.addr.Path)
+	require.NoError(t, err, "the live holder's socket")
+	m, err := Map(context.Background(), live.addr)
+	require.NoError(t, err)
+	require.NoError(t, m.Close())
 }
