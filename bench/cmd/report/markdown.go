@@ -151,13 +151,23 @@ func (r *report) writeTargets(m *md) {
 		}
 		return best, at, found
 	}
+	throughput, throughputTarget := "restore throughput in one process, >= 1 MiB blocks", ">= 0.8 x memcpy from a peer over an engine, >= 0.9 x from the own pool and a shared pool (memcpy on the restore's threads)"
 	if x, at, ok := minX("unshaped"); ok {
 		local, atLocal, _ := minX("local")
-		add("restore throughput in one process, >= 1 MiB blocks", ">= 0.8 x memcpy from a peer, >= 0.9 x from the own pool",
-			fmt.Sprintf("%s x at worst (%s blocks, from a peer's pool over unshaped Loopback); %s x from the own pool (%s)", num(x, 2), at, num(local, 2), atLocal),
-			judge(x >= 0.8 && local >= 0.9))
+		shared, atShared, _ := minX("shared")
+		add(throughput, throughputTarget,
+			fmt.Sprintf("%s x at worst (%s blocks, from a peer's pool over unshaped Loopback); %s x from the own pool (%s); %s x from a peer's shared pool, mapped (%s)",
+				num(x, 2), at, num(local, 2), atLocal, num(shared, 2), atShared),
+			judge(x >= 0.8 && local >= 0.9 && shared >= 0.9))
 	} else {
-		add("restore throughput in one process, >= 1 MiB blocks", ">= 0.8 x memcpy from a peer, >= 0.9 x from the own pool", "", notMeasured)
+		add(throughput, throughputTarget, "", notMeasured)
+	}
+	if b, ok := r.bench("SharedHolderStopped"); ok {
+		x := b.Metrics["x_live"]
+		add("a stopped same-host holder costs a restore nothing", "restore from its shared pool within 10% of a running holder's",
+			fmt.Sprintf("%s x the running holder's restore time (medians of interleaved rounds, 48 MiB)", num(x, 2)), judge(x <= 1.1))
+	} else {
+		add("a stopped same-host holder costs a restore nothing", "restore from its shared pool within 10% of a running holder's", "BenchmarkSharedHolderStopped did not run", notMeasured)
 	}
 	storeMeasured, storeVerdict := r.storeRestoreTarget()
 	add("restore throughput through Mooncake Store, >= 1 MiB objects", ">= 0.8 x memcpy from a peer process, >= 0.9 x from the own segment", storeMeasured, storeVerdict)
