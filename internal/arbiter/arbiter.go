@@ -47,13 +47,24 @@ type Config struct {
 	// is not used, so not measured: without expiry a congestion once seen
 	// would keep the arbiter off that link for good.
 	LinkExpiry time.Duration
+	// DeadlineFactor and DeadlineMargin give a restore its deadline
+	// (Decision.Deadline): DeadlineFactor times its estimated time, but no
+	// more than the compute it saves, plus DeadlineMargin. A holder that
+	// hangs so costs the request that waits on it little more than
+	// recomputing would have: the margin and a few estimated restores.
+	// DeadlineFactor (4) is at least 1; the margin (zero here; the bridge
+	// configures 50 ms) covers what no link calibration sees: scheduling on
+	// a loaded host, a first contact's handshake.
+	DeadlineFactor float64
+	DeadlineMargin time.Duration
 	// Now is the clock (time.Now).
 	Now func() time.Time
 }
 
 const (
-	defaultWindow     = 64
-	defaultLinkExpiry = 10 * time.Minute
+	defaultWindow         = 64
+	defaultLinkExpiry     = 10 * time.Minute
+	defaultDeadlineFactor = 4
 )
 
 func (c Config) withDefaults() Config {
@@ -68,6 +79,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.LinkExpiry == 0 {
 		c.LinkExpiry = defaultLinkExpiry
+	}
+	if c.DeadlineFactor == 0 {
+		c.DeadlineFactor = defaultDeadlineFactor
 	}
 	if c.Now == nil {
 		c.Now = time.Now
@@ -101,6 +115,12 @@ func (c Config) validate() error {
 	}
 	if c.LinkExpiry < 0 {
 		return status.Errorf(status.Config, "arbiter: link expiry %v must be >= 0", c.LinkExpiry)
+	}
+	if !(c.DeadlineFactor >= 1) || math.IsInf(c.DeadlineFactor, 0) {
+		return status.Errorf(status.Config, "arbiter: deadline factor %v must be finite and >= 1", c.DeadlineFactor)
+	}
+	if c.DeadlineMargin < 0 {
+		return status.Errorf(status.Config, "arbiter: deadline margin %v must be >= 0", c.DeadlineMargin)
 	}
 	return nil
 }

@@ -96,6 +96,11 @@ type Decision struct {
 	EstRestore    time.Duration // time to first token restoring every usable block
 	EstRecompute  time.Duration // time to first token computing the whole prompt
 	EstTotal      time.Duration // time to first token of this plan
+	// Deadline is how long the restore may take before the host gives it
+	// up and computes instead (Config.DeadlineFactor): zero when nothing is
+	// restored or the policy, not the cost model, chose the restore; the
+	// host's own transfer deadline applies then.
+	Deadline time.Duration
 }
 
 // String reads as a log line, e.g.
@@ -179,8 +184,22 @@ func (a *Arbiter) Decide(in Input) Decision {
 		default:
 			d.Reason = RecomputeCheaper
 		}
+		d.Deadline = a.deadline(&c, k, local)
 	}
 	return d
+}
+
+// deadline is the time a plan restoring k blocks may spend on that
+// restore: DeadlineFactor times its estimate, but never more than the
+// compute it saves (past that, the plan is worse than computing from what
+// the host holds, which costs local), plus DeadlineMargin. Zero when the
+// plan restores nothing.
+func (a *Arbiter) deadline(c *plan, k int, local float64) time.Duration {
+	if k == 0 {
+		return 0
+	}
+	saves := local - c.tail(k)
+	return seconds(min(a.cfg.DeadlineFactor*c.restore(k), saves)) + a.cfg.DeadlineMargin
 }
 
 // plan evaluates candidate plans for one prompt, in seconds. It holds the

@@ -129,7 +129,8 @@ func (b *Bridge) build(deps Deps) error {
 	if err != nil {
 		return status.Wrap(status.Config, err, "arbiter policy")
 	}
-	if b.arb, err = arbiter.New(arbiter.Config{Policy: ap, Now: b.now}); err != nil {
+	if b.arb, err = arbiter.New(arbiter.Config{Policy: ap, Now: b.now, DeadlineFactor: b.cfg.Arbiter.DeadlineFactor,
+		DeadlineMargin: time.Duration(b.cfg.Arbiter.DeadlineMarginMS) * time.Millisecond}); err != nil {
 		return err
 	}
 	if b.tr = deps.Transport; b.tr == nil {
@@ -389,6 +390,9 @@ func (b *Bridge) segment(ctx context.Context, name string) (transport.SegmentID,
 		id, err = b.tr.OpenSegment(name)
 	}
 	if err != nil {
+		if abandoned(ctx) {
+			return 0, errAbandoned
+		}
 		code := status.Transfer
 		if status.Of(err) == status.Timeout || ctx.Err() != nil {
 			code = status.Timeout

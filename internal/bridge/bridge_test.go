@@ -533,9 +533,9 @@ func TestLandedLoadFencedAtTheDeadline(t *testing.T) {
 		dst.Scribble()
 		ld, err := mb.LoadBegin(key.Scope{}, dst.Layout(), tokens, cells)
 		require.NoError(t, err)
-		require.Equal(t, !vtrans, ld.landed, "vtrans %v: transfers land in place only where rows sit back to back", vtrans)
 		res, err := ld.End()
 		require.NoError(t, err, "vtrans %v", vtrans)
+		require.Equal(t, !vtrans, ld.landed, "vtrans %v: transfers land in place only where rows sit back to back", vtrans)
 		require.Equal(t, 16, res.OKTokens)
 		require.NoError(t, dst.Check(tokens, cells, 16), "vtrans %v", vtrans)
 
@@ -593,9 +593,9 @@ func TestUnregisterTensors(t *testing.T) {
 	lo := dst.Layout()
 	ld, err := mb.LoadBegin(key.Scope{}, lo, tokens, kvtest.SeqCells(8))
 	require.NoError(t, err)
-	require.True(t, ld.landed)
 	res, err := ld.End()
 	require.NoError(t, err)
+	require.True(t, ld.landed)
 	require.Equal(t, 8, res.OKTokens)
 	k0 := lo.Layers[0].K
 	require.Error(t, b.tr.RegisterMemory(k0, 64, "cpu:0", false), "the landed tensors are registered")
@@ -633,9 +633,9 @@ func TestScatteredCellsStaged(t *testing.T) {
 		dst.Scribble()
 		ld, err := mb.LoadBegin(key.Scope{}, dst.Layout(), tokens, tc.cells)
 		require.NoError(t, err, tc.name)
-		require.Equal(t, tc.landed, ld.landed, tc.name)
 		res, err := ld.End()
 		require.NoError(t, err, tc.name)
+		require.Equal(t, tc.landed, ld.landed, tc.name)
 		require.Equal(t, 32, res.OKTokens, tc.name)
 		require.NoError(t, dst.Check(tokens, tc.cells, 32), tc.name)
 	}

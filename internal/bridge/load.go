@@ -18,17 +18,21 @@ import (
 )
 
 // Load restores a prompt's leading blocks into a host's KV tensors, layer
-// by layer. Goroutines of its own wait for each layer's transfers (the
+// by layer. Goroutines of its own reach the peers (the worker opens their
+// segments and submits the transfers), wait for each layer's transfers (the
 // poller) and verify and place it (the worker, see run), so the host's
-// thread only waits for layers it needs while later layers arrive. One
-// goroutine drives a Load at a time.
+// thread waits on no peer: only for layers it needs while later layers
+// arrive, or not at all (Poll). One goroutine drives a Load at a time.
 type Load struct {
-	m      *Model
-	layout kvlayout.Layout
-	blocks []loadBlock
-	start  time.Time
-	ctx    context.Context
-	cancel context.CancelFunc
+	m        *Model
+	layout   kvlayout.Layout
+	blocks   []loadBlock
+	start    time.Time
+	deadline time.Duration
+	ctx      context.Context
+	cancel   context.CancelCauseFunc
+	done     chan struct{} // closed by the worker once the load is over (Poll)
+	finished time.Time     // when it was over, written before done closes
 
 	batch   transport.Batch
 	store   *storeFetch // blocks read from the store (storefetch.go)
@@ -107,19 +111,30 @@ func (m *Model) LoadBegin(scope key.Scope, layout kvlayout.Layout, tokens []int3
 		return nil, status.Errorf(status.InvalidArg, "load of %d tokens: a positive multiple of the block size %d", len(tokens), B)
 	}
 	root := key.Root(m.fp, scope)
-	return m.loadBegin(root, key.Chain(root, tokens, B), tokens, layout, cells)
+	return m.loadBegin(root, key.Chain(root, tokens, B), tokens, layout, cells, 0)
 }
 
 // Load starts restoring what a plan of this model decided, as
-// LoadBegin, without hashing the prompt again.
+// LoadBegin, without hashing the prompt again, within the deadline the
+// arbiter gave the restore.
 func (p *Plan) Load(layout kvlayout.Layout, cells []uint32) (*Load, error) {
 	if p.RestoreTokens == 0 {
 		return nil, status.Errorf(status.NotFound, "the plan restores nothing (%s)", p.Decision.Reason)
 	}
-	return p.m.loadBegin(p.root, p.chain, p.tokens, layout, cells)
+	return p.m.loadBegin(p.root, p.chain, p.tokens, layout, cells, p.Decision.Deadline)
 }
 
-func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, layout kvlayout.Layout, cells []uint32) (*Load, error) {
+// errAbandoned is the cause with which End cancels a load the host gave up
+// on before it was over: its transfers stop, and no peer is to blame.
+var errAbandoned = status.Errorf(status.State, "the host ended the load before it was over")
+
+// abandoned says whether ctx is a load's that its host gave up on.
+func abandoned(ctx context.Context) bool { return context.Cause(ctx) == errAbandoned }
+
+// loadBegin starts a load whose transfers must be in within deadline (the
+// arbiter's, see arbiter.Config.DeadlineFactor), or transfer_timeout_ms
+// when that is shorter or deadline is 0.
+func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, layout kvlayout.Layout, cells []uint32, deadline time.Duration) (*Load, error) {
 	b := m.b
 	B := m.geo.BlockTokens
 	if len(cells) != len(tokens) {
@@ -138,9 +153,15 @@ func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, l
 	if err := b.begin(); err != nil {
 		return nil, err
 	}
-	ld := &Load{m: m, layout: layout, start: b.now()}
+	ld := &Load{m: m, layout: layout, start: b.now(), done: make(chan struct{})}
 	ld.layout.Layers = append([]kvlayout.Layer(nil), layout.Layers...)
-	ld.ctx, ld.cancel = context.WithTimeout(context.Background(), time.Duration(b.cfg.TransferTimeoutMS)*time.Millisecond)
+	ld.deadline = time.Duration(b.cfg.TransferTimeoutMS) * time.Millisecond
+	if deadline > 0 {
+		ld.deadline = min(ld.deadline, deadline)
+	}
+	timed, stop := context.WithTimeout(context.Background(), ld.deadline)
+	ctx, cancel := context.WithCancelCause(timed)
+	ld.ctx, ld.cancel = ctx, func(cause error) { cancel(cause); stop() }
 	parent := root
 	for i, e := range found {
 		toks := tokens[i*B : (i+1)*B]
@@ -156,22 +177,20 @@ func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, l
 	ld.pinLocal()
 	ld.mapSameHost()
 	ld.submitStore()
-	if err := ld.submitRemote(); err != nil {
-		ld.release()
-		b.end()
-		return nil, err
-	}
 	go ld.run()
 	return ld, nil
 }
 
-// run is the load's worker: every layer in order, then done. A poller
-// goroutine waits for each layer's transfers and hands the layer on, so
-// that the engine is polled for layer i+1 (with the Loopback engine,
-// which copies when polled, the copy itself) while layer i is verified and
-// placed. Both are bounded by the load's deadline, which every wait for a
-// transfer honours.
+// run is the load's worker: it reaches the peers (opening a segment waits
+// on the peer, so it never runs on the host's thread), then places every
+// layer in order, then waits for the generation check, then closes done. A
+// poller goroutine waits for each layer's transfers and hands the layer
+// on, so that the engine is polled for layer i+1 (with the Loopback
+// engine, which copies when polled, the copy itself) while layer i is
+// verified and placed. All of it is bounded by the load's deadline, which
+// every wait for a peer honours.
 func (ld *Load) run() {
+	ld.submitRemote()
 	arrivals := make(chan arrival, ld.m.geo.Layers())
 	go ld.poll(arrivals)
 	for a := range arrivals {
@@ -185,6 +204,42 @@ func (ld *Load) run() {
 		// layer first: with the poller holding the other processor, the
 		// host woke 1-5 ms late. Yielding lets it run now.
 		runtime.Gosched()
+	}
+	if g := ld.gens.batch; g != nil {
+		// recheck polls it again and finds it done.
+		_, _ = transport.Wait(ld.ctx, g, 0, g.Tasks(), transport.DefaultBackoff)
+	}
+	ld.finished = ld.m.b.now()
+	close(ld.done)
+}
+
+// Cancel abandons a load the host no longer wants (its request went away,
+// its context is closing): the transfers still running stop, no peer is
+// blamed for them, and End, which returns at once then, counts only blocks
+// already whole and verified: none unless every layer was in.
+func (ld *Load) Cancel() {
+	ld.cancel(errAbandoned)
+}
+
+// Poll waits at most d (0: not at all) for the load to be over: every
+// layer verified and placed or failed, its deadline included. It reports
+// whether it is; End then returns without waiting on any peer.
+func (ld *Load) Poll(d time.Duration) bool {
+	select {
+	case <-ld.done:
+		return true
+	default:
+	}
+	if d <= 0 {
+		return false
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ld.done:
+		return true
+	case <-t.C:
+		return false
 	}
 }
 
@@ -289,8 +344,9 @@ func (ld *Load) pinLocal() {
 // layer is verified where it landed before WaitLayer reports it, and an
 // abort at the deadline keeps a late transfer from writing into cells the
 // host has been given back. Elsewhere a block lands in staging and is
-// placed from there.
-func (ld *Load) submitRemote() error {
+// placed from there. It runs on the worker: what fails here fails its
+// blocks, which End reports.
+func (ld *Load) submitRemote() {
 	b := ld.m.b
 	g := &ld.m.geo
 	size := int64(g.Size())
@@ -301,26 +357,26 @@ func (ld *Load) submitRemote() error {
 		}
 	}
 	if len(remote) == 0 {
-		return nil
+		return
 	}
 	segs := make([]transport.SegmentID, len(remote))
 	for j, i := range remote {
 		lb := &ld.blocks[i]
 		if lb.entry.Loc.Length != uint64(size) {
-			ld.fail(i, status.Errorf(status.Corrupt, "block %s published with %d bytes, model blocks are %d", lb.entry.Key, lb.entry.Loc.Length, size))
+			ld.failPlacing(i, status.Errorf(status.Corrupt, "block %s published with %d bytes, model blocks are %d", lb.entry.Key, lb.entry.Loc.Length, size))
 			remote = remote[:j]
 			break
 		}
 		seg, err := b.segment(ld.ctx, lb.entry.Loc.Segment)
 		if err != nil {
-			ld.fail(i, err)
+			ld.failPlacing(i, err)
 			remote = remote[:j]
 			break
 		}
 		segs[j] = seg
 	}
 	if len(remote) == 0 {
-		return nil
+		return
 	}
 	layers := g.Layers()
 	// Landing in place needs the engine's fence (transport.Aborter), rows
@@ -343,13 +399,14 @@ func (ld *Load) submitRemote() error {
 	}
 	genOff, err := b.hold.Alloc(int64(len(remote)) * genSlot)
 	if err != nil {
-		ld.fail(remote[0], err)
-		return nil
+		ld.failPlacing(remote[0], err)
+		return
 	}
 	ld.gens.at = extent{genOff, int64(len(remote)) * genSlot}
 	batch, err := b.tr.AllocateBatch(capacity)
 	if err != nil {
-		return status.Wrap(status.Transfer, err, "allocating a transfer batch")
+		ld.failPlacing(remote[0], status.Wrap(status.Transfer, err, "allocating a transfer batch"))
+		return
 	}
 	ld.batch = batch
 	stage := size
@@ -363,7 +420,7 @@ func (ld *Load) submitRemote() error {
 	for j, i := range remote {
 		off, err := b.hold.Alloc(stage)
 		if err != nil {
-			ld.fail(i, err)
+			ld.failPlacing(i, err)
 			remote = remote[:j]
 			break
 		}
@@ -377,7 +434,7 @@ func (ld *Load) submitRemote() error {
 		}
 	}
 	if len(remote) == 0 {
-		return nil
+		return
 	}
 	ld.gens.task = make([]int, len(ld.blocks))
 	for i := range ld.gens.task {
@@ -416,9 +473,9 @@ func (ld *Load) submitRemote() error {
 		ld.waves[l].n = len(reqs) - ld.waves[l].first
 	}
 	if err := batch.Submit(reqs); err != nil {
-		return status.Wrap(status.Transfer, err, "submitting transfers")
+		ld.waves = nil // nothing to wait for
+		ld.failPlacing(remote[0], status.Wrap(status.Transfer, err, "submitting transfers"))
 	}
-	return nil
 }
 
 // maxLandedPieces bounds the requests of one block's layer landed in place
@@ -493,8 +550,7 @@ func (ld *Load) checkLayer(a arrival) int {
 			}
 		} else if !lb.local && !lb.mapped {
 			if err := ld.arrived(lb, a); err != nil {
-				ld.failPlacing(i, err)
-				ld.m.b.peerFailed(lb.entry.Loc.Segment, err)
+				ld.failPlacing(i, ld.blame(i, err))
 				break
 			}
 		}
@@ -508,6 +564,17 @@ func (ld *Load) checkLayer(a arrival) int {
 		}
 	}
 	return ld.ok
+}
+
+// blame is the failure of remote block i, whose transfer failed with err:
+// a peer that timed out is marked down, unless the host abandoned the load,
+// which is then the failure.
+func (ld *Load) blame(i int, err error) error {
+	if abandoned(ld.ctx) {
+		return errAbandoned
+	}
+	ld.m.b.peerFailed(ld.blocks[i].entry.Loc.Segment, err)
+	return err
 }
 
 // arrived reports whether every task of a remote block's layer completed.
@@ -580,13 +647,11 @@ func (ld *Load) placeLayer(l, n int) {
 // changed while it was read (the seqlock's second read), releases pins and
 // staging, and reports the good prefix. Its error is the first failure.
 func (ld *Load) End() (LoadResult, error) {
+	<-ld.done
 	ld.mu.Lock()
 	defer ld.mu.Unlock()
 	if ld.ended {
 		return LoadResult{}, status.Errorf(status.State, "load ended twice")
-	}
-	for ld.layers < ld.m.geo.Layers() {
-		ld.placed.Wait()
 	}
 	ld.recheck()
 	mapped := 0
@@ -605,11 +670,7 @@ func (ld *Load) End() (LoadResult, error) {
 		Bytes:    int64(ld.ok) * int64(ld.m.geo.PayloadSize()),
 		Err:      ld.err,
 	}
-	// A complete load calibrates the link it came over: a peer's, or this
-	// pool's own ("local"), whose cost is verification and placement.
-	if ld.ok == len(ld.blocks) && res.Bytes > 0 {
-		b.arb.ObserveTransfer(b.linkFor(ld.blocks[0].entry), res.Bytes, b.now().Sub(ld.start))
-	}
+	ld.observe()
 	ld.touchLocal()
 	b.noteRestored(ld.blocks[:ld.ok])
 	b.stats.load(res)
@@ -619,6 +680,25 @@ func (ld *Load) End() (LoadResult, error) {
 		return res, ld.err
 	}
 	return res, nil
+}
+
+// observe calibrates the link a load came over: a peer's, or this pool's
+// own ("local"), whose cost is verification and placement. A complete load
+// took its time until the worker was done, however late the host ended it.
+// A load whose transfers missed the deadline took at least the deadline: a
+// lower bound, fed as a measurement, so that a peer slower than believed
+// gets longer deadlines (up to what recomputing costs) or none, instead of
+// missing them forever.
+func (ld *Load) observe() {
+	b := ld.m.b
+	took := ld.finished.Sub(ld.start)
+	switch {
+	case ld.ok == len(ld.blocks) && ld.ok > 0:
+		b.arb.ObserveTransfer(b.linkFor(ld.blocks[0].entry), int64(ld.ok)*int64(ld.m.geo.PayloadSize()), took)
+	case status.Of(ld.err) == status.Timeout:
+		missed := len(ld.blocks) - ld.ok
+		b.arb.ObserveTransfer(b.linkFor(ld.blocks[ld.ok].entry), int64(missed)*int64(ld.m.geo.PayloadSize()), max(took, ld.deadline))
+	}
 }
 
 // touchLocal counts the restored blocks of this pool as used, so that
@@ -654,8 +734,7 @@ func (ld *Load) recheck() {
 		} else {
 			t := g.task[i]
 			if g.batch == nil {
-				ld.fail(i, g.err)
-				b.peerFailed(lb.entry.Loc.Segment, g.err)
+				ld.fail(i, ld.blame(i, g.err))
 				return
 			}
 			if st := remote[t].State; st != transport.Completed {
@@ -663,9 +742,7 @@ func (ld *Load) recheck() {
 				if st == transport.TimedOut {
 					code = status.Timeout
 				}
-				err := status.Errorf(code, "block %s generation check: %s", lb.entry.Key, st)
-				ld.fail(i, err)
-				b.peerFailed(lb.entry.Loc.Segment, err)
+				ld.fail(i, ld.blame(i, status.Errorf(code, "block %s generation check: %s", lb.entry.Key, st)))
 				return
 			}
 			gen = pool.Generation(b.hold.Bytes(g.at.off+int64(t)*genSlot, genSlot))
@@ -682,7 +759,7 @@ func (ld *Load) recheck() {
 // still in flight is parked with its staging until it is idle.
 func (ld *Load) release() {
 	b := ld.m.b
-	ld.cancel()
+	ld.cancel(context.Canceled)
 	ld.releaseStore()
 	for i := range ld.blocks {
 		if ld.blocks[i].local {

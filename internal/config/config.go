@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/url"
 	"os"
@@ -223,6 +224,11 @@ type Arbiter struct {
 	// Policy is "cost-model" (the default), "always-restore" or
 	// "always-recompute".
 	Policy string `json:"policy"`
+	// DeadlineFactor and DeadlineMarginMS give a restore the cost model
+	// chose its deadline: this many times its estimated time, at most the
+	// compute it saves, plus the margin; TransferTimeoutMS caps it.
+	DeadlineFactor   float64 `json:"deadline_factor"`
+	DeadlineMarginMS int     `json:"deadline_margin_ms"`
 }
 
 // Default returns the configuration used when nothing is configured.
@@ -233,7 +239,7 @@ func Default() Config {
 		Eviction:    "lru",
 		Transport:   Transport{Kind: "loopback", Metadata: "P2PHANDSHAKE", Protocol: "tcp", LocalHostname: "127.0.0.1"},
 		Directory:   Directory{Kind: "memory", Name: "default", Prefix: "/mcbridge", LeaseTTLS: 10, OpTimeoutMS: 2000},
-		Arbiter:     Arbiter{Policy: "cost-model"},
+		Arbiter:     Arbiter{Policy: "cost-model", DeadlineFactor: 4, DeadlineMarginMS: 50},
 		Store: Store{Kind: "none", Replicas: 1, Metadata: storeMetadataP2P, Protocol: "tcp", LocalHostname: "127.0.0.1",
 			OpTimeoutMS: 5000, SetupTimeoutMS: 30000, AuditIntervalMS: 5000},
 		TransferTimeoutMS: 5000,
@@ -314,6 +320,10 @@ func (c *Config) Validate() error {
 		return status.Errorf(status.Config, "transfer_timeout_ms must be positive")
 	case c.PeerDownMS < 0:
 		return status.Errorf(status.Config, "peer_down_ms must not be negative")
+	case !(c.Arbiter.DeadlineFactor >= 1) || math.IsInf(c.Arbiter.DeadlineFactor, 0):
+		return status.Errorf(status.Config, "arbiter.deadline_factor %v: finite and >= 1", c.Arbiter.DeadlineFactor)
+	case c.Arbiter.DeadlineMarginMS < 0:
+		return status.Errorf(status.Config, "arbiter.deadline_margin_ms must not be negative")
 	}
 	if _, err := arbiter.ParsePolicy(c.Arbiter.Policy); err != nil {
 		return status.Wrap(status.Config, err, "arbiter.policy")

@@ -96,6 +96,9 @@ func TestValidate(t *testing.T) {
 		{"op timeout", func(c *Config) { c.Directory.OpTimeoutMS = -1 }, "op_timeout_ms"},
 		{"transfer timeout", func(c *Config) { c.TransferTimeoutMS = 0 }, "transfer_timeout_ms"},
 		{"arbiter policy", func(c *Config) { c.Arbiter.Policy = "sometimes" }, "arbiter.policy"},
+		{"deadline factor below 1", func(c *Config) { c.Arbiter.DeadlineFactor = 0.5 }, "arbiter.deadline_factor"},
+		{"no deadline factor", func(c *Config) { c.Arbiter.DeadlineFactor = 0 }, "arbiter.deadline_factor"},
+		{"negative deadline margin", func(c *Config) { c.Arbiter.DeadlineMarginMS = -1 }, "arbiter.deadline_margin_ms"},
 		{"etcd endpoint of colons", etcdAt("::::"), "directory.endpoints"},
 		{"etcd endpoint without a port", etcdAt("127.0.0.1"), "host:port"},
 		{"etcd endpoint with a bad port", etcdAt("127.0.0.1:99999"), "1..65535"},
@@ -154,6 +157,7 @@ func TestValidate(t *testing.T) {
 		func(c *Config) { c.Eviction = "cost" },
 		func(c *Config) { c.Directory.Kind, c.Directory.Endpoints = "etcd", []string{"h:2379"} },
 		func(c *Config) { c.Arbiter.Policy = "always-recompute" },
+		func(c *Config) { c.Arbiter.DeadlineFactor, c.Arbiter.DeadlineMarginMS = 1, 0 },
 		func(c *Config) { c.KVEvents.Endpoint, c.KVEvents.ReplayEndpoint = "tcp://*:5557", "tcp://*:5558" },
 		func(c *Config) {
 			c.KVEvents.Endpoint, c.KVEvents.ReplayEndpoint = "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"

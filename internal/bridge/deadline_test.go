@@ -1,0 +1,90 @@
+package bridge
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/transport"
+)
+
+// A plan's load gives up at the deadline the arbiter gave it, not at
+// transfer_timeout_ms; the miss marks the peer down and teaches the
+// arbiter that the peer is slower than it believed.
+func TestPlanLoadKeepsTheArbitersDeadline(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.TransferTimeoutMS = 2000
+	cfg.Arbiter.DeadlineMarginMS = 20
+	p := savedPeers(t, cfg, 32, 4, 16, 21)
+	a, b, dst, mb, tokens := p.a, p.b, p.dst, p.mb, p.tokens
+	cells := kvtest.SeqCells(12)
+
+	plan, err := mb.Lookup(key.Scope{}, tokens, 0)
+	require.NoError(t, err)
+	require.Equal(t, 12, plan.RestoreTokens, "%v", plan.Decision)
+	deadline := plan.Decision.Deadline
+	require.Greater(t, deadline, 20*time.Millisecond, "the margin and some restores")
+	require.Less(t, deadline, time.Duration(cfg.TransferTimeoutMS)*time.Millisecond, "the case needs a deadline below the cap")
+
+	// Without a plan there is no estimate: transfer_timeout_ms applies.
+	ld, err := mb.LoadBegin(key.Scope{}, dst.Layout(), tokens[:12], cells)
+	require.NoError(t, err)
+	require.Equal(t, time.Duration(cfg.TransferTimeoutMS)*time.Millisecond, ld.deadline)
+	_, err = ld.End()
+	require.NoError(t, err)
+	link := b.linkFor(plan.m.match(plan.root, plan.chain)[0])
+	believed := b.arb.TransferTime(link, 12*int64(mb.geo.PayloadSize()/mb.geo.BlockTokens))
+
+	a.tr.(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(time.Second)})
+	defer a.tr.(*transport.Loopback).SetFault(transport.Fault{})
+	dst.Scribble()
+	ld, err = plan.Load(dst.Layout(), cells)
+	require.NoError(t, err)
+	require.Equal(t, deadline, ld.deadline, "the load runs under the plan's deadline")
+	res, err := ld.End()
+	require.Equal(t, status.Timeout, status.Of(err), "%v", err)
+	require.Zero(t, res.OKTokens)
+	require.NoError(t, dst.CheckRestored(tokens[:12], cells, 0))
+	require.Equal(t, int64(1), b.Stats().PeersDown, "the miss marks the holder down")
+	require.Greater(t, b.arb.TransferTime(link, 12*int64(mb.geo.PayloadSize()/mb.geo.BlockTokens)), believed,
+		"the miss, a transfer of at least the deadline, slows the arbiter's estimate of the link")
+
+}
+
+// A load never waits on a peer on the host's thread: LoadBegin returns with
+// the transfers in flight, Poll reports without waiting, and Cancel stops
+// a load whose holder does not answer, blaming no peer.
+func TestLoadPollAndCancel(t *testing.T) {
+	cfg := testConfig(t)
+	p := savedPeers(t, cfg, 32, 4, 16, 22)
+	a, b, dst, mb, tokens := p.a, p.b, p.dst, p.mb, p.tokens
+	cells := kvtest.SeqCells(16)
+
+	dst.Scribble()
+	ld, err := mb.LoadBegin(key.Scope{}, dst.Layout(), tokens, cells)
+	require.NoError(t, err)
+	require.True(t, ld.Poll(time.Minute), "a load from an answering holder is over long before a minute")
+	res, err := ld.End()
+	require.NoError(t, err)
+	require.Equal(t, 16, res.OKTokens)
+	require.NoError(t, dst.Check(tokens, cells, 16))
+
+	a.tr.(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(time.Hour)})
+	defer a.tr.(*transport.Loopback).SetFault(transport.Fault{})
+	dst.Scribble()
+	ld, err = mb.LoadBegin(key.Scope{}, dst.Layout(), tokens, cells)
+	require.NoError(t, err)
+	require.False(t, ld.Poll(0), "the holder's transfers are an hour late")
+	ld.Cancel()
+	require.True(t, ld.Poll(time.Minute), "a cancelled load is over once its transfers are stopped")
+	res, err = ld.End()
+	require.Equal(t, status.State, status.Of(err), "%v", err)
+	require.Zero(t, res.OKTokens)
+	require.NoError(t, dst.CheckRestored(tokens, cells, 0))
+	require.Zero(t, b.Stats().PeersDown, "the host gave up: no peer is to blame")
+	require.True(t, ld.Poll(0), "an ended load stays over")
+}
