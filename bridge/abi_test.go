@@ -1501,6 +1501,7 @@ func TestLoadSaveHandles(t *testing.T) {
 	nok := putT(t, f.c, [2]uint32{math.MaxUint32, math.MaxUint32}, 0)
 	lres := putT(t, f.c, [2]cLoadResult{}, 0)
 	sres := putT(t, f.c, [2]cSaveResult{}, 0)
+	done := putT(t, f.c, [2]bool{}, 0)
 	steps := []struct {
 		name string
 		call func() int32
@@ -1519,6 +1520,13 @@ func TestLoadSaveHandles(t *testing.T) {
 			status.InvalidArg},
 		{"wait on layer 1", func() int32 { return mcbgo_load_wait_layer(*ld, 1, unsafe.Pointer(nok), f.eb, f.el) }, status.OK},
 		{"wait on layer 0 again", func() int32 { return mcbgo_load_wait_layer(*ld, 0, unsafe.Pointer(nok), f.eb, f.el) }, status.OK},
+		{"poll on load 0", func() int32 { return mcbgo_load_poll(0, 0, unsafe.Pointer(done), f.eb, f.el) }, status.BadHandle},
+		{"poll on a save", func() int32 { return mcbgo_load_poll(*sv, 0, unsafe.Pointer(done), f.eb, f.el) }, status.BadHandle},
+		{"poll with NULL done", func() int32 { return mcbgo_load_poll(*ld, 0, nil, f.eb, f.el) }, status.InvalidArg},
+		{"poll until over", func() int32 { return mcbgo_load_poll(*ld, math.MaxUint32, unsafe.Pointer(done), f.eb, f.el) }, status.OK},
+		{"cancel load 0", func() int32 { return mcbgo_load_cancel(0, f.eb, f.el) }, status.BadHandle},
+		{"cancel a save", func() int32 { return mcbgo_load_cancel(*sv, f.eb, f.el) }, status.BadHandle},
+		{"cancel once over", func() int32 { return mcbgo_load_cancel(*ld, f.eb, f.el) }, status.OK},
 		{"end with NULL result", func() int32 { return mcbgo_load_end(*ld, nil, f.eb, f.el) }, status.InvalidArg},
 		{"end with misaligned result", func() int32 { return mcbgo_load_end(*ld, unsafe.Add(unsafe.Pointer(lres), 4), f.eb, f.el) },
 			status.InvalidArg},
@@ -1527,6 +1535,8 @@ func TestLoadSaveHandles(t *testing.T) {
 		{"end", func() int32 { return mcbgo_load_end(*ld, unsafe.Pointer(lres), f.eb, f.el) }, status.OK},
 		{"end twice", func() int32 { return mcbgo_load_end(*ld, unsafe.Pointer(lres), f.eb, f.el) }, status.BadHandle},
 		{"wait after end", func() int32 { return mcbgo_load_wait_layer(*ld, 0, unsafe.Pointer(nok), f.eb, f.el) }, status.BadHandle},
+		{"poll after end", func() int32 { return mcbgo_load_poll(*ld, 0, unsafe.Pointer(done), f.eb, f.el) }, status.BadHandle},
+		{"cancel after end", func() int32 { return mcbgo_load_cancel(*ld, f.eb, f.el) }, status.BadHandle},
 		{"save layer on a load", func() int32 { return mcbgo_save_layer(*ld, 0, f.eb, f.el) }, status.BadHandle},
 		{"save layer on save 0", func() int32 { return mcbgo_save_layer(0, 0, f.eb, f.el) }, status.BadHandle},
 		{"save past the last layer", func() int32 { return mcbgo_save_layer(*sv, uint32(g.layers()), f.eb, f.el) }, status.InvalidArg},
@@ -1545,8 +1555,12 @@ func TestLoadSaveHandles(t *testing.T) {
 		if s.name == "wait on layer 1" {
 			assert.Equal(t, uint32(7*B), nok[0], "wait: tokens good")
 		}
+		if s.name == "poll until over" {
+			assert.True(t, done[0], "poll: the load is over")
+		}
 	}
-	assert.Equal(t, cLoadResult{NBlocks: 7, NBlocksOK: 7, NTokensOK: uint32(7 * B), NBytes: uint64(7 * g.payload())}, lres[0], "load result")
+	assert.Equal(t, cLoadResult{NBlocks: 7, NBlocksOK: 7, NTokensOK: uint32(7 * B), NBytes: uint64(7 * g.payload())}, lres[0],
+		"load result: a cancel once the load is over changes nothing")
 	assert.Equal(t, cSaveResult{NBlocks: 10}, sres[0], "a save ended early counts the blocks and seals nothing")
 	assert.NoError(t, dst.checkRestore(before, tok, nil, 7*B, 7*B, g.layers()))
 	// A save of blocks all known copies nothing and needs no layer.

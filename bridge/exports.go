@@ -801,6 +801,25 @@ func loadResult(r bridge.LoadResult) cLoadResult {
 		NTokensOK: uint32(r.OKTokens), FirstError: int32(status.Of(r.Err)), NBytes: u64(r.Bytes)}
 }
 
+//export mcbgo_load_poll
+func mcbgo_load_poll(load uint64, timeoutUS uint32, done unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
+	return withHandle(load, "load", errbuf, errlen, func(h *loadHandle) error {
+		if err := aligned(done, 1, "done"); err != nil {
+			return err
+		}
+		*(*bool)(done) = h.ld.Poll(time.Duration(timeoutUS) * time.Microsecond)
+		return nil
+	})
+}
+
+//export mcbgo_load_cancel
+func mcbgo_load_cancel(load uint64, errbuf unsafe.Pointer, errlen uint64) int32 {
+	return withHandle(load, "load", errbuf, errlen, func(h *loadHandle) error {
+		h.ld.Cancel()
+		return nil
+	})
+}
+
 //export mcbgo_load_end
 func mcbgo_load_end(load uint64, out unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
 	return withHandle(load, "load", errbuf, errlen, func(h *loadHandle) error {

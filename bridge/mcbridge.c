@@ -143,6 +143,14 @@ mcb_status mcb_load_wait_layer(mcb_load load, uint32_t il, uint32_t *n_tokens_ok
     return (mcb_status)mcbgo_load_wait_layer(load, il, n_tokens_ok, ERR);
 }
 
+mcb_status mcb_load_poll(mcb_load load, uint32_t timeout_us, bool *done) {
+    return (mcb_status)mcbgo_load_poll(load, timeout_us, done, ERR);
+}
+
+mcb_status mcb_load_cancel(mcb_load load) {
+    return (mcb_status)mcbgo_load_cancel(load, ERR);
+}
+
 mcb_status mcb_load_end(mcb_load load, struct mcb_load_result *out) {
     return (mcb_status)mcbgo_load_end(load, out, ERR);
 }

@@ -35,8 +35,11 @@
  * Threads: every function may be called from any thread. One plan, load or
  * save handle is driven by one thread at a time. No call waits on the
  * directory: saves and evictions are published by the library's own
- * thread. Only a load waits on the network, for its transfers, at most
- * transfer_timeout_ms.
+ * thread. Only a load waits on the network, on the library's threads: its
+ * transfers get the deadline the arbiter gave the restore (a few times its
+ * estimated time, never more than the compute it saves, plus a margin),
+ * at most transfer_timeout_ms. mcb_load_begin never waits on a peer, and
+ * mcb_load_poll lets a host go on with other work while a load runs.
  *
  * Failures: every call returns a status. A load fills only the cells it is
  * given, which must hold nothing another sequence reads; after a load,
@@ -418,15 +421,36 @@ MCB_API mcb_status mcb_load_begin(mcb_plan plan, const struct mcb_kv_layout *lay
  *                           before it, still good. */
 MCB_API mcb_status mcb_load_wait_layer(mcb_load load, uint32_t il, uint32_t *n_tokens_ok);
 
-/* Finishes a load; the handle is gone afterwards, also on failure. The
- * result is filled in either case.
+/* Waits at most timeout_us microseconds (0: not at all) for the load to be
+ * over: every layer verified and in place, or failed, its deadline
+ * included. *done says whether it is; mcb_load_end then waits on no peer.
+ * Returns:
+ *   MCB_STATUS_OK           *done is set.
+ *   MCB_STATUS_BAD_HANDLE   load is not an open load.
+ *   MCB_STATUS_INVALID_ARG  done is NULL. */
+MCB_API mcb_status mcb_load_poll(mcb_load load, uint32_t timeout_us, bool *done);
+
+/* Abandons a load the host no longer wants (its request went away): the
+ * transfers still running are stopped, no peer is blamed for them, and
+ * only blocks already whole and verified count, which are none unless
+ * every layer was in. End it with mcb_load_end, which then waits on no
+ * peer and reports MCB_STATUS_STATE; once the load is over, a cancel
+ * changes nothing.
+ * Returns:
+ *   MCB_STATUS_OK           the load is being stopped.
+ *   MCB_STATUS_BAD_HANDLE   load is not an open load. */
+MCB_API mcb_status mcb_load_cancel(mcb_load load);
+
+/* Finishes a load, waiting until it is over; the handle is gone afterwards,
+ * also on failure. The result is filled in either case.
  * Returns:
  *   MCB_STATUS_OK           every block arrived intact.
  *   MCB_STATUS_BAD_HANDLE   load is not an open load.
  *   MCB_STATUS_INVALID_ARG  out is NULL or misaligned.
  *   MCB_STATUS_CORRUPT, MCB_STATUS_TRANSFER, MCB_STATUS_TIMEOUT
  *                           the first failed block's status:
- *                           out->n_tokens_ok says what is good. */
+ *                           out->n_tokens_ok says what is good.
+ *   MCB_STATUS_STATE        the load was cancelled before it was over. */
 MCB_API mcb_status mcb_load_end(mcb_load load, struct mcb_load_result *out);
 
 /* Starts saving the full blocks of tokens from layout (cells as for
