@@ -5,7 +5,9 @@
 // 0..P-1) and whose tensor reads are checked against a bridge load into the KV tensors.
 // The cells are chosen first, by llama.cpp's find_slot, and handed to state_read_sinfo,
 // so that the load's transfers run while llama.cpp does its bookkeeping for them.
-// Any failure throws inside state_read_data, where llama.cpp rolls the sequence back.
+// A check that fails throws inside state_read_data, where llama.cpp rolls the sequence
+// back. The load itself is over later (seq_restore_end): the server decodes other
+// sequences meanwhile, and only then does the sequence keep its verified prefix.
 // The save is the mirror: the cells and tensors of the sequence, handed to the bridge.
 #include "llama-mcbridge-impl.h"
 
@@ -91,13 +93,13 @@ namespace {
 // The stage-2 reader. Its byte stream is the state blob of a sequence that holds
 // positions 0..P-1 (llama-patches/README.md, "Sequence-state blob"), minus the tensor
 // bytes. The load already runs into the cells find_slot chose; each tensor read must be
-// the next one of those cells' runs, in the tensor the load writes, and the last of them
-// waits for the load.
+// the next one of those cells' runs, in the tensor the load writes. It copies nothing:
+// the load writes the cells, and seq_restore_end waits for it.
 class bridge_reader : public llama_io_read_i {
 public:
-    bridge_reader(llama_kv_cache * kv, const llama_hparams & hp, const attachment & att, mcb_load load,
+    bridge_reader(llama_kv_cache * kv, const llama_hparams & hp, const attachment & att,
                   llama_seq_id seq_id, const std::vector<uint32_t> & cells, const std::vector<mcb_kv_layer> & layers) :
-        load(load), kv(kv), hp(hp), att(att), seq_id(seq_id), n_tokens((int32_t) cells.size()), cells(cells),
+        kv(kv), hp(hp), att(att), seq_id(seq_id), n_tokens((int32_t) cells.size()), cells(cells),
         runs(runs_of(cells)), layers(layers), layer_ids(kv->get_layer_ids()) {
         put<uint32_t>(kv->get_n_stream());
         // The cells go in the first stream section; state_read places a single-sequence
@@ -134,8 +136,6 @@ public:
         }
     }
 
-    ~bridge_reader() { end(); }
-
     void read(void * dst, size_t size) override {
         if (size > stream.size() - cur) {
             throw std::runtime_error("mcbridge: llama.cpp read past the synthesized state header");
@@ -150,9 +150,7 @@ public:
                 throw std::runtime_error("mcbridge: llama.cpp placed the sequence in other cells than the load's");
             }
             expect(t, offset, size);
-            if (++n_reads == n_reads_total) {
-                finish();
-            }
+            n_reads++;
         } catch (const std::exception & e) {
             error = e.what(); // state_read_data swallows the exception itself
             throw;
@@ -161,26 +159,9 @@ public:
 
     size_t n_bytes() override { return cur; }
 
-    // Ends the load if it is still open: it waits out every layer, so that nothing the
-    // load started writes into the cells once llama.cpp has them back. Status and error
-    // keep the first failure.
-    void end() {
-        if (load == 0) {
-            return;
-        }
-        mcb_load_result res = {};
-        const mcb_status st = mcb_load_end(load, &res);
-        load = 0;
-        if (st != MCB_STATUS_OK && status == MCB_STATUS_OK) {
-            status = st;
-        }
-        n_ok  = std::min(n_ok, (int32_t) res.n_tokens_ok);
-        bytes = res.n_bytes;
-    }
+    // Whether llama.cpp read every run of every layer: the whole sequence is placed.
+    bool complete() const { return n_reads == n_reads_total; }
 
-    int32_t    n_ok   = 0;
-    uint64_t   bytes  = 0;
-    mcb_status status = MCB_STATUS_OK;
     std::string error;
 
 private:
@@ -238,26 +219,6 @@ private:
         }
     }
 
-    // Waits for every layer, each verified before it is reported, so no compute ever
-    // sees unverified rows (docs/design.md §5.2), then ends the load.
-    void finish() {
-        uint32_t ok = (uint32_t) n_tokens;
-        for (uint32_t l = 0; l < (uint32_t) layers.size(); l++) {
-            uint32_t ok_l = 0;
-            const mcb_status st = mcb_load_wait_layer(load, l, &ok_l);
-            if (st != MCB_STATUS_OK && status == MCB_STATUS_OK) {
-                status = st;
-            }
-            ok = std::min(ok, st == MCB_STATUS_OK ? ok_l : 0u);
-        }
-        n_ok = (int32_t) ok;
-        end();
-        if (n_ok == 0) {
-            throw std::runtime_error("mcbridge: no block restored (" + status_message(status) + ")");
-        }
-    }
-
-    mcb_load              load = 0; // open until end
     llama_kv_cache *      kv;
     const llama_hparams & hp;
     const attachment &    att;
@@ -351,9 +312,10 @@ llama_kv_cache::slot_info place(const llama_kv_cache * kv, const llama_hparams &
 
 } // namespace
 
-restore_result seq_restore(llama_context * ctx, const attachment & att, mcb_plan plan,
-                           llama_seq_id seq_id, int32_t n_tokens) {
+restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mcb_plan plan,
+                                 llama_seq_id seq_id, int32_t n_tokens, restore_op & op) {
     restore_result out;
+    op = restore_op{};
     llama_kv_cache * kv = plain_kv(ctx);
     if (kv == nullptr || n_tokens <= 0) {
         mcb_plan_drop(plan);
@@ -375,7 +337,8 @@ restore_result seq_restore(llama_context * ctx, const attachment & att, mcb_plan
         return out;
     }
     // The load starts now, into cells that belong to no sequence yet (nothing reads
-    // them), and runs while llama.cpp allocates them to seq_id.
+    // them), and runs while llama.cpp allocates them to seq_id, and after: until
+    // seq_restore_end, no batch holds seq_id, and no other sequence attends to its cells.
     const std::vector<uint32_t> & cells = sinfo.idxs[0];
     const std::vector<mcb_kv_layer> layers = stream_layers(att.storage, kv->get_size(), att.v_trans, sinfo.strm[0]);
     const mcb_kv_layout layout = layout_of(kv, att.v_trans, layers);
@@ -386,36 +349,106 @@ restore_result seq_restore(llama_context * ctx, const attachment & att, mcb_plan
         return out;
     }
 
-    bridge_reader reader(kv, llama_get_model(ctx)->hparams, att, load, seq_id, cells, layers);
+    bridge_reader reader(kv, llama_get_model(ctx)->hparams, att, seq_id, cells, layers);
     llama_kv_cache::slot_info_vec_t placed(kv->get_n_stream());
     placed[0] = sinfo; // the blob's first section carries the cells
     try {
         kv->state_read_sinfo(reader, seq_id, 0, nullptr, &placed);
-        reader.end(); // a no-op when the last tensor read ended it, as it should have
+        if (!reader.complete()) {
+            throw std::runtime_error("mcbridge: llama.cpp did not read the restore to its end");
+        }
     } catch (const std::exception & e) {
-        // state_read_sinfo has removed the sequence (seq_rm(seq, -1, -1)). Without a
-        // bridge status llama.cpp refused the cells (a check failed).
-        reader.end();
-        out.status = reader.status != MCB_STATUS_OK ? reader.status : MCB_STATUS_LAYOUT;
+        // A check failed: llama.cpp refused the cells (and removed the sequence), or
+        // placed them otherwise than the load writes them. Nothing the load started
+        // may write once the cells are free again.
+        mcb_load_cancel(load);
+        mcb_load_result res = {};
+        mcb_load_end(load, &res);
+        out.status = MCB_STATUS_LAYOUT;
         out.error  = reader.error.empty() ? e.what() : reader.error;
         if (kv->seq_pos_max(seq_id) >= 0) {
             kv->seq_rm(seq_id, -1, -1);
         }
         return out;
     }
-    out.status   = reader.status;
-    out.n_bytes  = reader.bytes;
-    out.n_tokens = reader.n_ok;
-    if (out.n_tokens == 0) {
-        out.error = "mcbridge: llama.cpp did not read the restore to its end";
+    op.ctx      = ctx;
+    op.seq_id   = seq_id;
+    op.n_tokens = n_tokens;
+    op.n_layer  = att.n_layer;
+    op.load     = load;
+    return out;
+}
+
+bool seq_restore_poll(const restore_op & op, uint32_t timeout_us) {
+    bool done = true;
+    if (op.load != 0 && mcb_load_poll(op.load, timeout_us, &done) != MCB_STATUS_OK) {
+        return true; // seq_restore_end reports why
     }
-    if (out.n_tokens < n_tokens) {
+    return done;
+}
+
+restore_result seq_restore_end(restore_op & op) {
+    restore_result out;
+    out.seq_cleared = true;
+    if (op.load == 0) {
+        out.status = MCB_STATUS_STATE;
+        out.error  = "no restore in flight";
+        return out;
+    }
+    // Every layer, each verified before it is reported, so no compute ever sees
+    // unverified rows (docs/design.md §5.2). After a poll that said done, nothing waits.
+    uint32_t ok = (uint32_t) op.n_tokens;
+    for (uint32_t l = 0; l < op.n_layer; l++) {
+        uint32_t ok_l = 0;
+        const mcb_status st = mcb_load_wait_layer(op.load, l, &ok_l);
+        if (st != MCB_STATUS_OK && out.status == MCB_STATUS_OK) {
+            out.status = st;
+        }
+        ok = std::min(ok, st == MCB_STATUS_OK ? ok_l : 0u);
+    }
+    mcb_load_result res = {};
+    const mcb_status st_end = mcb_load_end(op.load, &res);
+    op.load = 0;
+    if (st_end != MCB_STATUS_OK && out.status == MCB_STATUS_OK) {
+        out.status = st_end;
+    }
+    out.n_tokens = (int32_t) std::min(ok, res.n_tokens_ok);
+    out.n_bytes  = res.n_bytes;
+
+    llama_kv_cache * kv = plain_kv(op.ctx);
+    // The loop may have a batch of other sequences in flight; the cells change owner now.
+    llama_synchronize(op.ctx);
+    if (out.n_tokens == 0) {
+        out.error = "mcbridge: no block restored (" + status_message(out.status) + ")";
+        kv->seq_rm(op.seq_id, -1, -1);
+        return out;
+    }
+    if (out.n_tokens < op.n_tokens) {
         // A partial load: keep the verified prefix; the cells past it hold unverified
         // bytes and leave the sequence.
-        kv->seq_rm(seq_id, out.n_tokens, -1);
+        kv->seq_rm(op.seq_id, out.n_tokens, -1);
     }
-    mark_restored(kv, seq_id);
+    mark_restored(kv, op.seq_id);
     return out;
+}
+
+void seq_restore_cancel(restore_op & op) {
+    if (op.load == 0) {
+        return;
+    }
+    mcb_load_cancel(op.load);
+    mcb_load_result res = {};
+    mcb_load_end(op.load, &res);
+    op.load = 0;
+    // The cells hold whatever the load had written: they leave the sequence.
+    plain_kv(op.ctx)->seq_rm(op.seq_id, -1, -1);
+}
+
+restore_result seq_restore(llama_context * ctx, const attachment & att, mcb_plan plan,
+                           llama_seq_id seq_id, int32_t n_tokens) {
+    restore_op op;
+    restore_result out = seq_restore_begin(ctx, att, plan, seq_id, n_tokens, op);
+    return op.load == 0 ? out : seq_restore_end(op);
 }
 
 save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scope * scope,

@@ -74,11 +74,35 @@ struct restore_result {
     std::string error;
 };
 
-// Stage 2: restores a lookup's plan (positions [0, n_tokens), whole blocks) into
-// seq_id. The plan is consumed. The sequence's previous cells are removed first
-// (llama.cpp's restore always starts with seq_rm(seq, -1, -1)); on any failure the
-// sequence is left empty and n_tokens is 0, so the caller recomputes from position 0.
-// A partial load keeps its verified prefix.
+// A stage-2 restore in flight: seq_id holds positions [0, n_tokens) in cells the load
+// is writing. Until seq_restore_end or seq_restore_cancel, no batch may hold seq_id and
+// nothing may edit it; other sequences are decoded meanwhile (their tokens do not
+// attend to its cells). load is 0 when no restore is in flight.
+struct restore_op {
+    llama_context * ctx      = nullptr;
+    llama_seq_id    seq_id   = -1;
+    int32_t         n_tokens = 0;
+    uint32_t        n_layer  = 0;
+    mcb_load        load     = 0;
+};
+
+// Stage 2: starts restoring a lookup's plan (positions [0, n_tokens), whole blocks)
+// into seq_id; the plan is consumed. The sequence's previous cells are removed first
+// (llama.cpp's restore always starts with seq_rm(seq, -1, -1)). Waits on no peer: on
+// return op.load is set and the restore runs, or the result says why it did not start
+// (the sequence is then empty, n_tokens 0).
+restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mcb_plan plan,
+                                 llama_seq_id seq_id, int32_t n_tokens, restore_op & op);
+// Waits at most timeout_us (0: not at all) for op's load to be over, verified or failed
+// (its deadline included), and says whether it is: seq_restore_end then waits on no peer.
+bool seq_restore_poll(const restore_op & op, uint32_t timeout_us);
+// Ends op: the sequence keeps the verified prefix of the restore (n_tokens), the rest of
+// its cells are removed; on failure it is left empty and n_tokens is 0, so the caller
+// recomputes from position 0.
+restore_result seq_restore_end(restore_op & op);
+// Abandons op: its transfers stop and its cells leave the sequence, which is empty.
+void seq_restore_cancel(restore_op & op);
+// seq_restore_begin, then seq_restore_end: a restore that waits for its load.
 restore_result seq_restore(llama_context * ctx, const attachment & att, mcb_plan plan,
                            llama_seq_id seq_id, int32_t n_tokens);
 

@@ -5,20 +5,33 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <string>
 
 namespace mcb_server {
 
 namespace {
 
+// A slot's restore, from its start to the prompt that uses it (docs/llama.md,
+// "Asynchronous restores"): loading while the load runs, then done once it is ended,
+// until the slot's prompt starts with what it restored.
+struct slot_restore {
+    enum phase_t { LOADING, DONE } phase = LOADING;
+    int                    task_id = -1;   // the task it restores for
+    mcb_llama::restore_op  op;             // LOADING: the load into the slot's sequence
+    int64_t                t_begin_us = 0;
+    int32_t                n_prompt   = 0; // for the log
+};
+
 // The server's one target context, when the bridge serves it. Written by attach and
 // detach, read by the update loop (the same thread) and by /metrics (any thread, through
-// mcb_llama::bridge()).
+// mcb_llama::bridge()). The restores are the update loop's alone.
 struct server_state {
     bool                  on  = false;
     llama_context *       ctx = nullptr;
     mcb_llama::attachment att;
     std::string           why_off; // with a configuration given: why the bridge does not serve ctx
+    std::map<int32_t, slot_restore> restores; // by sequence (slot) id
 };
 
 server_state & state() {
@@ -96,6 +109,10 @@ void attach(llama_context * ctx_tgt, bool has_draft, const common_params & param
 void detach(llama_context * ctx_tgt) {
     server_state & s = state();
     if (s.on && s.ctx == ctx_tgt) {
+        // Nothing the bridge started may write into the cache once it is freed.
+        for (auto & [seq_id, r] : s.restores) {
+            mcb_llama::seq_restore_cancel(r.op);
+        }
         mcb_llama::detach(ctx_tgt);
     }
     s = server_state{};
@@ -109,13 +126,19 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
     if (!s.on || s.ctx != ctx) {
         return n_past;
     }
-    st    = mcb_request_stats{};
-    st.on = true;
     auto computing_from = [&](int32_t n) {
         st.n_compute_start    = n;
         st.t_compute_start_us = now_us();
         return n;
     };
+    // The prompt starts again after its restore (restore_pending ended it and made the
+    // restored tokens the slot's cache, which the slot's own reuse found): st has it all.
+    if (auto it = s.restores.find(seq_id); it != s.restores.end() && it->second.phase == slot_restore::DONE) {
+        s.restores.erase(it);
+        return computing_from(n_past);
+    }
+    st    = mcb_request_stats{};
+    st.on = true;
     // Cells the bridge cannot vouch for: nothing of this sequence is published until a
     // request recomputes it from position 0.
     auto skip = [&](const char * why) {
@@ -181,23 +204,61 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
         return keep_own();
     }
 
-    const int64_t t1 = now_us();
-    const mcb_llama::restore_result r = mcb_llama::seq_restore(ctx, s.att, lr.plan, seq_id, p);
-    st.restore_ms = ms_between(t1, now_us());
-    if (r.n_tokens <= 0) {
-        st.decision = "failed";
-        st.error    = r.error;
-        SRV_WRN("mcbridge: restore of %d tokens into seq %d failed after %.2f ms, computing instead: %s\n",
-                p, seq_id, st.restore_ms, r.error.c_str());
+    slot_restore sr;
+    sr.task_id    = task.id;
+    sr.t_begin_us = now_us();
+    sr.n_prompt   = n;
+    const mcb_llama::restore_result r = mcb_llama::seq_restore_begin(ctx, s.att, lr.plan, seq_id, p, sr.op);
+    if (sr.op.load == 0) {
+        st.restore_ms = ms_between(sr.t_begin_us, now_us());
+        st.decision   = "failed";
+        st.error      = r.error;
+        SRV_WRN("mcbridge: restore of %d tokens into seq %d could not start, computing instead: %s\n",
+                p, seq_id, r.error.c_str());
         if (r.seq_cleared) {
             cached.keep_first(0);
             return computing_from(0);
         }
         return keep_own();
     }
-    // The sequence now holds exactly input[0, r.n_tokens).
-    mcb_llama::seq_set_scope(ctx, seq_id, rs.id, true);
+    // The sequence holds the load's cells and nothing else; the slot waits for them.
     cached.keep_first(0);
+    s.restores[seq_id] = std::move(sr);
+    return RESTORING;
+}
+
+bool restore_pending(llama_context * ctx, int32_t seq_id, const server_task & task,
+                     const server_tokens & input, server_tokens & cached, mcb_request_stats & st) {
+    server_state & s = state();
+    auto it = s.restores.find(seq_id);
+    if (!s.on || s.ctx != ctx || it == s.restores.end() || it->second.phase != slot_restore::LOADING) {
+        return false;
+    }
+    slot_restore & sr = it->second;
+    if (sr.task_id != task.id) {
+        // The slot went on to another task without a release; never seen, but its
+        // sequence must not keep a load's cells.
+        mcb_llama::seq_restore_cancel(sr.op);
+        cached.keep_first(0);
+        s.restores.erase(it);
+        return false;
+    }
+    if (!mcb_llama::seq_restore_poll(sr.op, 0)) {
+        return true;
+    }
+    const mcb_llama::restore_result r = mcb_llama::seq_restore_end(sr.op);
+    sr.phase      = slot_restore::DONE;
+    st.restore_ms = ms_between(sr.t_begin_us, now_us());
+    cached.keep_first(0);
+    if (r.n_tokens <= 0) {
+        st.decision = "failed";
+        st.error    = r.error;
+        SRV_WRN("mcbridge: restore of seq %d failed after %.2f ms, computing instead: %s\n",
+                seq_id, st.restore_ms, r.error.c_str());
+        return false;
+    }
+    // The sequence now holds exactly input[0, r.n_tokens), computed under its scope.
+    const llama_tokens & tokens = input.get_tokens();
     for (int32_t i = 0; i < r.n_tokens; i++) {
         cached.push_back(tokens[i]);
     }
@@ -205,8 +266,30 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
     st.n_restored     = r.n_tokens;
     st.restored_bytes = r.n_bytes;
     SRV_INF("mcbridge: seq %d restored %d of %d prompt tokens (%.1f MiB) in %.2f ms (lookup %.3f ms, %s)\n",
-            seq_id, r.n_tokens, n, r.n_bytes / 1048576.0, st.restore_ms, st.lookup_ms, st.reason.c_str());
-    return computing_from(r.n_tokens);
+            seq_id, r.n_tokens, sr.n_prompt, r.n_bytes / 1048576.0, st.restore_ms, st.lookup_ms, st.reason.c_str());
+    return false;
+}
+
+void slot_released(int32_t seq_id) {
+    server_state & s = state();
+    auto it = s.restores.find(seq_id);
+    if (it == s.restores.end()) {
+        return;
+    }
+    mcb_llama::seq_restore_cancel(it->second.op); // a no-op once the load has ended
+    s.restores.erase(it);
+}
+
+void restores_wait() {
+    // A restore's layers are verified within its deadline, tens of milliseconds at
+    // most by default; 2 ms keeps a new request's wait for the loop as short.
+    constexpr uint32_t k_wait_us = 2000;
+    for (auto & [seq_id, r] : state().restores) {
+        if (r.phase == slot_restore::LOADING) {
+            mcb_llama::seq_restore_poll(r.op, k_wait_us);
+            return;
+        }
+    }
 }
 
 void prompt_save(llama_context * ctx, int32_t seq_id, const server_task & task,

@@ -19,14 +19,36 @@ void attach(llama_context * ctx_tgt, bool has_draft, const common_params & param
 // destroy(): the context is about to be freed.
 void detach(llama_context * ctx_tgt);
 
+// prompt_restore's answer when it started a restore: the slot waits for it.
+constexpr int32_t RESTORING = -1;
+
 // Just before [TAG_PROMPT_LOGITS]: after the slot's own cache reuse has set n_past,
-// restores a longer prefix from the bridge when the arbiter says so. On a restore,
-// cached becomes input[0, P) and P is returned; otherwise n_past (or 0 when a failed
-// restore emptied the sequence). At least one prompt token is always left to compute.
+// looks the prompt up and, when the arbiter says so, starts restoring a longer prefix
+// from the bridge. Then cached is emptied (the sequence is) and RESTORING is returned:
+// the slot goes back to SLOT_STATE_STARTED, and restore_pending holds it there while
+// the loop decodes the other slots. When the slot's prompt starts again, with the
+// restored prefix as its cache, this returns n_past. Otherwise it returns n_past (0
+// when the restore could not start and emptied the sequence). At least one prompt
+// token is always left to compute.
 int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & task,
                        const std::vector<common_adapter_lora_info> & lora, bool alora,
                        const server_tokens & input, server_tokens & cached, int32_t n_past,
                        mcb_request_stats & st);
+
+// At the start of SLOT_STATE_STARTED: true while the slot's restore is in flight (the
+// slot waits, nothing edits its sequence). Once the load is over (its layers verified,
+// or its deadline passed) it ends the restore, makes cached input[0, P) for the P
+// tokens restored (none after a failure), and returns false: the slot's prompt starts.
+bool restore_pending(llama_context * ctx, int32_t seq_id, const server_task & task,
+                     const server_tokens & input, server_tokens & cached, mcb_request_stats & st);
+
+// The slot is released (done, cancelled, failed): a restore still in flight into its
+// sequence is abandoned and its cells removed, before anything else uses the slot.
+void slot_released(int32_t seq_id);
+
+// The loop has nothing to decode: waits a little for a restore in flight, instead of
+// spinning through empty iterations until it is over.
+void restores_wait();
 
 // post_decode at SLOT_STATE_DONE_PROMPT: the prompt's KV is computed and synchronized;
 // hands its new full blocks to the bridge and feeds the arbiter the prefill time.
