@@ -123,6 +123,20 @@ struct context {
         return mcb_llama::seq_restore(ctx, att, lr.plan, seq, (int32_t) lr.n_restore_tokens);
     }
 
+    // Starts restoring what a lookup of toks plans, as llama-server does (op.load is 0
+    // when it did not start).
+    mcb_llama::restore_result restore_begin(llama_seq_id seq, const std::vector<llama_token> & toks,
+                                            mcb_llama::restore_op & op) const {
+        mcb_lookup_result lr = {};
+        mcb_llama::restore_result r;
+        r.status = mcb_lookup(att.model, nullptr, toks.data(), toks.size(), 0, &lr);
+        if (r.status != MCB_STATUS_OK || lr.plan == 0) {
+            r.error = "nothing to restore";
+            return r;
+        }
+        return mcb_llama::seq_restore_begin(ctx, att, lr.plan, seq, (int32_t) lr.n_restore_tokens, op);
+    }
+
     int32_t matched(const std::vector<llama_token> & toks) const {
         mcb_lookup_result lr = {};
         if (mcb_lookup(att.model, nullptr, toks.data(), toks.size(), 0, &lr) != MCB_STATUS_OK) {
@@ -217,6 +231,49 @@ void round_trip(const model_file & model, const kv_format & f) {
           "%s: a restore without room restores nothing and leaves the cache as it was (%s)", f.name, rf.error.c_str());
 }
 
+// llama-server's restore runs while other sequences are decoded (docs/llama.md,
+// "Asynchronous restores"): a sequence decoded between the restore's start and end, in
+// the same unified cache, gets the KV it gets when decoded after a restore that waited
+// (the same cells: its numerics may depend on where the other sequence's cells are),
+// the restore's K and V are byte-identical, and a restore abandoned midway leaves its
+// sequence empty.
+void in_flight(const model_file & model, const kv_format & f) {
+    const std::vector<llama_token> prompt = tokens(200, 11, 5);
+    const std::vector<llama_token> other  = tokens(100, 5, 1);
+    const int32_t want = 200 / k_block * k_block;
+
+    context src(model, f, 1024, 2, true);
+    src.decode(0, prompt, 0);
+    check(src.save(0, prompt).status == MCB_STATUS_OK, "%s: in flight: the prompt is saved", f.name);
+    llama_memory_seq_rm(src.mem(), 0, want, -1);
+    context after(model, f, 1024, 2, true);
+    check(after.restore(0, prompt).n_tokens == want, "%s: in flight: the reference restore", f.name);
+    after.decode(1, other, 0);
+
+    context dst(model, f, 1024, 2, true);
+    mcb_llama::restore_op op;
+    const auto rb = dst.restore_begin(0, prompt, op);
+    check(op.load != 0, "%s: the restore starts (%s)", f.name, rb.error.c_str());
+    dst.decode(1, other, 0);
+    check(mcb_llama::seq_restore_poll(op, 60u * 1000 * 1000), "%s: the restore is over within a minute", f.name);
+    const auto r = mcb_llama::seq_restore_end(op);
+    check(r.n_tokens == want && r.status == MCB_STATUS_OK, "%s: restored %d of %d tokens while seq 1 was decoded %s",
+          f.name, r.n_tokens, want, r.error.c_str());
+    check(same_kv(src, 0, dst, 0, want), "%s: the restore's K and V are byte-identical to the computed ones", f.name);
+    check(same_kv(after, 1, dst, 1, (int32_t) other.size()), "%s: seq 1, decoded meanwhile, holds what it holds decoded after", f.name);
+    check(dst.clean_end(0) > want, "%s: the restored sequence is clean", f.name);
+
+    context cancelled(model, f, 1024, 2, true);
+    cancelled.decode(1, other, 0);
+    const auto before = cancelled.blob(1);
+    mcb_llama::restore_op op2;
+    cancelled.restore_begin(0, prompt, op2);
+    check(op2.load != 0, "%s: the second restore starts", f.name);
+    mcb_llama::seq_restore_cancel(op2);
+    check(op2.load == 0 && llama_memory_seq_pos_max(cancelled.mem(), 0) == -1 && cancelled.blob(1) == before,
+          "%s: an abandoned restore leaves its sequence empty and the other as it was", f.name);
+}
+
 void mismatches(const model_file & model, const model_file & other, const kv_format & saved, const std::vector<kv_format> & others) {
     // A prompt no other check saves: only the saving format has it.
     const std::vector<llama_token> prompt = tokens(200, 17, 5);
@@ -303,6 +360,8 @@ int main(int argc, char ** argv) {
     round_trip(model, fa_on);
     round_trip(model, fa_off);
     round_trip(model, bf16k);
+    in_flight(model, fa_on);
+    in_flight(model, fa_off);
     mismatches(model, other, fa_on, {fa_off, bf16k});
     clean_marks(model, fa_on);
 
