@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"net/http"
-	"strconv"
 	"syscall"
 	"testing"
 	"time"
@@ -16,62 +15,105 @@ import (
 	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
-// hungTimeoutMS is the transfer deadline of TestHungHolder's servers.
-const hungTimeoutMS = 1000
+// The hung holder's prompts: a 2560-token prefix, as in issue 27's report,
+// in a context whose slots hold it.
+var (
+	hungPrefix  = testenv.Tokens(2560, 7, 3)
+	hungPromptA = testenv.Cat(hungPrefix, testenv.Tokens(50, 11, 5))
+	hungPromptB = testenv.Cat(hungPrefix, testenv.Tokens(70, 13, 9))
+	hungOther   = testenv.Tokens(200, 17, 3)
+)
+
+// otherAfter is when the request on the other slot is sent after the one
+// that needs the holder: while that one's restore is still in flight.
+const otherAfter = 20 * time.Millisecond
+
+func hungArgs(model string) []string { return testenv.ServerArgs(model, 8192, 2, "on") }
 
 // A holder that stops answering (SIGSTOP: alive, its entries still in the
-// directory until its lease runs out) costs the request that needed it at most
-// the transfer deadline: the server computes the prompt with stock's
-// answer, a request that needs nothing of the holder is answered while the
-// holder is still stopped, and the next request for the prefix plans
-// around the holder instead of waiting again.
+// directory until its lease runs out), with the default configuration,
+// costs the request that needed it the restore's deadline, which the cost
+// model sets at a few estimated restores plus its margin, and then the
+// prompt is computed with stock's answer. A request on the other slot,
+// sent while that restore is in flight, is decoded meanwhile: the loop does
+// not wait for the restore. The next request for the prefix plans around
+// the holder instead of waiting again. The times are logged against the
+// same two requests on a stock server (docs/llama.md has a run's figures);
+// no time is asserted.
 func TestHungHolder(t *testing.T) {
 	model := testenv.Model(t, "tiny", 0)
-	unrelated := testenv.Tokens(200, 17, 3)
-	stock := testenv.StartLlama(t, "stock", testenv.StockServer(t), serverArgs(model, "on", false))
-	want := stock.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
-	wantUnrelated := stock.Complete(t, testenv.Request{Prompt: unrelated, Slot: 0, NPredict: nPredict})
+	stock := testenv.StartLlama(t, "stock", testenv.StockServer(t), hungArgs(model))
+	stock.Complete(t, testenv.Request{Prompt: testenv.Tokens(64, 3, 1), Slot: 0, NPredict: 1}) // warm up
+	base := hungPair(t, stock.URL)
 	stock.Stop()
 	for name, te := range transports(t) {
 		t.Run(name, func(t *testing.T) {
 			etcd := etcdtest.Start(t)
-			cfg := bridgeConfig(`, "transfer_timeout_ms": ` + strconv.Itoa(hungTimeoutMS) + `, "directory": {"kind": "etcd", "endpoints": ["` + etcd.Endpoint() +
+			cfg := bridgeConfig(`, "directory": {"kind": "etcd", "endpoints": ["` + etcd.Endpoint() +
 				`"], "lease_ttl_s": 60}, "transport": {"kind": "mooncake", "lib": "` + te + `"}`)
-			x := testenv.StartLlama(t, "x", testenv.PatchedServer(t), append(serverArgs(model, "on", false), "--mcb-config", cfg))
+			x := testenv.StartLlama(t, "x", testenv.PatchedServer(t), append(hungArgs(model), "--mcb-config", cfg))
 			// The mock's same-host path reads a stopped process's memory,
 			// which no real transport can: the reader takes the mock's TCP
 			// path, as when the kernel refuses process_vm_readv.
-			y := testenv.StartLlama(t, "y", testenv.PatchedServer(t), append(serverArgs(model, "on", false), "--mcb-config", cfg),
+			y := testenv.StartLlama(t, "y", testenv.PatchedServer(t), append(hungArgs(model), "--mcb-config", cfg),
 				"MOCK_TE_VM_EPERM=1")
-			x.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict})
-			waitMirrored(t, y.URL, shared/block)
+			x.Complete(t, testenv.Request{Prompt: hungPromptA, Slot: 0, NPredict: nPredict})
+			waitMirrored(t, y.URL, len(hungPrefix)/block)
+			y.Complete(t, testenv.Request{Prompt: testenv.Tokens(64, 3, 1), Slot: 0, NPredict: 1}) // warm up
 
 			x.Signal(syscall.SIGSTOP)
 			t.Cleanup(func() { x.Signal(syscall.SIGCONT) })
-			other := make(chan completionOrError, 1)
-			go func() {
-				time.Sleep(100 * time.Millisecond) // while the restore waits on x
-				other <- postCompletion(y.URL, testenv.Request{Prompt: unrelated, Slot: 0, NPredict: nPredict})
-			}()
-			got := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
-			t.Logf("restore from the stopped holder: %.0f ms, %s", got.Timings.RestoreMS, got.Timings.Error)
-			assert.Equal(t, []any{"failed", 0}, []any{got.Timings.Decision, got.Timings.RestoredN}, "restore from the stopped holder: %+v", got.Timings)
-			assert.Contains(t, got.Timings.Error, "timed out", "the failure names the deadline")
-			assert.Less(t, got.Timings.RestoreMS, float64(hungTimeoutMS+2000), "the restore gave up at the deadline")
-			assert.Equal(t, want.Tokens, got.Tokens, "the server computes the prompt and answers as stock")
+			got := hungPair(t, y.URL)
+			t.Logf("%s: stopped sole holder of %d tokens, default config: its request %.0f ms (stock %.0f ms, %.2fx; "+
+				"the restore gave up after %.1f ms: %s), the other slot's %.0f ms (stock %.0f ms, %.2fx)",
+				name, len(hungPrefix), ms(got.holderTook), ms(base.holderTook), float64(got.holderTook)/float64(base.holderTook),
+				got.holder.Timings.RestoreMS, got.holder.Timings.Error,
+				ms(got.otherTook), ms(base.otherTook), float64(got.otherTook)/float64(base.otherTook))
+			assert.Equal(t, []any{"failed", 0}, []any{got.holder.Timings.Decision, got.holder.Timings.RestoredN},
+				"restore from the stopped holder: %+v", got.holder.Timings)
+			assert.Contains(t, got.holder.Timings.Error, "timed out", "the failure names the deadline")
+			assert.Equal(t, base.holder.Tokens, got.holder.Tokens, "the server computes the prompt and answers as stock")
+			assert.Equal(t, base.other.Tokens, got.other.Tokens, "the other slot's request, answered while the holder is stopped")
 
-			o := <-other
-			require.NoError(t, o.err, "the unrelated request")
-			assert.Equal(t, wantUnrelated.Tokens, o.c.Tokens, "the unrelated request, answered while the holder is stopped")
-
-			again := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 0, NPredict: nPredict})
+			again := y.Complete(t, testenv.Request{Prompt: hungPromptB, Slot: 0, NPredict: nPredict})
 			assert.Equal(t, []any{"miss", 0}, []any{again.Timings.Decision, again.Timings.RestoredN},
 				"the next request plans around the stopped holder: %+v", again.Timings)
-			assert.Equal(t, want.Tokens, again.Tokens)
+			assert.Equal(t, base.holder.Tokens, again.Tokens)
 			assert.Equal(t, 1.0, testenv.Metrics(t, y.URL+"/metrics")["mcbridge_peers_down_total"], "the holder went down once")
 		})
 	}
 }
+
+// hungRun is the two requests of TestHungHolder and how long each took,
+// as its client saw it.
+type hungRun struct {
+	holder, other         testenv.Completion
+	holderTook, otherTook time.Duration
+}
+
+// hungPair sends the request for the holder's prefix to slot 1 and, while
+// it is served, the unrelated one to slot 0.
+func hungPair(t *testing.T, url string) hungRun {
+	type timed struct {
+		completionOrError
+		took time.Duration
+	}
+	send := func(r testenv.Request, out chan<- timed) {
+		t0 := time.Now()
+		c := postCompletion(url, r)
+		out <- timed{c, time.Since(t0)}
+	}
+	holder, other := make(chan timed, 1), make(chan timed, 1)
+	go send(testenv.Request{Prompt: hungPromptB, Slot: 1, NPredict: nPredict}, holder)
+	time.Sleep(otherAfter)
+	go send(testenv.Request{Prompt: hungOther, Slot: 0, NPredict: nPredict}, other)
+	h, o := <-holder, <-other
+	require.NoError(t, h.err, "the request for the prefix")
+	require.NoError(t, o.err, "the request on the other slot")
+	return hungRun{holder: h.c, other: o.c, holderTook: h.took, otherTook: o.took}
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 type completionOrError struct {
 	c   testenv.Completion
