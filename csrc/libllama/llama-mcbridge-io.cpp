@@ -444,13 +444,6 @@ void seq_restore_cancel(restore_op & op) {
     plain_kv(op.ctx)->seq_rm(op.seq_id, -1, -1);
 }
 
-restore_result seq_restore(llama_context * ctx, const attachment & att, mcb_plan plan,
-                           llama_seq_id seq_id, int32_t n_tokens) {
-    restore_op op;
-    restore_result out = seq_restore_begin(ctx, att, plan, seq_id, n_tokens, op);
-    return op.load == 0 ? out : seq_restore_end(op);
-}
-
 save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scope * scope,
                      llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens) {
     save_result out;

@@ -102,9 +102,6 @@ bool seq_restore_poll(const restore_op & op, uint32_t timeout_us);
 restore_result seq_restore_end(restore_op & op);
 // Abandons op: its transfers stop and its cells leave the sequence, which is empty.
 void seq_restore_cancel(restore_op & op);
-// seq_restore_begin, then seq_restore_end: a restore that waits for its load.
-restore_result seq_restore(llama_context * ctx, const attachment & att, mcb_plan plan,
-                           llama_seq_id seq_id, int32_t n_tokens);
 
 struct save_result {
     int32_t         n_tokens = 0; // clean, contiguous positions handed to the bridge

@@ -223,7 +223,7 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
     }
     // The sequence holds the load's cells and nothing else; the slot waits for them.
     cached.keep_first(0);
-    s.restores[seq_id] = std::move(sr);
+    s.restores.insert_or_assign(seq_id, std::move(sr));
     return RESTORING;
 }
 

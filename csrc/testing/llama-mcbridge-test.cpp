@@ -111,18 +111,6 @@ struct context {
         return mcb_llama::seq_save(ctx, att, nullptr, seq, toks.data(), (int32_t) toks.size());
     }
 
-    // Restores what a lookup of toks plans (the policy restores every usable block).
-    mcb_llama::restore_result restore(llama_seq_id seq, const std::vector<llama_token> & toks) const {
-        mcb_lookup_result lr = {};
-        mcb_llama::restore_result r;
-        r.status = mcb_lookup(att.model, nullptr, toks.data(), toks.size(), 0, &lr);
-        if (r.status != MCB_STATUS_OK || lr.plan == 0) {
-            r.error = "nothing to restore";
-            return r;
-        }
-        return mcb_llama::seq_restore(ctx, att, lr.plan, seq, (int32_t) lr.n_restore_tokens);
-    }
-
     // Starts restoring what a lookup of toks plans, as llama-server does (op.load is 0
     // when it did not start).
     mcb_llama::restore_result restore_begin(llama_seq_id seq, const std::vector<llama_token> & toks,
@@ -135,6 +123,14 @@ struct context {
             return r;
         }
         return mcb_llama::seq_restore_begin(ctx, att, lr.plan, seq, (int32_t) lr.n_restore_tokens, op);
+    }
+
+    // Restores what a lookup of toks plans (the policy restores every usable block),
+    // waiting for the load.
+    mcb_llama::restore_result restore(llama_seq_id seq, const std::vector<llama_token> & toks) const {
+        mcb_llama::restore_op op;
+        const mcb_llama::restore_result r = restore_begin(seq, toks, op);
+        return op.load == 0 ? r : mcb_llama::seq_restore_end(op);
     }
 
     int32_t matched(const std::vector<llama_token> & toks) const {
