@@ -18,6 +18,7 @@ namespace {
 struct slot_restore {
     enum phase_t { LOADING, DONE } phase = LOADING;
     int                    task_id = -1;   // the task it restores for
+    uint8_t                scope[16] = {}; // the request's scope id: the restored cells'
     mcb_llama::restore_op  op;             // LOADING: the load into the slot's sequence
     int64_t                t_begin_us = 0;
     int32_t                n_prompt   = 0; // for the log
@@ -208,6 +209,7 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
     sr.task_id    = task.id;
     sr.t_begin_us = now_us();
     sr.n_prompt   = n;
+    std::copy(rs.id, rs.id + 16, sr.scope);
     const mcb_llama::restore_result r = mcb_llama::seq_restore_begin(ctx, s.att, lr.plan, seq_id, p, sr.op);
     if (sr.op.load == 0) {
         st.restore_ms = ms_between(sr.t_begin_us, now_us());
@@ -258,6 +260,7 @@ bool restore_pending(llama_context * ctx, int32_t seq_id, const server_task & ta
         return false;
     }
     // The sequence now holds exactly input[0, r.n_tokens), computed under its scope.
+    mcb_llama::seq_set_scope(ctx, seq_id, sr.scope, true);
     const llama_tokens & tokens = input.get_tokens();
     for (int32_t i = 0; i < r.n_tokens; i++) {
         cached.push_back(tokens[i]);
