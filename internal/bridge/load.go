@@ -124,7 +124,7 @@ func (p *Plan) Load(layout kvlayout.Layout, cells []uint32) (*Load, error) {
 	return p.m.loadBegin(p.root, p.chain, p.tokens, layout, cells, p.Decision.Deadline)
 }
 
-// errAbandoned is the cause with which End cancels a load the host gave up
+// errAbandoned is the cause with which Cancel stops a load the host gave up
 // on before it was over: its transfers stop, and no peer is to blame.
 var errAbandoned = status.Errorf(status.State, "the host ended the load before it was over")
 
