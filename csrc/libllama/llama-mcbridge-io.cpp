@@ -7,6 +7,8 @@
 // so that the load's transfers run while llama.cpp does its bookkeeping for them.
 // Any failure throws inside state_read_data, where llama.cpp rolls the sequence back.
 // The save is the mirror: the cells and tensors of the sequence, handed to the bridge.
+// KV in device memory goes through host staging (llama-mcbridge-device.cpp): the load
+// lands there and each layer is uploaded once the bridge has verified it.
 #include "llama-mcbridge-impl.h"
 
 #include "llama-batch.h"
@@ -96,9 +98,10 @@ namespace {
 class bridge_reader : public llama_io_read_i {
 public:
     bridge_reader(llama_kv_cache * kv, const llama_hparams & hp, const attachment & att, mcb_load load,
-                  llama_seq_id seq_id, const std::vector<uint32_t> & cells, const std::vector<mcb_kv_layer> & layers) :
+                  llama_seq_id seq_id, const std::vector<uint32_t> & cells, const std::vector<mcb_kv_layer> & layers,
+                  uint32_t strm) :
         load(load), kv(kv), hp(hp), att(att), seq_id(seq_id), n_tokens((int32_t) cells.size()), cells(cells),
-        runs(runs_of(cells)), layers(layers), layer_ids(kv->get_layer_ids()) {
+        runs(runs_of(cells)), layers(layers), layer_ids(kv->get_layer_ids()), strm(strm) {
         put<uint32_t>(kv->get_n_stream());
         // The cells go in the first stream section; state_read places a single-sequence
         // blob in the destination's own stream whichever section carries it.
@@ -162,8 +165,8 @@ public:
     size_t n_bytes() override { return cur; }
 
     // Ends the load if it is still open: it waits out every layer, so that nothing the
-    // load started writes into the cells once llama.cpp has them back. Status and error
-    // keep the first failure.
+    // load started writes into the cells once llama.cpp has them back, and every upload
+    // from staging. Status and error keep the first failure.
     void end() {
         if (load == 0) {
             return;
@@ -171,6 +174,9 @@ public:
         mcb_load_result res = {};
         const mcb_status st = mcb_load_end(load, &res);
         load = 0;
+        if (att.stage) {
+            att.stage->sync();
+        }
         if (st != MCB_STATUS_OK && status == MCB_STATUS_OK) {
             status = st;
         }
@@ -239,7 +245,9 @@ private:
     }
 
     // Waits for every layer, each verified before it is reported, so no compute ever
-    // sees unverified rows (docs/design.md §5.2), then ends the load.
+    // sees unverified rows (docs/design.md §5.2), then ends the load. From staging, a
+    // layer's verified rows are uploaded as soon as it is reported, while the bridge
+    // moves and verifies the next (§5.7).
     void finish() {
         uint32_t ok = (uint32_t) n_tokens;
         for (uint32_t l = 0; l < (uint32_t) layers.size(); l++) {
@@ -249,6 +257,9 @@ private:
                 status = st;
             }
             ok = std::min(ok, st == MCB_STATUS_OK ? ok_l : 0u);
+            if (att.stage && ok > 0) {
+                att.stage->upload(l, strm, cells, ok);
+            }
         }
         n_ok = (int32_t) ok;
         end();
@@ -267,6 +278,7 @@ private:
     const std::vector<cell_run>     runs;
     const std::vector<mcb_kv_layer> layers;
     const std::vector<uint32_t>     layer_ids;
+    const uint32_t                  strm; // the stream the cells are in
 
     std::vector<uint8_t> stream;
     size_t cur = 0;
@@ -311,8 +323,8 @@ kv_storage capture_storage(llama_kv_cache * kv, llama_seq_id seq_id) {
     for (size_t i = 0; i < cap.order.size(); i++) {
         ggml_tensor * view = cap.order[i];
         ggml_tensor * whole = view->view_src != nullptr ? view->view_src : view;
-        if (whole->buffer == nullptr || !ggml_backend_buffer_is_host(whole->buffer) || whole->data == nullptr) {
-            throw std::runtime_error(std::string("KV tensor ") + whole->name + " is not in host memory");
+        if (whole->buffer == nullptr || whole->data == nullptr) {
+            throw std::runtime_error(std::string("KV tensor ") + whole->name + " is not allocated");
         }
         if (whole->ne[2] != (int64_t) kv->get_n_stream() || view->nb[1] != whole->nb[1] ||
             view->data != static_cast<uint8_t *>(whole->data) + strm * whole->nb[2]) {
@@ -378,15 +390,29 @@ restore_result seq_restore(llama_context * ctx, const attachment & att, mcb_plan
     // them), and runs while llama.cpp allocates them to seq_id.
     const std::vector<uint32_t> & cells = sinfo.idxs[0];
     const std::vector<mcb_kv_layer> layers = stream_layers(att.storage, kv->get_size(), att.v_trans, sinfo.strm[0]);
-    const mcb_kv_layout layout = layout_of(kv, att.v_trans, layers);
+    mcb_kv_layout layout = layout_of(kv, att.v_trans, layers);
+    std::vector<uint32_t> at = cells; // where the load puts position i
+    if (att.stage) {
+        try {
+            layout = att.stage->layout((uint32_t) n_tokens);
+        } catch (const std::exception & e) {
+            mcb_plan_drop(plan);
+            out.status = MCB_STATUS_LAYOUT; // no room for the staging, as for the cells
+            out.error  = e.what();
+            return out;
+        }
+        for (int32_t i = 0; i < n_tokens; i++) {
+            at[i] = (uint32_t) i;
+        }
+    }
     mcb_load load = 0;
-    out.status = mcb_load_begin(plan, &layout, cells.data(), &load);
+    out.status = mcb_load_begin(plan, &layout, at.data(), &load);
     if (out.status != MCB_STATUS_OK) {
         out.error = "mcb_load_begin: " + status_message(out.status);
         return out;
     }
 
-    bridge_reader reader(kv, llama_get_model(ctx)->hparams, att, load, seq_id, cells, layers);
+    bridge_reader reader(kv, llama_get_model(ctx)->hparams, att, load, seq_id, cells, layers, sinfo.strm[0]);
     llama_kv_cache::slot_info_vec_t placed(kv->get_n_stream());
     placed[0] = sinfo; // the blob's first section carries the cells
     try {
@@ -437,28 +463,54 @@ save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scop
     }
 
     std::vector<mcb_kv_layer> layers;
+    uint32_t strm = 0;
+    mcb_kv_layout layout = {};
+    std::vector<uint32_t> at = cells; // where the save reads position i
     try {
-        layers = stream_layers(att.storage, kv->get_size(), att.v_trans, seq_stream(kv, seq_id));
+        strm   = seq_stream(kv, seq_id);
+        layers = stream_layers(att.storage, kv->get_size(), att.v_trans, strm);
+        layout = layout_of(kv, att.v_trans, layers);
+        if (att.stage) {
+            layout = att.stage->layout((uint32_t) n);
+            for (int32_t i = 0; i < n; i++) {
+                at[i] = (uint32_t) i;
+            }
+        }
     } catch (const std::exception & e) {
         out.status = MCB_STATUS_UNSUPPORTED;
         out.error  = e.what();
         return out;
     }
-    const mcb_kv_layout layout = layout_of(kv, att.v_trans, layers);
+    if (att.stage) {
+        // Every layer's download is queued at once; the bridge copies layer l while the
+        // device sends the later ones (§5.7).
+        for (uint32_t l = 0; l < layout.n_layer; l++) {
+            att.stage->download(l, strm, cells);
+        }
+    }
 
     mcb_save h = 0;
-    out.status = mcb_save_begin(att.model, scope, &layout, tokens, (size_t) n, cells.data(), &h);
+    out.status = mcb_save_begin(att.model, scope, &layout, tokens, (size_t) n, at.data(), &h);
     if (out.status != MCB_STATUS_OK) {
         out.error = "mcb_save_begin: " + status_message(out.status);
+        if (att.stage) {
+            att.stage->sync(); // staging is written until then
+        }
         return out;
     }
     for (uint32_t l = 0; l < layout.n_layer; l++) {
+        if (att.stage) {
+            att.stage->wait_download(l);
+        }
         const mcb_status st = mcb_save_layer(h, l);
         if (st != MCB_STATUS_OK) {
             out.status = st;
             out.error  = "mcb_save_layer: " + status_message(st);
             break;
         }
+    }
+    if (att.stage) {
+        att.stage->sync();
     }
     const mcb_status st_end = mcb_save_end(h, &out.blocks);
     if (st_end != MCB_STATUS_OK && out.status == MCB_STATUS_OK) {
