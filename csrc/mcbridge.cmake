@@ -61,7 +61,8 @@ function(mcb_patched_source target)
 endfunction()
 
 # libllama
-set(MCB_LLAMA_SOURCES ${MCB_LIBLLAMA_DIR}/llama-mcbridge.cpp ${MCB_LIBLLAMA_DIR}/llama-mcbridge-io.cpp)
+set(MCB_LLAMA_SOURCES ${MCB_LIBLLAMA_DIR}/llama-mcbridge.cpp ${MCB_LIBLLAMA_DIR}/llama-mcbridge-io.cpp
+    ${MCB_LIBLLAMA_DIR}/llama-mcbridge-device.cpp)
 target_sources(llama PRIVATE ${MCB_LLAMA_SOURCES})
 mcb_patched_source(llama ${MCB_LLAMA_SOURCES} ${CMAKE_SOURCE_DIR}/src/llama-kv-cache.cpp)
 set_property(SOURCE ${MCB_LLAMA_SOURCES} TARGET_DIRECTORY llama PROPERTY SKIP_UNITY_BUILD_INCLUSION ON)

@@ -4,6 +4,8 @@
 # BUILD/e2e.env (sourced by the Makefile's recipes):
 #
 #   MCB_LLAMA_SERVER_STOCK, MCB_LLAMA_SERVER_PATCHED   scripts/llama/build.sh
+#   MCB_GGML_RPC_SERVER                                ggml's RPC server, next to the stock
+#                                                      llama-server: the device-KV tests' device
 #   MCB_TE_REAL_LIB                                    scripts/mooncake/build.sh te
 #   MCB_MOONCAKE_STORE_DIR                             scripts/mooncake/build.sh store: the
 #                                                      folder of mooncake_master, libasio.so,
@@ -55,6 +57,7 @@ step "csrc/embed (mcb_libllama)" libllama
 cat >"$build/e2e.env" <<ENV
 export MCB_LLAMA_SERVER_STOCK=$stock
 export MCB_LLAMA_SERVER_PATCHED=$patched
+export MCB_GGML_RPC_SERVER=$(dirname "$stock")/ggml-rpc-server
 export MCB_TE_REAL_LIB=$te
 export MCB_MOONCAKE_STORE_DIR=$store
 export MCB_LIBLLAMA_BUILD=$build/libllama

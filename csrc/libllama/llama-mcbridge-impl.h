@@ -4,6 +4,10 @@
 
 #include "llama-mcbridge.h"
 
+#include "ggml-backend.h"
+
+#include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -26,15 +30,65 @@ std::vector<uint32_t> seq_cells(const llama_kv_cache * kv, llama_seq_id seq_id, 
 uint32_t seq_stream(const llama_kv_cache * kv, llama_seq_id seq_id);
 
 // The cache's K and V tensors, learned from a state_write of seq_id, which names its
-// stream's views of them (the sequence must hold cells). Throws when they are not in
-// host memory or not laid out as the pinned llama.cpp lays them out.
+// stream's views of them (the sequence must hold cells). Throws when they are not
+// laid out as the pinned llama.cpp lays them out. They may be in device memory.
 kv_storage capture_storage(llama_kv_cache * kv, llama_seq_id seq_id);
 
 // The bridge's view of stream strm of the storage: rows of cell c at k + c * k_stride,
 // or, with V transposed, dimension j of cell c at v + (j * n_cells + c) * element size.
+// For tensors in device memory the addresses are the device's: they name the tensors
+// (stage-2 checks llama.cpp's reads against them), the bridge never gets them.
 std::vector<mcb_kv_layer> stream_layers(const kv_storage & st, uint32_t n_cells, bool v_trans, uint32_t strm);
 
 // The layout the bridge takes for layers of kv; it points into layers.
 mcb_kv_layout layout_of(const llama_kv_cache * kv, bool v_trans, const std::vector<mcb_kv_layer> & layers);
+
+// KV in memory the CPU cannot address (a GPU, an RPC server), staged through a host
+// buffer (llama-mcbridge-device.cpp, docs/design.md §5.7): the bridge's loads and
+// saves use the staging layout, position i in staging row i, and the rows move
+// between staging and the tensors through ggml's backend API. Used only on the thread
+// driving the context.
+class kv_stage {
+public:
+    // nullptr when every K and V tensor of st is host memory.
+    static std::shared_ptr<kv_stage> make(llama_context * ctx, const llama_kv_cache * kv, const kv_storage & st,
+                                          bool v_trans);
+    ~kv_stage();
+    kv_stage(const kv_stage &) = delete;
+    kv_stage & operator=(const kv_stage &) = delete;
+
+    // The host layout of n positions (cells 0..n-1), growing staging when needed; it
+    // points into this object and stays valid until the next call.
+    mcb_kv_layout layout(uint32_t n);
+    // Layer l of positions [0, n) from staging into their cells (of stream strm), on
+    // the layer's backend, asynchronously where it can; sync() waits for it.
+    void upload(uint32_t l, uint32_t strm, const std::vector<uint32_t> & cells, uint32_t n);
+    // Layer l of the positions held in cells into staging; wait_download(l) waits for it.
+    void download(uint32_t l, uint32_t strm, const std::vector<uint32_t> & cells);
+    void wait_download(uint32_t l);
+    // Waits for every upload and download issued.
+    void sync();
+
+    std::string where;    // the devices the KV is on, for the log
+    size_t      n_device = 0; // K and V tensors not in host memory
+
+private:
+    kv_stage() = default;
+    template <typename F>
+    void pieces(uint32_t l, uint32_t strm, const std::vector<uint32_t> & cells, uint32_t n, F && fn) const;
+
+    kv_storage st;
+    bool       v_trans = false;
+    uint32_t   n_cells = 0; // cells in each stream of the cache
+    std::vector<ggml_backend_t> kb, vb;  // per layer: the backend of K's and V's device, nullptr for host memory
+    std::vector<size_t>   krow, vrow, vel;
+    std::vector<uint32_t> vdim;
+    std::set<ggml_backend_t> backends;
+    std::vector<std::vector<ggml_backend_event_t>> events; // per layer, per backend of kb/vb; nullptr where none
+    ggml_backend_buffer_type_t host_buft = nullptr;
+    ggml_backend_buffer_t      buf       = nullptr;
+    uint32_t                   cap       = 0; // positions staging holds
+    std::vector<mcb_kv_layer>  rows;          // staging, per layer
+};
 
 } // namespace mcb_llama

@@ -9,6 +9,8 @@
 // back. The load itself is over later (seq_restore_end): the server decodes other
 // sequences meanwhile, and only then does the sequence keep its verified prefix.
 // The save is the mirror: the cells and tensors of the sequence, handed to the bridge.
+// KV in device memory goes through host staging (llama-mcbridge-device.cpp): the load
+// lands there and each layer is uploaded once the bridge has verified it.
 #include "llama-mcbridge-impl.h"
 
 #include "llama-batch.h"
@@ -228,6 +230,7 @@ private:
     const std::vector<cell_run>     runs;
     const std::vector<mcb_kv_layer> layers;
     const std::vector<uint32_t>     layer_ids;
+    const uint32_t                  strm; // the stream the cells are in
 
     std::vector<uint8_t> stream;
     size_t cur = 0;
@@ -272,8 +275,8 @@ kv_storage capture_storage(llama_kv_cache * kv, llama_seq_id seq_id) {
     for (size_t i = 0; i < cap.order.size(); i++) {
         ggml_tensor * view = cap.order[i];
         ggml_tensor * whole = view->view_src != nullptr ? view->view_src : view;
-        if (whole->buffer == nullptr || !ggml_backend_buffer_is_host(whole->buffer) || whole->data == nullptr) {
-            throw std::runtime_error(std::string("KV tensor ") + whole->name + " is not in host memory");
+        if (whole->buffer == nullptr || whole->data == nullptr) {
+            throw std::runtime_error(std::string("KV tensor ") + whole->name + " is not allocated");
         }
         if (whole->ne[2] != (int64_t) kv->get_n_stream() || view->nb[1] != whole->nb[1] ||
             view->data != static_cast<uint8_t *>(whole->data) + strm * whole->nb[2]) {
@@ -341,9 +344,23 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
     // seq_restore_end, no batch holds seq_id, and no other sequence attends to its cells.
     const std::vector<uint32_t> & cells = sinfo.idxs[0];
     const std::vector<mcb_kv_layer> layers = stream_layers(att.storage, kv->get_size(), att.v_trans, sinfo.strm[0]);
-    const mcb_kv_layout layout = layout_of(kv, att.v_trans, layers);
+    mcb_kv_layout layout = layout_of(kv, att.v_trans, layers);
+    std::vector<uint32_t> at = cells; // where the load puts position i
+    if (att.stage) {
+        try {
+            layout = att.stage->layout((uint32_t) n_tokens);
+        } catch (const std::exception & e) {
+            mcb_plan_drop(plan);
+            out.status = MCB_STATUS_LAYOUT; // no room for the staging, as for the cells
+            out.error  = e.what();
+            return out;
+        }
+        for (int32_t i = 0; i < n_tokens; i++) {
+            at[i] = (uint32_t) i;
+        }
+    }
     mcb_load load = 0;
-    out.status = mcb_load_begin(plan, &layout, cells.data(), &load);
+    out.status = mcb_load_begin(plan, &layout, at.data(), &load);
     if (out.status != MCB_STATUS_OK) {
         out.error = "mcb_load_begin: " + status_message(out.status);
         return out;
@@ -370,6 +387,23 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
             kv->seq_rm(seq_id, -1, -1);
         }
         return out;
+    }
+    if (att.stage) {
+        // Staging is one buffer per context, shared by every restore and save, so a
+        // device restore does not stay in flight across loop iterations: it waits here
+        // for each layer, verified, and uploads it while the bridge moves the next
+        // (docs/design.md §5.7); seq_restore_end then finds the load over. The wait is
+        // still bounded by the load's deadline, which the cost model sets.
+        uint32_t ok = (uint32_t) n_tokens;
+        for (uint32_t l = 0; l < (uint32_t) layers.size(); l++) {
+            uint32_t ok_l = 0;
+            const mcb_status st = mcb_load_wait_layer(load, l, &ok_l);
+            ok = std::min(ok, st == MCB_STATUS_OK ? ok_l : 0u);
+            if (ok > 0) {
+                att.stage->upload(l, sinfo.strm[0], cells, ok);
+            }
+        }
+        att.stage->sync();
     }
     op.ctx      = ctx;
     op.seq_id   = seq_id;
@@ -463,28 +497,54 @@ save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scop
     }
 
     std::vector<mcb_kv_layer> layers;
+    uint32_t strm = 0;
+    mcb_kv_layout layout = {};
+    std::vector<uint32_t> at = cells; // where the save reads position i
     try {
-        layers = stream_layers(att.storage, kv->get_size(), att.v_trans, seq_stream(kv, seq_id));
+        strm   = seq_stream(kv, seq_id);
+        layers = stream_layers(att.storage, kv->get_size(), att.v_trans, strm);
+        layout = layout_of(kv, att.v_trans, layers);
+        if (att.stage) {
+            layout = att.stage->layout((uint32_t) n);
+            for (int32_t i = 0; i < n; i++) {
+                at[i] = (uint32_t) i;
+            }
+        }
     } catch (const std::exception & e) {
         out.status = MCB_STATUS_UNSUPPORTED;
         out.error  = e.what();
         return out;
     }
-    const mcb_kv_layout layout = layout_of(kv, att.v_trans, layers);
+    if (att.stage) {
+        // Every layer's download is queued at once; the bridge copies layer l while the
+        // device sends the later ones (§5.7).
+        for (uint32_t l = 0; l < layout.n_layer; l++) {
+            att.stage->download(l, strm, cells);
+        }
+    }
 
     mcb_save h = 0;
-    out.status = mcb_save_begin(att.model, scope, &layout, tokens, (size_t) n, cells.data(), &h);
+    out.status = mcb_save_begin(att.model, scope, &layout, tokens, (size_t) n, at.data(), &h);
     if (out.status != MCB_STATUS_OK) {
         out.error = "mcb_save_begin: " + status_message(out.status);
+        if (att.stage) {
+            att.stage->sync(); // staging is written until then
+        }
         return out;
     }
     for (uint32_t l = 0; l < layout.n_layer; l++) {
+        if (att.stage) {
+            att.stage->wait_download(l);
+        }
         const mcb_status st = mcb_save_layer(h, l);
         if (st != MCB_STATUS_OK) {
             out.status = st;
             out.error  = "mcb_save_layer: " + status_message(st);
             break;
         }
+    }
+    if (att.stage) {
+        att.stage->sync();
     }
     const mcb_status st_end = mcb_save_end(h, &out.blocks);
     if (st_end != MCB_STATUS_OK && out.status == MCB_STATUS_OK) {

@@ -81,7 +81,7 @@ std::atomic<bool> g_tracking{false};
 // emptied again either way.
 mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const mcb_model_params & params,
                                const mcb_kv_format & format, bool v_trans, mcb_model & out, kv_storage & storage,
-                               std::string & why) {
+                               std::shared_ptr<kv_stage> & stage, std::string & why) {
     if (kv->seq_pos_max(0) >= 0) {
         why = "sequence 0 is not empty";
         return MCB_STATUS_STATE;
@@ -111,9 +111,22 @@ mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const m
                 throw std::runtime_error("the probe's positions are not all in the cache");
             }
             storage = capture_storage(kv, 0);
+            stage   = kv_stage::make(ctx, kv, storage, v_trans);
             const std::vector<mcb_kv_layer> layers = stream_layers(storage, kv->get_size(), v_trans, 0);
-            const mcb_kv_layout layout = layout_of(kv, v_trans, layers);
-            st = mcb_model_register(state().bridge, &params, &format, &layout, cells.data(), &out);
+            mcb_kv_layout layout = layout_of(kv, v_trans, layers);
+            std::vector<uint32_t> at = cells;
+            if (stage) {
+                // The probe's rows, downloaded into staging rows 0..7.
+                layout = stage->layout((uint32_t) cells.size());
+                for (uint32_t l = 0; l < layout.n_layer; l++) {
+                    stage->download(l, 0, cells);
+                }
+                stage->sync();
+                for (uint32_t i = 0; i < at.size(); i++) {
+                    at[i] = i;
+                }
+            }
+            st = mcb_model_register(state().bridge, &params, &format, &layout, at.data(), &out);
             if (st != MCB_STATUS_OK) {
                 why = "mcb_model_register: " + status_message(st);
             }
@@ -234,13 +247,6 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     }
 
     const std::vector<uint32_t> ids = kv->get_layer_ids();
-    for (uint32_t il : ids) {
-        ggml_tensor * k = kv->get_k_storage((int32_t) il);
-        if (k->buffer == nullptr || !ggml_backend_buffer_is_host(k->buffer)) {
-            why_off = "KV cache in device memory (this build moves host memory only)";
-            return false;
-        }
-    }
 
     process_state & s = state();
     std::lock_guard<std::recursive_mutex> lk(s.mu);
@@ -274,8 +280,9 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
 
     mcb_model m = 0;
     kv_storage storage;
+    std::shared_ptr<kv_stage> stage;
     std::string why_probe;
-    if (register_with_probe(ctx, kv, p, f, v_trans, m, storage, why_probe) != MCB_STATUS_OK) {
+    if (register_with_probe(ctx, kv, p, f, v_trans, m, storage, stage, why_probe) != MCB_STATUS_OK) {
         why_off = "registering the model: " + why_probe;
         return false;
     }
@@ -285,10 +292,15 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     a.n_layer = f.n_layer;
     a.v_trans = v_trans;
     a.storage = storage;
+    a.stage   = stage;
     std::ostringstream d;
     d << model.arch_name() << ", " << f.n_layer << " KV layers, K " << ggml_type_name(tk) << " V " << ggml_type_name(tv)
       << (v_trans ? " (V transposed)" : "") << ", " << kv->get_n_stream() << " stream(s) of " << kv->get_size()
       << " cells";
+    if (stage) {
+        d << ", KV on " << stage->where << " (" << stage->n_device << " of " << 2 * f.n_layer
+          << " tensors, staged through host memory)";
+    }
     a.describe = d.str();
 
     // Whatever the cache holds now was not computed under our watch.

@@ -23,12 +23,15 @@
 #include "mcbridge.h"
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 class llama_kv_cache;
 
 namespace mcb_llama {
+
+class kv_stage;
 
 // Configuration, given before any context attaches. An empty config falls back to
 // the MCB_CONFIG environment variable; neither set means the bridge stays off.
@@ -50,6 +53,9 @@ struct attachment {
     uint32_t    n_layer = 0;
     bool        v_trans = false;
     kv_storage  storage; // learned from the probe's sequence, which names its stream's views
+    // Where some K or V tensor is not host memory (a GPU, an RPC server): the host
+    // staging every load and save of the context goes through; nullptr otherwise.
+    std::shared_ptr<kv_stage> stage;
     std::string describe; // one line for the log: types, layers, layout
 };
 
@@ -57,7 +63,7 @@ struct attachment {
 // the probe prompt is decoded into sequence 0 of the empty cache and its KV handed
 // over, so that the library derives the model's identity as for any other host.
 // Returns false, with why_off set, when the bridge is off or cannot serve this
-// context (draft, recurrent, hybrid, sliding window, M-RoPE, device KV, ...).
+// context (draft, recurrent, hybrid, sliding window, M-RoPE, ...).
 bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::string & why_off);
 void detach(llama_context * ctx);
 

@@ -38,6 +38,7 @@ const (
 	EnvStoreDir      = "MCB_MOONCAKE_STORE_DIR"   // scripts/mooncake/build.sh store: <dir>/out
 	EnvBin           = "MCB_BIN"                  // mcbridge, else built from this tree
 	EnvLibllama      = "MCB_LIBLLAMA_BUILD"       // the build of csrc/embed: libllama_test, libllama_test_asan
+	EnvRPCServer     = "MCB_GGML_RPC_SERVER"      // scripts/llama/build.sh stock: ggml-rpc-server, next to llama-server
 )
 
 // Binary returns the file an environment variable names, failing the test

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# build.sh stock|patched: builds llama-server (CPU only) for the pinned llama.cpp and
-# prints the binary's path on the last line of stdout.
+# build.sh stock|patched: builds llama-server (CPU, with ggml's RPC backend) and ggml-rpc-server
+# for the pinned llama.cpp and prints llama-server's path on the last line of stdout.
 #
 #   stock    the pristine tree from fetch.sh
 #   patched  a copy of that tree with llama-patches/apply.sh applied, configured with
@@ -46,6 +46,10 @@ src=$("$mcb_repo/scripts/llama/fetch.sh")
 # LLAMA_CURL no longer exists in this version (deprecated, ignored); HTTPS would only
 # pull in OpenSSL. GGML_NATIVE=OFF keeps the AVX2/FMA/F16C baseline (not -march=native),
 # so every machine sharing a ccache or comparing KV probe digests builds the same code.
+# GGML_RPC=ON adds ggml's RPC backend (a device in another process, reached only through
+# ggml's backend API: llama-server --rpc HOST:PORT) and its server, ggml-rpc-server, the
+# device of the device-KV tests. Without --rpc it changes nothing: the backend registers
+# no device until one is named (common/arg.cpp, add_rpc_devices).
 cmake_args=(
 	-DCMAKE_BUILD_TYPE=Release
 	-DBUILD_SHARED_LIBS=OFF
@@ -58,6 +62,7 @@ cmake_args=(
 	-DLLAMA_BUILD_UI=OFF
 	-DLLAMA_USE_PREBUILT_UI=OFF
 	-DLLAMA_OPENSSL=OFF
+	-DGGML_RPC=ON
 )
 # shellcheck disable=SC2206 # word splitting is the interface
 extra_args=(${LLAMA_EXTRA_CMAKE_ARGS:-})
@@ -166,13 +171,13 @@ build_server() {
 		log "cmake options: ${cmake_args[*]} ${extra_args[*]}"
 		cmake -S "$tree" -B "$build" "${generator[@]}" "${launcher[@]}" "${cmake_args[@]}" "${extra_args[@]}" >&2
 	fi
-	log "build llama-server ($variant) with $(nproc) jobs"
-	cmake --build "$build" --target llama-server -j "$(nproc)" >&2
+	log "build llama-server and ggml-rpc-server ($variant) with $(nproc) jobs"
+	cmake --build "$build" --target llama-server ggml-rpc-server -j "$(nproc)" >&2
 }
 
 mkdir -p "$(dirname "$build")"
 with_lock "$build.lock" build_server
 bin=$build/bin/llama-server
-[[ -x $bin ]] || die "build finished without $bin"
+[[ -x $bin && -x $build/bin/ggml-rpc-server ]] || die "build finished without $bin or ggml-rpc-server"
 log "llama-server ($variant) ready in $((SECONDS - start))s"
 echo "$bin"

@@ -1,0 +1,177 @@
+package e2e
+
+import (
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
+	"github.com/mcbridge/mcbridge/internal/testenv"
+)
+
+// The device of these tests is ggml's RPC backend: the KV lives in another
+// process (an rpc-server), reached only through ggml's backend API, as a
+// GPU's is. An rpc-server serves one client at a time, so every
+// llama-server that uses a device has its own.
+
+// onDevice are the arguments that put every layer, KV included, on the
+// devices at endpoints.
+func onDevice(model string, endpoints ...string) []string {
+	rpc := endpoints[0]
+	for _, e := range endpoints[1:] {
+		rpc += "," + e
+	}
+	return append(serverArgs(model, "on", false), "--rpc", rpc, "-ngl", "99")
+}
+
+// deviceSwarm is one etcd directory and the mock Transfer Engine, with a
+// transfer deadline short enough for the fault cases.
+func deviceSwarm(t *testing.T) string {
+	etcd := etcdtest.Start(t)
+	return bridgeConfig(`, "transfer_timeout_ms": 2000, "directory": {"kind": "etcd", "endpoints": ["` + etcd.Endpoint() +
+		`"], "lease_ttl_s": 60}, "transport": {"kind": "mooncake", "lib": "` + mockTE + `"}`)
+}
+
+// stockAnswers are stock's answers to prompt on slot 1, with the given
+// placement arguments.
+func stockAnswer(t *testing.T, args []string, prompt []int32) []int32 {
+	s := testenv.StartLlama(t, "stock", testenv.StockServer(t), args)
+	defer s.Stop()
+	return s.Complete(t, testenv.Request{Prompt: prompt, Slot: 1, NPredict: nPredict}).Tokens
+}
+
+// With KV on a device, fully or partly offloaded, on two devices, or kept
+// on the host (--no-kv-offload), a second process restores the whole
+// blocks of a shared prefix that a device-KV server computed and answers
+// as stock; a host-KV server restores what a device-KV server saved and
+// the other way round; a stock server with device KV behind the proxy
+// restores it too.
+func TestDeviceKV(t *testing.T) {
+	model := testenv.Model(t, "tiny", 0)
+	cfg := deviceSwarm(t)
+	spare := testenv.StartRPC(t, "rpc-spare") // for one server at a time
+	want := stockAnswer(t, onDevice(model, spare.Endpoint), promptB)
+
+	holder := testenv.StartRPC(t, "rpc-holder")
+	dev := testenv.StartLlama(t, "dev", testenv.PatchedServer(t), append(onDevice(model, holder.Endpoint), "--mcb-config", cfg))
+	require.Equal(t, "on", dev.BridgeState())
+	assert.Contains(t, dev.LogLine("mcbridge: on:"), "KV on RPC", "the log names the device")
+	first := dev.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict})
+	assert.Equal(t, len(promptA)/block, first.Timings.SavedBlocks, "the device-KV server saves the prompt's full blocks")
+
+	for _, c := range []struct {
+		name string
+		args func() []string
+	}{
+		{"partial offload", func() []string {
+			return append(serverArgs(model, "on", false), "--rpc", spare.Endpoint, "-ngl", "1")
+		}},
+		{"no kv offload", func() []string { return append(onDevice(model, spare.Endpoint), "-nkvo") }},
+		{"two devices", func() []string {
+			return append(onDevice(model, spare.Endpoint, testenv.StartRPC(t, "rpc-second").Endpoint), "-ts", "1,1")
+		}},
+		{"host KV", func() []string { return serverArgs(model, "on", false) }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := testenv.StartLlama(t, c.name, testenv.PatchedServer(t), append(c.args(), "--mcb-config", cfg))
+			defer s.Stop()
+			require.Equal(t, "on", s.BridgeState())
+			waitMirrored(t, s.URL, shared/block)
+			got := s.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
+			assert.Equal(t, []any{"restore", shared}, []any{got.Timings.Decision, got.Timings.RestoredN},
+				"restores what the device-KV server computed: %+v", got.Timings)
+			assert.Equal(t, want, got.Tokens, "answers as stock")
+		})
+	}
+
+	t.Run("device restores what the host saved", func(t *testing.T) {
+		host := testenv.StartLlama(t, "host", testenv.PatchedServer(t), append(serverArgs(model, "on", false), "--mcb-config", cfg))
+		defer host.Stop()
+		prefix2 := testenv.Tokens(600, 3, 100)
+		q1 := testenv.Cat(prefix2, testenv.Tokens(50, 7, 9))
+		q2 := testenv.Cat(prefix2, testenv.Tokens(60, 11, 13))
+		host.Complete(t, testenv.Request{Prompt: q1, Slot: 0, NPredict: nPredict})
+		waitMirrored(t, dev.URL, 2*shared/block)
+		got := dev.Complete(t, testenv.Request{Prompt: q2, Slot: 1, NPredict: nPredict})
+		assert.Equal(t, []any{"restore", shared}, []any{got.Timings.Decision, got.Timings.RestoredN},
+			"the device-KV server restores what the host-KV server computed: %+v", got.Timings)
+		assert.Equal(t, stockAnswer(t, onDevice(model, spare.Endpoint), q2), got.Tokens, "answers as stock")
+	})
+
+	t.Run("proxy", func(t *testing.T) {
+		dir := testenv.SlotDir(t, "stock-dev")
+		up := testenv.StartLlama(t, "stock-dev", testenv.StockServer(t), append(onDevice(model, spare.Endpoint), "--slot-save-path", dir))
+		defer up.Stop()
+		etcdCfg := cfg // the proxy is one more bridge of the swarm
+		proxy := testenv.StartProxy(t, "proxy", up.URL, dir, etcdCfg)
+		waitMirrored(t, proxy.URL, shared/block)
+		got := testenv.Complete(t, proxy.URL, testenv.Request{Prompt: promptB, Slot: -1, NPredict: nPredict})
+		assert.Equal(t, shared, got.Timings.RestoredN, "the proxy restores into a device-KV upstream: %+v", got.Timings)
+		assert.Equal(t, want, got.Tokens, "answers as stock")
+	})
+}
+
+// The fault cases with KV on a device, each answering as stock: the
+// holder killed, the holder stopped (SIGSTOP) past the transfer deadline,
+// and the restoring server's own device killed mid-restore, which ends the
+// server as it ends a stock one (ggml's RPC client aborts) while the
+// swarm goes on.
+func TestDeviceFaults(t *testing.T) {
+	model := testenv.Model(t, "tiny", 0)
+	cfg := deviceSwarm(t)
+	rpcs := []*testenv.RPC{testenv.StartRPC(t, "rpc-x"), testenv.StartRPC(t, "rpc-y")}
+	want := stockAnswer(t, onDevice(model, rpcs[1].Endpoint), promptB)
+
+	start := func(name string, rpc *testenv.RPC, env ...string) *testenv.Llama {
+		s := testenv.StartLlama(t, name, testenv.PatchedServer(t), append(onDevice(model, rpc.Endpoint), "--mcb-config", cfg), env...)
+		require.Equal(t, "on", s.BridgeState())
+		return s
+	}
+	x := start("x", rpcs[0])
+	// The mock's same-host path reads a stopped process's memory, which no
+	// real transport can (see TestHungHolder).
+	y := start("y", rpcs[1], "MOCK_TE_VM_EPERM=1")
+	x.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict})
+	waitMirrored(t, y.URL, shared/block)
+
+	x.Signal(syscall.SIGSTOP)
+	got := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
+	x.Signal(syscall.SIGCONT)
+	assert.Equal(t, []any{"failed", 0}, []any{got.Timings.Decision, got.Timings.RestoredN}, "holder stopped: %+v", got.Timings)
+	assert.Contains(t, got.Timings.Error, "timed out", "the failure names the deadline")
+	assert.Equal(t, want, got.Tokens, "holder stopped: y computes and answers as stock")
+
+	// y now holds the prefix too; x dies without unpublishing.
+	y.Stop()
+	x.Kill()
+	z := start("z", rpcs[1])
+	waitMirrored(t, z.URL, shared/block)
+	got = z.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
+	assert.Equal(t, []any{"failed", 0}, []any{got.Timings.Decision, got.Timings.RestoredN}, "holder killed: %+v", got.Timings)
+	assert.Equal(t, want, got.Tokens, "holder killed: z computes and answers as stock")
+
+	// A device lost while a request uses it: ggml's RPC client aborts the
+	// process, the patched server's as a stock one's; the swarm goes on.
+	for name, bin := range map[string]string{"stock": testenv.StockServer(t), "patched": testenv.PatchedServer(t)} {
+		rpc := testenv.StartRPC(t, "rpc-"+name)
+		args := onDevice(model, rpc.Endpoint)
+		if name == "patched" {
+			args = append(args, "--mcb-config", cfg)
+		}
+		s := testenv.StartLlama(t, name+"-lost", bin, args)
+		rpc.Signal(syscall.SIGSTOP)
+		done := make(chan completionOrError, 1)
+		go func() { done <- postCompletion(s.URL, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict}) }()
+		time.Sleep(500 * time.Millisecond) // the request is waiting on the device
+		rpc.Kill()
+		_ = s.Wait(time.Minute)
+		assert.True(t, s.Exited(), "%s: the server ends with its device", name)
+		assert.True(t, s.LogContains("Remote RPC server crashed"), "%s: ggml's RPC client says why", name)
+		assert.Error(t, (<-done).err, "%s: the request in flight gets no answer", name)
+	}
+	got = z.Complete(t, testenv.Request{Prompt: promptB, Slot: 0, NPredict: nPredict})
+	assert.Equal(t, want, got.Tokens, "the rest of the swarm answers as stock")
+}
