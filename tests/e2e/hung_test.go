@@ -54,10 +54,10 @@ func TestHungHolder(t *testing.T) {
 				other <- postCompletion(y.URL, testenv.Request{Prompt: unrelated, Slot: 0, NPredict: nPredict})
 			}()
 			got := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
-			t.Logf("restore from the stopped holder: %.0f ms, %s", got.Timings.RestoreMS, got.Timings.Error)
-			assert.Equal(t, []any{"failed", 0}, []any{got.Timings.Decision, got.Timings.RestoredN}, "restore from the stopped holder: %+v", got.Timings)
-			assert.Contains(t, got.Timings.Error, "timed out", "the failure names the deadline")
-			assert.Less(t, got.Timings.RestoreMS, float64(hungTimeoutMS+2000), "the restore gave up at the deadline")
+			t.Logf("restore from the stopped holder: %.0f ms, %s", got.MCB.RestoreMS, got.MCB.Error)
+			assert.Equal(t, []any{"failed", 0}, []any{got.MCB.Decision, got.MCB.RestoredN}, "restore from the stopped holder: %+v", got.MCB)
+			assert.Contains(t, got.MCB.Error, "timed out", "the failure names the deadline")
+			assert.Less(t, got.MCB.RestoreMS, float64(hungTimeoutMS+2000), "the restore gave up at the deadline")
 			assert.Equal(t, want.Tokens, got.Tokens, "the server computes the prompt and answers as stock")
 
 			o := <-other
@@ -65,7 +65,7 @@ func TestHungHolder(t *testing.T) {
 			assert.Equal(t, wantUnrelated.Tokens, o.c.Tokens, "the unrelated request, answered while the holder is stopped")
 
 			again := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 0, NPredict: nPredict})
-			assert.Equal(t, []any{"miss", 0}, []any{again.Timings.Decision, again.Timings.RestoredN},
+			assert.Equal(t, []any{"miss", 0}, []any{again.MCB.Decision, again.MCB.RestoredN},
 				"the next request plans around the stopped holder: %+v", again.Timings)
 			assert.Equal(t, want.Tokens, again.Tokens)
 			assert.Equal(t, 1.0, testenv.Metrics(t, y.URL+"/metrics")["mcbridge_peers_down_total"], "the holder went down once")
