@@ -14,7 +14,7 @@ export MCB_TE_MOCK_LIB := $(abspath $(BUILD))/libmooncake_te_mock.so
 # The end-to-end environment scripts/deps.sh writes.
 E2E := . $(abspath $(BUILD))/e2e.env &&
 
-.PHONY: all bootstrap configure deps test test-go test-cgocheck test-c test-bench demo fuzz bench-report clean
+.PHONY: all bootstrap configure deps test test-go test-cgocheck test-c test-bench test-llama-suite demo fuzz bench-report clean
 
 all: configure
 	cmake --build $(BUILD) -j$$(nproc)
@@ -28,7 +28,7 @@ configure: bootstrap
 deps: all
 	scripts/deps.sh $(BUILD)
 
-test: test-go test-cgocheck test-c test-bench
+test: test-go test-cgocheck test-c test-bench test-llama-suite
 
 # Every Go package, the end-to-end suites (tests/e2e) included, under the race
 # detector.
@@ -49,6 +49,11 @@ test-c: deps
 # run, with the end-to-end benchmarks, is bench-report.
 test-bench:
 	MCB_BENCH_QUICK=1 $(GO) test -run '^$$' -bench . -benchtime 1x -count 1 ./bench/
+
+# llama.cpp's own server test suite (pytest) against stock and the patched server with
+# the bridge on (tests/llamasuite); -v prints each run's pass count.
+test-llama-suite: deps
+	$(E2E) $(GO) test -tags llamasuite -count=1 -v -timeout 30m -run '^TestLlamaServerSuite$$' ./tests/llamasuite/
 
 # The swarm demo is a Go test behind the build tag "demo" (demo/demo_test.go),
 # so that test-go leaves it out.

@@ -142,8 +142,8 @@ func TestSwarmDemo(t *testing.T) {
 	tw := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "agent\tserver\tprompt\trestored\tcached\tdecision\tTTFT with (ms)\tTTFT without (ms)\tspeedup\tsame output")
 	for _, r := range rows {
-		w, o := r.with.Timings, r.without.Timings
-		decision := w.Decision
+		w, o, mcb := r.with.Timings, r.without.Timings, r.with.MCB
+		decision := mcb.Decision
 		if decision == "local" {
 			decision += " (own slot)"
 		}
@@ -151,7 +151,7 @@ func TestSwarmDemo(t *testing.T) {
 		if !r.sameToks {
 			same = "NO"
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%d\t%s\t%.0f\t%.0f\t%.1fx\t%s\n", r.agent, r.server, r.prompt, w.RestoredN, w.CacheN,
+		fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%d\t%s\t%.0f\t%.0f\t%.1fx\t%s\n", r.agent, r.server, r.prompt, mcb.RestoredN, w.CacheN,
 			decision, math.Floor(w.PromptMS), math.Floor(o.PromptMS), o.PromptMS/w.PromptMS, same)
 	}
 	require.NoError(t, tw.Flush())
@@ -165,8 +165,8 @@ func TestSwarmDemo(t *testing.T) {
 		// A server's first request finds nothing in its own slot: after
 		// agent 1, the shared prefix can only come from the swarm.
 		if r.agent > 1 && r.agent <= servers {
-			assert.Positive(t, r.with.Timings.RestoredN, "agent %d, %s's first request, restored nothing of the shared prefix: %+v",
-				r.agent, r.server, r.with.Timings)
+			assert.Positive(t, r.with.MCB.RestoredN, "agent %d, %s's first request, restored nothing of the shared prefix: %+v",
+				r.agent, r.server, r.with.MCB)
 		}
 	}
 }

@@ -3,6 +3,7 @@
 # end-to-end tests and the demo run, and writes the environment they read to
 # BUILD/e2e.env (sourced by the Makefile's recipes):
 #
+#   MCB_LLAMA_SRC                                      scripts/llama/fetch.sh: the pinned tree
 #   MCB_LLAMA_SERVER_STOCK, MCB_LLAMA_SERVER_PATCHED   scripts/llama/build.sh
 #   MCB_GGML_RPC_SERVER                                ggml's RPC server, next to the stock
 #                                                      llama-server: the device-KV tests' device
@@ -55,6 +56,7 @@ step "Mooncake Store" mooncake_store
 step "csrc/embed (mcb_libllama)" libllama
 
 cat >"$build/e2e.env" <<ENV
+export MCB_LLAMA_SRC=$("$repo/scripts/llama/fetch.sh" | tail -n 1)
 export MCB_LLAMA_SERVER_STOCK=$stock
 export MCB_LLAMA_SERVER_PATCHED=$patched
 export MCB_GGML_RPC_SERVER=$(dirname "$stock")/ggml-rpc-server

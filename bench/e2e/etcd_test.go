@@ -31,9 +31,9 @@ func BenchmarkEtcdStopped(b *testing.B) {
 	round := func(phase string, r int) (miss, hit time.Duration) {
 		prefix := next()
 		miss, c := ttft(b, s.URL, testenv.Cat(prefix, testenv.Tokens(suffixLen, 3, r)), 0, nil)
-		require.Equal(b, "miss", c.Timings.Decision, "%s: a new prefix misses", phase)
+		require.Equal(b, "miss", c.MCB.Decision, "%s: a new prefix misses", phase)
 		hit, c = ttft(b, s.URL, testenv.Cat(prefix, testenv.Tokens(suffixLen, 5, r)), 1, nil)
-		require.Equal(b, "restore", c.Timings.Decision, "%s: the other slot restores it: %+v", phase, c.Timings)
+		require.Equal(b, "restore", c.MCB.Decision, "%s: the other slot restores it: %+v", phase, c.MCB)
 		return miss, hit
 	}
 	for i := 0; i < b.N; i++ {

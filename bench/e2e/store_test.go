@@ -63,7 +63,7 @@ func BenchmarkStoreTTFT(b *testing.B) {
 				testenv.Eventually(b, 2*time.Minute, func() bool { return mirrored() >= before+float64(shared/256) },
 					"%s never saw the prefix", reader.Name)
 				d, c := ttft(b, reader.URL, pb, 1, nil)
-				require.Equal(b, []any{"restore", shared}, []any{c.Timings.Decision, c.Timings.RestoredN}, "%s: %+v", name, c.Timings)
+				require.Equal(b, []any{"restore", shared}, []any{c.MCB.Decision, c.MCB.RestoredN}, "%s: %+v", name, c.MCB)
 				return d
 			}
 			viaStore := restored("store", storeX, storeY)

@@ -228,7 +228,7 @@ func runTTFT(b *testing.B, prefixes []int, rounds int) ttftResult {
 		measure := func(url string, slot int) ttftPath {
 			settle()
 			d, c := ttft(b, url, measured, slot, nil)
-			t := c.Timings
+			t := c.MCB
 			return ttftPath{TTFTms: ms(d), Decision: t.Decision, RestoredN: t.RestoredN, RestoredBytes: t.RestoredBytes,
 				RestoreMS: t.RestoreMS, SameAsStock: slices.Equal(c.Tokens, want.Tokens), SharedRestore: t.RestoredN == p/256*256}
 		}
@@ -397,7 +397,7 @@ func measureZeroHits(b *testing.B, stock, patched *testenv.Llama, rounds int) ze
 			func() {
 				var c testenv.Completion
 				used(patched, &cpu[1], func() { dp, c = ttft(b, patched.URL, prompt, 0, nil) })
-				require.Equal(b, "miss", c.Timings.Decision, "a new prompt misses: %+v", c.Timings)
+				require.Equal(b, "miss", c.MCB.Decision, "a new prompt misses: %+v", c.MCB)
 			},
 		}
 		decoders := []func(){

@@ -13,12 +13,16 @@
 #include <array>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
+#include <deque>
 #include <limits>
 #include <map>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
 #include <vector>
+
+#include <sys/stat.h>
 
 #ifndef MCB_LLAMA_TAG
 #error "MCB_LLAMA_TAG (the pinned llama.cpp tag) is set by mcbridge.cmake"
@@ -47,6 +51,40 @@ struct kv_marks {
     void lower(llama_seq_id s, llama_pos p) { seq[s] = std::min(get(s), std::max<llama_pos>(p, 0)); }
 };
 
+using scope_id = std::array<uint8_t, 16>;
+
+// The scopes the latest state writes were made under, by key (a blob's digest, a
+// file's identity); the oldest are forgotten first, and what is forgotten loads as
+// of no known scope.
+template <typename K>
+struct recent_scopes {
+    static constexpr size_t k_max = 4096;
+    std::map<K, scope_id> by_key;
+    std::deque<K>         order;
+
+    void put(const K & k, const scope_id & scope) {
+        if (by_key.insert_or_assign(k, scope).second) {
+            order.push_back(k);
+        }
+        while (order.size() > k_max) {
+            by_key.erase(order.front());
+            order.pop_front();
+        }
+    }
+    const scope_id * get(const K & k) const {
+        auto it = by_key.find(k);
+        return it == by_key.end() ? nullptr : &it->second;
+    }
+};
+
+// 128 bits of a state blob: four xxHash64-style lanes over 32-byte strides, fast
+// enough for every blob the prompt cache keeps. The blobs are KV llama.cpp computed,
+// not chosen by anyone, so a non-cryptographic digest names them.
+using blob_digest = std::array<uint64_t, 2>;
+
+// A file as the kernel names it; a file rewritten in place gets another mtime.
+using file_identity = std::array<int64_t, 4>; // device, inode, size, mtime (ns)
+
 struct process_state {
     std::recursive_mutex mu; // recursive: the KV probe edits a cache while attach holds it
     std::string config; // --mcb-config
@@ -56,6 +94,8 @@ struct process_state {
     mcb_bridge  bridge = 0;
     std::unordered_map<const llama_context *, attachment>  contexts;
     std::unordered_map<const llama_kv_cache *, kv_marks>  marks; // caches of attached contexts only
+    recent_scopes<blob_digest>   saved_blobs; // state blobs written by attached contexts
+    recent_scopes<file_identity> saved_files; // sequence state files written by them
 
     ~process_state() {
         // Closing unpublishes this process's blocks at once instead of leaving peers to
@@ -500,6 +540,115 @@ void kv_state_read(const llama_kv_cache * kv, llama_seq_id seq_id) {
             m.scope.erase(seq_id);
         }
     });
+}
+
+//
+// provenance of the state llama.cpp saves and loads
+//
+
+namespace {
+
+blob_digest digest_of(const uint8_t * p, size_t n) {
+    constexpr uint64_t p1 = 0x9e3779b185ebca87ull, p2 = 0xc2b2ae3d27d4eb4full, p3 = 0x165667b19e3779f9ull;
+    auto rotl  = [](uint64_t x, int r) { return (x << r) | (x >> (64 - r)); };
+    auto round = [&](uint64_t acc, uint64_t w) { return rotl(acc + w * p2, 31) * p1; };
+    auto avalanche = [&](uint64_t x) {
+        x ^= x >> 33;
+        x *= p2;
+        x ^= x >> 29;
+        x *= p3;
+        return x ^ (x >> 32);
+    };
+    uint64_t lane[4] = {p1 + p2, p2, 0, 0 - p1};
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        for (int l = 0; l < 4; l++) {
+            uint64_t w;
+            std::memcpy(&w, p + i + 8 * l, sizeof(w));
+            lane[l] = round(lane[l], w);
+        }
+    }
+    uint64_t rest[4] = {};
+    std::memcpy(rest, p + i, n - i);
+    for (int l = 0; l < 4; l++) {
+        lane[l] = round(lane[l], rest[l]);
+    }
+    const uint64_t len = (uint64_t) n;
+    return {avalanche(rotl(lane[0], 1) + rotl(lane[1], 7) + len),
+            avalanche(rotl(lane[2], 12) + rotl(lane[3], 18) + len * p3)};
+}
+
+bool identify(const char * path, file_identity & out) {
+    struct stat st;
+    if (path == nullptr || stat(path, &st) != 0) {
+        return false;
+    }
+    out = {(int64_t) st.st_dev, (int64_t) st.st_ino, (int64_t) st.st_size,
+           (int64_t) st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec};
+    return true;
+}
+
+// The scope of seq_id when ctx is attached and the scope is known.
+bool known_scope(llama_context * ctx, llama_seq_id seq_id, scope_id & out) {
+    const seq_origin o = seq_get_origin(ctx, seq_id);
+    if (o.known) {
+        std::copy(o.scope, o.scope + 16, out.begin());
+    }
+    return o.known;
+}
+
+// Gives seq_id of an attached ctx the scope a write recorded, if one did.
+template <typename K>
+void restore_scope(llama_context * ctx, llama_seq_id seq_id, const recent_scopes<K> process_state::*saved, const K & key) {
+    process_state & s = state();
+    std::lock_guard<std::recursive_mutex> lk(s.mu);
+    auto it = s.marks.find(plain_kv(ctx));
+    const scope_id * scope = (s.*saved).get(key);
+    if (it != s.marks.end() && scope != nullptr) {
+        it->second.scope[seq_id] = *scope;
+    }
+}
+
+} // namespace
+
+void seq_state_written(llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags,
+                       const uint8_t * data, size_t n) {
+    scope_id scope;
+    if (n == 0 || (flags & LLAMA_STATE_SEQ_FLAGS_ON_DEVICE) || !g_tracking.load(std::memory_order_acquire) ||
+        !known_scope(ctx, seq_id, scope)) {
+        return;
+    }
+    const blob_digest d = digest_of(data, n);
+    process_state & s = state();
+    std::lock_guard<std::recursive_mutex> lk(s.mu);
+    s.saved_blobs.put(d, scope);
+}
+
+void seq_state_read(llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags,
+                    const uint8_t * data, size_t n) {
+    if (n == 0 || (flags & LLAMA_STATE_SEQ_FLAGS_ON_DEVICE) || !g_tracking.load(std::memory_order_acquire)) {
+        return;
+    }
+    restore_scope(ctx, seq_id, &process_state::saved_blobs, digest_of(data, n));
+}
+
+void seq_file_written(llama_context * ctx, llama_seq_id seq_id, const char * path, size_t n) {
+    scope_id      scope;
+    file_identity id;
+    if (n == 0 || !g_tracking.load(std::memory_order_acquire) || !known_scope(ctx, seq_id, scope) || !identify(path, id)) {
+        return;
+    }
+    process_state & s = state();
+    std::lock_guard<std::recursive_mutex> lk(s.mu);
+    s.saved_files.put(id, scope);
+}
+
+void seq_file_read(llama_context * ctx, llama_seq_id seq_id, const char * path, size_t n, bool read_state) {
+    file_identity id;
+    if (n == 0 || !read_state || !g_tracking.load(std::memory_order_acquire) || !identify(path, id)) {
+        return;
+    }
+    restore_scope(ctx, seq_id, &process_state::saved_files, id);
 }
 
 } // namespace mcb_llama

@@ -13,7 +13,8 @@
 //   - the origin of every sequence: the clean mark, the position below which its KV
 //     was computed from position 0 over exactly its tokens (shifts and mid-sequence
 //     removals lower it), and the scope (tenant, adapters) it was computed under; only
-//     KV below the mark is ever published, and only under that scope.
+//     KV below the mark is ever published, and only under that scope. State that
+//     llama.cpp saves and loads again keeps its scope.
 //
 // Everything here runs on the thread that drives the llama_context (the server's
 // update loop); the bridge's own calls are thread-safe.
@@ -146,5 +147,21 @@ void kv_seq_div (const llama_kv_cache * kv, llama_seq_id seq_id, llama_pos p0, l
 void kv_clear   (const llama_kv_cache * kv);
 // After a successful state_read: the loaded KV came from elsewhere.
 void kv_state_read(const llama_kv_cache * kv, llama_seq_id seq_id);
+
+// Sequence state llama.cpp writes out and reads back itself (POST /slots/N?action=save
+// and restore, the prompt cache, context checkpoints) keeps the scope it was saved
+// under. Each write of a sequence whose scope is known records that scope by the
+// digest of the blob (by the identity of the file: device, inode, size, mtime); a read
+// of the same bytes (the same file) into a sequence of an attached context gives that
+// sequence the scope again. What was not seen written stays of no known scope, and
+// ON_DEVICE state (a blob without the KV) records nothing. Called by llama-patches/0006
+// after llama.cpp's own call, with its result n (0: it failed).
+void seq_state_written(llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags,
+                       const uint8_t * data, size_t n);
+void seq_state_read(llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags,
+                    const uint8_t * data, size_t n);
+void seq_file_written(llama_context * ctx, llama_seq_id seq_id, const char * path, size_t n);
+// read_state: the call read the sequence's state, not only the file's token count.
+void seq_file_read(llama_context * ctx, llama_seq_id seq_id, const char * path, size_t n, bool read_state);
 
 } // namespace mcb_llama

@@ -14,7 +14,7 @@ struct mcb_request_params {
 };
 
 // What the bridge did for one prompt (server_slot_stats::mcb), reported in the
-// response's "timings".
+// response's "mcbridge" object.
 struct mcb_request_stats {
     bool        on = false;       // the bridge serves this server's context
     std::string decision;         // restore, recompute, miss, local, failed, skip

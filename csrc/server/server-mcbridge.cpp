@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <mutex>
 #include <string>
 
 namespace mcb_server {
@@ -38,6 +39,36 @@ struct server_state {
 server_state & state() {
     static server_state s;
     return s;
+}
+
+// The bridge's /metrics text from the moment the context was last detached. While
+// the server sleeps (--sleep-idle-seconds: the model is unloaded, the context
+// detached) llama-server serves /metrics from a snapshot taken on entering sleep, so
+// the bridge's series are the ones it had then too; attach (waking up) clears it.
+// Written by detach and attach on the update loop, read by /metrics on any thread.
+struct sleep_snapshot {
+    std::mutex  mu;
+    bool        taken = false;
+    std::string text;
+};
+
+sleep_snapshot & snapshot() {
+    static sleep_snapshot s;
+    return s;
+}
+
+// The bridge's series as they are now: the open bridge's, or why it is off.
+std::string metrics_text(const server_state & s) {
+    const mcb_bridge b = s.on ? mcb_llama::bridge() : 0;
+    const char * off = s.on ? nullptr : s.why_off.c_str();
+    std::string text(4096, '\0');
+    size_t n = mcb_metrics_text(b, off, text.data(), text.size());
+    if (n >= text.size()) {
+        text.assign(n + 1, '\0');
+        n = std::min(mcb_metrics_text(b, off, text.data(), text.size()), text.size() - 1);
+    }
+    text.resize(n);
+    return text;
 }
 
 int64_t now_us() {
@@ -85,6 +116,10 @@ double ms_between(int64_t t0_us, int64_t t1_us) {
 void attach(llama_context * ctx_tgt, bool has_draft, const common_params & params) {
     server_state & s = state();
     s = server_state{};
+    {
+        std::lock_guard<std::mutex> lk(snapshot().mu);
+        snapshot().taken = false;
+    }
 
     if (!mcb_llama::configured()) {
         return; // a stock server
@@ -109,6 +144,12 @@ void attach(llama_context * ctx_tgt, bool has_draft, const common_params & param
 
 void detach(llama_context * ctx_tgt) {
     server_state & s = state();
+    if (mcb_llama::configured()) {
+        std::string text = metrics_text(s);
+        std::lock_guard<std::mutex> lk(snapshot().mu);
+        snapshot().taken = true;
+        snapshot().text  = std::move(text);
+    }
     if (s.on && s.ctx == ctx_tgt) {
         // Nothing the bridge started may write into the cache once it is freed.
         for (auto & [seq_id, r] : s.restores) {
@@ -172,11 +213,16 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
     // Cells computed under another scope (a LoRA request before a base one, another
     // tenant) hold other KV: llama-server would reuse them; the bridge recomputes or
     // restores this request's own.
+    // Cells llama.cpp loaded itself (a slot file, the prompt cache, a checkpoint) carry
+    // the scope they were saved under (mcb_llama::seq_state_read); cells of no known
+    // scope count as another scope's.
     const mcb_llama::seq_origin origin = mcb_llama::seq_get_origin(ctx, seq_id);
     int32_t n_own = n_past;
+    const char * scope_rule = nullptr; // why the slot's own cells were not reused
     if (n_past > 0 && !rs.same(origin)) {
         n_own = 0;
-        st.reason = "the slot's cells were computed under another scope";
+        scope_rule = origin.known ? "the slot's cells were computed under another scope"
+                                  : "the slot's cells are of no known scope";
     }
     mcb_llama::seq_set_scope(ctx, seq_id, rs.id, true);
     auto keep_own = [&]() {
@@ -192,11 +238,14 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
     st.lookup_ms = ms_between(t0, now_us());
     if (st_lookup != MCB_STATUS_OK) {
         st.decision = "failed";
+        st.reason   = scope_rule != nullptr ? scope_rule : "";
         st.error    = std::string("mcb_lookup: ") + mcb_status_str(st_lookup) + ": " + mcb_last_error();
         return keep_own();
     }
     st.n_matched        = (int32_t) (lr.n_matched_blocks * lr.n_block_tokens);
-    st.reason           = mcb_reason_str((mcb_reason) lr.reason);
+    // The rule that decided: the arbiter's, unless the slot's own cells were set aside
+    // and nothing was restored in their place.
+    st.reason = scope_rule != nullptr && lr.n_restore_tokens == 0 ? scope_rule : mcb_reason_str((mcb_reason) lr.reason);
     st.est_restore_ms   = lr.est_restore_ms;
     st.est_recompute_ms = lr.est_recompute_ms;
     const int32_t p = (int32_t) lr.n_restore_tokens;
@@ -323,40 +372,41 @@ void prompt_save(llama_context * ctx, int32_t seq_id, const server_task & task,
     }
 }
 
-void add_timings(const mcb_request_stats & st, json & timings) {
+void add_outcome(const mcb_request_stats & st, json & res) {
     if (!st.on) {
         return;
     }
-    timings["mcb_decision"]         = st.decision;
-    timings["mcb_reason"]           = st.reason;
-    timings["mcb_matched_n"]        = st.n_matched;
-    timings["mcb_restored_n"]       = st.n_restored;
-    timings["mcb_restored_bytes"]   = st.restored_bytes;
-    timings["mcb_lookup_ms"]        = st.lookup_ms;
-    timings["mcb_restore_ms"]       = st.restore_ms;
-    timings["mcb_est_restore_ms"]   = st.est_restore_ms;
-    timings["mcb_est_recompute_ms"] = st.est_recompute_ms;
-    timings["mcb_saved_blocks"]     = st.saved_blocks;
-    timings["mcb_save_ms"]          = st.save_ms;
+    json o = {
+        {"decision",         st.decision},
+        {"reason",           st.reason},
+        {"matched_n",        st.n_matched},
+        {"restored_n",       st.n_restored},
+        {"restored_bytes",   st.restored_bytes},
+        {"lookup_ms",        st.lookup_ms},
+        {"restore_ms",       st.restore_ms},
+        {"est_restore_ms",   st.est_restore_ms},
+        {"est_recompute_ms", st.est_recompute_ms},
+        {"saved_blocks",     st.saved_blocks},
+        {"save_ms",          st.save_ms},
+    };
     if (!st.error.empty()) {
-        timings["mcb_error"] = st.error;
+        o["error"] = st.error;
     }
+    res["mcbridge"] = std::move(o);
 }
 
 void add_metrics(std::ostream & out) {
     if (!mcb_llama::configured()) {
         return; // a stock server
     }
-    const server_state & s = state();
-    const mcb_bridge b = s.on ? mcb_llama::bridge() : 0;
-    const char * off = s.on ? nullptr : s.why_off.c_str();
-    std::string text(4096, '\0');
-    size_t n = mcb_metrics_text(b, off, text.data(), text.size());
-    if (n >= text.size()) {
-        text.assign(n + 1, '\0');
-        n = std::min(mcb_metrics_text(b, off, text.data(), text.size()), text.size() - 1);
+    {
+        std::lock_guard<std::mutex> lk(snapshot().mu);
+        if (snapshot().taken) {
+            out << snapshot().text;
+            return;
+        }
     }
-    out.write(text.data(), (std::streamsize) n);
+    out << metrics_text(state());
 }
 
 server_schema::field * tenant_field() {

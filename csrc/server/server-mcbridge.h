@@ -56,8 +56,10 @@ void prompt_save(llama_context * ctx, int32_t seq_id, const server_task & task,
                  const std::vector<common_adapter_lora_info> & lora, const server_tokens & tokens,
                  mcb_request_stats & st);
 
-// server_slot_stats::to_json: the mcb_* fields of "timings".
-void add_timings(const mcb_request_stats & st, json & timings);
+// Wherever a response carries "timings" (llama-patches/0004): what the bridge did for
+// the prompt, as an object of its own, "mcbridge", next to it. "timings" stays
+// llama-server's, every value a number.
+void add_outcome(const mcb_request_stats & st, json & res);
 
 // /metrics: the bridge's counters as mcbridge_* series.
 void add_metrics(std::ostream & out);

@@ -21,6 +21,9 @@ type Config struct {
 	VocabSize         int // byte tokens, BOS, EOS and merged pairs
 	RMSNormEpsilon    float32
 	RopeFreqBase      float32
+	// Tokenizer, when set, replaces the generated vocabulary: its tokenizer.*
+	// metadata is copied as is, and VocabSize must be its Size.
+	Tokenizer *Tokenizer
 }
 
 // Presets are the models tests and benchmarks share. Copy one and change fields for
@@ -77,7 +80,9 @@ func (c Config) Validate() error {
 		return status.Errorf(status.InvalidArg, "gguf: RMSNormEpsilon %v not positive and finite", c.RMSNormEpsilon)
 	case !(c.RopeFreqBase > 0) || math.IsInf(float64(c.RopeFreqBase), 0):
 		return status.Errorf(status.InvalidArg, "gguf: RopeFreqBase %v not positive and finite", c.RopeFreqBase)
-	case c.VocabSize < minVocab || c.VocabSize > maxVocab:
+	case c.Tokenizer != nil && c.VocabSize != c.Tokenizer.Size():
+		return status.Errorf(status.InvalidArg, "gguf: VocabSize %d, the tokenizer has %d tokens", c.VocabSize, c.Tokenizer.Size())
+	case c.Tokenizer == nil && (c.VocabSize < minVocab || c.VocabSize > maxVocab):
 		return status.Errorf(status.InvalidArg, "gguf: VocabSize %d outside [%d, %d]", c.VocabSize, minVocab, maxVocab)
 	}
 	return nil
@@ -91,9 +96,17 @@ func (c Config) KVBytesPerToken() int {
 	return 2 * c.BlockCount * c.HeadCountKV * c.headDim() * 2
 }
 
+// header is the model's metadata: the generated vocabulary's unless a Tokenizer is set.
+func (c Config) header() []KV {
+	if c.Tokenizer != nil {
+		return c.metadata(nil)
+	}
+	return c.metadata(newVocab(c.VocabSize))
+}
+
 func (c Config) metadata(v *vocab) []KV {
 	u32 := func(n int) Value { return Uint32(uint32(n)) }
-	return []KV{
+	kvs := []KV{
 		{"general.architecture", String("llama")},
 		{"general.name", String(c.Name)},
 		{"general.alignment", Uint32(DefaultAlignment)},
@@ -108,6 +121,11 @@ func (c Config) metadata(v *vocab) []KV {
 		{"llama.rope.freq_base", Float32(c.RopeFreqBase)},
 		{"llama.rope.dimension_count", u32(c.headDim())},
 		{"llama.vocab_size", u32(c.VocabSize)},
+	}
+	if c.Tokenizer != nil {
+		return append(kvs, c.Tokenizer.metadata...)
+	}
+	return append(kvs, []KV{
 		{"tokenizer.ggml.model", String("gpt2")},
 		{"tokenizer.ggml.pre", String("default")},
 		{"tokenizer.ggml.tokens", Strings(v.tokens)},
@@ -117,7 +135,7 @@ func (c Config) metadata(v *vocab) []KV {
 		{"tokenizer.ggml.eos_token_id", Uint32(v.eos)},
 		// A prompt of token ids is then exactly the tokens the KV cache holds.
 		{"tokenizer.ggml.add_bos_token", Bool(false)},
-	}
+	}...)
 }
 
 // tensor is one tensor to write: its directory entry and how to make its bytes.

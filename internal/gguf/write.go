@@ -13,7 +13,7 @@ func Write(w io.Writer, cfg Config) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
-	return encode(w, func(e *encoder) { e.write(cfg.metadata(newVocab(cfg.VocabSize)), cfg.tensors(), cfg.Seed) })
+	return encode(w, func(e *encoder) { e.write(cfg.header(), cfg.tensors(), cfg.Seed) })
 }
 
 func encode(w io.Writer, body func(*encoder)) error {
@@ -31,7 +31,7 @@ func WriteFile(path string, cfg Config) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
-	return writeAtomic(path, func(e *encoder) { e.write(cfg.metadata(newVocab(cfg.VocabSize)), cfg.tensors(), cfg.Seed) })
+	return writeAtomic(path, func(e *encoder) { e.write(cfg.header(), cfg.tensors(), cfg.Seed) })
 }
 
 func writeAtomic(path string, body func(*encoder)) (err error) {

@@ -228,7 +228,6 @@ type exchange struct {
 	upstream  int
 	restored  int
 	restoreMS float64
-	splice    bool // add the proxy's timing fields to a JSON answer
 	status    int
 	ans       answer
 	haveAns   bool
@@ -312,9 +311,8 @@ func (be *backend) errorHandler(w http.ResponseWriter, r *http.Request, err erro
 	w.WriteHeader(http.StatusBadGateway)
 }
 
-// modifyResponse reads an answer's counts and adds the proxy's headers,
-// and its timing fields to non-streaming JSON completion and chat answers;
-// other answers pass untouched.
+// modifyResponse reads an answer's counts and adds the proxy's headers
+// (docs/proxy.md); the body passes as the upstream sent it, byte for byte.
 func (be *backend) modifyResponse(resp *http.Response) error {
 	x, _ := resp.Request.Context().Value(exchangeKey{}).(*exchange)
 	if x == nil {
@@ -341,14 +339,7 @@ func (be *backend) modifyResponse(resp *http.Response) error {
 	}
 	x.ans, x.haveAns = readAnswer(x.ep, b)
 	x.complete = true
-	if x.splice {
-		if out, ok := spliceTimings(b, mcbMembers(x.restored, x.restoreMS)); ok {
-			b = out
-		}
-	}
 	resp.Body = io.NopCloser(bytes.NewReader(b))
-	resp.ContentLength = int64(len(b))
-	resp.Header.Set("Content-Length", strconv.Itoa(len(b)))
 	return nil
 }
 

@@ -8,30 +8,6 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// FuzzSpliceTimings: whatever the body, the splice never panics; on a body
-// it accepts, the result is valid JSON with the fields in its timings, and
-// removing what was added gives the body back.
-func FuzzSpliceTimings(f *testing.F) {
-	for _, s := range []string{`{"timings":{"cache_n":1}}`, `{}`, `{"a":[1,{"timings":{}}]}`, `{"timings":{ }}`, `[]`, `{"timings":1}`, "{\"x\":\"\\u007d\"}"} {
-		f.Add([]byte(s))
-	}
-	f.Fuzz(func(t *testing.T, body []byte) {
-		members := mcbMembers(3, 0.5)
-		out, ok := spliceTimings(body, members)
-		if !ok {
-			require.Equal(t, string(body), string(out), "a refused body changed")
-			return
-		}
-		var m map[string]json.RawMessage
-		require.NoError(t, json.Unmarshal(out, &m), "spliced %q into %q", members, out)
-		var tm map[string]json.RawMessage
-		require.NoError(t, json.Unmarshal(m["timings"], &tm), "timings %s", m["timings"])
-		require.Equal(t, "3", string(tm["mcb_restored_n"]), "timings %s", m["timings"])
-		require.Greater(t, len(out), len(body), "%d bytes became %d", len(body), len(out))
-		require.LessOrEqual(t, len(out)-len(body), len(members)+len(`,"timings":{}`), "%d bytes became %d", len(body), len(out))
-	})
-}
-
 // FuzzParseRequest: parsing never panics, and a single prompt of token ids
 // is exactly the ids the body lists.
 func FuzzParseRequest(f *testing.F) {

@@ -66,7 +66,7 @@ func (be *backend) pinnedOnce(w http.ResponseWriter, r *http.Request, req *reque
 		return served{} // the client went away while waiting
 	}
 	ru := &run{be: be, lm: lm, req: req, tokens: tokens, slot: slot, before: tab.view(slot).contents, all: req.serverPicks,
-		x: &exchange{ep: req.ep, upstream: be.i, retryable: true, splice: be.spec.SlotDir != "" && (req.ep == completion || req.ep == chat || req.ep == infill)}}
+		x: &exchange{ep: req.ep, upstream: be.i, retryable: true}}
 	if keyed {
 		plan := be.planFor(lm, tokens, local, look)
 		if local > 0 || (plan != nil && plan.RestoreTokens > 0) {

@@ -10,9 +10,8 @@
 // server restore that file into a free slot and pins the request to that
 // slot, so the server computes only the rest. After the answer it saves the
 // slot into a file and publishes the new full blocks from it, off the
-// request's path. The client sees the server's answer, with
-// timings.mcb_restored_n and timings.mcb_restore_ms added to non-streaming
-// completion and chat answers and Mcb-* headers on every answer; anything
+// request's path. The client sees the server's answer as it sent it, with
+// the Mcb-* headers added to every answer; anything
 // that fails falls back to forwarding the request as it came, and an
 // upstream that does not answer leaves the rotation while the request goes
 // to another.

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -77,6 +78,12 @@ func (n *node) flush(t testing.TB) {
 }
 
 func post(t testing.TB, url, path string, body any) (int, []byte) {
+	code, b, _ := postH(t, url, path, body)
+	return code, b
+}
+
+// postH is post, and returns the answer's headers.
+func postH(t testing.TB, url, path string, body any) (int, []byte, http.Header) {
 	t.Helper()
 	b, _ := json.Marshal(body)
 	resp, err := http.Post(url+path, "application/json", bytes.NewReader(b))
@@ -84,7 +91,7 @@ func post(t testing.TB, url, path string, body any) (int, []byte) {
 	defer resp.Body.Close()
 	out, err := io.ReadAll(resp.Body)
 	require.NoError(t, err)
-	return resp.StatusCode, out
+	return resp.StatusCode, out, resp.Header
 }
 
 func seqTokens(n, mul, off int) []int32 {
@@ -97,18 +104,15 @@ func seqTokens(n, mul, off int) []int32 {
 
 func concat(a, b []int32) []int32 { return append(append([]int32(nil), a...), b...) }
 
-// decoded splits an answer into the proxy's timing fields and the rest.
-func decoded(t testing.TB, b []byte) (rest map[string]any, restored int) {
+// restoredOf reads the tokens the proxy restored for an answer from its
+// headers, the only place the proxy reports them.
+func restoredOf(t testing.TB, h http.Header) int {
 	t.Helper()
-	require.NoError(t, json.Unmarshal(b, &rest), "answer %q", b)
-	tm, _ := rest["timings"].(map[string]any)
-	n, ok := tm["mcb_restored_n"].(float64)
-	require.True(t, ok, "answer without timings.mcb_restored_n: %s", b)
-	_, ok = tm["mcb_restore_ms"].(float64)
-	require.True(t, ok, "answer without timings.mcb_restore_ms: %s", b)
-	delete(tm, "mcb_restored_n")
-	delete(tm, "mcb_restore_ms")
-	return rest, int(n)
+	n, err := strconv.Atoi(h.Get("Mcb-Restored-N"))
+	require.NoError(t, err, "Mcb-Restored-N: %q", h.Get("Mcb-Restored-N"))
+	_, err = strconv.ParseFloat(h.Get("Mcb-Restore-Ms"), 64)
+	require.NoError(t, err, "Mcb-Restore-Ms: %q", h.Get("Mcb-Restore-Ms"))
+	return n
 }
 
 // cacheFree strips what depends on the cache from an answer: what is left is
@@ -158,17 +162,19 @@ func TestSharedPrefixAcrossServers(t *testing.T) {
 			}
 			shared := lcp(tokensOf(req(seqTokens(5, 5, 11))), tokensOf(req(seqTokens(5, 3, 17)))) / blockTokens * blockTokens
 
-			code, b1 := post(t, n1.url, path, req(seqTokens(5, 5, 11)))
+			code, b1, h1 := postH(t, n1.url, path, req(seqTokens(5, 5, 11)))
 			require.Equal(t, 200, code, "request 1: %s", b1)
-			_, n := decoded(t, b1)
+			n := restoredOf(t, h1)
 			require.Zero(t, n, "request 1 restored tokens from an empty directory")
 			n1.flush(t)
 			st := n1.p.Stats()
 			require.NotZero(t, st.PublishedBlocks, "request 1 published nothing: %+v", st)
 
-			code, b2 := post(t, n2.url, path, req(seqTokens(5, 3, 17)))
+			code, b2, h2 := postH(t, n2.url, path, req(seqTokens(5, 3, 17)))
 			require.Equal(t, 200, code, "request 2: %s", b2)
-			rest, restored := decoded(t, b2)
+			restored := restoredOf(t, h2)
+			var rest map[string]any
+			require.NoError(t, json.Unmarshal(b2, &rest), "answer %q", b2)
 			require.Equal(t, shared, restored, "request 2 restored tokens, want the shared ones; stats %+v", n2.p.Stats())
 			cacheN := rest["timings"].(map[string]any)["cache_n"].(float64)
 			require.Equal(t, shared, int(cacheN), "the server reused tokens")
@@ -223,9 +229,9 @@ func TestModelMismatchRestoresNothing(t *testing.T) {
 	prefix := seqTokens(4*blockTokens, 7, 3)
 	warm(t, n1, concat(prefix, []int32{1, 2, 3}))
 	for _, n := range []*node{other, fa} {
-		code, b := post(t, n.url, "/completion", map[string]any{"prompt": concat(prefix, []int32{9, 9}), "n_predict": 2})
+		code, b, h := postH(t, n.url, "/completion", map[string]any{"prompt": concat(prefix, []int32{9, 9}), "n_predict": 2})
 		require.Equal(t, 200, code, "%s", b)
-		_, restored := decoded(t, b)
+		restored := restoredOf(t, h)
 		require.Zero(t, restored, "another model restored tokens")
 		require.Empty(t, n.fs.restores, "another model restored")
 		require.NotEqual(t, n1.p.State().Fingerprint, n.p.State().Fingerprint, "another model has the same fingerprint")
@@ -266,14 +272,13 @@ func TestFallbacks(t *testing.T) {
 			tc.setup(fs, one.p.b)
 			fs.mu.Unlock()
 			req := map[string]any{"prompt": concat(prefix, []int32{7, 8}), "n_predict": 2}
-			code, b := post(t, n.url, "/completion", req)
+			code, b, h := postH(t, n.url, "/completion", req)
 			require.Equal(t, tc.code, code, "status: %s", b)
 			if tc.code != 200 {
 				// An error passes through exactly as the server sent it.
 				require.Equal(t, `{"error":{"code":500,"message":"the fake failed on purpose","type":"invalid_request_error"}}`, string(b), "error body")
 			} else {
-				_, restored := decoded(t, b)
-				require.Zero(t, restored, "restored")
+				require.Zero(t, restoredOf(t, h), "restored")
 				ref := newFake(t, "slot-fa-on.bin", 1, 1, 1)
 				_, direct := post(t, ref.url(), "/completion", req)
 				require.Equal(t, cacheFree(t, direct), cacheFree(t, b), "answer %s, without the proxy %s", b, direct)
@@ -349,16 +354,20 @@ func TestStreamingPassesThroughAsItComes(t *testing.T) {
 	require.Equal(t, int64(3), st.PublishedBlocks, "a streamed answer's blocks were not published: %+v", st)
 }
 
-func TestNonStreamingAnswerChangesOnlyByTimingFields(t *testing.T) {
+// The proxy adds its headers and nothing else: the body is the upstream's.
+func TestNonStreamingAnswerIsTheUpstreams(t *testing.T) {
 	fs := newFake(t, "slot-fa-on.bin", 1, 1, 1)
 	n := startNode(t, fs, directoryName(t), "one", Options{})
 	req := map[string]any{"prompt": seqTokens(20, 7, 3), "n_predict": 3}
-	_, got := post(t, n.url, "/completion", req)
-	_, want := post(t, newFake(t, "slot-fa-on.bin", 1, 1, 1).url(), "/completion", req)
-	rest, _ := decoded(t, got)
-	var w map[string]any
-	require.NoError(t, json.Unmarshal(want, &w))
-	require.Equal(t, w, rest, "answer through the proxy, timing fields removed, without")
+	_, got, h := postH(t, n.url, "/completion", req)
+	_, want, hWant := postH(t, newFake(t, "slot-fa-on.bin", 1, 1, 1).url(), "/completion", req)
+	require.Equal(t, string(want), string(got), "answer through the proxy, without")
+	require.Zero(t, restoredOf(t, h), "the proxy's headers")
+	for k := range h {
+		if hWant.Get(k) == "" {
+			assert.Contains(t, []string{"Mcb-Upstream", "Mcb-Restored-N", "Mcb-Restore-Ms"}, k, "a header the upstream did not send")
+		}
+	}
 }
 
 func TestConcurrentRequestsNeverShareASlot(t *testing.T) {
@@ -431,8 +440,8 @@ func TestUpstreamContextShiftPublishesNothing(t *testing.T) {
 	prompt := seqTokens(3*blockTokens+1, 7, 3)
 	warm(t, startNode(t, newFake(t, "slot-fa-on.bin", 1, 1, 1), dir, "one", Options{}), prompt)
 	n := startNode(t, newFake(t, "slot-fa-on.bin", 1, 1, 1), dir, "two", Options{UpstreamContextShift: true})
-	_, b := post(t, n.url, "/completion", map[string]any{"prompt": concat(prompt, []int32{5, 5, 5, 5, 5, 5, 5, 5, 5}), "n_predict": 2})
-	_, restored := decoded(t, b)
+	_, _, h := postH(t, n.url, "/completion", map[string]any{"prompt": concat(prompt, []int32{5, 5, 5, 5, 5, 5, 5, 5, 5}), "n_predict": 2})
+	restored := restoredOf(t, h)
 	require.Equal(t, 3*blockTokens, restored, "restores stay on")
 	n.flush(t)
 	st := n.p.Stats()

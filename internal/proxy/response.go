@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"io"
-	"strconv"
 )
 
 // timings is what an answer says about its prompt: how many leading
@@ -100,72 +99,6 @@ func (a *answer) merge(b answer) {
 
 // prompted says whether the answer counted its prompt.
 func (a *answer) prompted() bool { return a.Timings != nil && a.Timings.PromptN >= 0 }
-
-// spliceTimings adds members (`"k":v,...`) to the "timings" object of a
-// JSON object, or a "timings" object holding them when there is none.
-// Every other byte of body stays as it was. ok is false, and body is
-// returned unchanged, when body is not one JSON object or its "timings"
-// is not an object.
-func spliceTimings(body []byte, members string) ([]byte, bool) {
-	dec := json.NewDecoder(bytes.NewReader(body))
-	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
-		return body, false
-	}
-	empty := true
-	insertAt, objEmpty := -1, false
-	for dec.More() {
-		k, err := dec.Token()
-		if err != nil {
-			return body, false
-		}
-		empty = false
-		var raw json.RawMessage
-		if err := dec.Decode(&raw); err != nil {
-			return body, false
-		}
-		if k == "timings" {
-			if len(raw) == 0 || raw[0] != '{' {
-				return body, false
-			}
-			// The value ends at the decoder's offset; its last byte is
-			// the object's closing brace.
-			insertAt = int(dec.InputOffset()) - 1
-			objEmpty = isEmptyObject(raw)
-		}
-	}
-	if t, err := dec.Token(); err != nil || t != json.Delim('}') {
-		return body, false
-	}
-	end := int(dec.InputOffset()) - 1
-	if _, err := dec.Token(); err != io.EOF {
-		return body, false
-	}
-	var add string
-	switch {
-	case insertAt >= 0 && objEmpty:
-		add = members
-	case insertAt >= 0:
-		add = "," + members
-	case empty:
-		insertAt, add = end, `"timings":{`+members+`}`
-	default:
-		insertAt, add = end, `,"timings":{`+members+`}`
-	}
-	out := make([]byte, 0, len(body)+len(add))
-	out = append(out, body[:insertAt]...)
-	out = append(out, add...)
-	return append(out, body[insertAt:]...), true
-}
-
-func isEmptyObject(raw json.RawMessage) bool {
-	var m map[string]json.RawMessage
-	return json.Unmarshal(raw, &m) == nil && len(m) == 0
-}
-
-// mcbMembers are the fields the proxy adds to an answer's timings.
-func mcbMembers(restored int, restoreMS float64) string {
-	return `"mcb_restored_n":` + strconv.Itoa(restored) + `,"mcb_restore_ms":` + strconv.FormatFloat(restoreMS, 'f', 3, 64)
-}
 
 // maxEventLine bounds the line an SSE sniffer keeps: longer events are
 // passed on but not read (a final event with timings is a few hundred

@@ -10,34 +10,6 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-func TestSpliceTimings(t *testing.T) {
-	const m = `"mcb_restored_n":5,"mcb_restore_ms":1.250`
-	tests := []struct {
-		name, in, want string
-		ok             bool
-	}{
-		{"into timings", `{"a":1,"timings":{"cache_n":3},"b":[{}]}`, `{"a":1,"timings":{"cache_n":3,` + m + `},"b":[{}]}`, true},
-		{"into empty timings", `{"timings":{}}`, `{"timings":{` + m + `}}`, true},
-		{"into spaced empty timings", `{"timings":{ } }`, `{"timings":{ ` + m + `} }`, true},
-		{"no timings", `{"a":"}"}`, `{"a":"}","timings":{` + m + `}}`, true},
-		{"empty object", `{}`, `{"timings":{` + m + `}}`, true},
-		{"timings not an object", `{"timings":null}`, `{"timings":null}`, false},
-		{"whitespace kept", "{ \"timings\" : {\"x\": 1}\n}\n", "{ \"timings\" : {\"x\": 1," + m + "}\n}\n", true},
-		{"nested timings untouched", `{"x":{"timings":{}}}`, `{"x":{"timings":{}},"timings":{` + m + `}}`, true},
-		{"array", `[1]`, `[1]`, false},
-		{"two objects", `{}{}`, `{}{}`, false},
-		{"broken", `{"a":`, `{"a":`, false},
-		{"empty", ``, ``, false},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			got, ok := spliceTimings([]byte(tc.in), mcbMembers(5, 1.25))
-			assert.Equal(t, tc.ok, ok, "accepted")
-			assert.Equal(t, tc.want, string(got))
-		})
-	}
-}
-
 func TestSSESnifferPassesBytesAndReadsTheLastTimings(t *testing.T) {
 	stream := "data: {\"content\":\"a\"}\n\n" +
 		"data: {\"timings\":{\"cache_n\":1,\"prompt_n\":2}}\r\n\r\n" +

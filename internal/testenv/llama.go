@@ -3,9 +3,12 @@ package testenv
 import (
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 )
 
 // Llama is a llama-server process.
@@ -31,7 +34,7 @@ func ServerArgs(model string, ctx, slots int, fa string) []string {
 }
 
 // Timings is the part of a completion's "timings" the tests read: the
-// server's own and the bridge's.
+// server's own, numbers only.
 type Timings struct {
 	CacheN    int     `json:"cache_n"`
 	PromptN   int     `json:"prompt_n"`
@@ -39,17 +42,22 @@ type Timings struct {
 	Predicted int     `json:"predicted_n"`
 	// PredictedPerSecond is the server's decode rate.
 	PredictedPerSecond float64 `json:"predicted_per_second"`
+}
 
-	Decision      string  `json:"mcb_decision"`
-	Reason        string  `json:"mcb_reason"`
-	MatchedN      int     `json:"mcb_matched_n"`
-	RestoredN     int     `json:"mcb_restored_n"`
-	RestoredBytes int64   `json:"mcb_restored_bytes"`
-	RestoreMS     float64 `json:"mcb_restore_ms"`
-	LookupMS      float64 `json:"mcb_lookup_ms"`
-	SavedBlocks   int     `json:"mcb_saved_blocks"`
-	SaveMS        float64 `json:"mcb_save_ms"`
-	Error         string  `json:"mcb_error"`
+// Outcome is what the bridge did for a prompt: the patched server's
+// "mcbridge" object, or, for an answer through the proxy, its
+// Mcb-Restored-N and Mcb-Restore-Ms headers (docs/proxy.md).
+type Outcome struct {
+	Decision      string  `json:"decision"`
+	Reason        string  `json:"reason"`
+	MatchedN      int     `json:"matched_n"`
+	RestoredN     int     `json:"restored_n"`
+	RestoredBytes int64   `json:"restored_bytes"`
+	RestoreMS     float64 `json:"restore_ms"`
+	LookupMS      float64 `json:"lookup_ms"`
+	SavedBlocks   int     `json:"saved_blocks"`
+	SaveMS        float64 `json:"save_ms"`
+	Error         string  `json:"error"`
 }
 
 // Completion is a /completion answer.
@@ -58,6 +66,7 @@ type Completion struct {
 	Tokens  []int32 `json:"tokens"`
 	IDSlot  int     `json:"id_slot"`
 	Timings Timings `json:"timings"`
+	MCB     Outcome `json:"mcbridge"`
 }
 
 // Request is a greedy, seeded completion of a token-id prompt; Extra is
@@ -83,8 +92,30 @@ func (r Request) Body() map[string]any {
 func Complete(tb testing.TB, url string, r Request) Completion {
 	tb.Helper()
 	var c Completion
-	Post(tb, url+"/completion", r.Body(), &c)
+	c.MCB.fromProxy(tb, PostHeaders(tb, url+"/completion", r.Body(), &c))
 	return c
+}
+
+// fromProxy reads the proxy's headers, when the answer came through one.
+func (o *Outcome) fromProxy(tb testing.TB, h http.Header) {
+	tb.Helper()
+	n := h.Get("Mcb-Restored-N")
+	if n == "" {
+		return
+	}
+	var err error
+	o.RestoredN, err = strconv.Atoi(n)
+	require.NoError(tb, err, "Mcb-Restored-N: %q", n)
+	o.RestoreMS, err = strconv.ParseFloat(h.Get("Mcb-Restore-Ms"), 64)
+	require.NoError(tb, err, "Mcb-Restore-Ms: %q", h.Get("Mcb-Restore-Ms"))
+}
+
+// ProxyOutcome is what the proxy's headers say it restored for an answer.
+func ProxyOutcome(tb testing.TB, h http.Header) Outcome {
+	tb.Helper()
+	var o Outcome
+	o.fromProxy(tb, h)
+	return o
 }
 
 // Complete posts a completion to the server.

@@ -354,15 +354,28 @@ func StartServer(tb testing.TB, name, bin string, args, env []string, portArgs f
 // nil); a status other than 200 fails the test with the answer's text.
 func Post(tb testing.TB, url string, body, out any) {
 	tb.Helper()
-	code, b := PostRaw(tb, url, body)
+	PostHeaders(tb, url, body, out)
+}
+
+// PostHeaders is Post, and returns the answer's headers.
+func PostHeaders(tb testing.TB, url string, body, out any) http.Header {
+	tb.Helper()
+	code, b, h := post(tb, url, body)
 	require.Equal(tb, http.StatusOK, code, "POST %s: %s", url, b)
 	if out != nil {
 		require.NoError(tb, json.Unmarshal(b, out), "POST %s: %s", url, b)
 	}
+	return h
 }
 
 // PostRaw sends body as JSON and returns the status and the answer.
 func PostRaw(tb testing.TB, url string, body any) (int, []byte) {
+	tb.Helper()
+	code, b, _ := post(tb, url, body)
+	return code, b
+}
+
+func post(tb testing.TB, url string, body any) (int, []byte, http.Header) {
 	tb.Helper()
 	var rd io.Reader
 	switch v := body.(type) {
@@ -378,7 +391,7 @@ func PostRaw(tb testing.TB, url string, body any) (int, []byte) {
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
 	require.NoError(tb, err)
-	return resp.StatusCode, b
+	return resp.StatusCode, b, resp.Header
 }
 
 // Get returns a GET's answer, failing the test unless it is 200.

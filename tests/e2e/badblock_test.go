@@ -48,7 +48,7 @@ func TestBadBlockDropped(t *testing.T) {
 	y := testenv.StartLlama(t, "y", testenv.PatchedServer(t), append(serverArgs(model, "on", false), "--mcb-config", cfg))
 	waitMirrored(t, y.URL, shared/block)
 	first := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 0, NPredict: nPredict})
-	assert.Less(t, first.Timings.RestoredN, 4*block, "nothing from the bad block on is restored: %+v", first.Timings)
+	assert.Less(t, first.MCB.RestoredN, 4*block, "nothing from the bad block on is restored: %+v", first.MCB)
 	assert.Equal(t, wantB.Tokens, first.Tokens, "the first reader computes past the bad block and answers as stock")
 	assert.Positive(t, testenv.Metrics(t, y.URL+"/metrics")["mcbridge_bad_blocks_reported_total"], "the reader reports the bad block")
 	testenv.Eventually(t, defaultWait, func() bool {
@@ -64,10 +64,10 @@ func TestBadBlockDropped(t *testing.T) {
 	z := testenv.StartLlama(t, "z", testenv.PatchedServer(t), append(serverArgs(model, "on", false), "--mcb-config", cfg))
 	waitMirrored(t, z.URL, shared/block)
 	got := z.Complete(t, testenv.Request{Prompt: promptC, Slot: 0, NPredict: nPredict})
-	assert.Equal(t, []any{"restore", shared}, []any{got.Timings.Decision, got.Timings.RestoredN},
+	assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN},
 		"the next server restores the prefix, the dropped block from y's recompute: %+v", got.Timings)
 	assert.Equal(t, wantC.Tokens, got.Tokens, "and answers as stock")
-	t.Logf("%d pool blocks corrupted; y restored %d tokens (%s), z %d", n, first.Timings.RestoredN, first.Timings.Error, got.Timings.RestoredN)
+	t.Logf("%d pool blocks corrupted; y restored %d tokens (%s), z %d", n, first.MCB.RestoredN, first.MCB.Error, got.MCB.RestoredN)
 	assert.Zero(t, testenv.Metrics(t, z.URL+"/metrics")["mcbridge_load_failures_total"], "no failed restore: the bad block is not offered again")
 }
 

@@ -67,17 +67,17 @@ func TestHungHolder(t *testing.T) {
 			t.Logf("%s: stopped sole holder of %d tokens, default config: its request %.0f ms (stock %.0f ms, %.2fx; "+
 				"the restore gave up after %.1f ms: %s), the other slot's %.0f ms (stock %.0f ms, %.2fx)",
 				name, len(hungPrefix), ms(got.holderTook), ms(base.holderTook), float64(got.holderTook)/float64(base.holderTook),
-				got.holder.Timings.RestoreMS, got.holder.Timings.Error,
+				got.holder.MCB.RestoreMS, got.holder.MCB.Error,
 				ms(got.otherTook), ms(base.otherTook), float64(got.otherTook)/float64(base.otherTook))
-			assert.Equal(t, []any{"failed", 0}, []any{got.holder.Timings.Decision, got.holder.Timings.RestoredN},
-				"restore from the stopped holder: %+v", got.holder.Timings)
-			assert.Contains(t, got.holder.Timings.Error, "timed out", "the failure names the deadline")
+			assert.Equal(t, []any{"failed", 0}, []any{got.holder.MCB.Decision, got.holder.MCB.RestoredN},
+				"restore from the stopped holder: %+v", got.holder.MCB)
+			assert.Contains(t, got.holder.MCB.Error, "timed out", "the failure names the deadline")
 			assert.Equal(t, base.holder.Tokens, got.holder.Tokens, "the server computes the prompt and answers as stock")
 			assert.Equal(t, base.other.Tokens, got.other.Tokens, "the other slot's request, answered while the holder is stopped")
 
 			again := y.Complete(t, testenv.Request{Prompt: hungPromptB, Slot: 0, NPredict: nPredict})
-			assert.Equal(t, []any{"miss", 0}, []any{again.Timings.Decision, again.Timings.RestoredN},
-				"the next request plans around the stopped holder: %+v", again.Timings)
+			assert.Equal(t, []any{"miss", 0}, []any{again.MCB.Decision, again.MCB.RestoredN},
+				"the next request plans around the stopped holder: %+v", again.MCB)
 			assert.Equal(t, base.holder.Tokens, again.Tokens)
 			assert.Equal(t, 1.0, testenv.Metrics(t, y.URL+"/metrics")["mcbridge_peers_down_total"], "the holder went down once")
 		})

@@ -35,7 +35,7 @@ func TestMixedSwarm(t *testing.T) {
 	waitMirrored(t, proxy.URL, shared/block)
 	got := testenv.Complete(t, proxy.URL, testenv.Request{Prompt: promptB, Slot: -1, NPredict: nPredict})
 	want := ref.Complete(t, testenv.Request{Prompt: promptB, Slot: -1, NPredict: nPredict, Extra: fresh})
-	assert.Equal(t, shared, got.Timings.RestoredN, "the proxy restores what the patched server computed: %+v", got.Timings)
+	assert.Equal(t, shared, got.MCB.RestoredN, "the proxy restores what the patched server computed: %+v", got.MCB)
 	assert.Equal(t, want.Tokens, got.Tokens, "the proxy's answer is stock's")
 
 	// Proxy → patched.
@@ -46,7 +46,7 @@ func TestMixedSwarm(t *testing.T) {
 	waitMirrored(t, patched.URL, 2*shared/block)
 	got = patched.Complete(t, testenv.Request{Prompt: q2, Slot: 1, NPredict: nPredict})
 	want = ref.Complete(t, testenv.Request{Prompt: q2, Slot: -1, NPredict: nPredict, Extra: fresh})
-	assert.Equal(t, []any{"restore", shared}, []any{got.Timings.Decision, got.Timings.RestoredN},
+	assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN},
 		"the patched server restores what the proxied stock server computed: %+v", got.Timings)
 	assert.Equal(t, want.Tokens, got.Tokens, "the patched server's answer is stock's")
 

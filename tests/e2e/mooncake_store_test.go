@@ -99,11 +99,11 @@ func TestStoreSwarm(t *testing.T) {
 	assert.Equal(t, want[0], got.Tokens, "x answers as stock")
 	waitMirrored(t, y.URL, shared/block)
 	got = y.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
-	assert.Equal(t, []any{"restore", shared}, []any{got.Timings.Decision, got.Timings.RestoredN}, "y restores x's blocks from the store: %+v", got.Timings)
+	assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN}, "y restores x's blocks from the store: %+v", got.MCB)
 	assert.Equal(t, want[1], got.Tokens, "y answers as stock")
 	waitMirrored(t, p.URL, shared/block)
 	got = testenv.Complete(t, p.URL, testenv.Request{Prompt: promptC, Slot: -1, NPredict: nPredict})
-	assert.Equal(t, shared, got.Timings.RestoredN, "the proxy restores x's blocks: %+v", got.Timings)
+	assert.Equal(t, shared, got.MCB.RestoredN, "the proxy restores x's blocks: %+v", got.MCB)
 	assert.Equal(t, want[2], got.Tokens, "the proxy answers as stock")
 
 	// What the stock server behind the proxy computed, a patched server
@@ -113,7 +113,7 @@ func TestStoreSwarm(t *testing.T) {
 	assert.Equal(t, want[3], got.Tokens)
 	waitMirrored(t, y.URL, int(before)+len(other)/block)
 	got = y.Complete(t, testenv.Request{Prompt: promptE, Slot: 0, NPredict: nPredict})
-	assert.Equal(t, []any{"restore", len(other) / block * block}, []any{got.Timings.Decision, got.Timings.RestoredN}, "%+v", got.Timings)
+	assert.Equal(t, []any{"restore", len(other) / block * block}, []any{got.MCB.Decision, got.MCB.RestoredN}, "%+v", got.MCB)
 	assert.Equal(t, want[4], got.Tokens)
 
 	assert.GreaterOrEqual(t, metric(t, x.URL, "mcbridge_store_put_blocks_total"), float64(shared/block))
@@ -146,7 +146,7 @@ func TestStoreRestoreAfterExit(t *testing.T) {
 	testenv.Eventually(t, defaultWait, func() bool { return metric(t, z.URL, "mcbridge_up") == 1 }, "z never reached the master")
 	waitMirrored(t, z.URL, shared/block)
 	got := z.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
-	assert.Equal(t, []any{"restore", shared}, []any{got.Timings.Decision, got.Timings.RestoredN}, "z restores after x exited: %+v", got.Timings)
+	assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN}, "z restores after x exited: %+v", got.MCB)
 	assert.Equal(t, want[1], got.Tokens)
 }
 
@@ -173,9 +173,9 @@ func TestStoreSegmentKilled(t *testing.T) {
 
 			got := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
 			assert.Equal(t, want[1], got.Tokens, "right after the kill y answers as stock: %+v", got.Timings)
-			assert.Less(t, got.Timings.RestoreMS, float64(storeDeadlineMS), "no restore waits past the deadline")
+			assert.Less(t, got.MCB.RestoreMS, float64(storeDeadlineMS), "no restore waits past the deadline")
 			if replicas == 1 {
-				assert.Equal(t, []any{"failed", 0}, []any{got.Timings.Decision, got.Timings.RestoredN},
+				assert.Equal(t, []any{"failed", 0}, []any{got.MCB.Decision, got.MCB.RestoredN},
 					"the only replica died with x: %+v", got.Timings)
 			}
 			testenv.Eventually(t, defaultWait, func() bool { return len(node.Segments(t)) == segments-1 },
@@ -187,7 +187,7 @@ func TestStoreSegmentKilled(t *testing.T) {
 					return metric(t, node.URL, "mcbridge_store_adopted_blocks_total")+metric(t, y.URL, "mcbridge_store_adopted_blocks_total") >= float64(shared/block)
 				}, "nobody published x's blocks again")
 				got = y.Complete(t, testenv.Request{Prompt: promptC, Slot: 0, NPredict: nPredict})
-				assert.Equal(t, []any{"restore", shared}, []any{got.Timings.Decision, got.Timings.RestoredN}, "restored from the other replica: %+v", got.Timings)
+				assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN}, "restored from the other replica: %+v", got.MCB)
 				assert.Equal(t, want[2], got.Tokens)
 				return
 			}
@@ -195,7 +195,7 @@ func TestStoreSegmentKilled(t *testing.T) {
 				return metric(t, y.URL, "mcbridge_store_dropped_blocks_total") >= float64(shared/block)
 			}, "the audits never dropped the dead segment's blocks")
 			got = y.Complete(t, testenv.Request{Prompt: promptC, Slot: 0, NPredict: nPredict})
-			assert.Equal(t, []any{"miss", 0}, []any{got.Timings.Decision, got.Timings.RestoredN}, "%+v", got.Timings)
+			assert.Equal(t, []any{"miss", 0}, []any{got.MCB.Decision, got.MCB.RestoredN}, "%+v", got.MCB)
 			assert.Equal(t, want[2], got.Tokens)
 		})
 	}
@@ -232,9 +232,9 @@ func TestStoreMasterStopped(t *testing.T) {
 	assert.Equal(t, want[1], got.Tokens, "the master stopped: y answers as stock")
 	// The restore gives up at its deadline, or, once y has found the
 	// master silent, y matches nothing it cannot read.
-	assert.Contains(t, []string{"failed", "miss"}, got.Timings.Decision, "%+v", got.Timings)
-	assert.Zero(t, got.Timings.RestoredN)
-	assert.Less(t, got.Timings.RestoreMS, float64(deadline+1000), "no restore waits past its deadline")
+	assert.Contains(t, []string{"failed", "miss"}, got.MCB.Decision, "%+v", got.MCB)
+	assert.Zero(t, got.MCB.RestoredN)
+	assert.Less(t, got.MCB.RestoreMS, float64(deadline+1000), "no restore waits past its deadline")
 	got = x.Complete(t, testenv.Request{Prompt: promptD, Slot: 1, NPredict: nPredict})
 	assert.Equal(t, want[3], got.Tokens, "the master stopped: x computes and saves as stock answers")
 
@@ -242,7 +242,7 @@ func TestStoreMasterStopped(t *testing.T) {
 	stopped = false
 	testenv.Eventually(t, defaultWait, func() bool { return metric(t, y.URL, "mcbridge_up") == 1 }, "y never saw the master again")
 	got = y.Complete(t, testenv.Request{Prompt: promptC, Slot: 0, NPredict: nPredict})
-	assert.Equal(t, []any{"restore", shared}, []any{got.Timings.Decision, got.Timings.RestoredN}, "the master serves again: %+v", got.Timings)
+	assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN}, "the master serves again: %+v", got.MCB)
 	assert.Equal(t, want[2], got.Tokens)
 
 	// Killed: the node starts a new, empty master. The audits find the
@@ -265,10 +265,10 @@ func TestStoreMasterStopped(t *testing.T) {
 	z := patched(t, "z", model, node.Config(t, testenv.BridgeOptions{DeadlineMS: deadline}))
 	waitMirrored(t, z.URL, blocks)
 	got = z.Complete(t, testenv.Request{Prompt: promptF, Slot: 0, NPredict: nPredict})
-	assert.Equal(t, []any{"restore", shared}, []any{got.Timings.Decision, got.Timings.RestoredN}, "x's copies, put back: %+v", got.Timings)
+	assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN}, "x's copies, put back: %+v", got.MCB)
 	assert.Equal(t, want[5], got.Tokens)
 	got = z.Complete(t, testenv.Request{Prompt: promptD, Slot: 1, NPredict: nPredict})
-	assert.Equal(t, []any{"restore", len(other) / block * block}, []any{got.Timings.Decision, got.Timings.RestoredN},
+	assert.Equal(t, []any{"restore", len(other) / block * block}, []any{got.MCB.Decision, got.MCB.RestoredN},
 		"blocks x saved while the master was stopped: %+v", got.Timings)
 	assert.Equal(t, want[3], got.Tokens)
 }

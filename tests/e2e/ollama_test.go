@@ -100,7 +100,7 @@ func ollamaTurn(t *testing.T, url string) ollamaExchange {
 	testenv.Post(t, url+"/apply-template", map[string]any{"messages": ollamaMessages}, &tpl)
 	require.NotEmpty(t, tpl.Prompt)
 	ex.Prompt = tpl.Prompt
-	ex.Completion, ex.Timings = ollamaComplete(t, url, tpl.Prompt)
+	ex.Completion, ex.Timings, _ = ollamaComplete(t, url, tpl.Prompt)
 
 	body := ollamaOptions(nPredict)
 	body["messages"], body["stream"], body["cache_prompt"] = ollamaMessages, false, true
@@ -119,7 +119,7 @@ func ollamaTurn(t *testing.T, url string) ollamaExchange {
 
 // ollamaComplete is Ollama's /completion: a rendered prompt string,
 // streamed as server-sent events, cache_prompt true, no id_slot.
-func ollamaComplete(t *testing.T, url, prompt string) (string, testenv.Timings) {
+func ollamaComplete(t *testing.T, url, prompt string) (string, testenv.Timings, testenv.Outcome) {
 	t.Helper()
 	body := ollamaOptions(nPredict)
 	body["prompt"], body["stream"], body["cache_prompt"] = prompt, true, true
@@ -138,6 +138,7 @@ func ollamaComplete(t *testing.T, url, prompt string) (string, testenv.Timings) 
 	require.Equal(t, http.StatusOK, resp.StatusCode)
 	var text strings.Builder
 	var timings testenv.Timings
+	var outcome testenv.Outcome
 	sc := bufio.NewScanner(resp.Body)
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
@@ -149,15 +150,19 @@ func ollamaComplete(t *testing.T, url, prompt string) (string, testenv.Timings) 
 			Content string           `json:"content"`
 			Stop    bool             `json:"stop"`
 			Timings *testenv.Timings `json:"timings"`
+			MCB     *testenv.Outcome `json:"mcbridge"`
 		}
 		require.NoError(t, json.Unmarshal([]byte(data), &ev), "event %q", data)
 		text.WriteString(ev.Content)
 		if ev.Stop && ev.Timings != nil {
 			timings = *ev.Timings
 		}
+		if ev.Stop && ev.MCB != nil {
+			outcome = *ev.MCB
+		}
 	}
 	require.NoError(t, sc.Err())
-	return text.String(), timings
+	return text.String(), timings, outcome
 }
 
 // The patched llama-server as Ollama runs it: configured by MCB_CONFIG
@@ -206,12 +211,12 @@ func TestOllamaDropIn(t *testing.T) {
 
 	second := startOllamaRunner(t, "runner-2", testenv.PatchedServer(t), blob, env...)
 	waitMirrored(t, "http://"+metricsAddr, prefix/block)
-	text, timings := ollamaComplete(t, second.URL, want.Prompt)
-	assert.Equal(t, []any{"restore", prefix}, []any{timings.Decision, timings.RestoredN},
-		"the new runner restores the conversation's full blocks from the store: %+v", timings)
+	text, timings, outcome := ollamaComplete(t, second.URL, want.Prompt)
+	assert.Equal(t, []any{"restore", prefix}, []any{outcome.Decision, outcome.RestoredN},
+		"the new runner restores the conversation's full blocks from the store: %+v", outcome)
 	assert.Equal(t, want.Completion, text, "and answers as stock")
 	t.Logf("system prompt %d tokens; rendered prompt %d tokens, %d restored after the kill; answer %q, chat %q",
-		len(want.Tokens), timings.PromptN+timings.CacheN, timings.RestoredN, text, want.Chat)
+		len(want.Tokens), timings.PromptN+timings.CacheN, outcome.RestoredN, text, want.Chat)
 	m = testenv.Metrics(t, "http://"+metricsAddr+"/metrics")
 	assert.Equal(t, float64(prefix), m["mcbridge_restored_tokens_total"], "the new runner's metrics listener")
 	testenv.Eventually(t, defaultWait, func() bool {

@@ -101,7 +101,7 @@ func TestProxy(t *testing.T) {
 			p2 := testenv.StartProxy(t, "p2", s2.URL, d2, cfg)
 
 			out := testenv.Complete(t, p1.URL, testenv.Request{Prompt: pa, Slot: -1, NPredict: nPredict})
-			assert.Zero(t, out.Timings.RestoredN, "request 1 restores nothing from an empty directory")
+			assert.Zero(t, out.MCB.RestoredN, "request 1 restores nothing from an empty directory")
 			assert.Equal(t, ref.Complete(t, testenv.Request{Prompt: pa, Slot: -1, NPredict: nPredict, Extra: fresh}).Tokens, out.Tokens,
 				"request 1 answers as stock")
 			n := (len(pa) + nPredict - 1) / block
@@ -109,7 +109,7 @@ func TestProxy(t *testing.T) {
 
 			want := ref.Complete(t, testenv.Request{Prompt: pb, Slot: -1, NPredict: nPredict, Extra: fresh})
 			out = testenv.Complete(t, p2.URL, testenv.Request{Prompt: pb, Slot: -1, NPredict: nPredict})
-			assert.Equal(t, sharedTokens, out.Timings.RestoredN, "request 2 restores the shared tokens: %+v", out.Timings)
+			assert.Equal(t, sharedTokens, out.MCB.RestoredN, "request 2 restores the shared tokens: %+v", out.MCB)
 			assert.Equal(t, sharedTokens, out.Timings.CacheN, "server 2 computes only the rest")
 			assert.Equal(t, want.Tokens, out.Tokens, "request 2 is token-identical to stock")
 			assert.Equal(t, float64(sharedTokens), testenv.Metrics(t, p2.URL+"/metrics")["mcbridge_restored_tokens_total"])
@@ -134,9 +134,9 @@ func TestProxy(t *testing.T) {
 				Choices []map[string]any `json:"choices"`
 				Timings testenv.Timings  `json:"timings"`
 			}
-			testenv.Post(t, p2.URL+"/v1/chat/completions", chatRequest("another one", nil), &chatOut)
+			h := testenv.PostHeaders(t, p2.URL+"/v1/chat/completions", chatRequest("another one", nil), &chatOut)
 			testenv.Post(t, ref.URL+"/v1/chat/completions", chatRequest("another one", fresh), &chatRef)
-			assert.Equal(t, chatShared, chatOut.Timings.RestoredN, "a chat restores the tokens its template shares with another")
+			assert.Equal(t, chatShared, testenv.ProxyOutcome(t, h).RestoredN, "a chat restores the tokens its template shares with another")
 			assert.Equal(t, testenv.JSON(chatRef.Choices), testenv.JSON(chatOut.Choices), "the chat answer is stock's")
 
 			for _, v := range []struct{ name, model, fa string }{{"other weights", other, fa}, {"flash attention " + otherFA, model, otherFA}} {
@@ -144,7 +144,7 @@ func TestProxy(t *testing.T) {
 				p := testenv.StartProxy(t, "p-"+v.name, s.URL, d, cfg)
 				got := testenv.Complete(t, p.URL, testenv.Request{Prompt: pb, Slot: -1, NPredict: nPredict})
 				want := s.Complete(t, testenv.Request{Prompt: pb, Slot: -1, NPredict: nPredict, Extra: fresh})
-				assert.Zero(t, got.Timings.RestoredN, "%s: nothing restored", v.name)
+				assert.Zero(t, got.MCB.RestoredN, "%s: nothing restored", v.name)
 				assert.Equal(t, want.Tokens, got.Tokens, "%s: the answer is the server's own", v.name)
 				assert.NotEqual(t, p1.State(t)["fingerprint"], p.State(t)["fingerprint"], "%s: another fingerprint", v.name)
 				p.Stop()

@@ -54,7 +54,7 @@ func TestProxyRelearns(t *testing.T) {
 			s = tc.between(t, s, dir)
 			a = postThrough(t, p.URL, "/completion", completionBody(second))
 			require.Equal(t, 200, a.code, "%s", a.body)
-			assert.Equal(t, tc.restored, a.Timings.RestoredN, "restored: %+v", a.Timings)
+			assert.Equal(t, tc.restored, a.MCB.RestoredN, "restored: %+v", a.MCB)
 			if tc.restored == 0 {
 				assert.GreaterOrEqual(t, a.Timings.CacheN, len(prefix), "the slot's own prefix serves: %+v", a.Timings)
 			} else {

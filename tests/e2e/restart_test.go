@@ -109,7 +109,7 @@ func TestSwarmRestart(t *testing.T) {
 			x.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict})
 			waitMirrored(t, y.URL, shared/block)
 			got := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
-			require.Equal(t, shared, got.Timings.RestoredN, "y restores what x computed: %+v", got.Timings)
+			require.Equal(t, shared, got.MCB.RestoredN, "y restores what x computed: %+v", got.MCB)
 			// A kill loses what the store has not written yet: wait for
 			// its disk to hold the prefix (and the rest it copied).
 			waitStore(t, store, "every block copied and on its disk", func(s storeState) bool {
@@ -168,7 +168,7 @@ func TestSwarmRestart(t *testing.T) {
 			z := testenv.StartLlama(t, "z", testenv.PatchedServer(t), append(serverArgs(model, "on", false), "--mcb-config", sw.serverCfg))
 			waitMirrored(t, z.URL, restored/block)
 			first := z.Complete(t, testenv.Request{Prompt: promptC, Slot: 0, NPredict: nPredict})
-			assert.Equal(t, []any{"restore", restored, len(promptC) - restored}, []any{first.Timings.Decision, first.Timings.RestoredN, first.Timings.PromptN},
+			assert.Equal(t, []any{"restore", restored, len(promptC) - restored}, []any{first.MCB.Decision, first.MCB.RestoredN, first.Timings.PromptN},
 				"the first request after the restart restores the prefix and computes only the rest: %+v", first.Timings)
 			assert.Equal(t, want.Tokens, first.Tokens, "the restored server answers as stock")
 		})

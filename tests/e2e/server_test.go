@@ -157,7 +157,7 @@ func TestOneServerTwoSlots(t *testing.T) {
 			off.Stop()
 			for i := range want {
 				assert.Equal(t, want[i].Tokens, gotOff[i].Tokens, "bridge off, prompt %d", i)
-				assert.Empty(t, gotOff[i].Timings.Decision, "bridge off, prompt %d: no mcb timings", i)
+				assert.Empty(t, gotOff[i].MCB.Decision, "bridge off, prompt %d: no mcbridge object", i)
 			}
 
 			on := testenv.StartLlama(t, "on", testenv.PatchedServer(t), append(serverArgs(model, m.fa, m.kvu), "--mcb-config", bridgeConfig("")))
@@ -167,10 +167,10 @@ func TestOneServerTwoSlots(t *testing.T) {
 			for i := range want {
 				assert.Equal(t, want[i].Tokens, got[i].Tokens, "prompt %d: the same tokens as stock", i)
 			}
-			assert.Equal(t, []any{"miss", 0}, []any{got[0].Timings.Decision, got[0].Timings.RestoredN}, "slot 0 finds nothing")
-			assert.Equal(t, []any{"restore", shared, shared}, []any{got[1].Timings.Decision, got[1].Timings.RestoredN, got[1].Timings.CacheN},
+			assert.Equal(t, []any{"miss", 0}, []any{got[0].MCB.Decision, got[0].MCB.RestoredN}, "slot 0 finds nothing")
+			assert.Equal(t, []any{"restore", shared, shared}, []any{got[1].MCB.Decision, got[1].MCB.RestoredN, got[1].Timings.CacheN},
 				"slot 1 restores the shared full blocks")
-			assert.Equal(t, []any{"local", 0, len(prefix)}, []any{got[2].Timings.Decision, got[2].Timings.RestoredN, got[2].Timings.CacheN},
+			assert.Equal(t, []any{"local", 0, len(prefix)}, []any{got[2].MCB.Decision, got[2].MCB.RestoredN, got[2].Timings.CacheN},
 				"slot 0 keeps its own longer prefix")
 			assert.Equal(t, float64(shared), metrics["mcbridge_restored_tokens_total"], "/metrics counts the restored tokens")
 			assert.Equal(t, float64(1), metrics["mcbridge_up"], "mcbridge_up")
@@ -203,8 +203,8 @@ func TestTenants(t *testing.T) {
 	beta := s.Complete(t, testenv.Request{Prompt: testenv.Cat(p2, testenv.Tokens(30, 7, 3)), Slot: 1, NPredict: 4, Extra: tenant("beta")})
 	s.Complete(t, testenv.Request{Prompt: testenv.Tokens(300, 9, 50), Slot: 1, NPredict: 4}) // slot 1 forgets p2
 	alpha := s.Complete(t, testenv.Request{Prompt: testenv.Cat(p2, testenv.Tokens(30, 11, 4)), Slot: 1, NPredict: 4, Extra: tenant("alpha")})
-	assert.Equal(t, []any{"miss", 0}, []any{beta.Timings.Decision, beta.Timings.RestoredN}, "tenant beta does not see alpha's blocks")
-	assert.Equal(t, []any{"restore", shared}, []any{alpha.Timings.Decision, alpha.Timings.RestoredN}, "tenant alpha does")
+	assert.Equal(t, []any{"miss", 0}, []any{beta.MCB.Decision, beta.MCB.RestoredN}, "tenant beta does not see alpha's blocks")
+	assert.Equal(t, []any{"restore", shared}, []any{alpha.MCB.Decision, alpha.MCB.RestoredN}, "tenant alpha does")
 }
 
 // transports are the Transfer Engines the cross-process tests run over:
@@ -233,7 +233,7 @@ func TestTwoServers(t *testing.T) {
 			x.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict})
 			waitMirrored(t, y.URL, shared/block)
 			got := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
-			assert.Equal(t, []any{"restore", shared}, []any{got.Timings.Decision, got.Timings.RestoredN}, "y restores what x computed: %+v", got.Timings)
+			assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN}, "y restores what x computed: %+v", got.MCB)
 			assert.Equal(t, want.Tokens, got.Tokens, "y answers as stock")
 			y.Stop()
 
@@ -248,7 +248,7 @@ func TestTwoServers(t *testing.T) {
 				s := testenv.StartLlama(t, v.name, testenv.PatchedServer(t), append(v.args, "--mcb-config", cfg))
 				got := s.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: 4})
 				s.Stop()
-				assert.Equal(t, []any{"miss", 0}, []any{got.Timings.Decision, got.Timings.RestoredN}, "%s against x: nothing restored", v.name)
+				assert.Equal(t, []any{"miss", 0}, []any{got.MCB.Decision, got.MCB.RestoredN}, "%s against x: nothing restored", v.name)
 			}
 
 			// x dies without unpublishing; its entries outlive it until its
@@ -258,8 +258,8 @@ func TestTwoServers(t *testing.T) {
 			z := testenv.StartLlama(t, "z", testenv.PatchedServer(t), append(serverArgs(model, "on", false), "--mcb-config", cfg))
 			waitMirrored(t, z.URL, shared/block)
 			got = z.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
-			assert.Equal(t, []any{"failed", 0, 0}, []any{got.Timings.Decision, got.Timings.RestoredN, got.Timings.CacheN},
-				"x killed: z's restore fails (%s)", got.Timings.Error)
+			assert.Equal(t, []any{"failed", 0, 0}, []any{got.MCB.Decision, got.MCB.RestoredN, got.Timings.CacheN},
+				"x killed: z's restore fails (%s)", got.MCB.Error)
 			assert.Equal(t, want.Tokens, got.Tokens, "x killed: z computes the prompt and answers as stock")
 		})
 	}
