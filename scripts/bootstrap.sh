@@ -8,11 +8,12 @@ set -euo pipefail
 # The C toolchain's build tools; etcd for the directory tests; curl and jq for
 # scripts/llama/prefill.sh; iproute2 for the network-namespace tests; the real Mooncake Transfer Engine's
 # and Mooncake Store's build and runtime dependencies (scripts/mooncake/build.sh te|store;
-# the store adds zstd, xxhash and msgpack, which brings the boost headers).
+# the store adds zstd, xxhash and msgpack, which brings the boost headers); SQLite for
+# Ollama (scripts/ollama/build.sh builds it with -tags libsqlite3).
 pkgs=(cmake ninja-build ccache pkg-config jq curl etcd-server iproute2 git
 	python3 python3-dev libibverbs-dev libnuma-dev libgoogle-glog-dev libgflags-dev
 	libjsoncpp-dev libyaml-cpp-dev libcurl4-openssl-dev
-	libzstd-dev libxxhash-dev libmsgpack-cxx-dev libboost-dev)
+	libzstd-dev libxxhash-dev libmsgpack-cxx-dev libboost-dev libsqlite3-dev)
 
 missing=()
 for p in "${pkgs[@]}"; do

@@ -38,6 +38,7 @@ const (
 	EnvStoreDir      = "MCB_MOONCAKE_STORE_DIR"   // scripts/mooncake/build.sh store: <dir>/out
 	EnvBin           = "MCB_BIN"                  // mcbridge, else built from this tree
 	EnvLibllama      = "MCB_LIBLLAMA_BUILD"       // the build of csrc/embed: libllama_test, libllama_test_asan
+	EnvOllama        = "MCB_OLLAMA"               // scripts/ollama/build.sh: the pinned Ollama
 )
 
 // Binary returns the file an environment variable names, failing the test
@@ -59,6 +60,11 @@ func StockServer(tb testing.TB) string {
 
 func PatchedServer(tb testing.TB) string {
 	return Binary(tb, EnvPatchedServer, "the patched llama-server (scripts/llama/build.sh patched)")
+}
+
+// Ollama is the pinned Ollama, built from its module source.
+func Ollama(tb testing.TB) string {
+	return Binary(tb, EnvOllama, "the pinned Ollama (scripts/ollama/build.sh)")
 }
 
 // RealTE is the real Mooncake Transfer Engine library.
