@@ -9,12 +9,13 @@ set -euo pipefail
 # scripts/llama/prefill.sh; iproute2 for the network-namespace tests; the real Mooncake Transfer Engine's
 # and Mooncake Store's build and runtime dependencies (scripts/mooncake/build.sh te|store;
 # the store adds zstd, xxhash and msgpack, which brings the boost headers); llama.cpp's
-# server test suite's Python packages (tests/llamasuite; openai is not packaged).
+# server test suite's Python packages (tests/llamasuite; openai is not packaged); SQLite
+# for Ollama (scripts/ollama/build.sh builds it with -tags libsqlite3).
 pkgs=(cmake ninja-build ccache pkg-config jq curl etcd-server iproute2 git
 	python3 python3-dev python3-pytest python3-requests python3-wget
 	python3-filelock python3-numpy python3-prometheus-client python3-aiohttp libibverbs-dev libnuma-dev libgoogle-glog-dev libgflags-dev
 	libjsoncpp-dev libyaml-cpp-dev libcurl4-openssl-dev
-	libzstd-dev libxxhash-dev libmsgpack-cxx-dev libboost-dev)
+	libzstd-dev libxxhash-dev libmsgpack-cxx-dev libboost-dev libsqlite3-dev)
 
 missing=()
 for p in "${pkgs[@]}"; do

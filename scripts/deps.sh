@@ -13,6 +13,9 @@
 #                                                      libmooncake_store.so and store_c.h
 #   MCB_LIBLLAMA_BUILD                                 csrc/embed (mcb_libllama) against the stock build
 #   MCB_TE_MOCK_LIB                                    the mock Transfer Engine of BUILD
+#   MCB_OLLAMA                                         scripts/ollama/build.sh: the pinned
+#                                                      Ollama, whose runner the e2e suite
+#                                                      points at llama-server
 #
 # Each step prints its time. Everything slow is cached under $MCB_CACHE. A step that
 # fails fails the whole script: the suites that need its output never skip. The
@@ -42,6 +45,8 @@ llama_patched() {
 mooncake_te() { te=$(last "$repo/scripts/mooncake/build.sh" te)/install/lib/libtransfer_engine.so; }
 store=
 mooncake_store() { store=$(JOBS=2 last "$repo/scripts/mooncake/build.sh" store)/out; }
+ollama=
+ollama_build() { ollama=$(last "$repo/scripts/ollama/build.sh"); }
 libllama() {
 	local dir=$build/libllama
 	[[ -f $dir/CMakeCache.txt ]] || cmake -S "$repo/csrc/embed" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -51,6 +56,7 @@ libllama() {
 
 step "llama-server (stock)" llama_stock
 step "llama-server (patched)" llama_patched
+step "Ollama" ollama_build
 step "Mooncake Transfer Engine" mooncake_te
 step "Mooncake Store" mooncake_store
 step "csrc/embed (mcb_libllama)" libllama
@@ -64,4 +70,5 @@ export MCB_TE_REAL_LIB=$te
 export MCB_MOONCAKE_STORE_DIR=$store
 export MCB_LIBLLAMA_BUILD=$build/libllama
 export MCB_TE_MOCK_LIB=$build/libmooncake_te_mock.so
+export MCB_OLLAMA=$ollama
 ENV

@@ -53,13 +53,13 @@ func BenchmarkDeviceRestore(b *testing.B) {
 		holder.Complete(b, testenv.Request{Prompt: first, Slot: 0, NPredict: 1})
 		waitMirroredBlocks(b, reader.URL, (r+1)*shared/256)
 		d, got := ttft(b, reader.URL, prompt, r%2, nil)
-		require.Equal(b, shared, got.Timings.RestoredN, "round %d: the reader restores the prefix: %+v", r, got.Timings)
+		require.Equal(b, shared, got.MCB.RestoredN, "round %d: the reader restores the prefix: %+v", r, got.Timings)
 		same = same && slices.Equal(got.Tokens, want.Tokens)
 		restoredMS = append(restoredMS, ms(d))
-		restoreGBs = append(restoreGBs, float64(got.Timings.RestoredBytes)/got.Timings.RestoreMS/1e6)
+		restoreGBs = append(restoreGBs, float64(got.MCB.RestoredBytes)/got.MCB.RestoreMS/1e6)
 		_, h := ttft(b, host.URL, prompt, r%2, nil)
-		require.Equal(b, shared, h.Timings.RestoredN, "round %d: the host-KV server restores the prefix: %+v", r, h.Timings)
-		hostGBs = append(hostGBs, float64(h.Timings.RestoredBytes)/h.Timings.RestoreMS/1e6)
+		require.Equal(b, shared, h.MCB.RestoredN, "round %d: the host-KV server restores the prefix: %+v", r, h.Timings)
+		hostGBs = append(hostGBs, float64(h.MCB.RestoredBytes)/h.MCB.RestoreMS/1e6)
 
 		// Stock's slot API: compute the prefix in slot 0, save it, restore it
 		// into slot 1 and send the prompt there.
@@ -81,7 +81,7 @@ func BenchmarkDeviceRestore(b *testing.B) {
 		slotMS = append(slotMS, ms(wall+d))
 		// The slot file holds the whole first prompt's KV; its per-token
 		// bytes equal the bridge's.
-		slotGBs = append(slotGBs, float64(saved.Written)*float64(shared)/float64(len(first))/restored.Timings.RestoreMS/1e6)
+		slotGBs = append(slotGBs, float64(saved.Written)*float64(shared)/float64(len(first))/restored.MCB.RestoreMS/1e6)
 	}
 	require.True(b, same, "the restored prompts answer as stock")
 	b.ReportMetric(medianF(stockMS), "stock_ttft_ms")

@@ -25,6 +25,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvevents"
 	"github.com/mcbridge/mcbridge/internal/logs"
+	"github.com/mcbridge/mcbridge/internal/reach"
 	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/status"
 	"github.com/mcbridge/mcbridge/internal/transport"
@@ -80,6 +81,8 @@ type Bridge struct {
 	shared *sameHost // shared pools of this host (samehost.go); nil when the pool is not shared
 	rep    *reporter // reports to blocks' holders, and from readers; nil without a Notifier
 	tier   *diskTier // a store node's disk tier; nil without one
+
+	reach *reach.Watch // says in the log when the swarm is out of reach (reach.go)
 }
 
 // parked holds a timed-out batch and the staging it may still write into;
@@ -164,6 +167,7 @@ func (b *Bridge) build(deps Deps) error {
 	b.closers = append(b.closers, b.stopPublisher)
 	b.startReports()
 	b.closers = append(b.closers, func() error { b.stopReports(); return nil })
+	b.startReach()
 	return nil
 }
 

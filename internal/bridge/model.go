@@ -305,6 +305,9 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32, cached int) (*Plan, erro
 		CachedTokens:    cached,
 	})
 	b.stats.lookup(d, B)
+	// Answered from a mirror the directory no longer updates, or without
+	// the store's blocks: the log says so (rate-limited).
+	b.reach.Met("lookup", b.Health())
 	p := &Plan{MatchedBlocks: matched, Decision: d, RestoreTokens: d.RestoreBlocks * B, m: m, root: root}
 	if p.RestoreTokens > 0 {
 		p.chain = chain[:d.RestoreBlocks]

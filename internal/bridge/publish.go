@@ -197,6 +197,7 @@ func (b *Bridge) publishLoop() {
 				b.stats.add(&b.stats.directoryErrors, 1)
 				b.log.Warn("mcbridge: publishing blocks failed; retrying", "blocks", len(puts), "err", err)
 			}
+			b.reach.Met("publish", b.Health())
 		}
 		if !failed {
 			wait = retryMin

@@ -39,6 +39,7 @@ const (
 	EnvBin           = "MCB_BIN"                  // mcbridge, else built from this tree
 	EnvLibllama      = "MCB_LIBLLAMA_BUILD"       // the build of csrc/embed: libllama_test, libllama_test_asan
 	EnvRPCServer     = "MCB_GGML_RPC_SERVER"      // scripts/llama/build.sh stock: ggml-rpc-server, next to llama-server
+	EnvOllama        = "MCB_OLLAMA"               // scripts/ollama/build.sh: the pinned Ollama
 )
 
 // Binary returns the file an environment variable names, failing the test
@@ -60,6 +61,11 @@ func StockServer(tb testing.TB) string {
 
 func PatchedServer(tb testing.TB) string {
 	return Binary(tb, EnvPatchedServer, "the patched llama-server (scripts/llama/build.sh patched)")
+}
+
+// Ollama is the pinned Ollama, built from its module source.
+func Ollama(tb testing.TB) string {
+	return Binary(tb, EnvOllama, "the pinned Ollama (scripts/ollama/build.sh)")
 }
 
 // RealTE is the real Mooncake Transfer Engine library.

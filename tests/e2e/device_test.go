@@ -60,7 +60,7 @@ func TestDeviceKV(t *testing.T) {
 	require.Equal(t, "on", dev.BridgeState())
 	assert.Contains(t, dev.LogLine("mcbridge: on:"), "KV on RPC", "the log names the device")
 	first := dev.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict})
-	assert.Equal(t, len(promptA)/block, first.Timings.SavedBlocks, "the device-KV server saves the prompt's full blocks")
+	assert.Equal(t, len(promptA)/block, first.MCB.SavedBlocks, "the device-KV server saves the prompt's full blocks")
 
 	for _, c := range []struct {
 		name string
@@ -81,7 +81,7 @@ func TestDeviceKV(t *testing.T) {
 			require.Equal(t, "on", s.BridgeState())
 			waitMirrored(t, s.URL, shared/block)
 			got := s.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
-			assert.Equal(t, []any{"restore", shared}, []any{got.Timings.Decision, got.Timings.RestoredN},
+			assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN},
 				"restores what the device-KV server computed: %+v", got.Timings)
 			assert.Equal(t, want, got.Tokens, "answers as stock")
 		})
@@ -96,7 +96,7 @@ func TestDeviceKV(t *testing.T) {
 		host.Complete(t, testenv.Request{Prompt: q1, Slot: 0, NPredict: nPredict})
 		waitMirrored(t, dev.URL, 2*shared/block)
 		got := dev.Complete(t, testenv.Request{Prompt: q2, Slot: 1, NPredict: nPredict})
-		assert.Equal(t, []any{"restore", shared}, []any{got.Timings.Decision, got.Timings.RestoredN},
+		assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN},
 			"the device-KV server restores what the host-KV server computed: %+v", got.Timings)
 		assert.Equal(t, stockAnswer(t, onDevice(model, spare.Endpoint), q2), got.Tokens, "answers as stock")
 	})
@@ -109,7 +109,7 @@ func TestDeviceKV(t *testing.T) {
 		proxy := testenv.StartProxy(t, "proxy", up.URL, dir, etcdCfg)
 		waitMirrored(t, proxy.URL, shared/block)
 		got := testenv.Complete(t, proxy.URL, testenv.Request{Prompt: promptB, Slot: -1, NPredict: nPredict})
-		assert.Equal(t, shared, got.Timings.RestoredN, "the proxy restores into a device-KV upstream: %+v", got.Timings)
+		assert.Equal(t, shared, got.MCB.RestoredN, "the proxy restores into a device-KV upstream: %+v", got.Timings)
 		assert.Equal(t, want, got.Tokens, "answers as stock")
 	})
 }
@@ -140,8 +140,8 @@ func TestDeviceFaults(t *testing.T) {
 	x.Signal(syscall.SIGSTOP)
 	got := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
 	x.Signal(syscall.SIGCONT)
-	assert.Equal(t, []any{"failed", 0}, []any{got.Timings.Decision, got.Timings.RestoredN}, "holder stopped: %+v", got.Timings)
-	assert.Contains(t, got.Timings.Error, "timed out", "the failure names the deadline")
+	assert.Equal(t, []any{"failed", 0}, []any{got.MCB.Decision, got.MCB.RestoredN}, "holder stopped: %+v", got.Timings)
+	assert.Contains(t, got.MCB.Error, "timed out", "the failure names the deadline")
 	assert.Equal(t, want, got.Tokens, "holder stopped: y computes and answers as stock")
 
 	// y now holds the prefix too; x dies without unpublishing.
@@ -150,7 +150,7 @@ func TestDeviceFaults(t *testing.T) {
 	z := start("z", rpcs[1])
 	waitMirrored(t, z.URL, shared/block)
 	got = z.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
-	assert.Equal(t, []any{"failed", 0}, []any{got.Timings.Decision, got.Timings.RestoredN}, "holder killed: %+v", got.Timings)
+	assert.Equal(t, []any{"failed", 0}, []any{got.MCB.Decision, got.MCB.RestoredN}, "holder killed: %+v", got.Timings)
 	assert.Equal(t, want, got.Tokens, "holder killed: z computes and answers as stock")
 
 	// A device lost while a request uses it: ggml's RPC client aborts the

@@ -1,18 +1,16 @@
 package e2e
 
 import (
-	"bufio"
-	"bytes"
-	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -20,206 +18,380 @@ import (
 	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
-// Ollama runs llama-server as its runner (llm/llama_server.go, read at
-// ollama/ollama fb3076099): it finds the binary in lib/ollama beside its
-// own, starts it with a fixed argument list and its whole environment,
-// sends /tokenize, /apply-template, /completion (streamed, cache_prompt
-// true, no id_slot) and /v1/chat/completions, and when the keep-alive runs
-// out it stops the runner with Process.Kill: SIGKILL, no shutdown. Its
-// port is private to Ollama. So the patched server is configured by the
-// environment alone (MCB_CONFIG), serves its bridge metrics on a port of
-// the library's own (metrics_listen), and what outlives a kill is a store
-// node's copy, here on its disk.
+// A real Ollama (scripts/ollama/build.sh: the pinned release, built from
+// its module source) runs llama-server as its runner: it finds the binary
+// in lib/ollama beside its own, starts one per loaded model with its own
+// argument list and its whole environment, and stops it with SIGKILL when
+// the model's keep-alive runs out. Installed as docs/ollama.md says, the
+// patched server is that runner, configured by the environment alone; a
+// store node keeps the KV across the kills.
 
-// ollamaArgs is Ollama's argument list for a model blob with -c n and
-// -np 1 (its defaults; no -ngl, -t or batch flags unless a user sets
-// them); the port comes from StartServer.
-func ollamaArgs(blob string, n int) []string {
-	return []string{"--model", blob, "--host", "127.0.0.1", "--no-webui", "--offline",
-		"-c", strconv.Itoa(n), "-np", "1",
-		"--log-verbosity", "4", "--no-log-prefix", "--no-log-timestamps",
-		"--flash-attn", "auto"}
+// ollama is `ollama serve` installed as a user installs it: bin/ollama and
+// lib/ollama/llama-server, here a link that the test points at the stock
+// or the patched server between runners (Ollama looks the runner up each
+// time it starts one).
+type ollama struct {
+	*testenv.Server
+	bin    string
+	runner string
+	env    []string
 }
 
-// ollamaBlob copies a model to where Ollama keeps it: blobs/sha256-<digest>,
-// no extension.
-func ollamaBlob(t *testing.T, model string) string {
-	b, err := os.ReadFile(model)
+func startOllama(t *testing.T, env ...string) *ollama {
+	t.Helper()
+	root := t.TempDir()
+	o := &ollama{bin: filepath.Join(root, "bin", "ollama"), runner: filepath.Join(root, "lib", "ollama", "llama-server")}
+	require.NoError(t, os.MkdirAll(filepath.Dir(o.bin), 0o755))
+	require.NoError(t, os.MkdirAll(filepath.Dir(o.runner), 0o755))
+	// A copy, not a link: Ollama resolves its own path through links to
+	// find lib/ollama.
+	b, err := os.ReadFile(testenv.Ollama(t))
 	require.NoError(t, err)
-	sum := sha256.Sum256(b)
-	dir := filepath.Join(t.TempDir(), "models", "blobs")
-	require.NoError(t, os.MkdirAll(dir, 0o755))
-	p := filepath.Join(dir, "sha256-"+hex.EncodeToString(sum[:]))
-	require.NoError(t, os.WriteFile(p, b, 0o644))
-	return p
+	require.NoError(t, os.WriteFile(o.bin, b, 0o755))
+	o.useRunner(t, testenv.StockServer(t))
+	port := testenv.FreePort(t)
+	o.env = append([]string{"HOME=" + root, "OLLAMA_HOST=127.0.0.1:" + strconv.Itoa(port),
+		"OLLAMA_MODELS=" + filepath.Join(root, "models"), "OLLAMA_NO_CLOUD=1"}, env...)
+	p := testenv.Spawn(t, "ollama", o.bin, []string{"serve"}, o.env)
+	url := "http://127.0.0.1:" + strconv.Itoa(port)
+	require.NoError(t, testenv.WaitHTTP(p, url+"/api/version", time.Minute))
+	o.Server = &testenv.Server{Proc: p, URL: url, Port: port}
+	return o
 }
 
-func startOllamaRunner(t *testing.T, name, bin, blob string, env ...string) *testenv.Server {
-	return testenv.StartServer(t, name, bin, ollamaArgs(blob, 4096), env, func(port int) []string {
-		return []string{"--port", strconv.Itoa(port)}
-	}, "/health")
+// useRunner makes bin the llama-server Ollama starts next.
+func (o *ollama) useRunner(t *testing.T, bin string) {
+	t.Helper()
+	_ = os.Remove(o.runner)
+	require.NoError(t, os.Symlink(bin, o.runner))
 }
 
-// ollamaOptions are the sampling fields Ollama sends with every request,
-// greedy (temperature 0) so that answers compare.
-func ollamaOptions(n int) map[string]any {
-	return map[string]any{"n_predict": n, "temperature": 0, "top_k": 40, "top_p": 0.9, "min_p": 0,
-		"repeat_penalty": 1.1, "repeat_last_n": 64, "frequency_penalty": 0, "presence_penalty": 0, "seed": 42}
+// create imports a model with `ollama create` from a Modelfile.
+func (o *ollama) create(t *testing.T, name, modelfile string) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "Modelfile")
+	require.NoError(t, os.WriteFile(path, []byte(modelfile), 0o644))
+	cmd := exec.Command(o.bin, "create", name, "-f", path)
+	cmd.Env = append(os.Environ(), o.env...)
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "ollama create %s: %s", name, out)
 }
 
-// ollamaExchange is what one conversation turn gets back, request by
-// request, as Ollama sends them.
-type ollamaExchange struct {
-	Tokens     []int
-	Prompt     string
-	Completion string
-	Timings    testenv.Timings
-	Chat       string
+// idle waits until Ollama runs no model: a keep-alive ran out, or was 0.
+func (o *ollama) idle(t *testing.T) {
+	t.Helper()
+	testenv.Eventually(t, defaultWait, func() bool {
+		var ps struct {
+			Models []json.RawMessage `json:"models"`
+		}
+		require.NoError(t, jsonGet(t, o.URL+"/api/ps", &ps))
+		return len(ps.Models) == 0
+	}, "Ollama never unloaded its model")
 }
 
-var ollamaMessages = []map[string]string{
-	{"role": "system", "content": ollamaSystem},
-	{"role": "user", "content": "Summarise the rules above in one line."},
+// count is how many times s is in Ollama's log (its runners' output
+// included).
+func (o *ollama) count(s string) int {
+	b, err := os.ReadFile(o.Log)
+	if err != nil {
+		return 0
+	}
+	return strings.Count(string(b), s)
+}
+
+// runnerArgs are the argument lists of the runners Ollama started, from
+// its log ("starting llama-server" cmd=...), in order.
+func (o *ollama) runnerArgs(t *testing.T) [][]string {
+	b, err := os.ReadFile(o.Log)
+	require.NoError(t, err)
+	var out [][]string
+	for _, m := range regexp.MustCompile(`msg="starting llama-server" cmd="([^"]*)"`).FindAllSubmatch(b, -1) {
+		out = append(out, strings.Fields(string(m[1]))[1:])
+	}
+	return out
 }
 
 // ollamaSystem is a long system prompt (the shared prefix of a tool-using
-// agent), text the tiny model's byte-level vocabulary tokenizes.
+// agent) in text that the generated model's byte-level vocabulary
+// tokenizes: longer than one ubatch, so that a restore aligned to
+// n_ubatch has something to restore.
 var ollamaSystem = strings.Repeat("You are a careful assistant. Answer briefly, cite the tools you used, never invent a file name. ", 12)
 
-func ollamaTurn(t *testing.T, url string) ollamaExchange {
-	t.Helper()
-	var ex ollamaExchange
-	var tok struct {
-		Tokens []int `json:"tokens"`
-	}
-	testenv.Post(t, url+"/tokenize", map[string]any{"content": ollamaSystem}, &tok)
-	ex.Tokens = tok.Tokens
-	var tpl struct {
-		Prompt string `json:"prompt"`
-	}
-	testenv.Post(t, url+"/apply-template", map[string]any{"messages": ollamaMessages}, &tpl)
-	require.NotEmpty(t, tpl.Prompt)
-	ex.Prompt = tpl.Prompt
-	ex.Completion, ex.Timings, _ = ollamaComplete(t, url, tpl.Prompt)
+// ollamaTemplate is a model's own Ollama (Go) template: Ollama renders the
+// chat itself and sends the runner the text.
+const ollamaTemplate = `{{ range .Messages }}<|{{ .Role }}|>{{ .Content }}
+{{ end }}<|assistant|>`
 
-	body := ollamaOptions(nPredict)
-	body["messages"], body["stream"], body["cache_prompt"] = ollamaMessages, false, true
-	var chat struct {
+func chatMessages(turns ...string) []map[string]string {
+	msgs := []map[string]string{{"role": "system", "content": ollamaSystem}}
+	for i, c := range turns {
+		role := "user"
+		if i%2 == 1 {
+			role = "assistant"
+		}
+		msgs = append(msgs, map[string]string{"role": role, "content": c})
+	}
+	return msgs
+}
+
+var (
+	turn1 = chatMessages("Summarise the rules above in one line.")
+	turn2 = chatMessages("Summarise the rules above in one line.", "Be brief, cite tools, invent nothing.", "Which tool would you use first?")
+)
+
+// ollamaAnswer is what one request got back.
+type ollamaAnswer struct {
+	Text       string
+	PromptEval int // prompt_eval_count, or the usage's prompt_tokens: the whole prompt
+	Cached     int // prompt_eval_cached_count, or the usage's cached_tokens
+}
+
+// greedy are the options of every request: greedy, so that answers compare.
+func greedy(extra map[string]any) map[string]any {
+	o := map[string]any{"temperature": 0, "seed": 42, "num_predict": 16}
+	for k, v := range extra {
+		o[k] = v
+	}
+	return o
+}
+
+func (o *ollama) chat(t *testing.T, model string, msgs []map[string]string, keepAlive any) ollamaAnswer {
+	t.Helper()
+	var r struct {
+		Message struct {
+			Content string `json:"content"`
+		} `json:"message"`
+		PromptEvalCount       int `json:"prompt_eval_count"`
+		PromptEvalCachedCount int `json:"prompt_eval_cached_count"`
+	}
+	testenv.Post(t, o.URL+"/api/chat", map[string]any{"model": model, "messages": msgs, "stream": false,
+		"keep_alive": keepAlive, "options": greedy(nil)}, &r)
+	return ollamaAnswer{r.Message.Content, r.PromptEvalCount, r.PromptEvalCachedCount}
+}
+
+func (o *ollama) generate(t *testing.T, model, prompt string, options map[string]any, keepAlive any) ollamaAnswer {
+	t.Helper()
+	var r struct {
+		Response              string `json:"response"`
+		PromptEvalCount       int    `json:"prompt_eval_count"`
+		PromptEvalCachedCount int    `json:"prompt_eval_cached_count"`
+	}
+	testenv.Post(t, o.URL+"/api/generate", map[string]any{"model": model, "prompt": prompt, "raw": true, "stream": false,
+		"keep_alive": keepAlive, "options": greedy(options)}, &r)
+	return ollamaAnswer{r.Response, r.PromptEvalCount, r.PromptEvalCachedCount}
+}
+
+// openAIChat is /v1/chat/completions: Ollama's OpenAI-compatible API,
+// which has no keep_alive (OLLAMA_KEEP_ALIVE holds).
+func (o *ollama) openAIChat(t *testing.T, model string, msgs []map[string]string) ollamaAnswer {
+	t.Helper()
+	var r struct {
 		Choices []struct {
 			Message struct {
 				Content string `json:"content"`
 			} `json:"message"`
 		} `json:"choices"`
+		Usage struct {
+			PromptTokens int `json:"prompt_tokens"`
+			Details      struct {
+				Cached int `json:"cached_tokens"`
+			} `json:"prompt_tokens_details"`
+		} `json:"usage"`
 	}
-	testenv.Post(t, url+"/v1/chat/completions", body, &chat)
-	require.Len(t, chat.Choices, 1)
-	ex.Chat = chat.Choices[0].Message.Content
-	return ex
+	testenv.Post(t, o.URL+"/v1/chat/completions", map[string]any{"model": model, "messages": msgs,
+		"temperature": 0, "seed": 42, "max_tokens": 16}, &r)
+	require.Len(t, r.Choices, 1)
+	return ollamaAnswer{r.Choices[0].Message.Content, r.Usage.PromptTokens, r.Usage.Details.Cached}
 }
 
-// ollamaComplete is Ollama's /completion: a rendered prompt string,
-// streamed as server-sent events, cache_prompt true, no id_slot.
-func ollamaComplete(t *testing.T, url, prompt string) (string, testenv.Timings, testenv.Outcome) {
-	t.Helper()
-	body := ollamaOptions(nPredict)
-	body["prompt"], body["stream"], body["cache_prompt"] = prompt, true, true
-	b, err := json.Marshal(body)
-	require.NoError(t, err)
-	req, err := http.NewRequest(http.MethodPost, url+"/completion", bytes.NewReader(b))
-	require.NoError(t, err)
-	req.Header.Set("Content-Type", "application/json")
-	// One run in four, the next POST on the connection this stream used
-	// read EOF before llama-server saw it (a POST is not retried): the
-	// stream gets a connection of its own.
-	req.Close = true
-	resp, err := testenv.Client.Do(req)
-	require.NoError(t, err)
-	defer resp.Body.Close()
-	require.Equal(t, http.StatusOK, resp.StatusCode)
-	var text strings.Builder
-	var timings testenv.Timings
-	var outcome testenv.Outcome
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		data, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok {
-			continue
-		}
-		var ev struct {
-			Content string           `json:"content"`
-			Stop    bool             `json:"stop"`
-			Timings *testenv.Timings `json:"timings"`
-			MCB     *testenv.Outcome `json:"mcbridge"`
-		}
-		require.NoError(t, json.Unmarshal([]byte(data), &ev), "event %q", data)
-		text.WriteString(ev.Content)
-		if ev.Stop && ev.Timings != nil {
-			timings = *ev.Timings
-		}
-		if ev.Stop && ev.MCB != nil {
-			outcome = *ev.MCB
-		}
+// rendered is ollamaTemplate applied to msgs, as Ollama sends it.
+func rendered(msgs []map[string]string) string {
+	var b strings.Builder
+	for _, m := range msgs {
+		fmt.Fprintf(&b, "<|%s|>%s\n", m["role"], m["content"])
 	}
-	require.NoError(t, sc.Err())
-	return text.String(), timings, outcome
+	return b.String() + "<|assistant|>"
 }
 
-// The patched llama-server as Ollama runs it: configured by MCB_CONFIG
-// and LLAMA_ARG_CACHE_RAM=0 alone, Ollama's arguments, requests and
-// keep-alive kill. A second runner started after the kill restores the
-// conversation's prefix from the store node, and every answer is the
-// stock server's.
-func TestOllamaDropIn(t *testing.T) {
-	blob := ollamaBlob(t, testenv.Model(t, "tiny", 0))
-	stock := startOllamaRunner(t, "stock", testenv.StockServer(t), blob)
-	want := ollamaTurn(t, stock.URL)
-	stock.Stop()
-	require.True(t, stock.LogContains("prompt cache is enabled"), "Ollama's arguments leave llama-server's prompt cache on")
-	require.Greater(t, len(want.Tokens), 2*block, "the system prompt spans blocks")
-	require.NotEmpty(t, want.Completion, "stock's /completion")
-	require.NotEmpty(t, want.Chat, "stock's /v1/chat/completions")
+// ollamaSwarm is what happens around the script's requests when the
+// runner is the patched server: the store node that keeps the KV across
+// the kills, and the runner's metrics. Its methods do nothing on nil (the
+// stock run), so that both runs send the same requests.
+type ollamaSwarm struct {
+	sw      *diskSwarm
+	store   *testenv.Store
+	metrics string
+	o       *ollama
+}
 
+// settle waits, after Ollama killed a runner, until the store node serves
+// every block it copied: the runner's entries leave the directory with its
+// lease, and the store publishes its copies in their place.
+func (s *ollamaSwarm) settle(t *testing.T) {
+	if s == nil {
+		return
+	}
+	waitStore(t, s.store, "every copied block served by the store", func(st storeState) bool {
+		return st.Stats.TakenOver >= st.Stats.Replicated
+	})
+}
+
+// ollamaShiftCtx is the context of the context-shift steps (a multiple of
+// 256, as Ollama rounds it): rendered(turn1) fits in it, and 200 more
+// tokens do not.
+const ollamaShiftCtx = 1280
+
+// ollamaStep is one request of the script, on a runner Ollama starts for
+// it (the previous one was killed).
+type ollamaStep struct {
+	name    string
+	native  bool // the model without a template of its own: Ollama's native chat path
+	shift   bool // num_ctx ollamaShiftCtx: the answer shifts the context
+	restore bool // the patched runner restores a prefix from the store
+}
+
+var ollamaSteps = []ollamaStep{
+	{"/api/chat, rendered, turn 1", false, false, false},
+	{"/api/chat, rendered, turn 2 after keep_alive 0", false, false, true},
+	{"/api/generate raw after the keep-alive expired", false, false, true},
+	{"/api/chat, native, turn 1", true, false, false},
+	{"/v1/chat/completions, native, turn 2", true, false, true},
+	{"/api/generate past num_ctx: a context shift", false, true, true},
+	{"/api/generate past num_ctx again", false, true, true},
+	{"/api/chat, rendered, store node stopped", false, false, false},
+}
+
+// script sends the requests of ollamaSteps through o, one runner each.
+func (s *ollamaSwarm) script(t *testing.T, o *ollama) []ollamaAnswer {
+	const tpl, native = "mcb-tpl", "mcb-native"
+	var out []ollamaAnswer
+	next := func(a ollamaAnswer) {
+		out = append(out, a)
+		o.idle(t)
+		s.settle(t)
+	}
+	next(o.chat(t, tpl, turn1, 0))
+	next(o.chat(t, tpl, turn2, "1s")) // the keep-alive expires
+	next(o.generate(t, tpl, rendered(turn1), nil, 0))
+	next(o.chat(t, native, turn1, 0))
+	next(o.openAIChat(t, native, turn2)) // OLLAMA_KEEP_ALIVE=0
+	// num_ctx is each slot's context: the prompt fits, the answer does not.
+	shift := map[string]any{"num_ctx": ollamaShiftCtx, "num_predict": 200}
+	next(o.generate(t, tpl, rendered(turn1), shift, 0))
+	next(o.generate(t, tpl, rendered(turn1), shift, 0))
+	// Last: the restarted store node holds copies of the blocks this
+	// runner publishes once it is back, so its takeovers no longer tell
+	// when the runner's entries are gone.
+	s.stopStore(t)
+	a := o.chat(t, tpl, turn1, "10m")
+	s.restartStore(t)
+	o.generate(t, tpl, "", nil, 0) // an empty prompt with keep_alive 0 unloads
+	out = append(out, a)
+	o.idle(t)
+	return out
+}
+
+// stopStore stops the store node, and with it the swarm's directory (its
+// embedded etcd).
+func (s *ollamaSwarm) stopStore(t *testing.T) {
+	if s == nil {
+		return
+	}
+	s.store.Stop()
+}
+
+// restartStore checks that the runner Ollama started meanwhile says it
+// cannot reach its swarm, in its log and in mcbridge_up, restarts the
+// store node on its directories, and checks that the runner says it is
+// back.
+func (s *ollamaSwarm) restartStore(t *testing.T) {
+	if s == nil {
+		return
+	}
+	testenv.Eventually(t, defaultWait, func() bool { return s.o.LogContains("mcbridge: swarm unreachable") },
+		"the runner never logged that its swarm is unreachable")
+	down := upReason(t, s.metrics)
+	assert.Contains(t, down, "unreachable", "mcbridge_up says why")
+	s.store = s.sw.startStore(t, "store-restarted")
+	testenv.Eventually(t, defaultWait, func() bool { return s.o.LogContains("mcbridge: swarm reachable again") },
+		"the runner never logged that its swarm is back")
+	testenv.Eventually(t, defaultWait, func() bool { return upReason(t, s.metrics) == "" }, "mcbridge_up never cleared")
+}
+
+// upReason is the reason label of mcbridge_up 0, "" when it is 1.
+func upReason(t *testing.T, url string) string {
+	for k, v := range testenv.Metrics(t, url) {
+		if name, label, ok := strings.Cut(k, "{"); ok && name == "mcbridge_up" && v == 0 {
+			return label
+		}
+		if k == "mcbridge_up" && v == 1 {
+			return ""
+		}
+	}
+	require.FailNow(t, "no mcbridge_up at "+url)
+	return ""
+}
+
+// A real Ollama runs the patched server as its runner, with the arguments
+// and environment it gives every runner, and kills it when a keep-alive
+// runs out (or is 0) before every request: each new runner restores the
+// conversation's prefix from the store node, Ollama reports it as cached
+// prompt tokens, and every answer is the one Ollama gives with the stock
+// llama-server as its runner. The store node goes away for one runner,
+// which says so and answers from its own computation.
+func TestOllama(t *testing.T) {
+	model := testenv.Model(t, "tiny", 0)
 	metricsAddr := "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))
 	sw := newDiskSwarm(t, fmt.Sprintf(`, "metrics_listen": %q`, metricsAddr))
-	store := sw.startStore(t, "store")
-	env := []string{"MCB_CONFIG=" + sw.serverCfg, "LLAMA_ARG_CACHE_RAM=0"}
+	o := startOllama(t, "OLLAMA_NUM_PARALLEL=2", "OLLAMA_KEEP_ALIVE=0", "MCB_CONFIG="+sw.serverCfg, "LLAMA_ARG_CACHE_RAM=0")
+	o.create(t, "mcb-tpl", fmt.Sprintf("FROM %s\nTEMPLATE \"\"\"%s\"\"\"\n", model, ollamaTemplate))
+	o.create(t, "mcb-native", fmt.Sprintf("FROM %s\n", model))
 
-	first := startOllamaRunner(t, "runner-1", testenv.PatchedServer(t), blob, env...)
-	require.Equal(t, "on", (&testenv.Llama{Server: first}).BridgeState(), "MCB_CONFIG alone turns the bridge on")
-	assert.True(t, first.LogContains("prompt cache is disabled"), "LLAMA_ARG_CACHE_RAM=0 reaches the runner")
-	assert.False(t, first.LogContains("keeps every prefix a second time"), "LLAMA_ARG_CACHE_RAM=0 leaves the prompt cache to the bridge: no warning")
-	got := ollamaTurn(t, first.URL)
-	assert.Equal(t, want.Tokens, got.Tokens, "/tokenize")
-	assert.Equal(t, want.Prompt, got.Prompt, "/apply-template")
-	assert.Equal(t, want.Completion, got.Completion, "/completion answers as stock")
-	assert.Equal(t, want.Chat, got.Chat, "/v1/chat/completions answers as stock")
-	m := testenv.Metrics(t, "http://"+metricsAddr+"/metrics")
-	assert.Equal(t, float64(1), m["mcbridge_up"], "the library's own metrics listener")
-	assert.Positive(t, m["mcbridge_saved_blocks_total"])
-	prefix := got.Timings.PromptN / block * block
-	require.Positive(t, prefix)
-	waitStore(t, store, "the conversation's blocks copied and on disk", func(s storeState) bool {
-		return s.Stats.Replicated >= prefix/block && s.Disk.Files >= s.Stats.Replicated
-	})
+	var none *ollamaSwarm
+	want := none.script(t, o)
+	nStock := len(o.runnerArgs(t))
+	shifts := o.count("slot context shift")
+	require.GreaterOrEqual(t, shifts, 2, "the stock runners shifted their context")
 
-	// The keep-alive runs out: Ollama kills the runner.
-	first.Kill()
-	_, err := http.Get("http://" + metricsAddr + "/metrics")
-	require.Error(t, err, "the metrics listener died with its process")
-	waitStore(t, store, "the killed runner's blocks taken over", func(s storeState) bool { return s.Stats.TakenOver >= prefix/block })
+	s := &ollamaSwarm{sw: sw, store: sw.startStore(t, "store"), metrics: "http://" + metricsAddr + "/metrics", o: o}
+	o.useRunner(t, testenv.PatchedServer(t))
+	got := s.script(t, o)
 
-	second := startOllamaRunner(t, "runner-2", testenv.PatchedServer(t), blob, env...)
-	waitMirrored(t, "http://"+metricsAddr, prefix/block)
-	text, timings, outcome := ollamaComplete(t, second.URL, want.Prompt)
-	assert.Equal(t, []any{"restore", prefix}, []any{outcome.Decision, outcome.RestoredN},
-		"the new runner restores the conversation's full blocks from the store: %+v", outcome)
-	assert.Equal(t, want.Completion, text, "and answers as stock")
-	t.Logf("system prompt %d tokens; rendered prompt %d tokens, %d restored after the kill; answer %q, chat %q",
-		len(want.Tokens), timings.PromptN+timings.CacheN, outcome.RestoredN, text, want.Chat)
-	m = testenv.Metrics(t, "http://"+metricsAddr+"/metrics")
-	assert.Equal(t, float64(prefix), m["mcbridge_restored_tokens_total"], "the new runner's metrics listener")
-	testenv.Eventually(t, defaultWait, func() bool {
-		return testenv.Metrics(t, store.URL+"/metrics")["mcbridge_peer_uses_total"] >= float64(prefix/block)
-	}, "the runner reports its restores to the store")
+	for i, step := range ollamaSteps {
+		assert.Equal(t, want[i].Text, got[i].Text, "%s: answers as with the stock runner", step.name)
+		assert.Equal(t, want[i].PromptEval, got[i].PromptEval, "%s: the same prompt (prompt_eval_count counts cached tokens too)", step.name)
+		assert.Zero(t, want[i].Cached, "%s: a new stock runner holds nothing", step.name)
+		if step.restore {
+			assert.Positive(t, got[i].Cached, "%s: the new runner restored the conversation's prefix", step.name)
+		} else {
+			assert.Zero(t, got[i].Cached, "%s: nothing to restore", step.name)
+		}
+		t.Logf("%s: prompt %d tokens, %d of them restored; answer %q", step.name, got[i].PromptEval, got[i].Cached, got[i].Text)
+	}
+
+	// What Ollama passed its runners, as docs/ollama.md lists it.
+	args := o.runnerArgs(t)
+	require.Len(t, args, 2*nStock, "one runner a request, in both runs")
+	for i, a := range args {
+		line := " " + strings.Join(a, " ") + " "
+		step := ollamaSteps[i%len(ollamaSteps)]
+		for _, want := range []string{" --context-shift --keep 4 ", " -np 2 ", " --no-webui ", " --offline ", " --load-mode none "} {
+			assert.Contains(t, line, want, "runner %d (%s)", i, step.name)
+		}
+		// Ollama sizes the batch from the context (num_ctx × parallel): 512
+		// up to 4096, 1024 above, as one ubatch.
+		b := 1024
+		if step.shift {
+			b = 512
+		}
+		assert.Contains(t, line, fmt.Sprintf(" -b %d -ub %d ", b, b), "runner %d (%s)", i, step.name)
+		if step.native {
+			assert.NotContains(t, line, " --no-jinja ", "runner %d (%s): llama-server renders the chat", i, step.name)
+		} else {
+			assert.Contains(t, line, " --no-jinja --chat-template chatml ", "runner %d (%s): Ollama renders the chat", i, step.name)
+		}
+	}
+	assert.Equal(t, 2*shifts, o.count("slot context shift"), "the patched runners shifted their context as often")
+	assert.True(t, o.LogContains("mcbridge: on: "), "MCB_CONFIG in Ollama's environment turns the bridge on")
+	assert.False(t, o.LogContains("keeps every prefix a second time"), "LLAMA_ARG_CACHE_RAM=0 reaches the runner")
 }
