@@ -271,18 +271,6 @@ func call(ctx context.Context, base, api string, s swarm, a, k int, answers []st
 	return r, nil
 }
 
-func slotDir(b *testing.B, name string) string {
-	b.Helper()
-	base := "/dev/shm"
-	if st, err := os.Stat(base); err != nil || !st.IsDir() {
-		base = b.TempDir()
-	}
-	d, err := os.MkdirTemp(base, "mcb-agentapi-"+name+"-")
-	require.NoError(b, err)
-	b.Cleanup(func() { os.RemoveAll(d) })
-	return d
-}
-
 // swarmRun runs one swarm on fresh servers: straight to them (stock:
 // agent a talks to server a mod servers) or through one proxy in front of
 // them all.
@@ -292,7 +280,7 @@ func swarmRun(b *testing.B, model string, s swarm, kind, side string) Run {
 	args := []string{"proxy", "--config", `{"pool_bytes": 1073741824}`}
 	var procs []*testenv.Llama
 	for i := range servers {
-		dir := slotDir(b, strconv.Itoa(i))
+		dir := testenv.ShmSlotDir(b, "agentapi-"+strconv.Itoa(i))
 		srv := testenv.StartLlama(b, fmt.Sprintf("%s-%s-u%d", kind, side, i), testenv.StockServer(b),
 			append(testenv.ServerArgs(model, 8192, slots, "on"), "--slot-save-path", dir))
 		procs = append(procs, srv)
@@ -371,15 +359,6 @@ func swarmRun(b *testing.B, model string, s swarm, kind, side string) Run {
 	return run
 }
 
-func loadAverage() string {
-	b, _ := os.ReadFile("/proc/loadavg")
-	f := strings.Fields(string(b))
-	if len(f) < 3 {
-		return ""
-	}
-	return strings.Join(f[:3], " ")
-}
-
 // BenchmarkAgentAPI runs the three swarms on both sides and writes
 // bench/out/agentapi.json ($MCB_BENCH_OUT names another directory).
 func BenchmarkAgentAPI(b *testing.B) {
@@ -388,7 +367,7 @@ func BenchmarkAgentAPI(b *testing.B) {
 	require.NoError(b, gguf.WriteFile(model, cfg))
 	s := newSwarm(29)
 	rep := Report{Note: "both sides measured in one run on the same machine: read them against each other; the load averages say how quiet it was",
-		Date: time.Now().UTC().Format(time.RFC3339), LoadStart: loadAverage(), Servers: servers, Slots: slots, Agents: agents, Turns: turns, Predict: predict,
+		Date: time.Now().UTC().Format(time.RFC3339), LoadStart: testenv.LoadAverage(), Servers: servers, Slots: slots, Agents: agents, Turns: turns, Predict: predict,
 		Model: fmt.Sprintf("%s: %d layers, n_embd %d, %d KV heads, f16", cfg.Name, cfg.BlockCount, cfg.EmbeddingLength, cfg.HeadCountKV)}
 	t0 := time.Now()
 	for b.Loop() {
@@ -417,7 +396,7 @@ func BenchmarkAgentAPI(b *testing.B) {
 				row.SlowerThanStock, row.Requests, row.ProxyExclusiveRequests)
 		}
 	}
-	rep.Seconds, rep.LoadEnd = time.Since(t0).Seconds(), loadAverage()
+	rep.Seconds, rep.LoadEnd = time.Since(t0).Seconds(), testenv.LoadAverage()
 	dir := os.Getenv("MCB_BENCH_OUT")
 	if dir == "" {
 		dir = filepath.Join(testenv.Root(), "bench", "out")

@@ -46,15 +46,6 @@ func modelConfig() gguf.Config {
 	return c
 }
 
-func loadAverage() string {
-	b, _ := os.ReadFile("/proc/loadavg")
-	f := strings.Fields(string(b))
-	if len(f) < 3 {
-		return ""
-	}
-	return strings.Join(f[:3], " ")
-}
-
 // BenchmarkRoute replays the workload through three stock servers behind
 // the proxy under each policy and writes bench/out/route.json ($MCB_BENCH_OUT
 // names another directory). MCB_BENCH_QUICK=1 replays a smaller swarm.
@@ -68,7 +59,7 @@ func BenchmarkRoute(b *testing.B) {
 	require.NoError(b, gguf.WriteFile(model, cfg))
 	swarm := Generate(w)
 	rep := Report{Note: "the policies measured in one run on the same machine: read them against each other; the load averages at the start and the end say how quiet it was",
-		Date: time.Now().UTC().Format(time.RFC3339), LoadStart: loadAverage(), Workload: w, Upstreams: upstreams, Slots: 2,
+		Date: time.Now().UTC().Format(time.RFC3339), LoadStart: testenv.LoadAverage(), Workload: w, Upstreams: upstreams, Slots: 2,
 		Model: fmt.Sprintf("%s: %d layers, n_embd %d, %d KV heads, f16", cfg.Name, cfg.BlockCount, cfg.EmbeddingLength, cfg.HeadCountKV)}
 	t0 := time.Now()
 	for b.Loop() {
@@ -77,7 +68,7 @@ func BenchmarkRoute(b *testing.B) {
 			rep.Results = append(rep.Results, replay(b, model, swarm, w, pol))
 		}
 	}
-	rep.Seconds, rep.LoadEnd = time.Since(t0).Seconds(), loadAverage()
+	rep.Seconds, rep.LoadEnd = time.Since(t0).Seconds(), testenv.LoadAverage()
 	rep.Differing = differing(rep.Results)
 	rep.OutputsIdentical = len(rep.Differing) == 0
 	if !rep.OutputsIdentical {
@@ -98,20 +89,6 @@ func BenchmarkRoute(b *testing.B) {
 	b.Logf("wrote %s (%.0f s)", filepath.Join(dir, "route.json"), rep.Seconds)
 }
 
-// slotDir is a slot directory on tmpfs where there is one, as
-// docs/proxy.md recommends.
-func slotDir(b *testing.B, name string) string {
-	b.Helper()
-	base := "/dev/shm"
-	if st, err := os.Stat(base); err != nil || !st.IsDir() {
-		base = b.TempDir()
-	}
-	d, err := os.MkdirTemp(base, "mcb-route-"+name+"-")
-	require.NoError(b, err)
-	b.Cleanup(func() { os.RemoveAll(d) })
-	return d
-}
-
 // replay runs the swarm through fresh servers and a fresh proxy routing by
 // policy.
 func replay(b *testing.B, model string, swarm Swarm, w Workload, policy string) Result {
@@ -120,7 +97,7 @@ func replay(b *testing.B, model string, swarm Swarm, w Workload, policy string) 
 	args := []string{"proxy", "--route", policy, "--config", `{"pool_bytes": 1073741824}`}
 	var servers []*testenv.Llama
 	for i := range upstreams {
-		dir := slotDir(b, strconv.Itoa(i))
+		dir := testenv.ShmSlotDir(b, "route-"+strconv.Itoa(i))
 		s := testenv.StartLlama(b, fmt.Sprintf("%s-u%d", policy, i), testenv.StockServer(b),
 			append(testenv.ServerArgs(model, 8192, 2, "on"), "--slot-save-path", dir))
 		servers = append(servers, s)
