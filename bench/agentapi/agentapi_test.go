@@ -55,8 +55,8 @@ const (
 	servers = 2
 	slots   = 2
 	agents  = 4
-	turns   = 3
-	predict = 16
+	turns   = 2
+	predict = 8
 )
 
 // modelConfig is the routing benchmark's model: the bench model's layers
@@ -88,12 +88,12 @@ type swarm struct {
 
 func newSwarm(seed uint64) swarm {
 	rng := rand.New(rand.NewPCG(seed, 0x9e3779b97f4a7c15))
-	s := swarm{system: "You are a coding agent of a swarm. " + words(rng, 600)}
+	s := swarm{system: "You are a coding agent of a swarm. " + words(rng, 400)}
 	for range agents {
-		s.tasks = append(s.tasks, "Task: "+words(rng, 60))
+		s.tasks = append(s.tasks, "Task: "+words(rng, 40))
 		var us []string
 		for range turns {
-			us = append(us, words(rng, 30))
+			us = append(us, words(rng, 20))
 		}
 		s.users = append(s.users, us)
 	}
@@ -138,7 +138,10 @@ func (s swarm) responses(a, k int, answers []string) responses.ResponseNewParams
 		}
 		items = append(items, responses.ResponseInputItemParamOfMessage(user, responses.EasyInputMessageRoleUser))
 		if i < k {
-			items = append(items, responses.ResponseInputItemParamOfMessage(answers[i], responses.EasyInputMessageRoleAssistant))
+			// llama-server reads an assistant item only with its type.
+			answer := responses.ResponseInputItemParamOfMessage(answers[i], responses.EasyInputMessageRoleAssistant)
+			answer.OfMessage.Type = responses.EasyInputMessageTypeMessage
+			items = append(items, answer)
 		}
 	}
 	p := responses.ResponseNewParams{Model: "agentapi", Instructions: openai.String(s.system), MaxOutputTokens: openai.Int(predict),
