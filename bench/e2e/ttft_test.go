@@ -275,7 +275,7 @@ func runTTFT(b *testing.B, prefixes []int, rounds int) ttftResult {
 	}
 	proxy.Stop()
 	res.judge()
-	res.LoadEnd = loadAverage()
+	res.LoadEnd = testenv.LoadAverage()
 	res.Seconds = time.Since(start).Seconds()
 	return res
 }
@@ -574,13 +574,4 @@ func cpuModel() string {
 		}
 	}
 	return runtime.GOARCH
-}
-
-func loadAverage() string {
-	b, _ := os.ReadFile("/proc/loadavg")
-	f := strings.Fields(string(b))
-	if len(f) < 3 {
-		return ""
-	}
-	return strings.Join(f[:3], " ")
 }

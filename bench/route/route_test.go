@@ -1,10 +1,10 @@
 package route
 
 import (
-	"bufio"
-	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"os"
 	"path/filepath"
 	"sort"
@@ -14,9 +14,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"github.com/stretchr/testify/require"
+
 	"github.com/mcbridge/mcbridge/internal/gguf"
 	"github.com/mcbridge/mcbridge/internal/testenv"
-	"github.com/stretchr/testify/require"
 )
 
 func TestMain(m *testing.M) {
@@ -46,15 +49,6 @@ func modelConfig() gguf.Config {
 	return c
 }
 
-func loadAverage() string {
-	b, _ := os.ReadFile("/proc/loadavg")
-	f := strings.Fields(string(b))
-	if len(f) < 3 {
-		return ""
-	}
-	return strings.Join(f[:3], " ")
-}
-
 // BenchmarkRoute replays the workload through three stock servers behind
 // the proxy under each policy and writes bench/out/route.json ($MCB_BENCH_OUT
 // names another directory). MCB_BENCH_QUICK=1 replays a smaller swarm.
@@ -68,7 +62,7 @@ func BenchmarkRoute(b *testing.B) {
 	require.NoError(b, gguf.WriteFile(model, cfg))
 	swarm := Generate(w)
 	rep := Report{Note: "the policies measured in one run on the same machine: read them against each other; the load averages at the start and the end say how quiet it was",
-		Date: time.Now().UTC().Format(time.RFC3339), LoadStart: loadAverage(), Workload: w, Upstreams: upstreams, Slots: 2,
+		Date: time.Now().UTC().Format(time.RFC3339), LoadStart: testenv.LoadAverage(), Workload: w, Upstreams: upstreams, Slots: 2,
 		Model: fmt.Sprintf("%s: %d layers, n_embd %d, %d KV heads, f16", cfg.Name, cfg.BlockCount, cfg.EmbeddingLength, cfg.HeadCountKV)}
 	t0 := time.Now()
 	for b.Loop() {
@@ -77,7 +71,7 @@ func BenchmarkRoute(b *testing.B) {
 			rep.Results = append(rep.Results, replay(b, model, swarm, w, pol))
 		}
 	}
-	rep.Seconds, rep.LoadEnd = time.Since(t0).Seconds(), loadAverage()
+	rep.Seconds, rep.LoadEnd = time.Since(t0).Seconds(), testenv.LoadAverage()
 	rep.Differing = differing(rep.Results)
 	rep.OutputsIdentical = len(rep.Differing) == 0
 	if !rep.OutputsIdentical {
@@ -98,20 +92,6 @@ func BenchmarkRoute(b *testing.B) {
 	b.Logf("wrote %s (%.0f s)", filepath.Join(dir, "route.json"), rep.Seconds)
 }
 
-// slotDir is a slot directory on tmpfs where there is one, as
-// docs/proxy.md recommends.
-func slotDir(b *testing.B, name string) string {
-	b.Helper()
-	base := "/dev/shm"
-	if st, err := os.Stat(base); err != nil || !st.IsDir() {
-		base = b.TempDir()
-	}
-	d, err := os.MkdirTemp(base, "mcb-route-"+name+"-")
-	require.NoError(b, err)
-	b.Cleanup(func() { os.RemoveAll(d) })
-	return d
-}
-
 // replay runs the swarm through fresh servers and a fresh proxy routing by
 // policy.
 func replay(b *testing.B, model string, swarm Swarm, w Workload, policy string) Result {
@@ -120,7 +100,7 @@ func replay(b *testing.B, model string, swarm Swarm, w Workload, policy string) 
 	args := []string{"proxy", "--route", policy, "--config", `{"pool_bytes": 1073741824}`}
 	var servers []*testenv.Llama
 	for i := range upstreams {
-		dir := slotDir(b, strconv.Itoa(i))
+		dir := testenv.ShmSlotDir(b, "route-"+strconv.Itoa(i))
 		s := testenv.StartLlama(b, fmt.Sprintf("%s-u%d", policy, i), testenv.StockServer(b),
 			append(testenv.ServerArgs(model, 8192, 2, "on"), "--slot-save-path", dir))
 		servers = append(servers, s)
@@ -224,47 +204,58 @@ func percentiles(xs []float64) Percentiles {
 	return Percentiles{Mean: sum / float64(len(s)), P50: at(0.5), P90: at(0.9)}
 }
 
-// stream sends one greedy streamed completion and times its first token.
+// stream sends one completion of token ids through openai-go's
+// Completions API, as a client of the OpenAI-compatible endpoint would,
+// and reads the answer's token ids and cache count from the fields
+// llama-server adds to it ("verbose": each event's __verbose holds its
+// tokens; the last event's timings its cache_n).
 func stream(url string, prompt []int32, predict int) (Request, error) {
-	body, _ := json.Marshal(map[string]any{"prompt": prompt, "n_predict": predict, "temperature": 0, "seed": 42,
-		"return_tokens": true, "cache_prompt": true, "stream": true})
+	ids := make([]int64, len(prompt))
+	for i, t := range prompt {
+		ids[i] = int64(t)
+	}
+	var header http.Header
+	cl := openai.NewClient(option.WithBaseURL(url+"/v1/"), option.WithAPIKey("none"), option.WithMaxRetries(0),
+		option.WithHTTPClient(testenv.Client),
+		option.WithMiddleware(func(req *http.Request, next option.MiddlewareNext) (*http.Response, error) {
+			resp, err := next(req)
+			if err == nil {
+				header = resp.Header
+			}
+			return resp, err
+		}),
+		option.WithJSONSet("cache_prompt", true), option.WithJSONSet("verbose", true))
 	t0 := time.Now()
-	resp, err := testenv.Client.Post(url+"/completion", "application/json", bytes.NewReader(body))
-	if err != nil {
-		return Request{}, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != 200 {
-		return Request{}, fmt.Errorf("HTTP %d", resp.StatusCode)
-	}
+	st := cl.Completions.NewStreaming(context.Background(), openai.CompletionNewParams{Model: "route",
+		Prompt:    openai.CompletionNewParamsPromptUnion{OfArrayOfTokens: ids},
+		MaxTokens: openai.Int(int64(predict)), Temperature: openai.Float(0), Seed: openai.Int(42)})
 	r := Request{Prompt: len(prompt), Upstream: -1}
-	r.Upstream, _ = strconv.Atoi(resp.Header.Get("Mcb-Upstream"))
-	r.Restored, _ = strconv.Atoi(resp.Header.Get("Mcb-Restored-N"))
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		data, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok {
-			continue
+	for st.Next() {
+		c := st.Current()
+		if header != nil && r.Upstream < 0 {
+			r.Upstream, _ = strconv.Atoi(header.Get("Mcb-Upstream"))
+			r.Restored, _ = strconv.Atoi(header.Get("Mcb-Restored-N"))
 		}
-		var ev struct {
-			Tokens  []int32 `json:"tokens"`
-			Timings *struct {
-				CacheN int `json:"cache_n"`
-			} `json:"timings"`
+		var v struct {
+			Tokens []int32 `json:"tokens"`
 		}
-		if err := json.Unmarshal([]byte(data), &ev); err != nil {
-			return Request{}, err
+		if f, ok := c.JSON.ExtraFields["__verbose"]; ok {
+			if err := json.Unmarshal([]byte(f.Raw()), &v); err != nil {
+				return Request{}, err
+			}
 		}
-		if len(ev.Tokens) > 0 && r.TTFTMS == 0 {
+		if len(v.Tokens) > 0 && r.TTFTMS == 0 {
 			r.TTFTMS = float64(time.Since(t0).Microseconds()) / 1000
 		}
-		r.Answer = append(r.Answer, ev.Tokens...)
-		if ev.Timings != nil {
-			r.CacheN = ev.Timings.CacheN
+		r.Answer = append(r.Answer, v.Tokens...)
+		var tm struct {
+			CacheN int `json:"cache_n"`
+		}
+		if f, ok := c.JSON.ExtraFields["timings"]; ok && json.Unmarshal([]byte(f.Raw()), &tm) == nil {
+			r.CacheN = tm.CacheN
 		}
 	}
-	return r, sc.Err()
+	return r, st.Err()
 }
 
 // differing lists, per policy after the first, the requests whose prompt

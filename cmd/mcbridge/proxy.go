@@ -52,7 +52,6 @@ func runProxy(args []string) error {
 	slotDir := fs.String("slot-dir", "", "the --slot-save-path of the one upstream, on this host (several: give each its slots=DIR)")
 	policy := fs.String("route", "cache-aware", "how requests choose an upstream: cache-aware, round-robin or least-loaded")
 	health := fs.Duration("health-interval", time.Second, "how often each upstream's health is checked")
-	similarity := fs.Float64("upstream-slot-similarity", proxy.DefaultSlotSimilarity, "the servers' --slot-prompt-similarity (0: they run with it off)")
 	cfgDoc := fs.String("config", "", "bridge configuration: JSON or a file path (default $MCB_CONFIG)")
 	modelPath := fs.String("model-path", "", "the GGUF the server runs, when /props' path is relative or not readable here")
 	noPublish := fs.Bool("no-publish", false, "restore only, never publish")
@@ -89,10 +88,6 @@ func runProxy(args []string) error {
 	if err != nil {
 		return err
 	}
-	sim := *similarity
-	if sim == 0 {
-		sim = -1 // the servers' similarity is off
-	}
 	cfg, err := config.Load(*cfgDoc)
 	if err != nil {
 		return err
@@ -119,7 +114,7 @@ func runProxy(args []string) error {
 	p, err := proxy.New(b, proxy.Options{
 		Upstreams: ups, ModelPath: *modelPath, APIKey: *apiKey,
 		NoPublish: *noPublish, UpstreamContextShift: *ctxShift, UpstreamCacheReuse: *cacheReuse,
-		SlotSimilarity: sim, Route: route.Config{Policy: pol}, HealthInterval: *health,
+		Route: route.Config{Policy: pol}, HealthInterval: *health,
 		Scope: key.Scope{TenantSalt: []byte(*tenant)}, Log: log,
 	})
 	if err != nil {

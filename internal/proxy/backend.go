@@ -228,10 +228,15 @@ type exchange struct {
 	upstream  int
 	restored  int
 	restoreMS float64
-	status    int
-	ans       answer
-	haveAns   bool
-	complete  bool // the whole answer went through
+	// path: where the request goes upstream when not where it came
+	// (a converted /v1/messages); toMessages: its answer is a chat
+	// answer, written back in Anthropic's shape.
+	path       string
+	toMessages bool
+	status     int
+	ans        answer
+	haveAns    bool
+	complete   bool // the whole answer went through
 	// retryable: nothing went to the client yet and the body can be sent
 	// again; unreachable: it was, and the upstream gave no answer.
 	retryable   bool
@@ -245,6 +250,9 @@ type exchangeKey struct{}
 // A nil body forwards the request's own.
 func (be *backend) send(w http.ResponseWriter, r *http.Request, body []byte, rest io.Reader, x *exchange) {
 	r2 := r.Clone(context.WithValue(r.Context(), exchangeKey{}, x))
+	if x.path != "" {
+		r2.URL.Path, r2.URL.RawPath = x.path, ""
+	}
 	switch {
 	case rest != nil:
 		r2.Body = io.NopCloser(rest)
@@ -330,6 +338,9 @@ func (be *backend) modifyResponse(resp *http.Response) error {
 			x.ans, x.haveAns, x.complete = s.last, s.seen, s.atEOF
 			x.failed = x.failed || s.readErr
 		}}
+		if x.toMessages {
+			resp.Body = newMessagesStream(resp.Body)
+		}
 		return nil
 	}
 	b, err := io.ReadAll(resp.Body)
@@ -339,6 +350,13 @@ func (be *backend) modifyResponse(resp *http.Response) error {
 	}
 	x.ans, x.haveAns = readAnswer(x.ep, b)
 	x.complete = true
+	if x.toMessages {
+		if b, err = chatToMessages(b); err != nil {
+			return err
+		}
+		resp.ContentLength = int64(len(b))
+		resp.Header.Set("Content-Length", strconv.Itoa(len(b)))
+	}
 	resp.Body = io.NopCloser(bytes.NewReader(b))
 	return nil
 }

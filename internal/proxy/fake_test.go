@@ -420,7 +420,7 @@ func fakePrompt(t testing.TB, ep endpoint, raw []byte, body map[string]any) []in
 // the idle slot whose tokens share the largest part of the prompt, above
 // the similarity threshold, else the first idle one.
 func (fs *fakeServer) pickSlot(prompt []int32) int {
-	best, bestSim := -1, DefaultSlotSimilarity
+	best, bestSim := -1, 0.1 // llama-server's default --slot-prompt-similarity
 	for i, sl := range fs.slots {
 		if sl.computing || len(sl.tokens) == 0 {
 			continue
@@ -525,17 +525,30 @@ func (fs *fakeServer) complete(ep endpoint) http.HandlerFunc {
 			fs.mu.Unlock()
 		}
 		text := fmt.Sprint(gen)
+		verbose, _ := body["verbose"].(bool)
+		perToken, _ := body["timings_per_token"].(bool)
+		// The shapes of llama-server's answers, with a fixed id.
+		const cmplID, model = "chatcmpl-fake", "fake"
+		chatUsage := map[string]any{"completion_tokens": nPredict, "prompt_tokens": len(prompt), "total_tokens": nPredict + len(prompt),
+			"prompt_tokens_details": map[string]any{"cached_tokens": nPast}}
+		messagesUsage := map[string]any{"cache_read_input_tokens": nPast, "input_tokens": len(prompt) - nPast, "output_tokens": nPredict}
 		if !stream {
 			finish()
 			switch ep {
 			case chat:
-				writeJSON(w, map[string]any{"choices": []any{map[string]any{"message": map[string]any{"content": text}}}, "timings": tm})
+				ans := map[string]any{"choices": []any{map[string]any{"finish_reason": "length", "index": 0,
+					"message": map[string]any{"role": "assistant", "content": text}}},
+					"model": model, "object": "chat.completion", "usage": chatUsage, "id": cmplID, "timings": tm}
+				if verbose {
+					ans["__verbose"] = map[string]any{"content": text, "stopping_word": ""}
+				}
+				writeJSON(w, ans)
 			case responses:
 				writeJSON(w, map[string]any{"object": "response", "output": []any{map[string]any{"type": "message", "content": []any{map[string]any{"type": "output_text", "text": text}}}},
 					"usage": map[string]any{"input_tokens": len(prompt), "output_tokens": nPredict, "input_tokens_details": map[string]any{"cached_tokens": nPast}}})
 			case messages:
-				writeJSON(w, map[string]any{"type": "message", "role": "assistant", "content": []any{map[string]any{"type": "text", "text": text}},
-					"usage": map[string]any{"cache_read_input_tokens": nPast, "input_tokens": len(prompt) - nPast, "output_tokens": nPredict}})
+				writeJSON(w, map[string]any{"id": cmplID, "type": "message", "role": "assistant", "content": []any{map[string]any{"type": "text", "text": text}},
+					"model": model, "stop_reason": "max_tokens", "stop_sequence": nil, "usage": messagesUsage})
 			default:
 				writeJSON(w, map[string]any{"content": text, "tokens": gen, "id_slot": id, "stop": true, "truncated": false, "timings": tm})
 			}
@@ -543,30 +556,72 @@ func (fs *fakeServer) complete(ep endpoint) http.HandlerFunc {
 		}
 		w.Header().Set("Content-Type", "text/event-stream")
 		fl := w.(http.Flusher)
-		event := func(v any) {
+		event := func(name string, v any) {
 			ev, _ := json.Marshal(v)
+			if name != "" {
+				fmt.Fprintf(w, "event: %s\n", name)
+			}
 			fmt.Fprintf(w, "data: %s\n\n", ev)
 			fl.Flush()
 		}
-		if ep == messages {
-			event(map[string]any{"type": "message_start", "message": map[string]any{"usage": map[string]any{
-				"cache_read_input_tokens": nPast, "input_tokens": len(prompt) - nPast, "output_tokens": 0}}})
+		chunk := func(delta map[string]any, finish any) map[string]any {
+			return map[string]any{"choices": []any{map[string]any{"finish_reason": finish, "index": 0, "delta": delta}},
+				"id": cmplID, "model": model, "object": "chat.completion.chunk"}
+		}
+		block := func(typ string, v map[string]any) map[string]any {
+			v["type"] = typ
+			return v
 		}
 		for i, g := range gen {
 			if i > 0 && gate != nil {
 				<-gate
 			}
-			event(map[string]any{"content": fmt.Sprint(g), "tokens": []int32{g}, "stop": false})
+			piece := fmt.Sprint(g)
+			switch ep {
+			case chat:
+				c := chunk(map[string]any{"content": piece}, nil)
+				if i == 0 {
+					first := chunk(map[string]any{"role": "assistant", "content": nil}, nil)
+					event("", first)
+				}
+				if perToken {
+					c["timings"] = tm
+				}
+				event("", c)
+			case messages:
+				if i == 0 {
+					event("message_start", block("message_start", map[string]any{"message": map[string]any{"id": cmplID, "type": "message", "role": "assistant",
+						"content": []any{}, "model": model, "stop_reason": nil, "stop_sequence": nil,
+						"usage": map[string]any{"cache_read_input_tokens": nPast, "input_tokens": len(prompt) - nPast, "output_tokens": 0}}}))
+					event("content_block_start", block("content_block_start", map[string]any{"index": 0, "content_block": map[string]any{"type": "text", "text": ""}}))
+				}
+				event("content_block_delta", block("content_block_delta", map[string]any{"index": 0, "delta": map[string]any{"type": "text_delta", "text": piece}}))
+			default:
+				event("", map[string]any{"content": piece, "tokens": []int32{g}, "stop": false})
+			}
 		}
 		finish()
 		switch ep {
+		case chat:
+			c := chunk(map[string]any{}, "length")
+			c["timings"] = tm
+			if verbose {
+				c["__verbose"] = map[string]any{"content": "", "stopping_word": ""}
+			}
+			event("", c)
+			fmt.Fprint(w, "data: [DONE]\n\n")
 		case messages:
-			event(map[string]any{"type": "message_delta", "usage": map[string]any{"output_tokens": nPredict}})
+			if len(gen) > 0 {
+				event("content_block_stop", block("content_block_stop", map[string]any{"index": 0}))
+			}
+			event("message_delta", block("message_delta", map[string]any{"delta": map[string]any{"stop_reason": "max_tokens", "stop_sequence": nil},
+				"usage": map[string]any{"output_tokens": nPredict}}))
+			event("message_stop", block("message_stop", map[string]any{}))
 		case responses:
-			event(map[string]any{"type": "response.completed", "response": map[string]any{"usage": map[string]any{
+			event("", map[string]any{"type": "response.completed", "response": map[string]any{"usage": map[string]any{
 				"input_tokens": len(prompt), "output_tokens": nPredict, "input_tokens_details": map[string]any{"cached_tokens": nPast}}}, "timings": tm})
 		default:
-			event(map[string]any{"content": "", "stop": true, "timings": tm})
+			event("", map[string]any{"content": "", "stop": true, "timings": tm})
 		}
 	}
 }

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"encoding/json"
 	"io"
 	"testing"
@@ -67,4 +68,33 @@ func (c *chunked) Read(p []byte) (int, error) {
 	n := copy(p[:min(len(p), c.n)], c.b)
 	c.b = c.b[n:]
 	return n, nil
+}
+
+// FuzzMessagesStream: any chat stream, however it is cut, converts to the
+// same events or fails, and never panics.
+func FuzzMessagesStream(f *testing.F) {
+	f.Add([]byte(chatStream), uint8(5))
+	f.Add([]byte("data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":-1}]}}],\"timings\":{}}\n\n"), uint8(2))
+	f.Add([]byte("data: {\"choices\":[{\"finish_reason\":\"stop\",\"delta\":{}}],\"__verbose\":{}}\n\n"), uint8(9))
+	f.Fuzz(func(t *testing.T, stream []byte, chunk uint8) {
+		whole, werr := io.ReadAll(newMessagesStream(io.NopCloser(bytes.NewReader(stream))))
+		cut, cerr := io.ReadAll(newMessagesStream(io.NopCloser(&chunked{b: stream, n: int(chunk%16) + 1})))
+		require.Equal(t, werr == nil, cerr == nil)
+		require.Equal(t, string(whole), string(cut))
+	})
+}
+
+// FuzzChatToMessages: any answer converts or fails, and a conversion is
+// one JSON object.
+func FuzzChatToMessages(f *testing.F) {
+	f.Add([]byte(`{"choices":[{"finish_reason":"stop","message":{"content":"a","tool_calls":[{"function":{"arguments":"{\"x\":1e400}"}}]}}],"usage":{}}`))
+	f.Add([]byte(`{"choices":[{"message":{"reasoning_content":"r"}}],"usage":{"prompt_tokens":"x"}}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		out, err := chatToMessages(b)
+		if err != nil {
+			return
+		}
+		var m map[string]any
+		require.NoError(t, json.Unmarshal(out, &m), "%s", out)
+	})
 }

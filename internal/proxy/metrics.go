@@ -16,7 +16,7 @@ import (
 
 // fallbackReasons are the reasons a restore falls back, as counted.
 var fallbackReasons = [...]string{"check_failed", "upstream_changed", "slot_busy", "evicted", "load_failed", "file_error",
-	"restore_refused", "server_picks", "other"}
+	"restore_refused", "other"}
 
 // unconfirmedReasons are why GET /slots did not confirm a slot.
 var unconfirmedReasons = [...]string{"unseen", "task", "tokens", "missing", "unreachable"}

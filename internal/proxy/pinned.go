@@ -21,9 +21,6 @@ type run struct {
 	plan   *bridge.Plan
 	x      *exchange
 	infos  []slotInfo // GET /slots just before the request, when asked
-	// all: the proxy holds every slot and the server picks one
-	// (/v1/messages); slot is where it restored, after finds where it ran.
-	all bool
 }
 
 // pinned runs one request in a slot the proxy holds, restoring its prefix
@@ -48,24 +45,15 @@ func (be *backend) pinnedOnce(w http.ResponseWriter, r *http.Request, req *reque
 		tokens = tk.tokens
 	}
 	keyed := tokens != nil && lm != nil && tk.lm != nil && req.cachePrompt && be.spec.SlotDir != ""
-	var slot, local int
-	var err error
-	switch {
-	case req.serverPicks:
-		p.stats.exclusive.Add(1)
-		err = tab.holdAll(ctx)
-		slot, local = tab.serverChoice(tokens)
-	default:
-		want := -1
-		if req.idSlot >= 0 {
-			want = req.idSlot % tab.len() // llama-server wraps slot ids the same way
-		}
-		slot, local, err = tab.acquire(ctx, want, tokens)
+	want := -1
+	if req.idSlot >= 0 {
+		want = req.idSlot % tab.len() // llama-server wraps slot ids the same way
 	}
+	slot, local, err := tab.acquire(ctx, want, tokens)
 	if err != nil {
 		return served{} // the client went away while waiting
 	}
-	ru := &run{be: be, lm: lm, req: req, tokens: tokens, slot: slot, before: tab.view(slot).contents, all: req.serverPicks,
+	ru := &run{be: be, lm: lm, req: req, tokens: tokens, slot: slot, before: tab.view(slot).contents,
 		x: &exchange{ep: req.ep, upstream: be.i, retryable: true}}
 	if keyed {
 		plan := be.planFor(lm, tokens, local, look)
@@ -77,7 +65,7 @@ func (be *backend) pinnedOnce(w http.ResponseWriter, r *http.Request, req *reque
 			local, restartedNow = ru.confirm(ctx, local)
 			switch {
 			case restartedNow && again:
-				ru.releaseAll()
+				tab.release(ru.slot, contents{})
 				return be.pinnedOnce(w, r, req, body, tk, look, ch, false)
 			case restartedNow:
 				keyed = false // restarted twice in a row: no restore this time
@@ -85,33 +73,11 @@ func (be *backend) pinnedOnce(w http.ResponseWriter, r *http.Request, req *reque
 				plan = be.planFor(lm, tokens, local, look)
 			}
 		}
-		if keyed && req.serverPicks && plan != nil && plan.RestoreTokens > 0 && !p.serverWouldPick(plan.RestoreTokens, len(tokens)) {
-			// The server would take another slot than the restored one.
-			p.stats.fallback(&fallback{"server_picks", errServerPicks})
-			plan = nil
-		}
 		if keyed {
 			ru.plan = plan
 		}
 	}
-	if ru.all && ru.infos == nil {
-		// The slot the server picks is found afterwards as the one whose
-		// task changed: this is before.
-		ru.infos, _ = be.up.slots(ctx)
-	}
 	return ru.serve(w, r, body)
-}
-
-var errServerPicks = errors.New("the server picks the slot, and would not pick the restored one")
-
-// releaseAll releases what the run holds, its contents unknown.
-func (ru *run) releaseAll() {
-	tab := ru.be.table()
-	if ru.all {
-		tab.releaseAll()
-		return
-	}
-	tab.release(ru.slot, contents{})
 }
 
 // confirm checks the slot against the server's GET /slots: a restarted
@@ -160,18 +126,19 @@ func (ru *run) serve(w http.ResponseWriter, r *http.Request, body []byte) served
 		if !handedOff {
 			// What the server did with the slot is not known; it computed
 			// over at most what it held.
-			if ru.all {
-				tab.releaseAll()
-			} else {
-				tab.release(ru.slot, contents{dirty: ru.before.dirty || ru.req.dirty})
-			}
+			tab.release(ru.slot, contents{dirty: ru.before.dirty || ru.req.dirty})
 			p.pending.Add(-1)
 		}
 	}()
 	ru.restore(ctx)
 	out, err := ru.req.pinned(ru.slot)
-	if err != nil || out == nil {
+	switch {
+	case err != nil:
 		out = body
+	case ru.req.asChat:
+		// The chat the server would convert the request into, pinned:
+		// its answer is written back as the server writes Anthropic's.
+		x.ep, x.path, x.toMessages = chat, messagesChatPath, true
 	}
 	p.stats.pinned.Add(1)
 	be.send(w, r, out, nil, x)
@@ -181,11 +148,9 @@ func (ru *run) serve(w http.ResponseWriter, r *http.Request, body []byte) served
 	}
 	ru.learnFromAnswer()
 	handedOff = true
-	if !ru.all {
-		// The next turn of this conversation waits for the save rather
-		// than restoring into another slot.
-		tab.markSaving(ru.slot, contents{tokens: ru.holds(), dirty: true})
-	}
+	// The next turn of this conversation waits for the save rather than
+	// restoring into another slot.
+	tab.markSaving(ru.slot, contents{tokens: ru.holds(), dirty: true})
 	p.workers.Add(1)
 	go ru.after()
 	return res

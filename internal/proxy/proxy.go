@@ -107,12 +107,6 @@ type Options struct {
 	// nothing is published.
 	UpstreamContextShift bool
 	UpstreamCacheReuse   int
-	// SlotSimilarity is the servers' --slot-prompt-similarity (0 takes
-	// llama-server's default, 0.1; negative: the servers run with it off).
-	// A /v1/messages request reaches a slot of the server's choosing; the
-	// proxy restores for it only where that choice is then the restored
-	// slot.
-	SlotSimilarity float64
 	// Scope salts every key (tenant isolation); empty shares with everyone
 	// using the same model.
 	Scope key.Scope
@@ -135,9 +129,6 @@ type Options struct {
 	// learn an upstream's model before trying again (0: 10s).
 	RetryLearn time.Duration
 }
-
-// DefaultSlotSimilarity is llama-server's --slot-prompt-similarity.
-const DefaultSlotSimilarity = 0.1
 
 // maxRequestBody bounds the body the proxy reads to find the prompt;
 // larger requests are forwarded without the bridge.
@@ -206,9 +197,6 @@ func New(b *bridge.Bridge, opts Options) (*Proxy, error) {
 	}
 	if opts.HealthInterval == 0 {
 		opts.HealthInterval = time.Second
-	}
-	if opts.SlotSimilarity == 0 {
-		opts.SlotSimilarity = DefaultSlotSimilarity
 	}
 	opts.Route.Now = opts.Now
 	router, err := route.New(opts.Route, len(opts.Upstreams))

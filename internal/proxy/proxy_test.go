@@ -122,6 +122,7 @@ func cacheFree(t testing.TB, b []byte) map[string]any {
 	var m map[string]any
 	require.NoError(t, json.Unmarshal(b, &m), "answer %q", b)
 	delete(m, "timings")
+	delete(m, "usage")
 	delete(m, "id_slot")
 	return m
 }

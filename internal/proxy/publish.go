@@ -38,38 +38,6 @@ func (ru *run) after() {
 	if err != nil {
 		infos = nil
 	}
-	if ru.all {
-		// The server chose the slot: the one that ran a task since.
-		others := make([]contents, tab.len())
-		for i := range others {
-			others[i] = tab.view(i).contents
-		}
-		slot, ok := ranSince(ru.infos, infos)
-		ok = ok && infos != nil && ru.infos != nil && slot < len(others)
-		defer func() {
-			for i, c := range others {
-				if !ok || i != slot {
-					tab.release(i, c)
-				}
-			}
-		}()
-		if !ok {
-			others = make([]contents, tab.len()) // which slot ran is not known: none is
-			p.log.Debug("mcbridge proxy: which slot the server chose is not known", "upstream", be.name)
-			return
-		}
-		if slot != ru.slot {
-			// Not the slot the proxy restored into (that one holds the
-			// restore now, unconfirmed).
-			others[ru.slot] = contents{}
-			ru.slot, ru.before = slot, others[slot]
-			if confirmed(ru.before.sig, ru.infos, slot) != "" {
-				// Not verified before the request: its last answer is
-				// not counted on.
-				ru.before.answered = 0
-			}
-		}
-	}
 	if infos != nil {
 		if err := tab.checkTasks(infos); err != nil {
 			be.restarted(err.Error())

@@ -16,7 +16,7 @@ const (
 	chat                       // /chat/completions, /v1/chat/completions: "messages"
 	infill                     // /infill: pinned to a slot, never restored
 	responses                  // /responses, /v1/responses: OpenAI Responses, a chat to the server
-	messages                   // /v1/messages: Anthropic Messages, a chat to the server
+	messages                   // /v1/messages: Anthropic Messages, sent as the chat the server converts it into
 )
 
 // request is what the proxy reads from a completion request. The body
@@ -41,10 +41,10 @@ type request struct {
 	// predict is how many tokens the answer may generate, as the request
 	// limits it (0: no limit given).
 	predict int
-	// serverPicks: the server chooses the slot whatever the body says
-	// (/v1/messages: its conversion keeps only Anthropic's fields, so
-	// id_slot, cache_prompt, lora and n_cache_reuse never reach it).
-	serverPicks bool
+	// asChat: a /v1/messages request whose fields are those of the chat
+	// the server converts it into (anthropic.go); it goes to
+	// messagesChatPath and its answer is written back in Anthropic's shape.
+	asChat bool
 }
 
 // parseRequest reads a completion, chat or infill body. It fails on bodies
@@ -65,7 +65,18 @@ func parseRequest(ep endpoint, body []byte) (*request, error) {
 		}
 	}
 	if ep == messages {
-		r.serverPicks = true
+		// The server's conversion keeps only Anthropic's fields (no
+		// id_slot, cache_prompt, lora or n_cache_reuse): the chat it makes
+		// is read like any chat.
+		chatBody, err := messagesToChat(body)
+		if err != nil {
+			return nil, err
+		}
+		r, err := parseRequest(chat, chatBody)
+		if err != nil {
+			return nil, err
+		}
+		r.ep, r.asChat = messages, true
 		return r, nil
 	}
 	if v, ok := r.fields["cache_prompt"]; ok {
@@ -150,15 +161,17 @@ func singlePrompt(p json.RawMessage) (json.RawMessage, []int32) {
 	return p, tokens
 }
 
-// pinned is the body with id_slot set to slot; nil when the server picks
-// the slot (the body goes as it came).
+// pinned is the body with id_slot set to slot (and, for a converted
+// /v1/messages, the fields its answer is written back from).
 func (r *request) pinned(slot int) ([]byte, error) {
-	if r.serverPicks {
-		return nil, nil
-	}
-	fields := make(map[string]json.RawMessage, len(r.fields)+1)
+	fields := make(map[string]json.RawMessage, len(r.fields)+3)
 	for k, v := range r.fields {
 		fields[k] = v
+	}
+	if r.asChat {
+		for k, v := range messagesExtras(r.stream) {
+			fields[k] = v
+		}
 	}
 	id, _ := json.Marshal(slot)
 	fields["id_slot"] = id

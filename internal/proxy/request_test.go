@@ -76,3 +76,33 @@ func TestPinnedKeepsTheRestOfTheBody(t *testing.T) {
 	assert.True(t, json.Valid(out), "pinned body %s", out)
 	assert.Contains(t, string(out), `"<a> & b"`, "the prompt's bytes changed")
 }
+
+// A /v1/messages request is read as the chat the server converts it into:
+// the fields the conversion drops (a slot, lora) do nothing, and the
+// pinned body is that chat with its slot and the fields its answer is
+// written back from.
+func TestParseMessagesRequest(t *testing.T) {
+	body := `{"model":"m","system":"be brief","messages":[{"role":"user","content":"hi"}],"max_tokens":5,"stream":true,` +
+		`"id_slot":3,"lora":[{"id":0,"scale":1}],"tools":[{"name":"f","input_schema":{"type":"object"}}]}`
+	r, err := parseRequest(messages, []byte(body))
+	require.NoError(t, err)
+	assert.True(t, r.asChat)
+	assert.Equal(t, messages, r.ep)
+	assert.True(t, r.stream)
+	assert.Equal(t, -1, r.idSlot, "the server's conversion drops id_slot")
+	assert.False(t, r.dirty, "and lora")
+	assert.Equal(t, 5, r.predict)
+	out, err := r.pinned(1)
+	require.NoError(t, err)
+	var m map[string]json.RawMessage
+	require.NoError(t, json.Unmarshal(out, &m))
+	chatBody, err := messagesToChat([]byte(body))
+	require.NoError(t, err)
+	var want map[string]json.RawMessage
+	require.NoError(t, json.Unmarshal(chatBody, &want))
+	want["id_slot"], want["verbose"], want["timings_per_token"] = json.RawMessage("1"), json.RawMessage("true"), json.RawMessage("true")
+	assert.Equal(t, want, m)
+
+	_, err = parseRequest(messages, []byte(`{"system":"no messages"}`))
+	assert.Error(t, err, "the server refuses it too")
+}

@@ -141,21 +141,7 @@ func (p *Proxy) routeRequest(req *request, tk *tokenized, look *lookup, skip []b
 		rq.Restorable = min(look.plan.MatchedBlocks, (len(tk.tokens)-1)/B) * B
 		rq.RestoreTTFT = look.plan.Decision.EstRestore
 	}
-	if req.serverPicks && !p.serverWouldPick(rq.Restorable, rq.Prompt) {
-		for i := range rq.Candidates {
-			rq.Candidates[i].CanRestore = false
-		}
-	}
 	return rq, look
-}
-
-// serverWouldPick says whether llama-server, choosing a slot itself,
-// takes the one holding restored of prompt's tokens: by its rule
-// (get_available_slot), only when that share is above its
-// --slot-prompt-similarity; below it the least recently used slot wins.
-func (p *Proxy) serverWouldPick(restored, prompt int) bool {
-	sim := p.opts.SlotSimilarity
-	return sim > 0 && prompt > 0 && float64(restored)/float64(prompt) > sim
 }
 
 // sameModel says whether tokens computed under model b are a's: equal

@@ -143,21 +143,6 @@ func (t *slotTable) peek(tokens []int32) int {
 	return n
 }
 
-// serverChoice is the slot llama-server picks for tokens when it chooses
-// (get_available_slot, every slot idle): the longest common prefix, the
-// lowest slot among equals.
-func (t *slotTable) serverChoice(tokens []int32) (int, int) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	best, bestLCP := 0, -1
-	for i := range t.slots {
-		if l := lcp(t.slots[i].tokens, tokens); l > bestLCP {
-			best, bestLCP = i, l
-		}
-	}
-	return best, bestLCP
-}
-
 // markSaving says that held slot id only finishes its save now, with c
 // what it holds meanwhile.
 func (t *slotTable) markSaving(id int, c contents) {
@@ -234,31 +219,6 @@ func (t *slotTable) checkTasks(infos []slotInfo) error {
 		}
 	}
 	return nil
-}
-
-// ranSince is the one slot whose task changed from before to after (two
-// GET /slots); false when none or several did.
-func ranSince(before, after []slotInfo) (int, bool) {
-	prev := map[int]int{}
-	for _, in := range before {
-		if in.IDTask != nil {
-			prev[in.ID] = *in.IDTask
-		}
-	}
-	slot := -1
-	for _, in := range after {
-		if in.IDTask == nil {
-			continue
-		}
-		if p, seen := prev[in.ID]; seen && p == *in.IDTask {
-			continue
-		}
-		if slot >= 0 {
-			return 0, false
-		}
-		slot = in.ID
-	}
-	return slot, slot >= 0
 }
 
 // sigOf is what infos say of slot id; nil when they do not say.

@@ -4,6 +4,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -164,4 +166,17 @@ func JSON(v any) string {
 		return fmt.Sprint(v)
 	}
 	return string(b)
+}
+
+// LlamaTemplate is a chat template of the pinned llama.cpp tree the stock
+// server was built from (its models/templates; scripts/llama/build.sh keeps
+// the tree beside the build, as ../src), for tests that need a tool-call
+// format: the generated models have no template of their own.
+func LlamaTemplate(tb testing.TB, name string) string {
+	tb.Helper()
+	build := filepath.Dir(filepath.Dir(StockServer(tb)))
+	p := filepath.Join(filepath.Dir(build), "src", "models", "templates", name)
+	_, err := os.Stat(p)
+	require.NoError(tb, err, "a template of the stock server's source tree")
+	return p
 }

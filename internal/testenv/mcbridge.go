@@ -53,3 +53,18 @@ func StartStore(tb testing.TB, name, cfg string, extra ...string) *Store {
 	}, "/healthz")
 	return &Store{s}
 }
+
+// ShmSlotDir is a slot directory on tmpfs where there is one, as
+// docs/proxy.md recommends for benchmarks (a disk writes the slot files'
+// pages back), removed after the test.
+func ShmSlotDir(tb testing.TB, name string) string {
+	tb.Helper()
+	base := "/dev/shm"
+	if st, err := os.Stat(base); err != nil || !st.IsDir() {
+		base = tb.TempDir()
+	}
+	d, err := os.MkdirTemp(base, "mcb-"+name+"-")
+	require.NoError(tb, err)
+	tb.Cleanup(func() { os.RemoveAll(d) })
+	return d
+}

@@ -66,3 +66,14 @@ func threadsStopped(pid int) bool {
 	}
 	return true
 }
+
+// LoadAverage is the machine's 1, 5 and 15 minute load averages, for
+// benchmark reports to say how quiet the machine was.
+func LoadAverage() string {
+	b, _ := os.ReadFile("/proc/loadavg")
+	f := strings.Fields(string(b))
+	if len(f) < 3 {
+		return ""
+	}
+	return strings.Join(f[:3], " ")
+}
