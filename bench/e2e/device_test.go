@@ -81,7 +81,7 @@ func BenchmarkDeviceRestore(b *testing.B) {
 		slotMS = append(slotMS, ms(wall+d))
 		// The slot file holds the whole first prompt's KV; its per-token
 		// bytes equal the bridge's.
-		slotGBs = append(slotGBs, float64(saved.Written)*float64(shared)/float64(len(first))/restored.MCB.RestoreMS/1e6)
+		slotGBs = append(slotGBs, float64(saved.Written)*float64(shared)/float64(len(first))/restored.Timings.RestoreMS/1e6)
 	}
 	require.True(b, same, "the restored prompts answer as stock")
 	b.ReportMetric(medianF(stockMS), "stock_ttft_ms")

@@ -82,7 +82,7 @@ func TestDeviceKV(t *testing.T) {
 			waitMirrored(t, s.URL, shared/block)
 			got := s.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
 			assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN},
-				"restores what the device-KV server computed: %+v", got.Timings)
+				"restores what the device-KV server computed: %+v", got.MCB)
 			assert.Equal(t, want, got.Tokens, "answers as stock")
 		})
 	}
@@ -97,7 +97,7 @@ func TestDeviceKV(t *testing.T) {
 		waitMirrored(t, dev.URL, 2*shared/block)
 		got := dev.Complete(t, testenv.Request{Prompt: q2, Slot: 1, NPredict: nPredict})
 		assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN},
-			"the device-KV server restores what the host-KV server computed: %+v", got.Timings)
+			"the device-KV server restores what the host-KV server computed: %+v", got.MCB)
 		assert.Equal(t, stockAnswer(t, onDevice(model, spare.Endpoint), q2), got.Tokens, "answers as stock")
 	})
 
@@ -109,7 +109,7 @@ func TestDeviceKV(t *testing.T) {
 		proxy := testenv.StartProxy(t, "proxy", up.URL, dir, etcdCfg)
 		waitMirrored(t, proxy.URL, shared/block)
 		got := testenv.Complete(t, proxy.URL, testenv.Request{Prompt: promptB, Slot: -1, NPredict: nPredict})
-		assert.Equal(t, shared, got.MCB.RestoredN, "the proxy restores into a device-KV upstream: %+v", got.Timings)
+		assert.Equal(t, shared, got.MCB.RestoredN, "the proxy restores into a device-KV upstream: %+v", got.MCB)
 		assert.Equal(t, want, got.Tokens, "answers as stock")
 	})
 }
@@ -140,7 +140,7 @@ func TestDeviceFaults(t *testing.T) {
 	x.Signal(syscall.SIGSTOP)
 	got := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
 	x.Signal(syscall.SIGCONT)
-	assert.Equal(t, []any{"failed", 0}, []any{got.MCB.Decision, got.MCB.RestoredN}, "holder stopped: %+v", got.Timings)
+	assert.Equal(t, []any{"failed", 0}, []any{got.MCB.Decision, got.MCB.RestoredN}, "holder stopped: %+v", got.MCB)
 	assert.Contains(t, got.MCB.Error, "timed out", "the failure names the deadline")
 	assert.Equal(t, want, got.Tokens, "holder stopped: y computes and answers as stock")
 
@@ -150,7 +150,7 @@ func TestDeviceFaults(t *testing.T) {
 	z := start("z", rpcs[1])
 	waitMirrored(t, z.URL, shared/block)
 	got = z.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
-	assert.Equal(t, []any{"failed", 0}, []any{got.MCB.Decision, got.MCB.RestoredN}, "holder killed: %+v", got.Timings)
+	assert.Equal(t, []any{"failed", 0}, []any{got.MCB.Decision, got.MCB.RestoredN}, "holder killed: %+v", got.MCB)
 	assert.Equal(t, want, got.Tokens, "holder killed: z computes and answers as stock")
 
 	// A device lost while a request uses it: ggml's RPC client aborts the
