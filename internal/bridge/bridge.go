@@ -16,6 +16,7 @@ import (
 	"log/slog"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/mcbridge/mcbridge/internal/arbiter"
@@ -74,12 +75,10 @@ type Bridge struct {
 	active   int      // loads and saves begun and not ended
 	closed   bool
 	poolBusy bool // a transfer outlived Close: keep the pool mapped
-	// stopReplication ends a store node's replication (Replicate).
-	stopReplication func()
 
-	shared *sameHost // shared pools of this host (samehost.go); nil when the pool is not shared
-	rep    *reporter // reports to blocks' holders, and from readers; nil without a Notifier
-	tier   *diskTier // a store node's disk tier; nil without one
+	shared *sameHost                 // shared pools of this host (samehost.go); nil when the pool is not shared
+	rep    *reporter                 // reports to blocks' holders, and from readers; nil without a Notifier
+	node   atomic.Pointer[StoreNode] // a store node's roles (storenode.go); nil without them
 }
 
 // parked holds a timed-out batch and the staging it may still write into;
@@ -228,8 +227,6 @@ func (b *Bridge) Close() error {
 	for _, m := range b.models {
 		models = append(models, m)
 	}
-	stopReplication := b.stopReplication
-	b.stopReplication = nil
 	parkedBatches := b.parked
 	b.parked = nil
 	b.mu.Unlock()
@@ -241,12 +238,11 @@ func (b *Bridge) Close() error {
 		}
 	}
 	// What publishes or moves blocks in the background stops first; a
-	// disk tier then writes what the pool holds.
-	if stopReplication != nil {
-		stopReplication()
-	}
+	// store node's disk tier then writes what the pool holds.
 	b.stopReports()
-	b.stopDisk()
+	if n := b.storeNode(); n != nil {
+		n.Stop()
+	}
 	byModel := map[key.Fingerprint][]key.BlockKey{}
 	b.hold.View(func(r holdings.Reader) {
 		r.Walk(func(e holdings.Entry) bool {
@@ -431,8 +427,8 @@ func (b *Bridge) retireSegment(name string) {
 // verification, and the unpublishing is queued for the publisher.
 func (b *Bridge) gone(gone []holdings.Entry, evicted bool) {
 	if evicted {
-		if b.tier != nil {
-			b.tier.spill(gone)
+		if n := b.storeNode(); n != nil {
+			n.Evicted(gone)
 		}
 		b.stats.add(&b.stats.evictions, int64(len(gone)))
 	}
