@@ -15,6 +15,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/disk"
 	"github.com/mcbridge/mcbridge/internal/metrics"
 	"github.com/mcbridge/mcbridge/internal/residency"
+	"github.com/mcbridge/mcbridge/internal/storenode"
 )
 
 func init() {
@@ -96,6 +97,7 @@ func serve(args []string) error {
 			_ = b.Close()
 		}
 	}()
+	var nodeCfg storenode.Config
 	if *diskDir != "" {
 		policy, _ := residency.PolicyNamed(cfg.Eviction)
 		tier, err := disk.Open(disk.Config{Dir: *diskDir, Bytes: *diskBytes, Codec: codec, Policy: policy, Log: log})
@@ -104,14 +106,17 @@ func serve(args []string) error {
 		}
 		st := tier.Stats()
 		log.Info("disk tier open", "dir", tier.Dir(), "blocks", st.Files, "bytes", st.Bytes, "dropped", st.Dropped, "codec", codec)
-		if err := b.UseDisk(tier); err != nil {
-			return err
-		}
+		nodeCfg.Disk = tier
 	}
-	if err := b.Replicate(); err != nil {
+	// The bridge is the node's host endpoint; its Close stops the node.
+	node, err := storenode.New(b, nodeCfg)
+	if err != nil {
 		return err
 	}
-	if n := b.RefillFromDisk(); n > 0 {
+	if err := node.Replicate(); err != nil {
+		return err
+	}
+	if n := node.RefillFromDisk(); n > 0 {
 		log.Info("disk tier read back into the pool", "blocks", n)
 	}
 	srv, err := serveHTTP(*listen, serveMux(b), 5*time.Second)

@@ -1,4 +1,4 @@
-package bridge
+package bridge_test
 
 import (
 	"fmt"
@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/mcbridge/mcbridge/internal/bridge/bridgetest"
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
@@ -19,18 +20,18 @@ import (
 func BenchmarkLookup(b *testing.B) {
 	for _, others := range []int{0, 1e5, 1e6} {
 		b.Run(fmt.Sprintf("mirror=%d", others+512), func(b *testing.B) {
-			cfg := testConfig(b)
+			cfg := bridgetest.Config(b)
 			cfg.BlockTokens = 256
-			br := openBridge(b, cfg, "bench")
+			br := bridgetest.Open(b, cfg, "bench")
 			h := kvtest.New(b, 2, 16, 64, 64, false)
-			m := register(b, br, h, 256)
+			m := bridgetest.Register(b, br, h, 256)
 			r := rand.New(rand.NewSource(1))
 			tokens := kvtest.Tokens(r, 131072)
-			root := key.Root(m.fp, key.Scope{})
+			root := key.Root(m.Fingerprint(), key.Scope{})
 			mirror := func(chain []key.BlockKey, parent key.Hash) {
 				for _, k := range chain {
-					m.apply(directory.Event{Kind: directory.Put, Entry: directory.Entry{Model: m.fp, Key: k, Parent: parent,
-						Loc: directory.Location{Segment: "peer", Length: uint64(m.geo.Size())}}})
+					m.Apply(directory.Event{Kind: directory.Put, Entry: directory.Entry{Model: m.Fingerprint(), Key: k, Parent: parent,
+						Loc: directory.Location{Segment: "peer", Length: uint64(m.BlockBytes())}}})
 					parent = k
 				}
 			}

@@ -16,6 +16,7 @@ import (
 	"log/slog"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/mcbridge/mcbridge/internal/arbiter"
@@ -75,12 +76,10 @@ type Bridge struct {
 	active   int      // loads and saves begun and not ended
 	closed   bool
 	poolBusy bool // a transfer outlived Close: keep the pool mapped
-	// stopReplication ends a store node's replication (Replicate).
-	stopReplication func()
 
-	shared *sameHost // shared pools of this host (samehost.go); nil when the pool is not shared
-	rep    *reporter // reports to blocks' holders, and from readers; nil without a Notifier
-	tier   *diskTier // a store node's disk tier; nil without one
+	shared *sameHost                 // shared pools of this host (samehost.go); nil when the pool is not shared
+	rep    *reporter                 // reports to blocks' holders, and from readers; nil without a Notifier
+	node   atomic.Pointer[StoreNode] // a store node's roles (storenode.go); nil without them
 
 	reach *reach.Watch // says in the log when the swarm is out of reach (reach.go)
 }
@@ -232,8 +231,6 @@ func (b *Bridge) Close() error {
 	for _, m := range b.models {
 		models = append(models, m)
 	}
-	stopReplication := b.stopReplication
-	b.stopReplication = nil
 	parkedBatches := b.parked
 	b.parked = nil
 	b.mu.Unlock()
@@ -245,12 +242,11 @@ func (b *Bridge) Close() error {
 		}
 	}
 	// What publishes or moves blocks in the background stops first; a
-	// disk tier then writes what the pool holds.
-	if stopReplication != nil {
-		stopReplication()
-	}
+	// store node's disk tier then writes what the pool holds.
 	b.stopReports()
-	b.stopDisk()
+	if n := b.storeNode(); n != nil {
+		n.Stop()
+	}
 	byModel := map[key.Fingerprint][]key.BlockKey{}
 	b.hold.View(func(r holdings.Reader) {
 		r.Walk(func(e holdings.Entry) bool {
@@ -435,8 +431,8 @@ func (b *Bridge) retireSegment(name string) {
 // verification, and the unpublishing is queued for the publisher.
 func (b *Bridge) gone(gone []holdings.Entry, evicted bool) {
 	if evicted {
-		if b.tier != nil {
-			b.tier.spill(gone)
+		if n := b.storeNode(); n != nil {
+			n.Evicted(gone)
 		}
 		b.stats.add(&b.stats.evictions, int64(len(gone)))
 	}

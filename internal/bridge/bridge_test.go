@@ -1,4 +1,4 @@
-package bridge
+package bridge_test
 
 import (
 	"bytes"
@@ -12,6 +12,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/bridge/bridgetest"
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
@@ -35,22 +37,22 @@ func TestRestoreRoundTrip(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := rand.New(rand.NewSource(1))
-			cfg := testConfig(t)
-			a := openBridge(t, cfg, "a")
+			cfg := bridgetest.Config(t)
+			a := bridgetest.Open(t, cfg, "a")
 			b := a
 			if tc.twoProcs {
-				b = openBridge(t, cfg, "b")
+				b = bridgetest.Open(t, cfg, "b")
 			}
-			src := newHost(t, 3, 64, 32, 48, tc.vtrans)
-			dst := newHost(t, 3, 64, 32, 48, tc.vtrans)
-			ma, mb := register(t, a, src, 4), register(t, b, dst, 4)
+			src := kvtest.New(t, 3, 64, 32, 48, tc.vtrans)
+			dst := kvtest.New(t, 3, 64, 32, 48, tc.vtrans)
+			ma, mb := bridgetest.Register(t, a, src, 4), bridgetest.Register(t, b, dst, 4)
 			tokens := kvtest.Tokens(r, 22) // five full blocks and two tokens
 			cells := kvtest.SeqCells(len(tokens))
 			if tc.scattered {
 				cells = kvtest.ScatteredCells(r, len(tokens), 64)
 			}
 			src.Fill(tokens, cells)
-			res := saveAll(t, ma, src, key.Scope{}, tokens, cells)
+			res := bridgetest.SaveAll(t, ma, src, key.Scope{}, tokens, cells)
 			require.Equal(t, 5, res.Published, "save: %+v", res)
 			require.Equal(t, 5, res.Written, "save: %+v", res)
 			require.Zero(t, res.Known, "save: %+v", res)
@@ -63,7 +65,7 @@ func TestRestoreRoundTrip(t *testing.T) {
 			if tc.scattered {
 				dcells = kvtest.ScatteredCells(rand.New(rand.NewSource(2)), 20, 64)
 			}
-			got, err := loadAll(t, mb, dst, key.Scope{}, tokens[:20], dcells)
+			got, err := bridgetest.LoadAll(t, mb, dst, key.Scope{}, tokens[:20], dcells)
 			require.NoError(t, err, "load")
 			require.Equal(t, 20, got.OKTokens, "load: %+v", got)
 			require.NoError(t, dst.Check(tokens[:20], dcells, 20))
@@ -75,16 +77,16 @@ func TestRestoreRoundTrip(t *testing.T) {
 }
 
 func TestSaveDedupe(t *testing.T) {
-	cfg := testConfig(t)
-	a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
-	h := newHost(t, 2, 32, 16, 16, false)
-	ma, mb := register(t, a, h, 4), register(t, b, h, 4)
+	cfg := bridgetest.Config(t)
+	a, b := bridgetest.Open(t, cfg, "a"), bridgetest.Open(t, cfg, "b")
+	h := kvtest.New(t, 2, 32, 16, 16, false)
+	ma, mb := bridgetest.Register(t, a, h, 4), bridgetest.Register(t, b, h, 4)
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(3)), 16)
 	h.Fill(tokens, kvtest.SeqCells(16))
-	res := saveAll(t, ma, h, key.Scope{}, tokens[:8], kvtest.SeqCells(8))
+	res := bridgetest.SaveAll(t, ma, h, key.Scope{}, tokens[:8], kvtest.SeqCells(8))
 	require.Equal(t, 2, res.Published, "a: %+v", res)
 	// b knows a's two blocks and writes only the two after them.
-	res = saveAll(t, mb, h, key.Scope{}, tokens, kvtest.SeqCells(16))
+	res = bridgetest.SaveAll(t, mb, h, key.Scope{}, tokens, kvtest.SeqCells(16))
 	require.Equal(t, 2, res.Known, "b: %+v", res)
 	require.Equal(t, 2, res.Written, "b: %+v", res)
 	require.Equal(t, 2, res.Published, "b: %+v", res)
@@ -107,7 +109,7 @@ func TestSaveDedupe(t *testing.T) {
 	require.Equal(t, 2, ra.Queued, "race: a %+v", ra)
 	require.Equal(t, 2, rb.Queued, "race: b %+v", rb)
 	// Whichever publisher reaches the directory first keeps its copy.
-	pa, pb := published(t, a, beforeA), published(t, b, beforeB)
+	pa, pb := bridgetest.Published(t, a, beforeA), bridgetest.Published(t, b, beforeB)
 	da, db := a.Stats().DedupedBlocks-beforeA.DedupedBlocks, b.Stats().DedupedBlocks-beforeB.DedupedBlocks
 	require.Equal(t, int64(2), pa+pb, "race: published %d + %d", pa, pb)
 	require.ElementsMatch(t, []int64{0, 2}, []int64{pa, pb}, "race: one publisher wins both blocks")
@@ -119,43 +121,45 @@ func TestSaveDedupe(t *testing.T) {
 }
 
 func TestRestoreFaults(t *testing.T) {
-	blockBytes := func(m *Model) int64 { return int64(m.geo.Size()) }
+	blockBytes := func(m *bridge.Model) int64 { return int64(m.BlockBytes()) }
 	for _, tc := range []struct {
 		name  string
-		fault func(m *Model) transport.Fault
+		fault func(m *bridge.Model) transport.Fault
 		code  status.Code
 	}{
-		{"fail", func(*Model) transport.Fault { return transport.Fault{Kind: transport.FailAll} }, status.Transfer},
-		{"corrupt", func(*Model) transport.Fault { return transport.Fault{Kind: transport.Corrupt} }, status.Corrupt},
-		{"drop-peer", func(*Model) transport.Fault { return transport.Fault{Kind: transport.DropPeer} }, status.Transfer},
-		{"timeout", func(*Model) transport.Fault { return transport.Fault{Kind: transport.Delay, Arg: int64(time.Hour)} }, status.Timeout},
-		{"partial", func(m *Model) transport.Fault {
+		{"fail", func(*bridge.Model) transport.Fault { return transport.Fault{Kind: transport.FailAll} }, status.Transfer},
+		{"corrupt", func(*bridge.Model) transport.Fault { return transport.Fault{Kind: transport.Corrupt} }, status.Corrupt},
+		{"drop-peer", func(*bridge.Model) transport.Fault { return transport.Fault{Kind: transport.DropPeer} }, status.Transfer},
+		{"timeout", func(*bridge.Model) transport.Fault {
+			return transport.Fault{Kind: transport.Delay, Arg: int64(time.Hour)}
+		}, status.Timeout},
+		{"partial", func(m *bridge.Model) transport.Fault {
 			return transport.Fault{Kind: transport.FailAfter, Arg: blockBytes(m)/3 + 17}
 		}, status.Transfer},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			cfg := testConfig(t)
+			cfg := bridgetest.Config(t)
 			cfg.TransferTimeoutMS = 200
 			cfg.PeerDownMS = 0 // planning around a hung peer: TestHungPeerPlannedAround
-			a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
-			src := newHost(t, 3, 32, 32, 32, false)
-			dst := newHost(t, 3, 32, 32, 32, false)
-			ma, mb := register(t, a, src, 4), register(t, b, dst, 4)
+			a, b := bridgetest.Open(t, cfg, "a"), bridgetest.Open(t, cfg, "b")
+			src := kvtest.New(t, 3, 32, 32, 32, false)
+			dst := kvtest.New(t, 3, 32, 32, 32, false)
+			ma, mb := bridgetest.Register(t, a, src, 4), bridgetest.Register(t, b, dst, 4)
 			tokens := kvtest.Tokens(rand.New(rand.NewSource(5)), 16)
 			cells := kvtest.SeqCells(16)
 			src.Fill(tokens, cells)
-			saveAll(t, ma, src, key.Scope{}, tokens, cells)
+			bridgetest.SaveAll(t, ma, src, key.Scope{}, tokens, cells)
 
-			a.tr.(*transport.Loopback).SetFault(tc.fault(ma))
+			a.Transport().(*transport.Loopback).SetFault(tc.fault(ma))
 			dst.Scribble()
-			res, err := loadAll(t, mb, dst, key.Scope{}, tokens, cells)
+			res, err := bridgetest.LoadAll(t, mb, dst, key.Scope{}, tokens, cells)
 			require.Equal(t, tc.code, status.Of(err), "load error %v", err)
 			require.NotEqual(t, len(tokens), res.OKTokens, "load reported every token good under a fault")
 			require.NoError(t, dst.CheckRestored(tokens, cells, res.OKTokens))
 			require.Equal(t, int64(1), b.Stats().FailuresByStatus[tc.code], "failures counted under %v", tc.code)
 			// Once the fault clears, the same restore succeeds in full.
-			a.tr.(*transport.Loopback).SetFault(transport.Fault{})
-			res, err = loadAll(t, mb, dst, key.Scope{}, tokens, cells)
+			a.Transport().(*transport.Loopback).SetFault(transport.Fault{})
+			res, err = bridgetest.LoadAll(t, mb, dst, key.Scope{}, tokens, cells)
 			require.NoError(t, err, "after the fault")
 			require.Equal(t, 16, res.OKTokens, "after the fault: %+v", res)
 			require.NoError(t, dst.Check(tokens, cells, 16))
@@ -167,26 +171,26 @@ func TestRestoreFaults(t *testing.T) {
 // peer is then planned around (lookups match none of its blocks) until
 // peer_down_ms has passed, and counted once.
 func TestHungPeerPlannedAround(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	cfg.TransferTimeoutMS = 200
 	cfg.PeerDownMS = 10000
-	a := openBridge(t, cfg, "a")
+	a := bridgetest.Open(t, cfg, "a")
 	var clock atomic.Int64
 	clock.Store(time.Now().UnixNano())
 	cfg.Owner = "b"
-	b, err := Open(cfg, Deps{Now: func() time.Time { return time.Unix(0, clock.Load()) }})
+	b, err := bridge.Open(cfg, bridge.Deps{Now: func() time.Time { return time.Unix(0, clock.Load()) }})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = b.Close() })
-	src := newHost(t, 3, 32, 32, 32, false)
-	dst := newHost(t, 3, 32, 32, 32, false)
-	ma, mb := register(t, a, src, 4), register(t, b, dst, 4)
+	src := kvtest.New(t, 3, 32, 32, 32, false)
+	dst := kvtest.New(t, 3, 32, 32, 32, false)
+	ma, mb := bridgetest.Register(t, a, src, 4), bridgetest.Register(t, b, dst, 4)
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(6)), 16)
 	cells := kvtest.SeqCells(16)
 	src.Fill(tokens, cells)
-	saveAll(t, ma, src, key.Scope{}, tokens, cells)
-	a.tr.(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(time.Hour)})
+	bridgetest.SaveAll(t, ma, src, key.Scope{}, tokens, cells)
+	a.Transport().(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(time.Hour)})
 
-	_, err = loadAll(t, mb, dst, key.Scope{}, tokens, cells)
+	_, err = bridgetest.LoadAll(t, mb, dst, key.Scope{}, tokens, cells)
 	require.Equal(t, status.Timeout, status.Of(err), "load from the hung peer: %v", err)
 	require.Equal(t, int64(1), b.Stats().PeersDown)
 	p, err := mb.Lookup(key.Scope{}, tokens, 0)
@@ -195,12 +199,12 @@ func TestHungPeerPlannedAround(t *testing.T) {
 	_, err = mb.LoadBegin(key.Scope{}, dst.Layout(), tokens, cells)
 	require.Equal(t, status.NotFound, status.Of(err), "load while the peer is down: %v", err)
 
-	a.tr.(*transport.Loopback).SetFault(transport.Fault{})
+	a.Transport().(*transport.Loopback).SetFault(transport.Fault{})
 	clock.Add(int64(10 * time.Second))
 	p, err = mb.Lookup(key.Scope{}, tokens, 0)
 	require.NoError(t, err)
 	require.Equal(t, 3, p.MatchedBlocks, "lookup once the down period is over (the last token is computed): %+v", p.Decision)
-	res, err := loadAll(t, mb, dst, key.Scope{}, tokens, cells)
+	res, err := bridgetest.LoadAll(t, mb, dst, key.Scope{}, tokens, cells)
 	require.NoError(t, err)
 	require.Equal(t, 16, res.OKTokens)
 	require.NoError(t, dst.Check(tokens, cells, 16))
@@ -210,34 +214,34 @@ func TestHungPeerPlannedAround(t *testing.T) {
 // A reader sent to a block that its owner evicted and reused meanwhile
 // must fail verification, not restore the new occupant.
 func TestEvictedDuringRead(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	cfg.PoolBytes = 1 << 20
-	a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
-	h := newHost(t, 2, 4096, 1024, 1024, false)
-	ma, mb := register(t, a, h, 16), register(t, b, h, 16)
+	a, b := bridgetest.Open(t, cfg, "a"), bridgetest.Open(t, cfg, "b")
+	h := kvtest.New(t, 2, 4096, 1024, 1024, false)
+	ma, mb := bridgetest.Register(t, a, h, 16), bridgetest.Register(t, b, h, 16)
 	r := rand.New(rand.NewSource(6))
 	tokens := kvtest.Tokens(r, 16)
 	h.Fill(tokens, kvtest.SeqCells(16))
-	saveAll(t, ma, h, key.Scope{}, tokens, kvtest.SeqCells(16))
-	stale := mb.match(key.Root(mb.fp, key.Scope{}), key.Chain(key.Root(mb.fp, key.Scope{}), tokens, 16))
+	bridgetest.SaveAll(t, ma, h, key.Scope{}, tokens, kvtest.SeqCells(16))
+	stale := mb.Match(key.Root(mb.Fingerprint(), key.Scope{}), key.Chain(key.Root(mb.Fingerprint(), key.Scope{}), tokens, 16))
 	require.Len(t, stale, 1, "blocks b sees")
 	// Fill a's pool until the first block is evicted and its memory reused.
 	for i := 0; ; i++ {
 		other := kvtest.Tokens(r, 16)
 		h.Fill(other, kvtest.SeqCells(16))
-		saveAll(t, ma, h, key.Scope{}, other, kvtest.SeqCells(16))
-		if _, ok := a.hold.Get(stale[0].Key); !ok {
+		bridgetest.SaveAll(t, ma, h, key.Scope{}, other, kvtest.SeqCells(16))
+		if _, ok := a.Holdings().Get(stale[0].Key); !ok {
 			break
 		}
 		require.LessOrEqual(t, i, 100, "block never evicted")
 	}
 	require.NotZero(t, mb.Mirrored(), "b's mirror is empty")
-	require.Empty(t, mb.match(key.Root(mb.fp, key.Scope{}), []key.BlockKey{stale[0].Key}), "b's mirror still lists the evicted block")
+	require.Empty(t, mb.Match(key.Root(mb.Fingerprint(), key.Scope{}), []key.BlockKey{stale[0].Key}), "b's mirror still lists the evicted block")
 	// Replay the stale entry as a lagging directory would.
-	mb.apply(directory.Event{Kind: directory.Put, Entry: stale[0]})
-	dst := newHost(t, 2, 4096, 1024, 1024, false)
+	mb.Apply(directory.Event{Kind: directory.Put, Entry: stale[0]})
+	dst := kvtest.New(t, 2, 4096, 1024, 1024, false)
 	dst.Scribble()
-	res, err := loadAll(t, mb, dst, key.Scope{}, tokens, kvtest.SeqCells(16))
+	res, err := bridgetest.LoadAll(t, mb, dst, key.Scope{}, tokens, kvtest.SeqCells(16))
 	require.Equal(t, status.Corrupt, status.Of(err), "stale read: %v", err)
 	require.Zero(t, res.OKTokens, "stale read: %+v", res)
 	require.NoError(t, dst.CheckRestored(tokens, kvtest.SeqCells(16), 0))
@@ -245,14 +249,14 @@ func TestEvictedDuringRead(t *testing.T) {
 }
 
 func TestIsolation(t *testing.T) {
-	cfg := testConfig(t)
-	a := openBridge(t, cfg, "a")
-	h := newHost(t, 2, 32, 16, 16, false)
-	m := register(t, a, h, 4)
+	cfg := bridgetest.Config(t)
+	a := bridgetest.Open(t, cfg, "a")
+	h := kvtest.New(t, 2, 32, 16, 16, false)
+	m := bridgetest.Register(t, a, h, 4)
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(7)), 9)
 	h.Fill(tokens, kvtest.SeqCells(9))
-	saveAll(t, m, h, key.Scope{TenantSalt: []byte("alice")}, tokens, kvtest.SeqCells(9))
-	other := spec(h, 4)
+	bridgetest.SaveAll(t, m, h, key.Scope{TenantSalt: []byte("alice")}, tokens, kvtest.SeqCells(9))
+	other := bridgetest.Spec(h, 4)
 	other.Params.NLayer = 1
 	other.KRow, other.VRow, other.VElem = other.KRow[:1], other.VRow[:1], other.VElem[:1]
 	other.Params.NEmbdKGQA, other.Params.NEmbdVGQA = other.Params.NEmbdKGQA[:1], other.Params.NEmbdVGQA[:1]
@@ -260,7 +264,7 @@ func TestIsolation(t *testing.T) {
 	require.NoError(t, err)
 	for _, tc := range []struct {
 		name  string
-		m     *Model
+		m     *bridge.Model
 		scope key.Scope
 		want  int
 	}{
@@ -277,13 +281,13 @@ func TestIsolation(t *testing.T) {
 }
 
 func TestMisuse(t *testing.T) {
-	cfg := testConfig(t)
-	a := openBridge(t, cfg, "a")
-	h := newHost(t, 2, 32, 16, 16, false)
-	m := register(t, a, h, 4)
+	cfg := bridgetest.Config(t)
+	a := bridgetest.Open(t, cfg, "a")
+	h := kvtest.New(t, 2, 32, 16, 16, false)
+	m := bridgetest.Register(t, a, h, 4)
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(8)), 8)
 	h.Fill(tokens, kvtest.SeqCells(8))
-	saveAll(t, m, h, key.Scope{}, tokens, kvtest.SeqCells(8))
+	bridgetest.SaveAll(t, m, h, key.Scope{}, tokens, kvtest.SeqCells(8))
 	lo := h.Layout()
 	bad := lo
 	bad.Layers = append(bad.Layers[:0:0], lo.Layers...)
@@ -332,25 +336,25 @@ func TestMisuse(t *testing.T) {
 	assert.Equal(t, status.State, status.Of(err), "end with a layer missing: %v", err)
 	n, _, _ := a.Resident()
 	assert.Equal(t, 2, n, "blocks an incomplete save left resident")
-	assert.Equal(t, 2*int64(m.geo.Size()), a.hold.Used(), "pool bytes, want two blocks'")
+	assert.Equal(t, 2*int64(m.BlockBytes()), a.Holdings().Used(), "pool bytes, want two blocks'")
 }
 
 // A restore counts as a use: under LRU, the prompt restored last outlives
 // one saved later but never used.
 func TestRestoreRefreshesRecency(t *testing.T) {
-	cfg := testConfig(t)
-	b := openBridge(t, cfg, "a")
-	h := newHost(t, 2, 64, 1024, 1024, false)
-	m := register(t, b, h, 16)
+	cfg := bridgetest.Config(t)
+	b := bridgetest.Open(t, cfg, "a")
+	h := kvtest.New(t, 2, 64, 1024, 1024, false)
+	m := bridgetest.Register(t, b, h, 16)
 	r := rand.New(rand.NewSource(13))
 	first, second := kvtest.Tokens(r, 16), kvtest.Tokens(r, 16)
 	for _, toks := range [][]int32{first, second} {
 		h.Fill(toks, kvtest.SeqCells(16))
-		saveAll(t, m, h, key.Scope{}, toks, kvtest.SeqCells(16))
+		bridgetest.SaveAll(t, m, h, key.Scope{}, toks, kvtest.SeqCells(16))
 	}
-	_, err := loadAll(t, m, h, key.Scope{}, first, kvtest.SeqCells(16))
+	_, err := bridgetest.LoadAll(t, m, h, key.Scope{}, first, kvtest.SeqCells(16))
 	require.NoError(t, err)
-	require.NoError(t, b.hold.Evict(1))
+	require.NoError(t, b.Holdings().Evict(1))
 	lk, _ := m.Lookup(key.Scope{}, append(first, 1), 0)
 	require.Equal(t, 1, lk.MatchedBlocks, "the block restored last was evicted first")
 	lk, _ = m.Lookup(key.Scope{}, append(second, 1), 0)
@@ -385,15 +389,15 @@ func (d *flakyDirectory) Publish(ctx context.Context, entries []directory.Entry)
 func TestPublishTimeoutKeepsBlocks(t *testing.T) {
 	for _, commit := range []bool{true, false} {
 		t.Run(fmt.Sprintf("committed=%v", commit), func(t *testing.T) {
-			cfg := testConfig(t)
+			cfg := bridgetest.Config(t)
 			dir := &flakyDirectory{Directory: directory.OpenMemory(cfg.Directory.Name), commit: commit}
 			dir.down.Store(true)
 			defer dir.Close()
-			b, err := Open(withOwner(cfg, "a"), Deps{Directory: dir})
+			b, err := bridge.Open(bridgetest.WithOwner(cfg, "a"), bridge.Deps{Directory: dir})
 			require.NoError(t, err)
 			defer b.Close()
-			h := newHost(t, 2, 32, 16, 16, false)
-			m := register(t, b, h, 4)
+			h := kvtest.New(t, 2, 32, 16, 16, false)
+			m := bridgetest.Register(t, b, h, 4)
 			tokens := kvtest.Tokens(rand.New(rand.NewSource(14)), 8)
 			h.Fill(tokens, kvtest.SeqCells(8))
 			sv, err := m.SaveBegin(key.Scope{}, h.Layout(), tokens, kvtest.SeqCells(8))
@@ -412,25 +416,25 @@ func TestPublishTimeoutKeepsBlocks(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, 2, lk.MatchedBlocks, "this process finds its own blocks before the directory does")
 
-			reader := openBridge(t, cfg, "reader")
-			dst := newHost(t, 2, 32, 16, 16, false)
-			mr := register(t, reader, dst, 4)
+			reader := bridgetest.Open(t, cfg, "reader")
+			dst := kvtest.New(t, 2, 32, 16, 16, false)
+			mr := bridgetest.Register(t, reader, dst, 4)
 			if commit {
 				// The entries did commit: another process restores valid bytes.
 				dst.Scribble()
-				got, err := loadAll(t, mr, dst, key.Scope{}, tokens, kvtest.SeqCells(8))
+				got, err := bridgetest.LoadAll(t, mr, dst, key.Scope{}, tokens, kvtest.SeqCells(8))
 				require.NoError(t, err, "restore of the committed entries")
 				require.Equal(t, 8, got.OKTokens, "restore of the committed entries: %+v", got)
 				require.NoError(t, dst.Check(tokens, kvtest.SeqCells(8), 8))
 			}
-			used := b.hold.Used()
+			used := b.Holdings().Used()
 			before := b.Stats()
 			dir.down.Store(false)
-			require.Equal(t, int64(2), published(t, b, before), "the retried publish counts the blocks as this process's")
+			require.Equal(t, int64(2), bridgetest.Published(t, b, before), "the retried publish counts the blocks as this process's")
 			require.Zero(t, b.Stats().DedupedBlocks, "a late commit of our own entries is not another process's win")
-			again := saveAll(t, m, h, key.Scope{}, tokens, kvtest.SeqCells(8))
+			again := bridgetest.SaveAll(t, m, h, key.Scope{}, tokens, kvtest.SeqCells(8))
 			require.Zero(t, again.Written, "second save: %+v", again)
-			require.Equal(t, used, b.hold.Used(), "pool bytes after the second save")
+			require.Equal(t, used, b.Holdings().Used(), "pool bytes after the second save")
 			require.Eventually(t, func() bool {
 				lk, _ := mr.Lookup(key.Scope{}, append(tokens, 1), 0)
 				return lk.MatchedBlocks == 2
@@ -475,15 +479,15 @@ func (d *stuckDirectory) Unpublish(ctx context.Context, owner string, model key.
 // nothing: only the publisher waits on it. The directory's deadline is an
 // hour, so a host thread that waited on it would hang the test.
 func TestNoDirectoryCallOnTheHostPath(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	cfg.PoolBytes = 1 << 20
 	cfg.Directory.OpTimeoutMS = int(time.Hour / time.Millisecond)
 	dir := &stuckDirectory{Directory: directory.OpenMemory(cfg.Directory.Name), release: make(chan struct{})}
 	defer dir.Close()
-	b, err := Open(withOwner(cfg, "a"), Deps{Directory: dir})
+	b, err := bridge.Open(bridgetest.WithOwner(cfg, "a"), bridge.Deps{Directory: dir})
 	require.NoError(t, err)
-	h := newHost(t, 2, 256, 256, 256, false)
-	m := register(t, b, h, 16)
+	h := kvtest.New(t, 2, 256, 256, 256, false)
+	m := bridgetest.Register(t, b, h, 16)
 	r := rand.New(rand.NewSource(15))
 	var last []int32
 	for i := 0; i < 64; i++ {
@@ -502,9 +506,9 @@ func TestNoDirectoryCallOnTheHostPath(t *testing.T) {
 	lk, err := m.Lookup(key.Scope{}, append(last, 1), 0)
 	require.NoError(t, err)
 	require.Equal(t, 4, lk.MatchedBlocks, "the last save is restorable here at once")
-	dst := newHost(t, 2, 256, 256, 256, false)
+	dst := kvtest.New(t, 2, 256, 256, 256, false)
 	dst.Scribble()
-	got, err := loadAll(t, m, dst, key.Scope{}, last, kvtest.SeqCells(64))
+	got, err := bridgetest.LoadAll(t, m, dst, key.Scope{}, last, kvtest.SeqCells(64))
 	require.NoError(t, err)
 	require.Equal(t, 64, got.OKTokens)
 	require.NoError(t, dst.Check(last, kvtest.SeqCells(64), 64))
@@ -517,29 +521,29 @@ func TestNoDirectoryCallOnTheHostPath(t *testing.T) {
 // with the batch aborted: the host gets its cells back, and the late
 // transfers never write into them, however long the batch lives on.
 func TestLandedLoadFencedAtTheDeadline(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	cfg.TransferTimeoutMS = 200
 	cfg.PeerDownMS = 0
-	a, b := openBridge(t, cfg, "a"), openBridge(t, cfg, "b")
+	a, b := bridgetest.Open(t, cfg, "a"), bridgetest.Open(t, cfg, "b")
 	for _, vtrans := range []bool{false, true} {
-		src := newHost(t, 3, 32, 32, 32, vtrans)
-		dst := newHost(t, 3, 32, 32, 32, vtrans)
-		ma, mb := register(t, a, src, 4), register(t, b, dst, 4)
+		src := kvtest.New(t, 3, 32, 32, 32, vtrans)
+		dst := kvtest.New(t, 3, 32, 32, 32, vtrans)
+		ma, mb := bridgetest.Register(t, a, src, 4), bridgetest.Register(t, b, dst, 4)
 		tokens := kvtest.Tokens(rand.New(rand.NewSource(9)), 16)
 		cells := kvtest.ScatteredCells(rand.New(rand.NewSource(10)), 16, 32)
 		src.Fill(tokens, kvtest.SeqCells(16))
-		saveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(16))
+		bridgetest.SaveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(16))
 
 		dst.Scribble()
 		ld, err := mb.LoadBegin(key.Scope{}, dst.Layout(), tokens, cells)
 		require.NoError(t, err)
 		res, err := ld.End()
 		require.NoError(t, err, "vtrans %v", vtrans)
-		require.Equal(t, !vtrans, ld.landed, "vtrans %v: transfers land in place only where rows sit back to back", vtrans)
+		require.Equal(t, !vtrans, ld.Landed(), "vtrans %v: transfers land in place only where rows sit back to back", vtrans)
 		require.Equal(t, 16, res.OKTokens)
 		require.NoError(t, dst.Check(tokens, cells, 16), "vtrans %v", vtrans)
 
-		a.tr.(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(2 * cfg.TransferTimeoutMS * int(time.Millisecond))})
+		a.Transport().(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(2 * cfg.TransferTimeoutMS * int(time.Millisecond))})
 		dst.Scribble()
 		ld, err = mb.LoadBegin(key.Scope{}, dst.Layout(), tokens, cells)
 		require.NoError(t, err)
@@ -553,12 +557,12 @@ func TestLandedLoadFencedAtTheDeadline(t *testing.T) {
 		}
 		require.NotZero(t, b.Stats().ParkedBatches, "the timed-out batch is parked")
 		time.Sleep(3 * time.Duration(cfg.TransferTimeoutMS) * time.Millisecond)
-		b.reap() // polls the parked batch past the transfers' delayed due time
+		b.Reap() // polls the parked batch past the transfers' delayed due time
 		for l := range dst.K {
 			require.Equal(t, k[l], dst.K[l], "vtrans %v: layer %d's K changed after the load ended", vtrans, l)
 			require.Equal(t, v[l], dst.V[l], "vtrans %v: layer %d's V changed after the load ended", vtrans, l)
 		}
-		a.tr.(*transport.Loopback).SetFault(transport.Fault{})
+		a.Transport().(*transport.Loopback).SetFault(transport.Fault{})
 		require.NoError(t, b.UnregisterModel(mb))
 		require.NoError(t, a.UnregisterModel(ma))
 	}
@@ -567,20 +571,20 @@ func TestLandedLoadFencedAtTheDeadline(t *testing.T) {
 // peers is a reader b with a model on dst and a holder a that saved
 // tokens, computed on src in cells 0..n-1, for b to read.
 type peers struct {
-	a, b     *Bridge
+	a, b     *bridge.Bridge
 	src, dst *kvtest.Host
-	ma, mb   *Model
+	ma, mb   *bridge.Model
 	tokens   []int32
 }
 
 func savedPeers(t *testing.T, cfg config.Config, cells, blockTokens, n int, seed int64) peers {
 	t.Helper()
-	p := peers{a: openBridge(t, cfg, "a"), b: openBridge(t, cfg, "b"),
-		src: newHost(t, 2, cells, 32, 32, false), dst: newHost(t, 2, cells, 32, 32, false)}
-	p.ma, p.mb = register(t, p.a, p.src, blockTokens), register(t, p.b, p.dst, blockTokens)
+	p := peers{a: bridgetest.Open(t, cfg, "a"), b: bridgetest.Open(t, cfg, "b"),
+		src: kvtest.New(t, 2, cells, 32, 32, false), dst: kvtest.New(t, 2, cells, 32, 32, false)}
+	p.ma, p.mb = bridgetest.Register(t, p.a, p.src, blockTokens), bridgetest.Register(t, p.b, p.dst, blockTokens)
 	p.tokens = kvtest.Tokens(rand.New(rand.NewSource(seed)), n)
 	p.src.Fill(p.tokens, kvtest.SeqCells(n))
-	saveAll(t, p.ma, p.src, key.Scope{}, p.tokens, kvtest.SeqCells(n))
+	bridgetest.SaveAll(t, p.ma, p.src, key.Scope{}, p.tokens, kvtest.SeqCells(n))
 	return p
 }
 
@@ -588,21 +592,21 @@ func savedPeers(t *testing.T, cfg config.Config, cells, blockTokens, n int, seed
 // host says it frees them; then they are the engine's no more, which the
 // engine shows by taking a registration of the same memory again.
 func TestUnregisterTensors(t *testing.T) {
-	p := savedPeers(t, testConfig(t), 32, 4, 8, 12)
+	p := savedPeers(t, bridgetest.Config(t), 32, 4, 8, 12)
 	a, b, dst, ma, mb, tokens := p.a, p.b, p.dst, p.ma, p.mb, p.tokens
 	lo := dst.Layout()
 	ld, err := mb.LoadBegin(key.Scope{}, lo, tokens, kvtest.SeqCells(8))
 	require.NoError(t, err)
 	res, err := ld.End()
 	require.NoError(t, err)
-	require.True(t, ld.landed)
+	require.True(t, ld.Landed())
 	require.Equal(t, 8, res.OKTokens)
 	k0 := lo.Layers[0].K
-	require.Error(t, b.tr.RegisterMemory(k0, 64, "cpu:0", false), "the landed tensors are registered")
+	require.Error(t, b.Transport().RegisterMemory(k0, 64, "cpu:0", false), "the landed tensors are registered")
 	mb.UnregisterTensors(&lo)
-	require.Empty(t, mb.tensors.spans)
-	require.NoError(t, b.tr.RegisterMemory(k0, 64, "cpu:0", false), "the tensors are still registered")
-	require.NoError(t, b.tr.UnregisterMemory(k0))
+	require.Zero(t, mb.TensorSpans())
+	require.NoError(t, b.Transport().RegisterMemory(k0, 64, "cpu:0", false), "the tensors are still registered")
+	require.NoError(t, b.Transport().UnregisterMemory(k0))
 	require.NoError(t, b.UnregisterModel(mb))
 	require.NoError(t, a.UnregisterModel(ma))
 }
@@ -610,7 +614,7 @@ func TestUnregisterTensors(t *testing.T) {
 // Cells scattered into more runs than landing in place pays for are
 // staged and placed instead, and restore as well.
 func TestScatteredCellsStaged(t *testing.T) {
-	p := savedPeers(t, testConfig(t), 64, 16, 32, 11)
+	p := savedPeers(t, bridgetest.Config(t), 64, 16, 32, 11)
 	dst, mb, tokens := p.dst, p.mb, p.tokens
 	for _, tc := range []struct {
 		name   string
@@ -635,7 +639,7 @@ func TestScatteredCellsStaged(t *testing.T) {
 		require.NoError(t, err, tc.name)
 		res, err := ld.End()
 		require.NoError(t, err, tc.name)
-		require.Equal(t, tc.landed, ld.landed, tc.name)
+		require.Equal(t, tc.landed, ld.Landed(), tc.name)
 		require.Equal(t, 32, res.OKTokens, tc.name)
 		require.NoError(t, dst.Check(tokens, tc.cells, 32), tc.name)
 	}
@@ -646,13 +650,13 @@ func TestScatteredCellsStaged(t *testing.T) {
 // times out fails its block, and its batch is parked with the memory it
 // reads into until the read is done with it.
 func TestGenerationCheck(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	cfg.TransferTimeoutMS = 200
 	cfg.PeerDownMS = 0
 	p := savedPeers(t, cfg, 32, 4, 16, 13)
 	a, b, dst, mb, tokens := p.a, p.b, p.dst, p.mb, p.tokens
 
-	begin := func() *Load {
+	begin := func() *bridge.Load {
 		dst.Scribble()
 		ld, err := mb.LoadBegin(key.Scope{}, dst.Layout(), tokens, kvtest.SeqCells(16))
 		require.NoError(t, err)
@@ -661,29 +665,29 @@ func TestGenerationCheck(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, 16, ok)
 		}
-		require.NotNil(t, ld.gens.batch, "the generation reads are out when the last layer is placed")
-		require.Equal(t, 4, ld.gens.batch.Tasks(), "one read a remote block, in one batch")
+		require.NotNil(t, ld.GenerationBatch(), "the generation reads are out when the last layer is placed")
+		require.Equal(t, 4, ld.GenerationBatch().Tasks(), "one read a remote block, in one batch")
 		return ld
 	}
 	res, err := begin().End()
 	require.NoError(t, err)
 	require.Equal(t, 16, res.OKTokens)
 	require.NoError(t, dst.Check(tokens, kvtest.SeqCells(16), 16))
-	idle := b.hold.Used()
+	idle := b.Holdings().Used()
 
 	ld := begin()
 	// The reads are out but not yet served: Loopback moves a task's bytes
 	// when it is polled, which End does next.
 	delay := 2 * time.Duration(cfg.TransferTimeoutMS) * time.Millisecond
-	a.tr.(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(delay)})
+	a.Transport().(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(delay)})
 	parked := b.Stats().ParkedBatches
 	res, err = ld.End()
 	require.Equal(t, status.Timeout, status.Of(err), "%v", err)
 	require.Zero(t, res.OKTokens)
 	require.Equal(t, parked+1, b.Stats().ParkedBatches, "the generation check is parked")
-	require.Equal(t, idle+4*genSlot, b.hold.Used(), "its reads' memory stays allocated while they may write")
+	require.Equal(t, idle+4*bridge.GenSlot, b.Holdings().Used(), "its reads' memory stays allocated while they may write")
 	time.Sleep(delay + 50*time.Millisecond)
-	b.reap()
-	require.Equal(t, idle, b.hold.Used(), "and is freed once they are done")
-	a.tr.(*transport.Loopback).SetFault(transport.Fault{})
+	b.Reap()
+	require.Equal(t, idle, b.Holdings().Used(), "and is freed once they are done")
+	a.Transport().(*transport.Loopback).SetFault(transport.Fault{})
 }

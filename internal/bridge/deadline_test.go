@@ -1,4 +1,4 @@
-package bridge
+package bridge_test
 
 import (
 	"testing"
@@ -6,6 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/mcbridge/mcbridge/internal/bridge/bridgetest"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -16,7 +17,7 @@ import (
 // transfer_timeout_ms; the miss marks the peer down and teaches the
 // arbiter that the peer is slower than it believed.
 func TestPlanLoadKeepsTheArbitersDeadline(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	cfg.TransferTimeoutMS = 2000
 	cfg.Arbiter.DeadlineMarginMS = 20
 	p := savedPeers(t, cfg, 32, 4, 16, 21)
@@ -33,24 +34,24 @@ func TestPlanLoadKeepsTheArbitersDeadline(t *testing.T) {
 	// Without a plan there is no estimate: transfer_timeout_ms applies.
 	ld, err := mb.LoadBegin(key.Scope{}, dst.Layout(), tokens[:12], cells)
 	require.NoError(t, err)
-	require.Equal(t, time.Duration(cfg.TransferTimeoutMS)*time.Millisecond, ld.deadline)
+	require.Equal(t, time.Duration(cfg.TransferTimeoutMS)*time.Millisecond, ld.Deadline())
 	_, err = ld.End()
 	require.NoError(t, err)
-	link := b.linkFor(plan.m.match(plan.root, plan.chain)[0])
-	believed := b.arb.TransferTime(link, 12*int64(mb.geo.PayloadSize()/mb.geo.BlockTokens))
+	link := b.LinkFor(plan.Entries()[0])
+	believed := b.Arbiter().TransferTime(link, 12*int64(mb.Geometry().PayloadSize()/mb.Geometry().BlockTokens))
 
-	a.tr.(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(time.Second)})
-	defer a.tr.(*transport.Loopback).SetFault(transport.Fault{})
+	a.Transport().(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(time.Second)})
+	defer a.Transport().(*transport.Loopback).SetFault(transport.Fault{})
 	dst.Scribble()
 	ld, err = plan.Load(dst.Layout(), cells)
 	require.NoError(t, err)
-	require.Equal(t, deadline, ld.deadline, "the load runs under the plan's deadline")
+	require.Equal(t, deadline, ld.Deadline(), "the load runs under the plan's deadline")
 	res, err := ld.End()
 	require.Equal(t, status.Timeout, status.Of(err), "%v", err)
 	require.Zero(t, res.OKTokens)
 	require.NoError(t, dst.CheckRestored(tokens[:12], cells, 0))
 	require.Equal(t, int64(1), b.Stats().PeersDown, "the miss marks the holder down")
-	require.Greater(t, b.arb.TransferTime(link, 12*int64(mb.geo.PayloadSize()/mb.geo.BlockTokens)), believed,
+	require.Greater(t, b.Arbiter().TransferTime(link, 12*int64(mb.Geometry().PayloadSize()/mb.Geometry().BlockTokens)), believed,
 		"the miss, a transfer of at least the deadline, slows the arbiter's estimate of the link")
 
 }
@@ -59,7 +60,7 @@ func TestPlanLoadKeepsTheArbitersDeadline(t *testing.T) {
 // the transfers in flight, Poll reports without waiting, and Cancel stops
 // a load whose holder does not answer, blaming no peer.
 func TestLoadPollAndCancel(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	p := savedPeers(t, cfg, 32, 4, 16, 22)
 	a, b, dst, mb, tokens := p.a, p.b, p.dst, p.mb, p.tokens
 	cells := kvtest.SeqCells(16)
@@ -73,8 +74,8 @@ func TestLoadPollAndCancel(t *testing.T) {
 	require.Equal(t, 16, res.OKTokens)
 	require.NoError(t, dst.Check(tokens, cells, 16))
 
-	a.tr.(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(time.Hour)})
-	defer a.tr.(*transport.Loopback).SetFault(transport.Fault{})
+	a.Transport().(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(time.Hour)})
+	defer a.Transport().(*transport.Loopback).SetFault(transport.Fault{})
 	dst.Scribble()
 	ld, err = mb.LoadBegin(key.Scope{}, dst.Layout(), tokens, cells)
 	require.NoError(t, err)

@@ -1,4 +1,4 @@
-package bridge
+package bridge_test
 
 import (
 	"math/rand"
@@ -7,10 +7,13 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/bridge/bridgetest"
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvevents"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/internal/storenode"
 )
 
 // sinkCall is one call the bridge made on its event sink.
@@ -63,10 +66,10 @@ func (r *recordingSink) take() []sinkCall {
 	return c
 }
 
-func openWithSink(t *testing.T, cfg config.Config, owner string) (*Bridge, *recordingSink) {
+func openWithSink(t *testing.T, cfg config.Config, owner string) (*bridge.Bridge, *recordingSink) {
 	sink := &recordingSink{}
 	cfg.Owner = owner
-	b, err := Open(cfg, Deps{Events: sink})
+	b, err := bridge.Open(cfg, bridge.Deps{Events: sink})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = b.Close() })
 	return b, sink
@@ -83,11 +86,11 @@ func storedKeys(calls []sinkCall) []key.BlockKey {
 }
 
 func TestEventsFollowWhatThisProcessAnswersFor(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	a, sa := openWithSink(t, cfg, "a")
 	b, sb := openWithSink(t, cfg, "b")
-	h := newHost(t, 2, 64, 16, 16, false)
-	sp := spec(h, 4)
+	h := kvtest.New(t, 2, 64, 16, 16, false)
+	sp := bridgetest.Spec(h, 4)
 	sp.Name = "tiny"
 	ma, err := a.RegisterModel(sp)
 	require.NoError(t, err)
@@ -101,7 +104,7 @@ func TestEventsFollowWhatThisProcessAnswersFor(t *testing.T) {
 	want := key.MooncakeHashes(tokens, 4, seed)
 	chain := key.Chain(key.Root(ma.Fingerprint(), key.Scope{}), tokens, 4)
 
-	saveAll(t, ma, h, key.Scope{}, tokens[:8], kvtest.SeqCells(8))
+	bridgetest.SaveAll(t, ma, h, key.Scope{}, tokens[:8], kvtest.SeqCells(8))
 	calls := sa.take()
 	require.Len(t, calls, 2, "%+v", calls)
 	for i, c := range calls {
@@ -110,7 +113,7 @@ func TestEventsFollowWhatThisProcessAnswersFor(t *testing.T) {
 
 	// b writes blocks 2 and 3 under a's two: each carries the chain from
 	// position 0, a's blocks included.
-	saveAll(t, mb, h, key.Scope{}, tokens, kvtest.SeqCells(16))
+	bridgetest.SaveAll(t, mb, h, key.Scope{}, tokens, kvtest.SeqCells(16))
 	calls = sb.take()
 	require.Equal(t, []key.BlockKey{chain[2], chain[3]}, storedKeys(calls))
 	require.Equal(t, want, calls[1].hashes)
@@ -118,7 +121,7 @@ func TestEventsFollowWhatThisProcessAnswersFor(t *testing.T) {
 
 	// Under a tenant salt or an adapter nothing is announced.
 	for _, sc := range []key.Scope{{TenantSalt: []byte("t")}, {Adapters: "lora@1"}} {
-		res := saveAll(t, ma, h, sc, tokens, kvtest.SeqCells(16))
+		res := bridgetest.SaveAll(t, ma, h, sc, tokens, kvtest.SeqCells(16))
 		require.Equal(t, 4, res.Published, "%+v", sc)
 		require.Empty(t, sa.take(), "%+v", sc)
 	}
@@ -127,8 +130,8 @@ func TestEventsFollowWhatThisProcessAnswersFor(t *testing.T) {
 	// announced, by the winner.
 	tok2 := kvtest.Tokens(rand.New(rand.NewSource(6)), 8)
 	h.Fill(tok2, kvtest.SeqCells(8))
-	var saves []*Save
-	for _, m := range []*Model{ma, mb} {
+	var saves []*bridge.Save
+	for _, m := range []*bridge.Model{ma, mb} {
 		sv, err := m.SaveBegin(key.Scope{}, h.Layout(), tok2, kvtest.SeqCells(8))
 		require.NoError(t, err)
 		saves = append(saves, sv)
@@ -140,8 +143,8 @@ func TestEventsFollowWhatThisProcessAnswersFor(t *testing.T) {
 		_, err := sv.End()
 		require.NoError(t, err)
 	}
-	published(t, a, a.Stats())
-	published(t, b, b.Stats())
+	bridgetest.Published(t, a, a.Stats())
+	bridgetest.Published(t, b, b.Stats())
 	ka, kb := storedKeys(sa.take()), storedKeys(sb.take())
 	require.ElementsMatch(t, []int{0, 2}, []int{len(ka), len(kb)}, "a announced %d, b %d", len(ka), len(kb))
 	require.NoError(t, b.Close())
@@ -149,18 +152,18 @@ func TestEventsFollowWhatThisProcessAnswersFor(t *testing.T) {
 }
 
 func TestEventsOnEviction(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	cfg.PoolBytes = 1 << 20
 	a, sa := openWithSink(t, cfg, "a")
-	h := newHost(t, 2, 4096, 1024, 1024, false)
-	m := register(t, a, h, 16) // 64 KiB blocks: a pool of fifteen
+	h := kvtest.New(t, 2, 4096, 1024, 1024, false)
+	m := bridgetest.Register(t, a, h, 16) // 64 KiB blocks: a pool of fifteen
 	sa.take()
 	rng := rand.New(rand.NewSource(9))
 	var first []key.BlockKey
 	for i := range 16 {
 		tokens := kvtest.Tokens(rng, 32)
 		h.Fill(tokens, kvtest.SeqCells(32))
-		saveAll(t, m, h, key.Scope{}, tokens, kvtest.SeqCells(32))
+		bridgetest.SaveAll(t, m, h, key.Scope{}, tokens, kvtest.SeqCells(32))
 		if i == 0 {
 			first = key.Chain(key.Root(m.Fingerprint(), key.Scope{}), tokens, 16)
 		}
@@ -177,14 +180,16 @@ func TestEventsOnEviction(t *testing.T) {
 }
 
 func TestEventsOfAStoreNode(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	store, ss := openWithSink(t, cfg, "store")
-	require.NoError(t, store.Replicate())
-	a, ma, tokens := ownerCopiedBy(t, cfg, store)
+	node, err := storenode.New(store, storenode.Config{})
+	require.NoError(t, err)
+	require.NoError(t, node.Replicate())
+	a, ma, tokens := bridgetest.OwnerCopiedBy(t, cfg, store)
 	require.Empty(t, ss.take(), "copies the owner still holds are not the store's to announce")
 
 	require.NoError(t, a.Close())
-	waitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 5 })
+	bridgetest.WaitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 5 })
 	calls := ss.take()
 	want := key.MooncakeHashes(tokens, 4, cfg.KVEvents.HashSeed)
 	require.Len(t, calls, 5)

@@ -1,4 +1,4 @@
-package bridge
+package bridge_test
 
 import (
 	"bytes"
@@ -13,6 +13,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/bridge/bridgetest"
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/directory/etcd"
 	"github.com/mcbridge/mcbridge/internal/key"
@@ -58,17 +60,17 @@ func (s *syncBuffer) count(line string) int {
 // Health (mcbridge_up) the first lookup after, once, and that it is back
 // when it is.
 func TestUnreachableSwarmIsLoggedAndCleared(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	dir := &unreachableDirectory{Memory: directory.OpenMemory(cfg.Directory.Name)}
 	defer dir.Close()
 	var clock atomic.Int64
 	clock.Store(time.Now().UnixNano())
 	var log syncBuffer
-	b, err := Open(withOwner(cfg, "a"), Deps{Directory: dir, Log: slog.New(slog.NewTextHandler(&log, nil)),
+	b, err := bridge.Open(bridgetest.WithOwner(cfg, "a"), bridge.Deps{Directory: dir, Log: slog.New(slog.NewTextHandler(&log, nil)),
 		Now: func() time.Time { return time.Unix(0, clock.Load()) }})
 	require.NoError(t, err)
 	defer b.Close()
-	m := register(t, b, newHost(t, 2, 32, 16, 16, false), 4)
+	m := bridgetest.Register(t, b, kvtest.New(t, 2, 32, 16, 16, false), 4)
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(3)), 9)
 	lookup := func() {
 		_, err := m.Lookup(key.Scope{}, tokens, 0)

@@ -363,20 +363,20 @@ func (b *Bridge) handleReport(kind reportKind, items []reportItem) {
 		}
 		n := b.hold.Touch(keys...)
 		b.stats.add(&b.stats.peerUses, int64(n))
-		if t := b.tier; t != nil {
-			t.disk.Touch(keys...)
+		if sn := b.storeNode(); sn != nil {
+			sn.Used(keys)
 		}
 	case reportBad:
 		for _, it := range items {
 			b.recheck(it.key, it.gen)
 		}
 	case reportWant:
-		if b.tier != nil {
+		if sn := b.storeNode(); sn != nil {
 			keys := make([]key.BlockKey, len(items))
 			for i, it := range items {
 				keys[i] = it.key
 			}
-			b.tier.want(keys)
+			sn.Wanted(keys)
 		}
 	}
 }

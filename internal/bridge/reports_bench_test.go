@@ -1,4 +1,4 @@
-package bridge
+package bridge_test
 
 import (
 	"context"
@@ -6,6 +6,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/bridge/bridgetest"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/transport"
 )
@@ -17,27 +19,27 @@ import (
 // from the peer's inbox (the Loopback engine, which delivers in memory;
 // the mock and real engines carry the same message over their own path).
 func BenchmarkReport(b *testing.B) {
-	cfg := testConfig(b)
-	reader, holder := openBridge(b, cfg, "reader"), openBridge(b, cfg, "holder")
-	items := make([]reportItem, maxReportItems)
+	cfg := bridgetest.Config(b)
+	reader, holder := bridgetest.Open(b, cfg, "reader"), bridgetest.Open(b, cfg, "holder")
+	items := make([]bridge.ReportItem, bridge.MaxReportItems)
 	for i := range items {
-		items[i].key = key.BlockKey{0: byte(i), 1: byte(i >> 8), 2: 7}
+		items[i] = bridge.UsedReport(key.BlockKey{0: byte(i), 1: byte(i >> 8), 2: 7})
 	}
 	b.Run("queue-16-blocks", func(b *testing.B) {
 		for b.Loop() {
-			reader.queue(holder.Segment(), reportUsed, items[:16]...)
+			reader.QueueUsed(holder.Segment(), items[:16]...)
 		}
 	})
 	b.Run("encode-send-receive-64-blocks", func(b *testing.B) {
-		n, ok := reader.tr.(transport.Notifier)
+		n, ok := reader.Transport().(transport.Notifier)
 		require.True(b, ok, "the Loopback engine sends notifications")
-		inbox := holder.tr.(transport.Notifier)
+		inbox := holder.Transport().(transport.Notifier)
 		ctx := context.Background()
-		seg, err := reader.segment(ctx, holder.Segment())
+		seg, err := reader.OpenSegment(ctx, holder.Segment())
 		require.NoError(b, err)
 		for b.Loop() {
-			for _, msg := range encodeReports(reportUsed, items) {
-				require.NoError(b, n.SendNotify(ctx, seg, reportName, msg))
+			for _, msg := range bridge.EncodeUsed(items) {
+				require.NoError(b, n.SendNotify(ctx, seg, bridge.ReportName, msg))
 			}
 			// The holder's own inbox goroutine may take some first.
 			_, err := inbox.Notifications()

@@ -30,7 +30,7 @@ type Stats struct {
 	DirectoryErrors  int64
 	TornReads        int64
 	ParkedBatches    int64
-	Replicated       int64 // blocks a store node copied from their owners
+	Replicated       int64 // blocks a store node copied from their owners (internal/storenode)
 	TakenOver        int64 // copies a store node published when their owner let go
 	ReplicationFails int64
 	PeersDown        int64 // times a peer timed out and was planned around
@@ -45,7 +45,7 @@ type Stats struct {
 	// BadChecks counts the holder's checks of reported blocks by outcome:
 	// dropped, intact, gone, busy (BadOutcomeNames).
 	BadChecks [badOutcomes]int64
-	// A store node's disk tier (disk.go).
+	// A store node's disk tier (internal/storenode).
 	Persisted        int64 // blocks written behind to the disk
 	Spilled          int64 // blocks written on eviction
 	PagedIn          int64 // blocks read back from the disk into the pool
@@ -67,13 +67,11 @@ type counters struct {
 	loads, loadFailures, restoredTokens, restoredBytes                      atomic.Int64
 	saves, saveFailures, savedBlocks, dedupedBlocks                         atomic.Int64
 	evictions, directoryErrors, tornReads, parkedBatches                    atomic.Int64
-	replicated, takenOver, replicationFailures, peersDown                   atomic.Int64
-	sharedPoolBlocks                                                        atomic.Int64
+	takenOver, peersDown, sharedPoolBlocks                                  atomic.Int64
 	reportsSent, reportsFailed, reportsDropped, reportsUnreadable           atomic.Int64
 	peerUses, badReported                                                   atomic.Int64
 	badChecks                                                               [badOutcomes]atomic.Int64
 	storePuts, storePutFailures, storeGets, storeAdopted, storeAuditDropped atomic.Int64
-	persisted, spilled, pagedIn                                             atomic.Int64
 	failuresByStatus                                                        [status.Count]atomic.Int64
 }
 
@@ -121,11 +119,9 @@ func (b *Bridge) Stats() Stats {
 		PublishDropped: c.publishDropped.Load(), UnpublishDropped: c.unpublishDropped.Load(),
 		Evictions: c.evictions.Load(), DirectoryErrors: c.directoryErrors.Load(),
 		TornReads: c.tornReads.Load(), ParkedBatches: c.parkedBatches.Load(),
-		Replicated: c.replicated.Load(), TakenOver: c.takenOver.Load(), ReplicationFails: c.replicationFailures.Load(),
-		PeersDown: c.peersDown.Load(), SharedPoolBlocks: c.sharedPoolBlocks.Load(),
+		TakenOver: c.takenOver.Load(), PeersDown: c.peersDown.Load(), SharedPoolBlocks: c.sharedPoolBlocks.Load(),
 		ReportsSent: c.reportsSent.Load(), ReportsFailed: c.reportsFailed.Load(), ReportsDropped: c.reportsDropped.Load(),
 		ReportsUnreadable: c.reportsUnreadable.Load(), PeerUses: c.peerUses.Load(), BadReported: c.badReported.Load(),
-		Persisted: c.persisted.Load(), Spilled: c.spilled.Load(), PagedIn: c.pagedIn.Load(),
 		StorePuts: c.storePuts.Load(), StorePutFailures: c.storePutFailures.Load(), StoreGets: c.storeGets.Load(),
 		StoreAdopted: c.storeAdopted.Load(), StoreDropped: c.storeAuditDropped.Load(),
 	}
@@ -134,6 +130,9 @@ func (b *Bridge) Stats() Stats {
 	}
 	for i := range c.failuresByStatus {
 		s.FailuresByStatus[i] = c.failuresByStatus[i].Load()
+	}
+	if n := b.storeNode(); n != nil {
+		n.AddStats(&s)
 	}
 	return s
 }

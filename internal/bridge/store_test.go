@@ -1,4 +1,4 @@
-package bridge
+package bridge_test
 
 import (
 	"context"
@@ -10,6 +10,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/bridge/bridgetest"
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
@@ -24,7 +26,7 @@ import (
 
 // storeConfig is testConfig with the bridges' blocks in the master's store.
 func storeConfig(t testing.TB, m *mastertest.Master, replicas int, segment int64) config.Config {
-	c := testConfig(t)
+	c := bridgetest.Config(t)
 	c.Store.Kind, c.Store.Master, c.Store.Lib = "mooncake", m.Addr(), mastertest.Lib(t)
 	c.Store.Replicas, c.Store.SegmentBytes = replicas, segment
 	c.Store.AuditIntervalMS = 100
@@ -33,17 +35,17 @@ func storeConfig(t testing.TB, m *mastertest.Master, replicas int, segment int64
 
 // storeBridge opens a bridge and waits until its store client is set up
 // (it connects in the background).
-func storeBridge(t testing.TB, c config.Config, owner string) *Bridge {
-	b := openBridge(t, c, owner)
+func storeBridge(t testing.TB, c config.Config, owner string) *bridge.Bridge {
+	b := bridgetest.Open(t, c, owner)
 	waitStore(t, b)
 	return b
 }
 
-func waitStore(t testing.TB, b *Bridge) {
+func waitStore(t testing.TB, b *bridge.Bridge) {
 	t.Helper()
 	deadline := time.Now().Add(60 * time.Second)
-	for b.storeHealth() != nil {
-		require.True(t, time.Now().Before(deadline), "the store never came up: %v", b.storeHealth())
+	for b.StoreHealth() != nil {
+		require.True(t, time.Now().Before(deadline), "the store never came up: %v", b.StoreHealth())
 		time.Sleep(10 * time.Millisecond)
 	}
 }
@@ -54,51 +56,51 @@ func withSegment(c config.Config, segment int64) config.Config {
 }
 
 // entries are the mirror's entries of the chain of tokens.
-func entries(m *Model, tokens []int32) []directory.Entry {
-	root := key.Root(m.fp, key.Scope{})
-	return m.match(root, key.Chain(root, tokens, m.geo.BlockTokens))
+func entries(m *bridge.Model, tokens []int32) []directory.Entry {
+	root := key.Root(m.Fingerprint(), key.Scope{})
+	return m.Match(root, key.Chain(root, tokens, m.BlockTokens()))
 }
 
 func TestStoreRoundTrip(t *testing.T) {
 	m := mastertest.Start(t, mastertest.Options{})
 	cfg := storeConfig(t, m, 1, 32<<20)
 	a, b := storeBridge(t, cfg, "a"), storeBridge(t, withSegment(cfg, 0), "b")
-	src := newHost(t, 3, 64, 32, 48, true)
-	dst := newHost(t, 3, 64, 32, 48, true)
-	ma, mb := register(t, a, src, 4), register(t, b, dst, 4)
+	src := kvtest.New(t, 3, 64, 32, 48, true)
+	dst := kvtest.New(t, 3, 64, 32, 48, true)
+	ma, mb := bridgetest.Register(t, a, src, 4), bridgetest.Register(t, b, dst, 4)
 	r := rand.New(rand.NewSource(21))
 	tokens := kvtest.Tokens(r, 22)
 	cells := kvtest.ScatteredCells(r, len(tokens), 64)
 	src.Fill(tokens, cells)
-	res := saveAll(t, ma, src, key.Scope{}, tokens, cells)
+	res := bridgetest.SaveAll(t, ma, src, key.Scope{}, tokens, cells)
 	require.Equal(t, 5, res.Published, "%+v", res)
 	assert.Equal(t, int64(5), a.Stats().StorePuts)
 
 	es := entries(mb, tokens)
 	require.Len(t, es, 5, "b's mirror holds a's blocks")
 	for _, e := range es {
-		master, writer, ok := parseStoreSegment(e.Loc.Segment)
+		master, writer, ok := bridge.ParseStoreSegment(e.Loc.Segment)
 		require.True(t, ok, "the entry names the store: %+v", e.Loc)
 		assert.Equal(t, m.Addr(), master)
 		assert.Equal(t, a.StoreSegment(), writer)
-		segs, err := m.Segments(storeKey(e.Key))
+		segs, err := m.Segments(bridge.StoreKey(e.Key))
 		require.NoError(t, err)
 		assert.Equal(t, []string{a.StoreSegment()}, segs, "one replica, in the writer's own segment")
 	}
-	assert.Equal(t, linkStoreHost, b.linkFor(es[0]), "another process of this host")
-	assert.Equal(t, "local", a.linkFor(es[0]), "the writer's own pool")
+	assert.Equal(t, bridge.LinkStoreHost, b.LinkFor(es[0]), "another process of this host")
+	assert.Equal(t, "local", a.LinkFor(es[0]), "the writer's own pool")
 
 	dst.Scribble()
 	dcells := kvtest.ScatteredCells(rand.New(rand.NewSource(2)), 20, 64)
-	got, err := loadAll(t, mb, dst, key.Scope{}, tokens[:20], dcells)
+	got, err := bridgetest.LoadAll(t, mb, dst, key.Scope{}, tokens[:20], dcells)
 	require.NoError(t, err)
 	require.Equal(t, 20, got.OKTokens, "%+v", got)
 	require.NoError(t, dst.Check(tokens[:20], dcells, 20))
 	assert.Equal(t, int64(5), b.Stats().StoreGets, "b read every block from the store")
 
 	// The writer restores from its own pool, not through the store.
-	back := newHost(t, 3, 64, 32, 48, true)
-	got, err = loadAll(t, ma, back, key.Scope{}, tokens[:20], kvtest.SeqCells(20))
+	back := kvtest.New(t, 3, 64, 32, 48, true)
+	got, err = bridgetest.LoadAll(t, ma, back, key.Scope{}, tokens[:20], kvtest.SeqCells(20))
 	require.NoError(t, err)
 	require.Equal(t, 20, got.OKTokens)
 	require.NoError(t, back.Check(tokens[:20], kvtest.SeqCells(20), 20))
@@ -106,12 +108,12 @@ func TestStoreRoundTrip(t *testing.T) {
 
 	// A block evicted from the writer's pool stays published: the store
 	// holds it.
-	require.NoError(t, a.hold.Evict(a.hold.Size()))
+	require.NoError(t, a.Holdings().Evict(a.Holdings().Size()))
 	n, _, _ := a.Resident()
 	require.Zero(t, n)
 	require.NoError(t, a.Flush(context.Background()))
 	require.Len(t, entries(ma, tokens), 5, "eviction unpublishes nothing")
-	got, err = loadAll(t, ma, back, key.Scope{}, tokens[:20], kvtest.SeqCells(20))
+	got, err = bridgetest.LoadAll(t, ma, back, key.Scope{}, tokens[:20], kvtest.SeqCells(20))
 	require.NoError(t, err)
 	require.Equal(t, 20, got.OKTokens)
 	assert.Equal(t, int64(5), a.Stats().StoreGets, "evicted here, read from the store")
@@ -130,23 +132,23 @@ func TestStoreReplicasOutliveTheWriter(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			m := mastertest.Start(t, mastertest.Options{ClientTTL: 2 * time.Second})
 			cfg := storeConfig(t, m, 2, 32<<20)
-			a, err := Open(withOwner(withSegment(cfg, tc.writerSegment), "a"), Deps{})
+			a, err := bridge.Open(bridgetest.WithOwner(withSegment(cfg, tc.writerSegment), "a"), bridge.Deps{})
 			require.NoError(t, err)
 			waitStore(t, a)
 			keeperNode := storeBridge(t, cfg, "keeper")
 			require.NoError(t, keeperNode.WatchStore())
-			other, err := Open(withOwner(cfg, "other"), Deps{})
+			other, err := bridge.Open(bridgetest.WithOwner(cfg, "other"), bridge.Deps{})
 			require.NoError(t, err)
 			waitStore(t, other)
-			src := newHost(t, 2, 64, 32, 32, false)
-			ma := register(t, a, src, 4)
+			src := kvtest.New(t, 2, 64, 32, 32, false)
+			ma := bridgetest.Register(t, a, src, 4)
 			tokens := kvtest.Tokens(rand.New(rand.NewSource(5)), 16)
 			src.Fill(tokens, kvtest.SeqCells(16))
-			saveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(16))
+			bridgetest.SaveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(16))
 			es := entries(ma, tokens)
 			require.Len(t, es, 4)
 			for _, e := range es {
-				segs, err := m.Segments(storeKey(e.Key))
+				segs, err := m.Segments(bridge.StoreKey(e.Key))
 				require.NoError(t, err)
 				require.Len(t, segs, 2, "two replicas")
 				if tc.writerSegment > 0 {
@@ -159,8 +161,8 @@ func TestStoreReplicasOutliveTheWriter(t *testing.T) {
 			// The writer exits; where it held no replica, one of the two
 			// holders goes too.
 			c := storeBridge(t, withSegment(cfg, 0), "c")
-			dst := newHost(t, 2, 64, 32, 32, false)
-			mc := register(t, c, dst, 4)
+			dst := kvtest.New(t, 2, 64, 32, 32, false)
+			mc := bridgetest.Register(t, c, dst, 4)
 			require.NoError(t, a.Close())
 			gone := map[string]bool{"a": true}
 			if tc.writerSegment == 0 {
@@ -169,7 +171,7 @@ func TestStoreReplicasOutliveTheWriter(t *testing.T) {
 			} else {
 				t.Cleanup(func() { _ = other.Close() })
 			}
-			waitFor(t, "the survivors to publish the blocks again", func() bool {
+			bridgetest.WaitFor(t, "the survivors to publish the blocks again", func() bool {
 				es := entries(mc, tokens)
 
 				for _, e := range es {
@@ -180,7 +182,7 @@ func TestStoreReplicasOutliveTheWriter(t *testing.T) {
 				return len(es) == 4
 			})
 			dst.Scribble()
-			res, err := loadAll(t, mc, dst, key.Scope{}, tokens, kvtest.SeqCells(16))
+			res, err := bridgetest.LoadAll(t, mc, dst, key.Scope{}, tokens, kvtest.SeqCells(16))
 			require.NoError(t, err)
 			require.Equal(t, 16, res.OKTokens, "%+v", res)
 			require.NoError(t, dst.Check(tokens, kvtest.SeqCells(16), 16))
@@ -195,29 +197,29 @@ func TestStoreAuditDropsLostBlocks(t *testing.T) {
 	m := mastertest.Start(t, mastertest.Options{})
 	cfg := storeConfig(t, m, 1, 32<<20)
 	a, b := storeBridge(t, cfg, "a"), storeBridge(t, withSegment(cfg, 0), "b")
-	h := newHost(t, 2, 32, 16, 16, false)
-	ma, mb := register(t, a, h, 4), register(t, b, h, 4)
+	h := kvtest.New(t, 2, 32, 16, 16, false)
+	ma, mb := bridgetest.Register(t, a, h, 4), bridgetest.Register(t, b, h, 4)
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(6)), 8)
 	h.Fill(tokens, kvtest.SeqCells(8))
-	saveAll(t, ma, h, key.Scope{}, tokens, kvtest.SeqCells(8))
+	bridgetest.SaveAll(t, ma, h, key.Scope{}, tokens, kvtest.SeqCells(8))
 	require.Len(t, entries(mb, tokens), 2)
 	remove := func() {
 		for _, e := range entries(ma, tokens) {
-			require.NoError(t, a.store.conn.Load().c.Remove(context.Background(), storeKey(e.Key), true))
+			require.NoError(t, a.StoreClient().Remove(context.Background(), bridge.StoreKey(e.Key), true))
 		}
 	}
 
 	remove()
-	waitFor(t, "the owner to put its copies back", func() bool {
+	bridgetest.WaitFor(t, "the owner to put its copies back", func() bool {
 		return a.Stats().StoreDropped >= 2 && a.Stats().StorePuts == 4 && len(entries(mb, tokens)) == 2
 	})
-	got, err := loadAll(t, mb, newHost(t, 2, 32, 16, 16, false), key.Scope{}, tokens, kvtest.SeqCells(8))
+	got, err := bridgetest.LoadAll(t, mb, kvtest.New(t, 2, 32, 16, 16, false), key.Scope{}, tokens, kvtest.SeqCells(8))
 	require.NoError(t, err)
 	assert.Equal(t, 8, got.OKTokens, "b restores the blocks put back")
 
-	require.NoError(t, a.hold.Evict(a.hold.Size()))
+	require.NoError(t, a.Holdings().Evict(a.Holdings().Size()))
 	remove()
-	waitFor(t, "the audits to drop the lost blocks", func() bool { return mb.Mirrored() == 0 && ma.Mirrored() == 0 })
+	bridgetest.WaitFor(t, "the audits to drop the lost blocks", func() bool { return mb.Mirrored() == 0 && ma.Mirrored() == 0 })
 	p, err := mb.Lookup(key.Scope{}, tokens, 0)
 	require.NoError(t, err)
 	assert.Zero(t, p.MatchedBlocks)
@@ -231,24 +233,24 @@ func TestStoreMasterDown(t *testing.T) {
 	cfg := storeConfig(t, m, 1, 32<<20)
 	cfg.TransferTimeoutMS = 2000
 	a, b := storeBridge(t, cfg, "a"), storeBridge(t, withSegment(cfg, 0), "b")
-	h := newHost(t, 2, 32, 16, 16, false)
-	ma, mb := register(t, a, h, 4), register(t, b, h, 4)
+	h := kvtest.New(t, 2, 32, 16, 16, false)
+	ma, mb := bridgetest.Register(t, a, h, 4), bridgetest.Register(t, b, h, 4)
 	r := rand.New(rand.NewSource(8))
 	before := kvtest.Tokens(r, 8)
 	h.Fill(before, kvtest.SeqCells(8))
-	saveAll(t, ma, h, key.Scope{}, before, kvtest.SeqCells(8))
+	bridgetest.SaveAll(t, ma, h, key.Scope{}, before, kvtest.SeqCells(8))
 	require.Len(t, entries(mb, before), 2)
 
 	m.Kill()
-	waitFor(t, "the bridges to notice", func() bool { return a.Health() != nil && b.Health() != nil })
+	bridgetest.WaitFor(t, "the bridges to notice", func() bool { return a.Health() != nil && b.Health() != nil })
 	assert.Contains(t, a.Health().Error(), "Mooncake Store")
 
 	during := kvtest.Tokens(r, 8)
 	h.Fill(during, kvtest.SeqCells(8))
-	res := saveAll(t, ma, h, key.Scope{}, during, kvtest.SeqCells(8))
+	res := bridgetest.SaveAll(t, ma, h, key.Scope{}, during, kvtest.SeqCells(8))
 	assert.Zero(t, res.Published, "nothing reaches the directory: %+v", res)
 	assert.Equal(t, int64(2), a.Stats().StorePutFailures)
-	got, err := loadAll(t, ma, newHost(t, 2, 32, 16, 16, false), key.Scope{}, during, kvtest.SeqCells(8))
+	got, err := bridgetest.LoadAll(t, ma, kvtest.New(t, 2, 32, 16, 16, false), key.Scope{}, during, kvtest.SeqCells(8))
 	require.NoError(t, err, "the writer restores its own pending blocks")
 	assert.Equal(t, 8, got.OKTokens)
 
@@ -268,26 +270,26 @@ func TestStoreRefusesCorruptBlocks(t *testing.T) {
 	cfg := storeConfig(t, m, 1, 32<<20)
 	cfg.Store.AuditIntervalMS = 3600e3 // the swap below is not the store losing the block
 	a, b := storeBridge(t, cfg, "a"), storeBridge(t, withSegment(cfg, 0), "b")
-	h := newHost(t, 2, 32, 16, 16, false)
-	ma, mb := register(t, a, h, 4), register(t, b, h, 4)
+	h := kvtest.New(t, 2, 32, 16, 16, false)
+	ma, mb := bridgetest.Register(t, a, h, 4), bridgetest.Register(t, b, h, 4)
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(9)), 12)
 	h.Fill(tokens, kvtest.SeqCells(12))
-	saveAll(t, ma, h, key.Scope{}, tokens, kvtest.SeqCells(12))
+	bridgetest.SaveAll(t, ma, h, key.Scope{}, tokens, kvtest.SeqCells(12))
 	es := entries(ma, tokens)
 	require.Len(t, es, 3)
 
 	// Overwrite block 1 in the store with a copy whose last layer has a
 	// flipped byte (put_from of an existing key replaces nothing, so the
 	// key goes first).
-	sl, ok := a.hold.Get(es[1].Key)
+	sl, ok := a.Holdings().Get(es[1].Key)
 	require.True(t, ok)
-	bad := append([]byte(nil), a.hold.Bytes(sl.Off, sl.Size)...)
-	bad[ma.geo.LayerOffset(ma.geo.Layers()-1)+1] ^= 0xff
+	bad := append([]byte(nil), a.Holdings().Bytes(sl.Off, sl.Size)...)
+	bad[ma.Geometry().LayerOffset(ma.Geometry().Layers()-1)+1] ^= 0xff
 	ctx := context.Background()
-	require.NoError(t, a.store.conn.Load().c.Remove(ctx, storeKey(es[1].Key), true))
-	require.NoError(t, a.store.conn.Load().c.Put(ctx, storeKey(es[1].Key), bad, mcstore.PutOptions{}))
+	require.NoError(t, a.StoreClient().Remove(ctx, bridge.StoreKey(es[1].Key), true))
+	require.NoError(t, a.StoreClient().Put(ctx, bridge.StoreKey(es[1].Key), bad, mcstore.PutOptions{}))
 
-	got, err := loadAll(t, mb, newHost(t, 2, 32, 16, 16, false), key.Scope{}, tokens, kvtest.SeqCells(12))
+	got, err := bridgetest.LoadAll(t, mb, kvtest.New(t, 2, 32, 16, 16, false), key.Scope{}, tokens, kvtest.SeqCells(12))
 	require.Error(t, err)
 	assert.Equal(t, status.Corrupt, status.Of(err), "%v", err)
 	assert.Equal(t, 4, got.OKTokens, "the block before the corrupt one restores")
@@ -300,12 +302,12 @@ func TestStoreEntriesNeedTheStore(t *testing.T) {
 	a := storeBridge(t, cfg, "a")
 	plain := cfg
 	plain.Store = config.Default().Store
-	b := openBridge(t, plain, "b")
-	h := newHost(t, 2, 32, 16, 16, false)
-	ma, mb := register(t, a, h, 4), register(t, b, h, 4)
+	b := bridgetest.Open(t, plain, "b")
+	h := kvtest.New(t, 2, 32, 16, 16, false)
+	ma, mb := bridgetest.Register(t, a, h, 4), bridgetest.Register(t, b, h, 4)
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(10)), 9)
 	h.Fill(tokens, kvtest.SeqCells(9))
-	saveAll(t, ma, h, key.Scope{}, tokens[:8], kvtest.SeqCells(8))
+	bridgetest.SaveAll(t, ma, h, key.Scope{}, tokens[:8], kvtest.SeqCells(8))
 	p, err := mb.Lookup(key.Scope{}, tokens, 0)
 	require.NoError(t, err)
 	assert.Zero(t, p.MatchedBlocks)
@@ -321,50 +323,34 @@ func TestStoreConnectsInTheBackground(t *testing.T) {
 	m := mastertest.Start(t, mastertest.Options{})
 	cfg := storeConfig(t, m, 1, 0)
 	cfg.Store.Lib = "/nonexistent/libmooncake_store.so"
-	_, err := Open(cfg, Deps{})
+	_, err := bridge.Open(cfg, bridge.Deps{})
 	assert.Equal(t, status.Config, status.Of(err), "%v", err)
 
 	m.Kill()
 	cfg = storeConfig(t, m, 1, 32<<20)
 	cfg.Store.SetupTimeoutMS = 3000
-	a := openBridge(t, cfg, "a")
+	a := bridgetest.Open(t, cfg, "a")
 	require.Error(t, a.Health())
 	assert.Contains(t, a.Health().Error(), "Mooncake Store", "%v", a.Health())
-	h := newHost(t, 2, 32, 16, 16, false)
-	ma := register(t, a, h, 4)
+	h := kvtest.New(t, 2, 32, 16, 16, false)
+	ma := bridgetest.Register(t, a, h, 4)
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(14)), 8)
 	h.Fill(tokens, kvtest.SeqCells(8))
-	res := saveAll(t, ma, h, key.Scope{}, tokens, kvtest.SeqCells(8))
+	res := bridgetest.SaveAll(t, ma, h, key.Scope{}, tokens, kvtest.SeqCells(8))
 	assert.Zero(t, res.Published, "nothing published without the store: %+v", res)
-	got, err := loadAll(t, ma, newHost(t, 2, 32, 16, 16, false), key.Scope{}, tokens, kvtest.SeqCells(8))
+	got, err := bridgetest.LoadAll(t, ma, kvtest.New(t, 2, 32, 16, 16, false), key.Scope{}, tokens, kvtest.SeqCells(8))
 	require.NoError(t, err)
 	assert.Equal(t, 8, got.OKTokens, "restorable here")
 
 	m.Restart()
 	waitStore(t, a)
-	waitFor(t, "the pending blocks to reach the store", func() bool { return a.Stats().StorePuts == 2 && a.Stats().SavedBlocks == 2 })
+	bridgetest.WaitFor(t, "the pending blocks to reach the store", func() bool { return a.Stats().StorePuts == 2 && a.Stats().SavedBlocks == 2 })
 	b := storeBridge(t, withSegment(cfg, 0), "b")
-	mb := register(t, b, h, 4)
-	got, err = loadAll(t, mb, newHost(t, 2, 32, 16, 16, false), key.Scope{}, tokens, kvtest.SeqCells(8))
+	mb := bridgetest.Register(t, b, h, 4)
+	got, err = bridgetest.LoadAll(t, mb, kvtest.New(t, 2, 32, 16, 16, false), key.Scope{}, tokens, kvtest.SeqCells(8))
 	require.NoError(t, err)
 	assert.Equal(t, 8, got.OKTokens)
 	assert.Equal(t, int64(2), b.Stats().StoreGets)
-}
-
-func FuzzParseStoreSegment(f *testing.F) {
-	for _, s := range []string{"", "mooncake-store://", "mooncake-store://h:1/", "mooncake-store://h:1/127.0.0.1:13000",
-		"mooncake-store:///x", "127.0.0.1:13000", "mooncake-store://a/b/c"} {
-		f.Add(s)
-	}
-	f.Fuzz(func(t *testing.T, seg string) {
-		master, writer, ok := parseStoreSegment(seg)
-		if !ok {
-			return
-		}
-		require.NotEmpty(t, master)
-		require.NotContains(t, master, "/")
-		require.Equal(t, seg, storeSegment(master, writer), "parse then format gives the input back")
-	})
 }
 
 // Between the store taking a block and the directory answering for it, the
@@ -376,11 +362,11 @@ func TestStoreBlocksBeforeTheDirectoryAnswers(t *testing.T) {
 	cfg.Directory.OpTimeoutMS = int(time.Hour / time.Millisecond)
 	dir := &stuckDirectory{Directory: directory.OpenMemory(cfg.Directory.Name), release: make(chan struct{})}
 	defer dir.Close()
-	b, err := Open(withOwner(cfg, "a"), Deps{Directory: dir})
+	b, err := bridge.Open(bridgetest.WithOwner(cfg, "a"), bridge.Deps{Directory: dir})
 	require.NoError(t, err)
 	waitStore(t, b)
-	h := newHost(t, 2, 32, 16, 16, false)
-	mb := register(t, b, h, 4)
+	h := kvtest.New(t, 2, 32, 16, 16, false)
+	mb := bridgetest.Register(t, b, h, 4)
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(12)), 9)
 	h.Fill(tokens, kvtest.SeqCells(9))
 	sv, err := mb.SaveBegin(key.Scope{}, h.Layout(), tokens, kvtest.SeqCells(9))
@@ -390,15 +376,15 @@ func TestStoreBlocksBeforeTheDirectoryAnswers(t *testing.T) {
 	}
 	_, err = sv.End()
 	require.NoError(t, err)
-	waitFor(t, "the store to take the blocks", func() bool { return b.Stats().StorePuts == 2 })
-	waitFor(t, "the publisher to wait on the directory", func() bool { return dir.calls.Load() > 0 })
+	bridgetest.WaitFor(t, "the store to take the blocks", func() bool { return b.Stats().StorePuts == 2 })
+	bridgetest.WaitFor(t, "the publisher to wait on the directory", func() bool { return dir.calls.Load() > 0 })
 	es := entries(mb, tokens)
 	require.Len(t, es, 2)
-	assert.True(t, b.store.names(es[0].Loc), "the resident entry names the store")
+	assert.True(t, b.StoreNames(es[0].Loc), "the resident entry names the store")
 	p, err := mb.Lookup(key.Scope{}, tokens, 0)
 	require.NoError(t, err)
 	assert.Equal(t, 2, p.MatchedBlocks)
-	got, err := loadAll(t, mb, newHost(t, 2, 32, 16, 16, false), key.Scope{}, tokens[:8], kvtest.SeqCells(8))
+	got, err := bridgetest.LoadAll(t, mb, kvtest.New(t, 2, 32, 16, 16, false), key.Scope{}, tokens[:8], kvtest.SeqCells(8))
 	require.NoError(t, err)
 	assert.Equal(t, 8, got.OKTokens)
 	assert.Zero(t, b.Stats().StoreGets, "read from the own pool")
@@ -415,13 +401,13 @@ func TestStoreBesideTheTransferEngine(t *testing.T) {
 	cfg := storeConfig(t, m, 1, 32<<20)
 	cfg.Transport.Kind, cfg.Transport.Lib = "mooncake", te
 	a, b := storeBridge(t, cfg, "a"), storeBridge(t, withSegment(cfg, 0), "b")
-	h := newHost(t, 2, 32, 16, 16, false)
-	ma, mb := register(t, a, h, 4), register(t, b, h, 4)
+	h := kvtest.New(t, 2, 32, 16, 16, false)
+	ma, mb := bridgetest.Register(t, a, h, 4), bridgetest.Register(t, b, h, 4)
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(13)), 8)
 	h.Fill(tokens, kvtest.SeqCells(8))
-	saveAll(t, ma, h, key.Scope{}, tokens, kvtest.SeqCells(8))
-	dst := newHost(t, 2, 32, 16, 16, false)
-	got, err := loadAll(t, mb, dst, key.Scope{}, tokens, kvtest.SeqCells(8))
+	bridgetest.SaveAll(t, ma, h, key.Scope{}, tokens, kvtest.SeqCells(8))
+	dst := kvtest.New(t, 2, 32, 16, 16, false)
+	got, err := bridgetest.LoadAll(t, mb, dst, key.Scope{}, tokens, kvtest.SeqCells(8))
 	require.NoError(t, err)
 	require.Equal(t, 8, got.OKTokens)
 	require.NoError(t, dst.Check(tokens, kvtest.SeqCells(8), 8))

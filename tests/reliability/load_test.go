@@ -20,6 +20,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
 	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/storenode"
 )
 
 // loadJob is one load generator's workload: prompts made of one of a few
@@ -251,7 +252,9 @@ func TestLoad(t *testing.T) {
 	sc.Owner = "store"
 	sc.Eviction = "frequency" // as mcbridge serve runs
 	store := openNode(t, sc, 64, nil)
-	require.NoError(t, store.b.Replicate())
+	node, err := storenode.New(store.b, storenode.Config{})
+	require.NoError(t, err)
+	require.NoError(t, node.Replicate())
 	lj := loadJob{Duration: d, Prefixes: 4, PrefixBlocks: 8, PrivateTokens: 2*blockTokens + 7}
 	var kids []*proc
 	for i := 0; i < procs; i++ {

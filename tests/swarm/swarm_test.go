@@ -33,6 +33,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
+	"github.com/mcbridge/mcbridge/internal/storenode"
 	"github.com/mcbridge/mcbridge/internal/transport/mooncake"
 	"github.com/mcbridge/mcbridge/internal/transport/mooncake/mocklib"
 )
@@ -505,7 +506,9 @@ func TestStoreOutlivesProcesses(t *testing.T) {
 		sj.Config.Owner = "store"
 		sj.Config.PoolBytes = 128 << 20
 		store, _ := openParent(t, sj)
-		require.NoError(t, store.Replicate())
+		node, err := storenode.New(store, storenode.Config{})
+		require.NoError(t, err)
+		require.NoError(t, node.Replicate())
 		waitStat := func(what string, f func(bridge.Stats) bool) {
 			t.Helper()
 			require.Eventually(t, func() bool { return f(store.Stats()) }, 30*time.Second, 10*time.Millisecond, "store: %s never happened", what)

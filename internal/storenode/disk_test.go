@@ -1,4 +1,4 @@
-package bridge
+package storenode_test
 
 import (
 	"math/rand"
@@ -8,6 +8,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mcbridge/mcbridge/internal/bridge"
+	"github.com/mcbridge/mcbridge/internal/bridge/bridgetest"
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/disk"
 	"github.com/mcbridge/mcbridge/internal/key"
@@ -18,28 +20,25 @@ import (
 )
 
 // diskStore opens a store node with a disk tier in dir and starts it.
-func diskStore(t *testing.T, cfg config.Config, dir string, budget int64, codec disk.Codec) (*Bridge, *disk.Tier) {
+func diskStore(t *testing.T, cfg config.Config, dir string, budget int64, codec disk.Codec) (*storeNode, *disk.Tier) {
 	t.Helper()
 	tier, err := disk.Open(disk.Config{Dir: dir, Bytes: budget, Codec: codec, Policy: residency.Frequency})
 	require.NoError(t, err)
-	s := openBridge(t, cfg, "store")
-	require.NoError(t, s.UseDisk(tier))
-	require.NoError(t, s.Replicate())
-	return s, tier
+	return replicating(t, cfg, "store", tier), tier
 }
 
 // saved has an owner compute and save a prompt of n full blocks (and one
 // token), and returns the owner, which the caller closes.
-func saved(t *testing.T, cfg config.Config, owner string, seed int64, blocks int) (*Bridge, []int32) {
+func saved(t *testing.T, cfg config.Config, owner string, seed int64, blocks int) (*bridge.Bridge, []int32) {
 	t.Helper()
-	o, err := Open(withOwner(cfg, owner), Deps{})
+	o, err := bridge.Open(bridgetest.WithOwner(cfg, owner), bridge.Deps{})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = o.Close() })
 	h := bigBlocks(t)
-	m := register(t, o, h, 4)
+	m := bridgetest.Register(t, o, h, 4)
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(seed)), 4*blocks+1)
 	h.Fill(tokens, kvtest.SeqCells(len(tokens)))
-	saveAll(t, m, h, key.Scope{}, tokens, kvtest.SeqCells(len(tokens)))
+	bridgetest.SaveAll(t, m, h, key.Scope{}, tokens, kvtest.SeqCells(len(tokens)))
 	return o, tokens
 }
 
@@ -47,37 +46,37 @@ func saved(t *testing.T, cfg config.Config, owner string, seed int64, blocks int
 // closed and opened again on the same directory, it reads them back into
 // its pool and publishes them, and a reader restores them byte for byte.
 func TestDiskTierOutlivesTheStore(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	cfg.Arbiter.Policy = "always-restore"
 	dir := t.TempDir()
 	store, tier := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
 	owner, tokens := saved(t, cfg, "owner", 3, 5)
-	waitFor(t, "the store to write 5 blocks", func() bool { return tier.Stats().Files == 5 })
+	bridgetest.WaitFor(t, "the store to write 5 blocks", func() bool { return tier.Stats().Files == 5 })
 	require.NoError(t, owner.Close())
-	waitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 5 })
+	bridgetest.WaitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 5 })
 	require.NoError(t, store.Close())
 
 	again, _ := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
 	require.Equal(t, 5, again.RefillFromDisk())
-	waitFor(t, "the store to publish what came back", func() bool { return again.Stats().TakenOver == 5 })
-	r := openBridge(t, cfg, "reader")
-	mr := register(t, r, bigBlocks(t), 4)
-	n, seg := restoreFrom(t, mr, tokens)
+	bridgetest.WaitFor(t, "the store to publish what came back", func() bool { return again.Stats().TakenOver == 5 })
+	r := bridgetest.Open(t, cfg, "reader")
+	mr := bridgetest.Register(t, r, bigBlocks(t), 4)
+	n, seg := restoreFrom(t, cfg, mr, tokens)
 	assert.Equal(t, 20, n)
 	assert.Equal(t, again.Segment(), seg)
-	assert.Zero(t, again.DiskStats().Dropped)
+	assert.Zero(t, again.Node.DiskStats().Dropped)
 }
 
 // Files torn or changed while the store was down are dropped and counted
 // when it opens; what comes back is the prefix before them, verified, and
 // the reader computes the rest.
 func TestDiskTierDropsTornFiles(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	cfg.Arbiter.Policy = "always-restore"
 	dir := t.TempDir()
 	store, tier := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
 	owner, tokens := saved(t, cfg, "owner", 4, 4)
-	waitFor(t, "the store to write 4 blocks", func() bool { return tier.Stats().Files == 4 })
+	bridgetest.WaitFor(t, "the store to write 4 blocks", func() bool { return tier.Stats().Files == 4 })
 	require.NoError(t, owner.Close())
 	require.NoError(t, store.Close())
 	chain := key.Chain(key.Root(registeredFP(t, cfg), key.Scope{}), tokens[:16], 4)
@@ -89,22 +88,22 @@ func TestDiskTierDropsTornFiles(t *testing.T) {
 	again, tier2 := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
 	assert.Equal(t, int64(1), tier2.Stats().Dropped, "the torn file")
 	again.RefillFromDisk()
-	r := openBridge(t, cfg, "reader")
-	mr := register(t, r, bigBlocks(t), 4)
-	waitFor(t, "the reader to find what came back", func() bool {
+	r := bridgetest.Open(t, cfg, "reader")
+	mr := bridgetest.Register(t, r, bigBlocks(t), 4)
+	bridgetest.WaitFor(t, "the reader to find what came back", func() bool {
 		lk, err := mr.Lookup(key.Scope{}, tokens, 0)
 		require.NoError(t, err)
 		return lk.MatchedBlocks == 2
 	})
-	n, _ := restoreFrom(t, mr, tokens)
+	n, _ := restoreFrom(t, cfg, mr, tokens)
 	assert.Equal(t, 8, n, "the two blocks before the torn one")
 }
 
 // registeredFP is the fingerprint bigBlocks' model registers under.
 func registeredFP(t *testing.T, cfg config.Config) key.Fingerprint {
 	t.Helper()
-	b := openBridge(t, cfg, "fp")
-	return register(t, b, bigBlocks(t), 4).fp
+	b := bridgetest.Open(t, cfg, "fp")
+	return bridgetest.Register(t, b, bigBlocks(t), 4).Fingerprint()
 }
 
 // Blocks evicted from the store's pool stay on its disk; a reader whose
@@ -118,23 +117,23 @@ func TestDiskTierBringsBackWhatReadersWant(t *testing.T) {
 		changed bool
 	}{{"whole files", false}, {"a file changed", true}} {
 		t.Run(tc.name, func(t *testing.T) {
-			cfg := testConfig(t)
+			cfg := bridgetest.Config(t)
 			cfg.Arbiter.Policy = "always-restore"
 			store, tier := diskStore(t, storeNodeConfig(cfg, 12, "lru"), t.TempDir(), 64<<20, disk.Raw)
 			owner, tokens := saved(t, cfg, "owner", 7, 6)
-			waitFor(t, "the store to write 6 blocks", func() bool { return tier.Stats().Files == 6 })
+			bridgetest.WaitFor(t, "the store to write 6 blocks", func() bool { return tier.Stats().Files == 6 })
 			require.NoError(t, owner.Close())
-			waitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 6 })
+			bridgetest.WaitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 6 })
 			chain := key.Chain(key.Root(registeredFP(t, cfg), key.Scope{}), tokens[:24], 4)
 			// Eviction takes the chain's last four blocks, as the pool's
 			// budget would: leaves first.
-			require.Equal(t, 4, evictChainTail(t, store, chain, 2))
-			flush(t, store)
+			require.Equal(t, 4, evictChainTail(t, store.Bridge, chain, 2))
+			flush(t, store.Bridge)
 			if tc.changed {
 				flipFileByte(t, tier.Dir()+"/"+chain[3].String()[:2]+"/"+chain[3].String())
 			}
-			r := openBridge(t, cfg, "reader")
-			mr := register(t, r, bigBlocks(t), 4)
+			r := bridgetest.Open(t, cfg, "reader")
+			mr := bridgetest.Register(t, r, bigBlocks(t), 4)
 			want := 6
 			if tc.changed {
 				want = 3
@@ -142,12 +141,12 @@ func TestDiskTierBringsBackWhatReadersWant(t *testing.T) {
 			// The reader's lookups find the two blocks still in the pool
 			// and ask for the rest; the store brings back what its disk
 			// holds whole.
-			waitFor(t, "the store to bring the wanted blocks back", func() bool {
+			bridgetest.WaitFor(t, "the store to bring the wanted blocks back", func() bool {
 				lk, err := mr.Lookup(key.Scope{}, tokens, 0)
 				require.NoError(t, err)
 				return lk.MatchedBlocks == want
 			})
-			n, _ := restoreFrom(t, mr, tokens)
+			n, _ := restoreFrom(t, cfg, mr, tokens)
 			assert.Equal(t, 4*want, n)
 			if tc.changed {
 				assert.Equal(t, int64(1), tier.Stats().Dropped, "the changed file")
@@ -161,23 +160,23 @@ func TestDiskTierBringsBackWhatReadersWant(t *testing.T) {
 
 // evictChainTail evicts chain[keep:] from b's pool, the only chain it
 // holds, as its budget would (leaves first), and returns how many went.
-func evictChainTail(t *testing.T, b *Bridge, chain []key.BlockKey, keep int) int {
+func evictChainTail(t *testing.T, b *bridge.Bridge, chain []key.BlockKey, keep int) int {
 	t.Helper()
 	before := b.Stats().Evictions
-	blk, ok := b.hold.Get(chain[keep])
+	blk, ok := b.Holdings().Get(chain[keep])
 	require.True(t, ok, "block %d is held", keep)
-	require.NoError(t, b.hold.Evict(int64(len(chain)-keep)*blk.Size))
+	require.NoError(t, b.Holdings().Evict(int64(len(chain)-keep)*blk.Size))
 	for i, k := range chain {
-		_, held := b.hold.Get(k)
+		_, held := b.Holdings().Get(k)
 		require.Equal(t, i < keep, held, "block %d held after the eviction", i)
 	}
 	return int(b.Stats().Evictions - before)
 }
 
 // flush waits until b's publisher has handed the directory everything.
-func flush(t *testing.T, b *Bridge) {
+func flush(t *testing.T, b *bridge.Bridge) {
 	t.Helper()
-	published(t, b, b.Stats())
+	bridgetest.Published(t, b, b.Stats())
 }
 
 func flipFileByte(t *testing.T, path string) {
@@ -196,14 +195,14 @@ func flipFileByte(t *testing.T, path string) {
 // A block evicted before the write-behind reached it is written on its
 // way out.
 func TestEvictionSpills(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	store, tier := diskStore(t, storeNodeConfig(cfg, 12, "lru"), t.TempDir(), 64<<20, disk.Raw)
 	_, tokens := saved(t, cfg, "owner", 8, 3)
-	waitFor(t, "the store to write 3 blocks", func() bool { return tier.Stats().Files == 3 })
+	bridgetest.WaitFor(t, "the store to write 3 blocks", func() bool { return tier.Stats().Files == 3 })
 	chain := key.Chain(key.Root(registeredFP(t, cfg), key.Scope{}), tokens[:12], 4)
 	// As if the write-behind had not got to the last block yet.
 	tier.Remove(chain[2])
-	require.NoError(t, store.hold.Evict(store.hold.Size()))
+	require.NoError(t, store.Holdings().Evict(store.Holdings().Size()))
 	assert.True(t, tier.Has(chain[2]), "the evicted block is on the disk")
 	assert.Equal(t, int64(1), store.Stats().Spilled)
 }
@@ -212,13 +211,13 @@ func TestEvictionSpills(t *testing.T) {
 // runs on, its pool serving every block, and a restart brings back what
 // the disk kept.
 func TestDiskTierFull(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	cfg.Arbiter.Policy = "always-restore"
 	dir := testenv.TmpFS(t, "200k")
 	store, tier := diskStore(t, storeNodeConfig(cfg, 12, "lru"), dir, 64<<20, disk.Raw)
 	owner, tokens := saved(t, cfg, "owner", 9, 5)
-	waitFor(t, "the store to copy 5 blocks", func() bool { return store.Stats().Replicated == 5 })
-	waitFor(t, "the write-behind to try them all", func() bool {
+	bridgetest.WaitFor(t, "the store to copy 5 blocks", func() bool { return store.Stats().Replicated == 5 })
+	bridgetest.WaitFor(t, "the write-behind to try them all", func() bool {
 		st := tier.Stats()
 		return st.Written+st.WriteErrors >= 5
 	})
@@ -227,24 +226,24 @@ func TestDiskTierFull(t *testing.T) {
 	require.Positive(t, st.Files)
 	assert.Less(t, st.Budget, int64(64<<20), "the budget follows the filesystem")
 	require.NoError(t, owner.Close())
-	waitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 5 })
-	r := openBridge(t, cfg, "reader")
-	mr := register(t, r, bigBlocks(t), 4)
-	n, _ := restoreFrom(t, mr, tokens)
+	bridgetest.WaitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 5 })
+	r := bridgetest.Open(t, cfg, "reader")
+	mr := bridgetest.Register(t, r, bigBlocks(t), 4)
+	n, _ := restoreFrom(t, cfg, mr, tokens)
 	assert.Equal(t, 20, n, "the pool serves what the disk could not take")
 	require.NoError(t, store.Close())
 
 	again, _ := diskStore(t, storeNodeConfig(cfg, 12, "lru"), dir, 64<<20, disk.Raw)
 	back := again.RefillFromDisk()
 	require.Equal(t, int(st.Files), back)
-	r = openBridge(t, cfg, "reader-2")
-	mr = register(t, r, bigBlocks(t), 4)
-	waitFor(t, "the reader to find what came back", func() bool {
+	r = bridgetest.Open(t, cfg, "reader-2")
+	mr = bridgetest.Register(t, r, bigBlocks(t), 4)
+	bridgetest.WaitFor(t, "the reader to find what came back", func() bool {
 		lk, err := mr.Lookup(key.Scope{}, tokens, 0)
 		require.NoError(t, err)
 		return lk.MatchedBlocks == back
 	})
-	n, _ = restoreFrom(t, mr, tokens)
+	n, _ = restoreFrom(t, cfg, mr, tokens)
 	assert.Equal(t, 4*back, n, "the chain's first blocks, whole")
 }
 
@@ -252,30 +251,30 @@ func TestDiskTierFull(t *testing.T) {
 // fixed address) fails its reader's next load once, which retires the
 // cached segment; the load after it opens the new holder and restores.
 func TestRestartedHolderIsReopened(t *testing.T) {
-	cfg := testConfig(t)
+	cfg := bridgetest.Config(t)
 	cfg.Arbiter.Policy = "always-restore"
 	dir := t.TempDir()
 	store, tier := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Raw)
 	owner, tokens := saved(t, cfg, "owner", 11, 2)
-	waitFor(t, "the store to write 2 blocks", func() bool { return tier.Stats().Files == 2 })
+	bridgetest.WaitFor(t, "the store to write 2 blocks", func() bool { return tier.Stats().Files == 2 })
 	require.NoError(t, owner.Close())
-	waitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 2 })
-	r := openBridge(t, cfg, "reader")
-	mr := register(t, r, bigBlocks(t), 4)
-	n, _ := restoreFrom(t, mr, tokens)
+	bridgetest.WaitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 2 })
+	r := bridgetest.Open(t, cfg, "reader")
+	mr := bridgetest.Register(t, r, bigBlocks(t), 4)
+	n, _ := restoreFrom(t, cfg, mr, tokens)
 	require.Equal(t, 8, n)
 	require.NoError(t, store.Close())
 
 	again, _ := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Raw)
 	require.Equal(t, 2, again.RefillFromDisk())
-	waitFor(t, "the reader to find what came back", func() bool {
+	bridgetest.WaitFor(t, "the reader to find what came back", func() bool {
 		lk, err := mr.Lookup(key.Scope{}, tokens, 0)
 		require.NoError(t, err)
 		return lk.MatchedBlocks == 2
 	})
 	h := bigBlocks(t)
-	_, err := loadAll(t, mr, h, key.Scope{}, tokens[:8], kvtest.SeqCells(8))
+	_, err := bridgetest.LoadAll(t, mr, h, key.Scope{}, tokens[:8], kvtest.SeqCells(8))
 	require.Equal(t, status.Transfer, status.Of(err), "the cached segment names the old holder")
-	n, _ = restoreFrom(t, mr, tokens)
+	n, _ = restoreFrom(t, cfg, mr, tokens)
 	assert.Equal(t, 8, n, "reopened")
 }

@@ -1,4 +1,4 @@
-package bridge
+package storenode
 
 import (
 	"sort"
@@ -29,7 +29,7 @@ import (
 // Nothing is ever read from a file by a peer: a block is verified in full
 // on its way back into the pool, and only the pool is published.
 type diskTier struct {
-	b    *Bridge
+	n    *Node
 	disk *disk.Tier
 
 	mu      sync.Mutex
@@ -44,27 +44,12 @@ type diskTier struct {
 	scratch []byte // a block read back is checked here before it enters the pool
 }
 
-// UseDisk gives a store node a disk tier. It must be called before
-// Replicate; the bridge uses the tier until Close, which writes every
-// block of the pool to it first. The caller keeps ownership of t.
-func (b *Bridge) UseDisk(t *disk.Tier) error {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.closed || b.tier != nil || b.stopReplication != nil {
-		return status.Errorf(status.State, "a disk tier is given once, before replication starts")
-	}
-	d := &diskTier{b: b, disk: t, wake: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{})}
-	b.tier = d
-	go d.run()
-	return nil
+func newDiskTier(n *Node, t *disk.Tier) *diskTier {
+	return &diskTier{n: n, disk: t, wake: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{})}
 }
 
-// stopDisk writes what the pool holds and ends the tier's goroutine.
-func (b *Bridge) stopDisk() {
-	d := b.tier
-	if d == nil {
-		return
-	}
+// stopOnce writes what the pool holds and ends the tier's goroutine.
+func (d *diskTier) stopOnce() {
 	d.once.Do(func() {
 		close(d.stop)
 		<-d.done
@@ -108,7 +93,7 @@ func (d *diskTier) run() {
 		d.persist, d.wants = nil, nil
 		d.mu.Unlock()
 		if len(wants) > 0 {
-			d.b.bringBack(wants)
+			d.n.bringBack(wants)
 		}
 		for _, k := range persist {
 			select {
@@ -125,7 +110,7 @@ func (d *diskTier) run() {
 // persistAll writes every block of the pool that has no file yet.
 func (d *diskTier) persistAll() {
 	var keys []key.BlockKey
-	d.b.hold.View(func(r holdings.Reader) {
+	d.n.hold.View(func(r holdings.Reader) {
 		r.Walk(func(e holdings.Entry) bool {
 			if !d.disk.Has(e.Key) {
 				keys = append(keys, e.Key)
@@ -144,58 +129,51 @@ func metaOf(s *holdings.Block, uses uint32) disk.Meta {
 
 // write writes one block of the pool to its file, pinned meanwhile.
 func (d *diskTier) write(k key.BlockKey) {
-	b := d.b
+	n := d.n
 	if d.disk.Has(k) {
 		return
 	}
-	e, ok := b.hold.Pin(k, holdings.AnyGeneration)
+	e, ok := n.hold.Pin(k, holdings.AnyGeneration)
 	if !ok {
 		return
 	}
 	s := e.Value
-	err := d.disk.Put(b.hold.Bytes(s.Off, s.Size), metaOf(&s, e.Uses))
-	b.hold.Unpin(k)
+	err := d.disk.Put(n.hold.Bytes(s.Off, s.Size), metaOf(&s, e.Uses))
+	n.hold.Unpin(k)
 	if err != nil {
-		b.log.Warn("mcbridge: disk tier: a block stays in memory only", "block", k, "err", err)
+		n.log.Warn("mcbridge: disk tier: a block stays in memory only", "block", k, "err", err)
 		return
 	}
-	b.stats.add(&b.stats.persisted, 1)
+	n.stats.persisted.Add(1)
 }
 
 // spill writes evicted blocks that have no file yet, before their memory
 // is reused: eviction moves them to the disk instead of losing them.
 func (d *diskTier) spill(gone []holdings.Entry) {
-	b := d.b
+	n := d.n
 	for i := range gone {
 		s := &gone[i].Value
 		if d.disk.Has(gone[i].Key) {
 			continue
 		}
-		if err := d.disk.Put(b.hold.Bytes(s.Off, s.Size), metaOf(s, gone[i].Uses)); err != nil {
-			b.log.Warn("mcbridge: disk tier: an evicted block is lost", "block", gone[i].Key, "err", err)
+		if err := d.disk.Put(n.hold.Bytes(s.Off, s.Size), metaOf(s, gone[i].Uses)); err != nil {
+			n.log.Warn("mcbridge: disk tier: an evicted block is lost", "block", gone[i].Key, "err", err)
 			continue
 		}
-		b.stats.add(&b.stats.spilled, 1)
+		n.stats.spilled.Add(1)
 	}
-}
-
-// blockCost is what recomputing a block at depth costs, by the arbiter's
-// prefill model: a block further down a chain attends to more positions.
-func (b *Bridge) blockCost(blockTokens int, depth uint32) float64 {
-	start := int(depth) * blockTokens
-	return b.arb.PrefillTime(start, start+blockTokens).Seconds()
 }
 
 // bringBack reads blocks of the disk tier back into the pool, in the order
 // given (a chain: parents first), and publishes them with any that the
 // pool holds unpublished. It stops at the first block it cannot bring,
 // which no later one of a chain could do without.
-func (b *Bridge) bringBack(keys []key.BlockKey) int {
-	d := b.tier
+func (n *Node) bringBack(keys []key.BlockKey) int {
+	d := n.tier
 	var held []key.BlockKey
 	brought := 0
 	for _, k := range keys {
-		if s, ok := b.hold.Get(k); ok {
+		if s, ok := n.hold.Get(k); ok {
 			if s.State == holdings.Replica {
 				held = append(held, k)
 			}
@@ -205,24 +183,24 @@ func (b *Bridge) bringBack(keys []key.BlockKey) int {
 		if !ok {
 			continue
 		}
-		if err := b.readBack(m); err != nil {
-			b.log.Warn("mcbridge: disk tier: a block cannot come back", "block", k, "err", err)
+		if err := n.readBack(m); err != nil {
+			n.log.Warn("mcbridge: disk tier: a block cannot come back", "block", k, "err", err)
 			break
 		}
 		held = append(held, k)
 		brought++
 	}
-	b.publishHeld(held)
+	n.host.PublishHeld(held)
 	return brought
 }
 
 // readBack brings one block from its file into the pool: decoded and
 // verified in scratch memory first, then copied in under the seqlock with
 // a generation of this pool's own.
-func (b *Bridge) readBack(m disk.Meta) error {
-	d := b.tier
-	if m.RawLen > b.hold.Size()/2 {
-		return status.Errorf(status.PoolFull, "a block of %d bytes in a pool of %d", m.RawLen, b.hold.Size())
+func (n *Node) readBack(m disk.Meta) error {
+	d := n.tier
+	if m.RawLen > n.hold.Size()/2 {
+		return status.Errorf(status.PoolFull, "a block of %d bytes in a pool of %d", m.RawLen, n.hold.Size())
 	}
 	d.readMu.Lock()
 	defer d.readMu.Unlock()
@@ -237,34 +215,24 @@ func (b *Bridge) readBack(m disk.Meta) error {
 	if err != nil {
 		return err
 	}
-	off, err := b.hold.Alloc(m.RawLen)
+	off, err := n.hold.Alloc(m.RawLen)
 	if err != nil {
 		return err
 	}
-	block := b.hold.Bytes(off, m.RawLen)
-	gen := b.hold.NextGeneration()
+	block := n.hold.Bytes(off, m.RawLen)
+	gen := n.hold.NextGeneration()
 	pool.BeginWrite(block, gen)
 	copy(block[:8], buf[:8])
 	copy(block[16:], buf[16:])
 	pool.EndWrite(block, gen)
 	s := holdings.Block{Model: m.Model, Off: off, Size: m.RawLen, Gen: gen, Depth: m.Depth,
 		Entry: directory.Entry{Model: m.Model, Key: m.Key, Parent: m.Parent, Loc: directory.Location{Checksum: m.HeaderSum}}}
-	if err := b.hold.Admit(m.Parent, s, b.blockCost(g.BlockTokens, m.Depth), m.Uses); err != nil {
-		b.hold.Invalidate(off, m.RawLen)
+	if err := n.hold.Admit(m.Parent, s, n.blockCost(g.BlockTokens, m.Depth), m.Uses); err != nil {
+		n.hold.Invalidate(off, m.RawLen)
 		return err
 	}
-	b.stats.add(&b.stats.pagedIn, 1)
+	n.stats.pagedIn.Add(1)
 	return nil
-}
-
-// publishHeld offers the directory blocks of the pool that it does not
-// name as this store's: copies whose owner let go, blocks read back from
-// the disk. One another process publishes first stays a replica.
-func (b *Bridge) publishHeld(keys []key.BlockKey) {
-	_, refused := b.hold.TakeOver(keys, func(s holdings.Block) directory.Location {
-		return b.location(s.Off, s.Size, s.Entry.Loc.Checksum, s.Gen)
-	}, b.pub.offer)
-	b.stats.add(&b.stats.publishDropped, int64(refused))
 }
 
 // RefillFromDisk reads the disk tier back into the pool after a restart,
@@ -273,8 +241,8 @@ func (b *Bridge) publishHeld(keys []key.BlockKey) {
 // parent (or as a chain's first), so that every block brought back
 // continues a prefix a reader can restore. They are published as this
 // store's. It returns how many came back.
-func (b *Bridge) RefillFromDisk() int {
-	d := b.tier
+func (n *Node) RefillFromDisk() int {
+	d := n.tier
 	if d == nil {
 		return 0
 	}
@@ -290,7 +258,7 @@ func (b *Bridge) RefillFromDisk() int {
 		onDisk[m.Key] = true
 	}
 	in := map[key.BlockKey]bool{}
-	limit := b.hold.Size() / 8 * 7
+	limit := n.hold.Size() / 8 * 7
 	var order []key.BlockKey
 	var used int64
 	for _, m := range blocks {
@@ -304,26 +272,18 @@ func (b *Bridge) RefillFromDisk() int {
 		in[m.Key] = true
 		order = append(order, m.Key)
 	}
-	n := 0
+	back := 0
 	for _, k := range order {
 		m, ok := d.disk.Meta(k)
 		if !ok {
 			continue
 		}
-		if err := b.readBack(m); err != nil {
-			b.log.Warn("mcbridge: disk tier: a block cannot come back", "block", k, "err", err)
+		if err := n.readBack(m); err != nil {
+			n.log.Warn("mcbridge: disk tier: a block cannot come back", "block", k, "err", err)
 			continue
 		}
-		n++
+		back++
 	}
-	b.publishHeld(order)
-	return n
-}
-
-// DiskStats is the disk tier's counters; zero without one.
-func (b *Bridge) DiskStats() disk.Stats {
-	if b.tier == nil {
-		return disk.Stats{}
-	}
-	return b.tier.disk.Stats()
+	n.host.PublishHeld(order)
+	return back
 }

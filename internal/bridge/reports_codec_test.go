@@ -1,0 +1,63 @@
+package bridge
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/status"
+)
+
+func TestReportCodec(t *testing.T) {
+	var items []reportItem
+	for i := range 150 {
+		items = append(items, reportItem{key: key.Hash{byte(i), 1, 2}, gen: uint64(i) * 1e15})
+	}
+	for _, kind := range []reportKind{reportUsed, reportBad, reportWant} {
+		msgs := encodeReports(kind, items)
+		require.Len(t, msgs, 3, "150 items in messages of %d", maxReportItems)
+		var got []reportItem
+		for _, m := range msgs {
+			k, its, err := parseReport(m)
+			require.NoError(t, err, m)
+			require.Equal(t, kind, k)
+			got = append(got, its...)
+		}
+		want := items
+		if kind != reportBad {
+			want = make([]reportItem, len(items))
+			for i := range items {
+				want[i] = reportItem{key: items[i].key}
+			}
+		}
+		require.Equal(t, want, got)
+	}
+	for _, bad := range []string{"", "u", "x 00", "uu " + key.Hash{}.String(), "u 00", "u " + strings.Repeat("g", 32),
+		"b " + key.Hash{}.String(), "b " + key.Hash{}.String() + ":x", "u " + strings.Repeat(key.Hash{}.String()+" ", maxReportItems+1)} {
+		_, _, err := parseReport(bad)
+		assert.Equal(t, status.InvalidArg, status.Of(err), "%q: %v", bad, err)
+	}
+}
+
+// FuzzParseReport: a message either fails or encodes back to what it says.
+func FuzzParseReport(f *testing.F) {
+	f.Add("u " + key.Hash{1}.String())
+	f.Add("b " + key.Hash{2}.String() + ":42 " + key.Hash{3}.String() + ":0")
+	f.Add("w")
+	f.Fuzz(func(t *testing.T, msg string) {
+		kind, items, err := parseReport(msg)
+		if err != nil {
+			require.Equal(t, status.InvalidArg, status.Of(err))
+			return
+		}
+		again := encodeReports(kind, items)
+		require.Len(t, again, 1)
+		k2, items2, err := parseReport(again[0])
+		require.NoError(t, err)
+		require.Equal(t, kind, k2)
+		require.Equal(t, items, items2)
+	})
+}
