@@ -35,11 +35,16 @@ type LayerFormat struct {
 type Format struct {
 	VTrans bool
 	Layers []LayerFormat
+	// CellExt says that the cells of the model's states carry an extension
+	// (M-RoPE and per-layer-embedding caches). Hosts that hand over tensors
+	// keep their cells themselves and leave it unset; it is not part of the
+	// fingerprint, as it changes no KV byte.
+	CellExt bool
 }
 
 // Equal reports whether two formats describe the same rows.
 func (f *Format) Equal(o *Format) bool {
-	if f.VTrans != o.VTrans || len(f.Layers) != len(o.Layers) {
+	if f.VTrans != o.VTrans || f.CellExt != o.CellExt || len(f.Layers) != len(o.Layers) {
 		return false
 	}
 	for i := range f.Layers {
@@ -58,7 +63,7 @@ func FormatOf(st *llamastate.State) (Format, int, error) {
 		return Format{}, 0, err
 	}
 	s := &st.Streams[si]
-	f := Format{VTrans: s.VTrans, Layers: make([]LayerFormat, len(s.Layers))}
+	f := Format{VTrans: s.VTrans, Layers: make([]LayerFormat, len(s.Layers)), CellExt: st.CellExt}
 	for l, ly := range s.Layers {
 		f.Layers[l] = LayerFormat{KType: ly.KType, KRow: ly.KRowSize, VType: ly.VType, VRow: ly.VRowSize}
 		if s.VTrans {

@@ -323,3 +323,93 @@ func stateRows(t *testing.T, st *llamastate.State) map[int][]byte {
 	}
 	return out
 }
+
+// withExts is a state blob whose cells carry the extensions ext gives their
+// positions (an M-RoPE or per-layer-embedding cache's).
+func withExts(t *testing.T, blob []byte, ext func(pos int32) llamastate.CellExt) []byte {
+	st, err := llamastate.Parse(blob)
+	require.NoError(t, err)
+	st.CellExt = true
+	for i := range st.Streams {
+		for c := range st.Streams[i].Cells {
+			st.Streams[i].Cells[c].Ext = ext(st.Streams[i].Cells[c].Pos)
+		}
+	}
+	b, err := st.Build()
+	require.NoError(t, err)
+	return b
+}
+
+// States whose cells carry extensions: the probe's must be a text prompt's
+// (M-RoPE's 2-D position the token's, or none), they get the fingerprint of
+// the same KV without them, only the blocks of text cells are saved, and a
+// restore writes the text prompt's extensions.
+func TestStateCellExtensions(t *testing.T) {
+	model := tinyModel(t)
+	c := config.Default()
+	c.PoolBytes, c.BlockTokens, c.Directory.Name = 16<<20, 4, t.Name()
+	c.Arbiter.Policy = "always-restore"
+	b, err := bridge.Open(c, bridge.Deps{})
+	require.NoError(t, err)
+	defer b.Close()
+	h := kvtest.New(t, 2, 32, 32, 48, false)
+	probe := ProbeTokens()
+	h.Fill(probe, kvtest.SeqCells(8))
+	plainProbe := stateOf(t, h, kvtest.SeqCells(8))
+	plain, _, err := RegisterState(b, Identity{GGUFPath: model}, plainProbe)
+	require.NoError(t, err)
+
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(3)), 13)
+	for _, pos2D := range []bool{true, false} {
+		text := func(toks []int32) func(int32) llamastate.CellExt {
+			return func(p int32) llamastate.CellExt {
+				if pos2D {
+					return llamastate.CellExt{X: p, Y: p, Tok: toks[p]}
+				}
+				return llamastate.CellExt{Tok: toks[p]}
+			}
+		}
+		m, nStream, err := RegisterState(b, Identity{GGUFPath: model}, withExts(t, plainProbe, text(probe)))
+		require.NoError(t, err, "pos2D %v", pos2D)
+		assert.True(t, m.Format.CellExt)
+		assert.Equal(t, plain.Fingerprint(), m.Fingerprint(), "pos2D %v: the extensions change no KV byte", pos2D)
+		_, _, err = RegisterState(b, Identity{GGUFPath: model}, withExts(t, plainProbe, func(p int32) llamastate.CellExt {
+			return llamastate.CellExt{X: p, Y: 2 * p, Tok: probe[p]}
+		}))
+		assert.Equal(t, status.Unsupported, status.Of(err), "pos2D %v: a probe of no text prompt's cells: %v", pos2D, err)
+
+		cells := kvtest.ScatteredCells(rand.New(rand.NewSource(4)), 13, 32)
+		h.Fill(tokens, cells)
+		media := func(p int32) llamastate.CellExt {
+			if p == 9 {
+				return llamastate.CellExt{X: 3, Y: 4, Tok: -1} // an image's
+			}
+			return text(tokens)(p)
+		}
+		_, err = m.SaveState(key0(), stateOf(t, h, cells), tokens)
+		assert.Equal(t, status.ModelMismatch, status.Of(err), "pos2D %v: a state without extensions: %v", pos2D, err)
+		saved, err := m.SaveState(key0(), withExts(t, stateOf(t, h, cells), media), tokens)
+		require.NoError(t, err)
+		assert.Equal(t, 2, saved.Queued, "pos2D %v: the blocks before the image's cell", pos2D)
+
+		var plan *bridge.Plan
+		require.Eventually(t, func() bool {
+			plan, err = m.Lookup(key0(), tokens, 0)
+			return err == nil && plan.RestoreTokens == 8
+		}, 10*time.Second, time.Millisecond)
+		blob, res, err := m.RestoreState(plan, Frame{Kind: llamastate.SlotFile, NStream: nStream, SeqID: 1},
+			func(n int) []byte { return make([]byte, n) })
+		require.NoError(t, err)
+		require.Equal(t, 8, res.OKTokens)
+		st, err := llamastate.Parse(blob)
+		require.NoError(t, err)
+		require.True(t, st.CellExt)
+		got := stateRows(t, st)
+		for p, cell := range st.Streams[0].Cells {
+			assert.Equal(t, text(tokens)(cell.Pos), cell.Ext, "pos2D %v: the cell at %d", pos2D, cell.Pos)
+			assert.Equal(t, hostRows(h, int(cells[p])), got[p], "pos2D %v: position %d", pos2D, p)
+		}
+		// Another prompt for the next round.
+		tokens = kvtest.Tokens(rand.New(rand.NewSource(5)), 13)
+	}
+}

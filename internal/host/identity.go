@@ -46,6 +46,19 @@ type Identity struct {
 type Model struct {
 	*bridge.Model
 	Format Format
+	// pos2D says that, in a format with cell extensions, a cell's 2-D
+	// position is its token's position (M-RoPE), not zero.
+	pos2D bool
+}
+
+// textExt is the extension llama.cpp gives the cell of position pos when it
+// computes text token tok there (llama_kv_cache::apply_ubatch): a text
+// prompt broadcasts its position to M-RoPE's spatial axes.
+func (m *Model) textExt(pos, tok int32) llamastate.CellExt {
+	if m.pos2D {
+		return llamastate.CellExt{X: pos, Y: pos, Tok: tok}
+	}
+	return llamastate.CellExt{Tok: tok}
 }
 
 // Register registers id's model with b. probe and cells locate the KV of
@@ -123,6 +136,10 @@ func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, in
 			return nil, 0, status.Errorf(status.InvalidArg, "the probe state holds other tokens")
 		}
 	}
+	pos2D, err := probeExt(st, si, cells)
+	if err != nil {
+		return nil, 0, err
+	}
 	id.Format = f
 	lo := StateLayout(probeState, &st.Streams[si])
 	cs := make([]uint32, len(cells))
@@ -133,7 +150,25 @@ func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, in
 	if err != nil {
 		return nil, 0, err
 	}
+	m.pos2D = pos2D
 	return m, len(st.Streams), nil
+}
+
+// probeExt checks the probe's cell extensions, when its state has them,
+// against a text prompt's and says whether they carry 2-D positions.
+func probeExt(st *llamastate.State, si int, cells []int) (pos2D bool, err error) {
+	if !st.CellExt {
+		return false, nil
+	}
+	s := &st.Streams[si]
+	pos2D = s.Cells[cells[1]].Ext.X == 1
+	probe := &Model{pos2D: pos2D}
+	for p, c := range cells {
+		if got, want := s.Cells[c].Ext, probe.textExt(int32(p), probeTokens[p]); got != want {
+			return false, status.Errorf(status.Unsupported, "the probe's cell at %d carries %+v, a text prompt's %+v", p, got, want)
+		}
+	}
+	return pos2D, nil
 }
 
 func equalTokens(a, b []int32) bool {

@@ -47,6 +47,20 @@ func (m *Model) SaveState(scope key.Scope, state []byte, tokens []int32) (bridge
 	if err != nil {
 		return bridge.SaveResult{}, err
 	}
+	if m.Format.CellExt {
+		// Only cells whose extensions are the prompt's text tokens' hold KV
+		// a restore recreates (no media embeddings).
+		for p, c := range at {
+			if s.Cells[c].Ext != m.textExt(int32(p), tokens[p]) {
+				n = p / B * B
+				break
+			}
+		}
+		if n == 0 {
+			return bridge.SaveResult{}, status.Errorf(status.Unsupported, "the state's first block holds cells of no text prompt")
+		}
+		at = at[:n]
+	}
 	cells := make([]uint32, n)
 	for i, c := range at {
 		cells[i] = uint32(c)
@@ -144,7 +158,7 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 // only gives them their lengths: FrameInto writes around them.
 func (m *Model) emptyState(fr Frame, tokens []int32) *llamastate.State {
 	n := len(tokens)
-	st := &llamastate.State{Kind: fr.Kind, SeqID: fr.SeqID, Streams: make([]llamastate.Stream, fr.NStream)}
+	st := &llamastate.State{Kind: fr.Kind, SeqID: fr.SeqID, Streams: make([]llamastate.Stream, fr.NStream), CellExt: m.Format.CellExt}
 	if fr.Kind == llamastate.SlotFile {
 		st.Words = ServerWords(tokens)
 	}
@@ -155,6 +169,9 @@ func (m *Model) emptyState(fr Frame, tokens []int32) *llamastate.State {
 	for p := range s.Cells {
 		ids[p] = fr.SeqID
 		s.Cells[p] = llamastate.Cell{Pos: int32(p), SeqIDs: ids[p : p+1 : p+1]}
+		if st.CellExt {
+			s.Cells[p].Ext = m.textExt(int32(p), tokens[p])
+		}
 	}
 	var widest uint64
 	for _, ly := range m.Format.Layers {

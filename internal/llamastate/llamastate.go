@@ -8,10 +8,13 @@
 //
 // A reverse proxy splits slot files into blocks of positions and reassembles
 // a prefix with Slice. The format is version-specific: this package keys on
-// v0.5.0 and refuses other magics and slot versions. Cell extensions (M-RoPE
-// and per-layer-embedding models) and caches with layers lacking V (MLA)
-// cannot be told apart from the plain layout without the model, so they are
-// not supported: such input fails to parse or parses to other cells.
+// v0.5.0 and refuses other magics and slot versions. The cells of M-RoPE and
+// per-layer-embedding caches carry an extension (llama_kv_cell_ext), which
+// nothing in the state flags: Parse reads a state with them when it does not
+// read as one without, and says so in CellExt. Caches with layers lacking V
+// (MLA) and states of several caches (sliding-window, hybrid and recurrent
+// models) are not supported: such input fails to parse or parses to other
+// cells.
 package llamastate
 
 import (
@@ -45,6 +48,8 @@ type State struct {
 	// llama-server's server_tokens::serialize, or a plain token list.
 	Words   []int32
 	Streams []Stream
+	// CellExt says that every cell carries an extension (Cell.Ext).
+	CellExt bool
 }
 
 // Stream is one KV stream's section. A stream without cells of the
@@ -59,6 +64,7 @@ type Stream struct {
 type Cell struct {
 	Pos    int32
 	SeqIDs []int32
+	Ext    CellExt // in states with CellExt only
 }
 
 // Layer is one layer's K and V. K holds one row of KRowSize bytes per cell,
@@ -79,9 +85,19 @@ type Layer struct {
 
 // reader reads little-endian fields; every count read is checked against
 // the bytes left before anything is sized by it.
+// CellExt is llama_kv_cell_ext: M-RoPE's 2-D position of the cell's token
+// and the token (per-layer embeddings hash n-grams of them).
+type CellExt struct {
+	X, Y, Tok int32
+}
+
+// cellExtSize is sizeof(llama_kv_cell_ext).
+const cellExtSize = 12
+
 type reader struct {
 	b   []byte
 	off int
+	ext bool // cells carry an extension
 }
 
 func (r *reader) left() int { return len(r.b) - r.off }
@@ -120,14 +136,27 @@ func (r *reader) bytes(n, size uint64, what string) ([]byte, int, error) {
 }
 
 // Parse reads a sequence state blob or slot file. It accepts exactly one
-// state: bytes after the last stream are an error.
+// state: bytes after the last stream are an error. A state that does not
+// read with plain cells is read again with extended ones (CellExt); the
+// error is the plain reading's when neither reads.
 func Parse(b []byte) (*State, error) {
-	r := &reader{b: b}
+	st, err := parse(b, false)
+	if err == nil {
+		return st, nil
+	}
+	if ext, errExt := parse(b, true); errExt == nil {
+		return ext, nil
+	}
+	return nil, err
+}
+
+func parse(b []byte, cellExt bool) (*State, error) {
+	r := &reader{b: b, ext: cellExt}
 	magic, err := r.u32("magic")
 	if err != nil {
 		return nil, err
 	}
-	st := &State{}
+	st := &State{CellExt: cellExt}
 	switch magic {
 	case SeqMagic:
 		st.Kind = Memory
@@ -195,6 +224,14 @@ func (r *reader) stream(s *Stream) error {
 		k, err := r.u32("cell sequence count")
 		if err != nil {
 			return err
+		}
+		if r.ext {
+			ext, _, err := r.bytes(1, cellExtSize, "cell extension")
+			if err != nil {
+				return err
+			}
+			cell.Ext = CellExt{X: int32(binary.LittleEndian.Uint32(ext)), Y: int32(binary.LittleEndian.Uint32(ext[4:])),
+				Tok: int32(binary.LittleEndian.Uint32(ext[8:]))}
 		}
 		ids, _, err := r.bytes(uint64(k), 4, "cell sequence ids")
 		if err != nil {
@@ -277,6 +314,9 @@ func (st *State) Size() int {
 		}
 		for _, c := range s.Cells {
 			n += 8 + 4*len(c.SeqIDs)
+			if st.CellExt {
+				n += cellExtSize
+			}
 		}
 		n += 8
 		for _, l := range s.Layers {
@@ -346,6 +386,11 @@ func (st *State) encode(w []byte, rows bool) []byte {
 		for _, c := range s.Cells {
 			w = le.AppendUint32(w, uint32(c.Pos))
 			w = le.AppendUint32(w, uint32(len(c.SeqIDs)))
+			if st.CellExt {
+				w = le.AppendUint32(w, uint32(c.Ext.X))
+				w = le.AppendUint32(w, uint32(c.Ext.Y))
+				w = le.AppendUint32(w, uint32(c.Ext.Tok))
+			}
 			for _, id := range c.SeqIDs {
 				w = le.AppendUint32(w, uint32(id))
 			}

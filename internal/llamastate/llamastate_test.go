@@ -314,3 +314,61 @@ func TestFrameIntoLeavesTheRows(t *testing.T) {
 		require.Error(t, st.FrameInto(b[:len(b)-1]), "%s: a buffer of the wrong size", file)
 	}
 }
+
+// withExt is st with every cell extended as an M-RoPE text prompt's are: the
+// position twice and the token.
+func withExt(st *State) *State {
+	out := *st
+	out.CellExt = true
+	out.Streams = slices.Clone(st.Streams)
+	for i := range out.Streams {
+		out.Streams[i].Cells = slices.Clone(st.Streams[i].Cells)
+		for c := range out.Streams[i].Cells {
+			p := out.Streams[i].Cells[c].Pos
+			out.Streams[i].Cells[c].Ext = CellExt{X: p, Y: p, Tok: 3 + p}
+		}
+	}
+	return &out
+}
+
+// Cells with extensions (M-RoPE, per-layer embeddings) read as such, build
+// back to the same bytes and keep their extensions through Slice; the same
+// state without them still reads as plain.
+func TestCellExtensions(t *testing.T) {
+	for _, file := range []string{"slot-fa-on.bin", "seq-fa-off.bin", "seq-scattered-fa-off.bin"} {
+		t.Run(file, func(t *testing.T) {
+			plain, err := Parse(readTestdata(t, file))
+			require.NoError(t, err)
+			require.False(t, plain.CellExt)
+			b, err := withExt(plain).Build()
+			require.NoError(t, err)
+			require.Len(t, plain.Streams, 1)
+			assert.Len(t, b, len(readTestdata(t, file))+cellExtSize*len(plain.Streams[0].Cells), "12 more bytes a cell")
+			st, err := Parse(b)
+			require.NoError(t, err)
+			require.True(t, st.CellExt, "read with extensions")
+			si, err := st.Sequence()
+			require.NoError(t, err)
+			for _, c := range st.Streams[si].Cells {
+				assert.Equal(t, CellExt{X: c.Pos, Y: c.Pos, Tok: 3 + c.Pos}, c.Ext, "cell at %d", c.Pos)
+			}
+			again, err := st.Build()
+			require.NoError(t, err)
+			assert.Equal(t, b, again, "builds back to its bytes")
+			assert.Equal(t, len(b), st.Size())
+
+			sl, err := st.Slice(8)
+			require.NoError(t, err)
+			require.True(t, sl.CellExt)
+			for p, c := range sl.Streams[si].Cells {
+				assert.Equal(t, CellExt{X: int32(p), Y: int32(p), Tok: 3 + int32(p)}, c.Ext, "sliced cell %d", p)
+			}
+			plainSl, err := plain.Slice(8)
+			require.NoError(t, err)
+			for l, ly := range sl.Streams[si].Layers {
+				assert.Equal(t, plainSl.Streams[si].Layers[l].K, ly.K, "layer %d: the same K rows as the plain state's", l)
+				assert.Equal(t, plainSl.Streams[si].Layers[l].V, ly.V, "layer %d: the same V as the plain state's", l)
+			}
+		})
+	}
+}

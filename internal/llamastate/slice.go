@@ -114,7 +114,7 @@ func (st *State) Slice(n int) (*State, error) {
 	}
 	si, _ := st.Sequence()
 	src := &st.Streams[si]
-	out := &State{Kind: st.Kind, SeqID: st.SeqID, Streams: make([]Stream, len(st.Streams))}
+	out := &State{Kind: st.Kind, SeqID: st.SeqID, Streams: make([]Stream, len(st.Streams)), CellExt: st.CellExt}
 	if st.Kind == SlotFile {
 		if out.Words, err = st.sliceWords(n); err != nil {
 			return nil, err
@@ -130,7 +130,7 @@ func (st *State) Slice(n int) (*State, error) {
 			return nil, status.Errorf(status.Unsupported, "cell %d belongs to %d sequences", c, len(src.Cells[c].SeqIDs))
 		}
 		ids[p] = src.Cells[c].SeqIDs[0]
-		dst.Cells[p] = Cell{Pos: int32(p), SeqIDs: ids[p : p+1 : p+1]}
+		dst.Cells[p] = Cell{Pos: int32(p), SeqIDs: ids[p : p+1 : p+1], Ext: src.Cells[c].Ext}
 	}
 	total := len(src.Cells)
 	dst.Layers = make([]Layer, len(src.Layers))
