@@ -230,7 +230,6 @@ private:
     const std::vector<cell_run>     runs;
     const std::vector<mcb_kv_layer> layers;
     const std::vector<uint32_t>     layer_ids;
-    const uint32_t                  strm; // the stream the cells are in
 
     std::vector<uint8_t> stream;
     size_t cur = 0;
