@@ -97,6 +97,10 @@ func postThrough(t *testing.T, url, path string, body any) answer {
 	if resp.StatusCode == 200 && path == "/completion" && !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
 		require.NoError(t, json.Unmarshal(out, &a.Completion), "%s", out)
 	}
+	// The proxy passes the upstream's body as it is; what it restored is in its headers.
+	if resp.Header.Get("Mcb-Restored-N") != "" {
+		a.MCB = testenv.ProxyOutcome(t, resp.Header)
+	}
 	return a
 }
 
