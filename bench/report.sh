@@ -3,7 +3,8 @@
 # writes docs/bench/README.md with its plots. MCB_BENCH_QUICK=1 runs the
 # quick mode (CI: every harness once, small sizes); without it, the full
 # run takes several minutes. Raw outputs land in bench/out/; results of the
-# end-to-end llama-server benchmark are read from bench/out/e2e.json;
+# llama-server benchmarks are read from bench/out/e2e.json, route.json and
+# agentapi.json;
 # `bench/report.sh -render-only` rewrites the README with them without
 # measuring again.
 set -euo pipefail

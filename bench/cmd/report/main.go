@@ -7,7 +7,8 @@
 // Run it from the repository root (bench/report.sh does). MCB_BENCH_QUICK=1
 // selects the quick mode for CI: small sizes, one iteration per benchmark,
 // part of the trace; its numbers show that everything runs, not how fast.
-// Raw outputs go to bench/out/ (bench.txt, report.json, e2e.json).
+// Raw outputs go to bench/out/ (bench.txt, report.json, e2e.json,
+// route.json, agentapi.json).
 package main
 
 import (
@@ -20,6 +21,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/mcbridge/mcbridge/bench/agentapi"
 	"github.com/mcbridge/mcbridge/bench/arbitereval"
 	"github.com/mcbridge/mcbridge/bench/route"
 	"github.com/mcbridge/mcbridge/internal/arbiter"
@@ -50,6 +52,9 @@ type report struct {
 
 	Route    *route.Report `json:"route,omitempty"` // bench/out/route.json, which BenchmarkRoute writes
 	RouteErr string        `json:"route_error,omitempty"`
+
+	AgentAPI    *agentapi.Report `json:"agentapi,omitempty"` // bench/out/agentapi.json, which BenchmarkAgentAPI writes
+	AgentAPIErr string           `json:"agentapi_error,omitempty"`
 
 	Stages []stage `json:"stages"`
 }
@@ -88,7 +93,7 @@ func main() {
 	out := flag.String("out", "docs/bench", "directory for README.md and the plots")
 	raw := flag.String("raw", "bench/out", "directory for raw outputs; e2e.json is read from it")
 	trace := flag.String("trace", "", "Mooncake trace to replay ($MCB_TRACE, else internal/replay/testdata/synthetic_trace.jsonl)")
-	renderOnly := flag.Bool("render-only", false, "measure nothing: rewrite the README and plots from the last report.json and the current e2e.json")
+	renderOnly := flag.Bool("render-only", false, "measure nothing: rewrite the README and plots from the last report.json and the current e2e.json, route.json and agentapi.json")
 	flag.Parse()
 	run := measure
 	if *renderOnly {
@@ -167,6 +172,10 @@ func (r *report) write(outDir, rawDir string) error {
 	if r.Route, err = readRoute(filepath.Join(rawDir, "route.json")); err != nil {
 		r.RouteErr = err.Error()
 	}
+	r.AgentAPIErr = ""
+	if r.AgentAPI, err = readAgentAPI(filepath.Join(rawDir, "agentapi.json")); err != nil {
+		r.AgentAPIErr = err.Error()
+	}
 	if err := writeJSON(filepath.Join(rawDir, "report.json"), r); err != nil {
 		return err
 	}
@@ -213,6 +222,7 @@ func (r *report) runBenchmarks(rawPath string) error {
 		{"./internal/store/mooncake/", "Store", benchtime},
 		{"./bench/e2e/", ".", "1x"},
 		{"./bench/route/", "Route", "1x"},
+		{"./bench/agentapi/", "AgentAPI", "1x"},
 	} {
 		cmd := exec.Command("go", "test", "-run", "^$", "-bench", run.bench, "-benchtime", run.benchtime, "-count", "1", "-timeout", "2h", run.pkg)
 		cmd.Env = append(os.Environ(), "MCB_E2E_OUT="+filepath.Join(filepath.Dir(rawPath), "e2e.json"), "MCB_BENCH_OUT="+filepath.Dir(rawPath))

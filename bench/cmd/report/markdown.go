@@ -113,6 +113,7 @@ func writeMarkdown(w io.Writer, r *report) {
 	r.writeArbiter(m)
 	r.writeE2E(m)
 	r.writeRoute(m)
+	r.writeAgentAPI(m)
 	r.writeDisk(m)
 	r.writeStore(m)
 	writeNotes(m)

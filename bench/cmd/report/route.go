@@ -23,8 +23,9 @@ import (
 
 const routePlot = "route_ttft.svg"
 
-// readRoute reads bench/out/route.json; nil without error when absent.
-func readRoute(path string) (*route.Report, error) {
+// readResults reads a benchmark's JSON results; nil without error when the
+// file is absent (the benchmark did not run).
+func readResults[T any](path string) (*T, error) {
 	b, err := os.ReadFile(path)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
@@ -32,14 +33,20 @@ func readRoute(path string) (*route.Report, error) {
 	if err != nil {
 		return nil, err
 	}
-	var r route.Report
-	if err := json.Unmarshal(b, &r); err != nil {
+	var v T
+	if err := json.Unmarshal(b, &v); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	if len(r.Results) == 0 {
+	return &v, nil
+}
+
+// readRoute reads bench/out/route.json; nil without error when absent.
+func readRoute(path string) (*route.Report, error) {
+	r, err := readResults[route.Report](path)
+	if r != nil && len(r.Results) == 0 {
 		return nil, fmt.Errorf("%s: no results", path)
 	}
-	return &r, nil
+	return r, err
 }
 
 func mib(b int64) string { return num(float64(b)/(1<<20), 1) }

@@ -1,0 +1,136 @@
+// Package agentapi measures agent swarms that speak the agent APIs,
+// Anthropic Messages (Claude Code) and OpenAI Responses (Codex), through
+// `mcbridge proxy` in front of stock llama-servers, against the same
+// requests sent straight to stock llama-servers, in one run.
+//
+//	go test -run '^$' -bench AgentAPI -benchtime 1x -timeout 60m ./bench/agentapi
+//	bench/report.sh -render-only   # docs/bench/README.md with it, after a full run
+//
+// Three swarms run on each side: Messages only, Responses only, and both
+// mixed (even agents Messages, odd ones Responses). Agents agents, at least
+// as many as the servers have slots together, share one system prompt and
+// tool schema and each works on a task of its own, turn after turn; a
+// turn's conversation holds the earlier turns and the model's answers. All
+// requests are streamed through the vendors' SDKs; a request's time to
+// first token is the time until its first event (llama-server sends the
+// first event with the first token). Each side runs on fresh servers: the
+// stock side with nothing cached, the proxy side as a running swarm (one
+// request of each API the swarm speaks, through the proxy, has computed and
+// published the shared prefix, not measured). The report pairs every
+// request with its stock twin. It lands in bench/out/agentapi.json, which
+// bench/report.sh (which runs this benchmark with the others) renders into
+// docs/bench/README.md ("Agent APIs").
+package agentapi
+
+import "sort"
+
+// Request is one measured request.
+type Request struct {
+	Agent    int     `json:"agent"`
+	Turn     int     `json:"turn"`
+	API      string  `json:"api"` // messages or responses
+	TTFTMS   float64 `json:"ttft_ms"`
+	TotalMS  float64 `json:"total_ms"`
+	Restored int     `json:"restored,omitempty"` // the proxy's Mcb-Restored-N
+	Answer   string  `json:"answer"`
+}
+
+// Run is one swarm on one side.
+type Run struct {
+	Swarm      string    `json:"swarm"` // messages, responses or mixed
+	Side       string    `json:"side"`  // stock or proxy
+	MakespanMS float64   `json:"makespan_ms"`
+	Requests   []Request `json:"requests"` // by agent, then turn
+	// Exclusive is the proxy's mcproxy_exclusive_total over the run:
+	// requests that held every slot of their upstream.
+	Exclusive float64 `json:"exclusive,omitempty"`
+}
+
+// Percentiles of TTFT, in ms.
+type Percentiles struct {
+	Min float64 `json:"min"`
+	P50 float64 `json:"p50"`
+	P90 float64 `json:"p90"`
+	Max float64 `json:"max"`
+}
+
+func percentiles(xs []float64) Percentiles {
+	if len(xs) == 0 {
+		return Percentiles{}
+	}
+	s := append([]float64(nil), xs...)
+	sort.Float64s(s)
+	at := func(q float64) float64 { return s[int(q*float64(len(s)-1)+0.5)] }
+	return Percentiles{Min: s[0], P50: at(0.5), P90: at(0.9), Max: s[len(s)-1]}
+}
+
+// Row compares one swarm's two sides.
+type Row struct {
+	Swarm           string      `json:"swarm"`
+	StockMakespanMS float64     `json:"stock_makespan_ms"`
+	ProxyMakespanMS float64     `json:"proxy_makespan_ms"`
+	StockTTFT       Percentiles `json:"stock_ttft_ms"`
+	ProxyTTFT       Percentiles `json:"proxy_ttft_ms"`
+	Requests        int         `json:"requests"`
+	// SlowerThanStock counts the proxy's requests slower to their first
+	// token than their stock twin (the same agent and turn).
+	SlowerThanStock int `json:"slower_than_stock"`
+	// SameAnswers counts the requests whose answer is the stock twin's.
+	SameAnswers int     `json:"same_answers"`
+	Exclusive   float64 `json:"exclusive"`
+}
+
+// Compare pairs the requests of one swarm's two runs, which hold the same
+// requests in the same order.
+func Compare(stock, proxy Run) Row {
+	row := Row{Swarm: proxy.Swarm, StockMakespanMS: stock.MakespanMS, ProxyMakespanMS: proxy.MakespanMS,
+		Requests: len(proxy.Requests), Exclusive: proxy.Exclusive}
+	var st, pt []float64
+	for i, p := range proxy.Requests {
+		q := stock.Requests[i]
+		st, pt = append(st, q.TTFTMS), append(pt, p.TTFTMS)
+		if p.TTFTMS > q.TTFTMS {
+			row.SlowerThanStock++
+		}
+		if p.Answer == q.Answer {
+			row.SameAnswers++
+		}
+	}
+	row.StockTTFT, row.ProxyTTFT = percentiles(st), percentiles(pt)
+	return row
+}
+
+// Report is what bench/out/agentapi.json holds: one run of every swarm on
+// both sides.
+type Report struct {
+	Note      string  `json:"note"`
+	Date      string  `json:"date"`
+	LoadStart string  `json:"loadavg_start"`
+	LoadEnd   string  `json:"loadavg_end"`
+	Model     string  `json:"model"`
+	Servers   int     `json:"servers"`
+	Slots     int     `json:"slots_per_server"`
+	Agents    int     `json:"agents"`
+	Turns     int     `json:"turns"`
+	Predict   int     `json:"predict"`
+	Words     int     `json:"system_words"` // the shared system prompt's length
+	Rows      []Row   `json:"rows"`         // messages, responses, mixed
+	Runs      []Run   `json:"runs"`         // each swarm's stock run, then its proxy run
+	Seconds   float64 `json:"seconds"`
+}
+
+// Pair is a swarm's stock and proxy runs; ok is false when the report
+// lacks one.
+func (r *Report) Pair(swarm string) (stock, proxy Run, ok bool) {
+	var haveStock, haveProxy bool
+	for _, run := range r.Runs {
+		switch {
+		case run.Swarm != swarm:
+		case run.Side == "stock":
+			stock, haveStock = run, true
+		case run.Side == "proxy":
+			proxy, haveProxy = run, true
+		}
+	}
+	return stock, proxy, haveStock && haveProxy && len(stock.Requests) == len(proxy.Requests)
+}
