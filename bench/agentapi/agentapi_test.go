@@ -208,9 +208,9 @@ func call(ctx context.Context, base, api string, s swarm, a, k int, answers []st
 	return r, nil
 }
 
-// swarmRun runs one swarm on fresh servers: straight to them (stock:
-// agent a talks to server a mod servers) or through one proxy in front of
-// them all.
+// swarmRun runs one swarm on fresh servers: straight to them (uncached
+// and stock: agent a talks to server a mod servers) or through one proxy
+// in front of them all.
 func swarmRun(b *testing.B, model string, s swarm, kind, side string) Run {
 	b.Helper()
 	var urls []string
@@ -218,8 +218,11 @@ func swarmRun(b *testing.B, model string, s swarm, kind, side string) Run {
 	var procs []*testenv.Llama
 	for i := range servers {
 		dir := testenv.ShmSlotDir(b, "agentapi-"+strconv.Itoa(i))
-		srv := testenv.StartLlama(b, fmt.Sprintf("%s-%s-u%d", kind, side, i), testenv.StockServer(b),
-			append(testenv.ServerArgs(model, 8192, slots, "on"), "--slot-save-path", dir))
+		sargs := append(testenv.ServerArgs(model, 8192, slots, "on"), "--slot-save-path", dir)
+		if side == "uncached" {
+			sargs = append(sargs, "--no-cache-prompt")
+		}
+		srv := testenv.StartLlama(b, fmt.Sprintf("%s-%s-u%d", kind, side, i), testenv.StockServer(b), sargs)
 		procs = append(procs, srv)
 		urls = append(urls, srv.URL)
 		args = append(args, "--upstream", srv.URL+",slots="+dir)
@@ -320,14 +323,16 @@ func BenchmarkAgentAPI(b *testing.B) {
 	for b.Loop() {
 		rep.Rows, rep.Runs = nil, nil
 		for _, kind := range []string{"messages", "responses", "mixed"} {
-			stock := swarmRun(b, model, s, kind, "stock")
-			proxy := swarmRun(b, model, s, kind, "proxy")
-			rep.Runs = append(rep.Runs, stock, proxy)
-			row := Compare(stock, proxy)
+			var runs []Run
+			for _, sd := range Sides {
+				runs = append(runs, swarmRun(b, model, s, kind, sd))
+			}
+			rep.Runs = append(rep.Runs, runs...)
+			row := Compare(runs[0], runs[1], runs[2])
 			rep.Rows = append(rep.Rows, row)
-			b.Logf("%-9s makespan stock %6.0f ms proxy %6.0f ms | TTFT p50 stock %6.0f proxy %6.0f | max stock %6.0f proxy %6.0f | slower %d/%d | exclusive %.0f",
-				kind, row.StockMakespanMS, row.ProxyMakespanMS, row.StockTTFT.P50, row.ProxyTTFT.P50, row.StockTTFT.Max, row.ProxyTTFT.Max,
-				row.SlowerThanStock, row.Requests, row.Exclusive)
+			b.Logf("%-9s makespan uncached %6.0f stock %6.0f proxy %6.0f ms | TTFT p50 uncached %6.0f stock %6.0f proxy %6.0f | slower than uncached %d/%d, than stock %d/%d | exclusive %.0f",
+				kind, row.Uncached.MakespanMS, row.Stock.MakespanMS, row.Proxy.MakespanMS, row.Uncached.TTFT.P50, row.Stock.TTFT.P50, row.Proxy.TTFT.P50,
+				row.SlowerThanUncached, row.Requests, row.SlowerThanStock, row.Requests, row.Exclusive)
 		}
 	}
 	rep.Seconds, rep.LoadEnd = time.Since(t0).Seconds(), testenv.LoadAverage()

@@ -13,16 +13,27 @@
 // turn's conversation holds the earlier turns and the model's answers. All
 // requests are streamed through the vendors' SDKs; a request's time to
 // first token is the time until its first event (llama-server sends the
-// first event with the first token). Each side runs on fresh servers: the
-// stock side with nothing cached, the proxy side as a running swarm (one
-// request of each API the swarm speaks, through the proxy, has computed and
-// published the shared prefix, not measured). The report pairs every
-// request with its stock twin. It lands in bench/out/agentapi.json, which
+// first event with the first token). Each side runs on fresh servers:
+//
+//   - uncached: stock servers that cache nothing (--no-cache-prompt), the
+//     baseline of issue 29's target: every request computes its whole
+//     prompt, at the same concurrency;
+//   - stock: stock servers as they run by default, nothing cached at the
+//     start; a turn reuses what its own slot kept of the turn before (agent
+//     a talks to server a mod servers);
+//   - proxy: the same servers behind one proxy, as a running swarm (one
+//     request of each API the swarm speaks, through the proxy, has computed
+//     and published the shared prefix, not measured).
+//
+// The report pairs every request with its twins of the other sides. It lands in bench/out/agentapi.json, which
 // bench/report.sh (which runs this benchmark with the others) renders into
 // docs/bench/README.md ("Agent APIs").
 package agentapi
 
-import "sort"
+import (
+	"slices"
+	"sort"
+)
 
 // Request is one measured request.
 type Request struct {
@@ -38,7 +49,7 @@ type Request struct {
 // Run is one swarm on one side.
 type Run struct {
 	Swarm      string    `json:"swarm"` // messages, responses or mixed
-	Side       string    `json:"side"`  // stock or proxy
+	Side       string    `json:"side"`  // uncached, stock or proxy
 	MakespanMS float64   `json:"makespan_ms"`
 	Requests   []Request `json:"requests"` // by agent, then turn
 	// Exclusive is the proxy's mcproxy_exclusive_total over the run:
@@ -64,39 +75,54 @@ func percentiles(xs []float64) Percentiles {
 	return Percentiles{Min: s[0], P50: at(0.5), P90: at(0.9), Max: s[len(s)-1]}
 }
 
-// Row compares one swarm's two sides.
+// Side is one side's figures for a swarm.
+type Side struct {
+	MakespanMS float64     `json:"makespan_ms"`
+	TTFT       Percentiles `json:"ttft_ms"`
+}
+
+// Row compares one swarm's three sides.
 type Row struct {
-	Swarm           string      `json:"swarm"`
-	StockMakespanMS float64     `json:"stock_makespan_ms"`
-	ProxyMakespanMS float64     `json:"proxy_makespan_ms"`
-	StockTTFT       Percentiles `json:"stock_ttft_ms"`
-	ProxyTTFT       Percentiles `json:"proxy_ttft_ms"`
-	Requests        int         `json:"requests"`
-	// SlowerThanStock counts the proxy's requests slower to their first
-	// token than their stock twin (the same agent and turn).
-	SlowerThanStock int `json:"slower_than_stock"`
+	Swarm    string `json:"swarm"`
+	Uncached Side   `json:"uncached"`
+	Stock    Side   `json:"stock"`
+	Proxy    Side   `json:"proxy"`
+	Requests int    `json:"requests"`
+	// SlowerThanUncached counts the proxy's requests slower to their first
+	// token than their uncached twin (the same agent and turn): the
+	// target's count. SlowerThanStock counts those slower than their stock
+	// twin, which reused its own slot's cache.
+	SlowerThanUncached int `json:"slower_than_uncached"`
+	SlowerThanStock    int `json:"slower_than_stock"`
 	// SameAnswers counts the requests whose answer is the stock twin's.
 	SameAnswers int     `json:"same_answers"`
 	Exclusive   float64 `json:"exclusive"`
 }
 
-// Compare pairs the requests of one swarm's two runs, which hold the same
-// requests in the same order.
-func Compare(stock, proxy Run) Row {
-	row := Row{Swarm: proxy.Swarm, StockMakespanMS: stock.MakespanMS, ProxyMakespanMS: proxy.MakespanMS,
+func side(run Run) Side {
+	var ttft []float64
+	for _, q := range run.Requests {
+		ttft = append(ttft, q.TTFTMS)
+	}
+	return Side{MakespanMS: run.MakespanMS, TTFT: percentiles(ttft)}
+}
+
+// Compare pairs the requests of one swarm's three runs, which hold the
+// same requests in the same order.
+func Compare(uncached, stock, proxy Run) Row {
+	row := Row{Swarm: proxy.Swarm, Uncached: side(uncached), Stock: side(stock), Proxy: side(proxy),
 		Requests: len(proxy.Requests), Exclusive: proxy.Exclusive}
-	var st, pt []float64
 	for i, p := range proxy.Requests {
-		q := stock.Requests[i]
-		st, pt = append(st, q.TTFTMS), append(pt, p.TTFTMS)
-		if p.TTFTMS > q.TTFTMS {
+		if p.TTFTMS > uncached.Requests[i].TTFTMS {
+			row.SlowerThanUncached++
+		}
+		if p.TTFTMS > stock.Requests[i].TTFTMS {
 			row.SlowerThanStock++
 		}
-		if p.Answer == q.Answer {
+		if p.Answer == stock.Requests[i].Answer {
 			row.SameAnswers++
 		}
 	}
-	row.StockTTFT, row.ProxyTTFT = percentiles(st), percentiles(pt)
 	return row
 }
 
@@ -115,22 +141,22 @@ type Report struct {
 	Predict   int     `json:"predict"`
 	Words     int     `json:"system_words"` // the shared system prompt's length
 	Rows      []Row   `json:"rows"`         // messages, responses, mixed
-	Runs      []Run   `json:"runs"`         // each swarm's stock run, then its proxy run
+	Runs      []Run   `json:"runs"`         // each swarm's runs, in the order of Sides
 	Seconds   float64 `json:"seconds"`
 }
 
-// Pair is a swarm's stock and proxy runs; ok is false when the report
-// lacks one.
-func (r *Report) Pair(swarm string) (stock, proxy Run, ok bool) {
-	var haveStock, haveProxy bool
-	for _, run := range r.Runs {
-		switch {
-		case run.Swarm != swarm:
-		case run.Side == "stock":
-			stock, haveStock = run, true
-		case run.Side == "proxy":
-			proxy, haveProxy = run, true
+// Sides are the sides of a run, in the order they run.
+var Sides = []string{"uncached", "stock", "proxy"}
+
+// Swarm is a swarm's runs in the order of Sides; ok is false when the
+// report lacks one or they hold different numbers of requests.
+func (r *Report) Swarm(swarm string) (runs []Run, ok bool) {
+	for _, sd := range Sides {
+		i := slices.IndexFunc(r.Runs, func(run Run) bool { return run.Swarm == swarm && run.Side == sd })
+		if i < 0 || (len(runs) > 0 && len(r.Runs[i].Requests) != len(runs[0].Requests)) {
+			return nil, false
 		}
+		runs = append(runs, r.Runs[i])
 	}
-	return stock, proxy, haveStock && haveProxy && len(stock.Requests) == len(proxy.Requests)
+	return runs, true
 }
