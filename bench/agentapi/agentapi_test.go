@@ -316,7 +316,7 @@ func BenchmarkAgentAPI(b *testing.B) {
 		system = quickSystemWords
 	}
 	s := newSwarm(29, system)
-	rep := Report{Note: "both sides measured in one run on the same machine: read them against each other; the load averages say how quiet it was",
+	rep := Report{Note: "the three sides measured in one run on the same machine: read them against each other; the load averages say how quiet it was",
 		Date: time.Now().UTC().Format(time.RFC3339), LoadStart: testenv.LoadAverage(), Servers: servers, Slots: slots, Agents: agents, Turns: turns, Predict: predict, Words: system,
 		Model: fmt.Sprintf("%s: %d layers, n_embd %d, %d KV heads, f16", cfg.Name, cfg.BlockCount, cfg.EmbeddingLength, cfg.HeadCountKV)}
 	t0 := time.Now()
