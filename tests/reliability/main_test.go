@@ -30,7 +30,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
-	"github.com/mcbridge/mcbridge/internal/transport/mooncake/mocklib"
+	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
 var mockLib string
@@ -39,15 +39,7 @@ func TestMain(m *testing.M) {
 	if role := os.Getenv("MCB_REL_ROLE"); role != "" {
 		os.Exit(child(role))
 	}
-	p, cleanup, err := mocklib.Find()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "reliability tests:", err)
-		os.Exit(2)
-	}
-	mockLib = p
-	code := m.Run()
-	cleanup()
-	os.Exit(code)
+	testenv.MainMockTE(m, &mockLib)
 }
 
 // Host and block shape shared by every process of a test: 4 layers of f16

@@ -34,8 +34,8 @@ import (
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
 	"github.com/mcbridge/mcbridge/internal/storenode"
+	"github.com/mcbridge/mcbridge/internal/testenv"
 	"github.com/mcbridge/mcbridge/internal/transport/mooncake"
-	"github.com/mcbridge/mcbridge/internal/transport/mooncake/mocklib"
 )
 
 var mockLib string
@@ -70,15 +70,7 @@ func TestMain(m *testing.M) {
 	if role := os.Getenv("MCB_SWARM_ROLE"); role != "" {
 		os.Exit(child(role))
 	}
-	p, cleanup, err := mocklib.Find()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "swarm tests:", err)
-		os.Exit(2)
-	}
-	mockLib = p
-	code := m.Run()
-	cleanup()
-	os.Exit(code)
+	testenv.MainMockTE(m, &mockLib)
 }
 
 // job is what a child process is told: its bridge config, the host shape
