@@ -29,6 +29,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/reach"
 	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/storenode"
 	"github.com/mcbridge/mcbridge/internal/transport"
 )
 
@@ -77,9 +78,9 @@ type Bridge struct {
 	closed   bool
 	poolBusy bool // a transfer outlived Close: keep the pool mapped
 
-	shared *sameHost                 // shared pools of this host (samehost.go); nil when the pool is not shared
-	rep    *reporter                 // reports to blocks' holders, and from readers; nil without a Notifier
-	node   atomic.Pointer[StoreNode] // a store node's roles (storenode.go); nil without them
+	shared *sameHost                      // shared pools of this host (samehost.go); nil when the pool is not shared
+	rep    *reporter                      // reports to blocks' holders, and from readers; nil without a Notifier
+	node   atomic.Pointer[storenode.Node] // a store node's roles (storenode.go); nil without them
 
 	reach *reach.Watch // says in the log when the swarm is out of reach (reach.go)
 }

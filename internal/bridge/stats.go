@@ -132,7 +132,9 @@ func (b *Bridge) Stats() Stats {
 		s.FailuresByStatus[i] = c.failuresByStatus[i].Load()
 	}
 	if n := b.storeNode(); n != nil {
-		n.AddStats(&s)
+		ns := n.Stats()
+		s.Replicated, s.ReplicationFails = ns.Replicated, ns.ReplicationFails
+		s.Persisted, s.Spilled, s.PagedIn = ns.Persisted, ns.Spilled, ns.PagedIn
 	}
 	return s
 }
