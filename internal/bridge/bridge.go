@@ -79,7 +79,8 @@ type Bridge struct {
 	poolBusy bool // a transfer outlived Close: keep the pool mapped
 
 	shared *sameHost                      // shared pools of this host (samehost.go); nil when the pool is not shared
-	rep    *reporter                      // reports to blocks' holders, and from readers; nil without a Notifier
+	rep    *reporter                      // reports to blocks' holders; nil without a Notifier
+	inbox  *storenode.Inbox               // reports from readers (storenode's reports.go)
 	node   atomic.Pointer[storenode.Node] // a store node's roles (storenode.go); nil without them
 
 	reach *reach.Watch // says in the log when the swarm is out of reach (reach.go)
