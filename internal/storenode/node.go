@@ -1,11 +1,18 @@
-// Package storenode is a store node's roles on top of a bridge's
-// holdings: replication (copies of every block other owners publish,
-// published when their owner lets go) and the disk tier (every block in a
-// file too, spilled on eviction, read back on demand and after a restart).
+// Package storenode is what a process does as a holder of blocks for the
+// swarm, on top of a bridge's holdings (internal/holdings):
 //
-// A Node reaches its bridge only through Host, and the bridge, which
-// imports this package, tells an attached Node what only the endpoint sees
-// (evictions, readers' reports, its Close).
+//   - the Inbox of readers' reports (used, bad, want), which every bridge
+//     runs (reports.go);
+//   - the Keeper of a store-backed bridge's store entries (keeper.go);
+//   - a store node's roles, a Node: replication (copies of every block
+//     other owners publish, published when their owner lets go) and the
+//     disk tier (every block in a file too, spilled on eviction, read back
+//     on demand and after a restart), which `mcbridge serve` attaches.
+//
+// The package imports no bridge code: a Node reaches its bridge only
+// through Host, the Keeper through Store, and the bridge, which imports
+// this package, runs the Inbox and the Keeper and tells an attached Node
+// what only the endpoint sees (evictions, readers' reports, its Close).
 package storenode
 
 import (
