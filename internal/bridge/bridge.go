@@ -441,6 +441,30 @@ func (b *Bridge) gone(gone []holdings.Entry, evicted bool) {
 	b.discard(gone)
 }
 
+// discard forgets blocks that left the pool and withdraws those the
+// directory names as this process's; holdings frees their memory after.
+func (b *Bridge) discard(gone []holdings.Entry) {
+	byModel := map[key.Fingerprint][]key.BlockKey{}
+	for _, e := range gone {
+		// A block in the store stays published: the store still holds it.
+		if b.store != nil && b.store.names(e.Value.Entry.Loc) {
+			continue
+		}
+		if e.Value.State.Ours() {
+			byModel[e.Value.Model] = append(byModel[e.Value.Model], e.Key)
+		}
+		if m := b.model(e.Value.Model); m != nil {
+			m.forget(e.Key, b.tr.LocalSegment())
+		}
+	}
+	b.removedEvents(byModel)
+	for fp, keys := range byModel {
+		if dropped := b.pub.withdraw(fp, keys); dropped > 0 {
+			b.stats.add(&b.stats.unpublishDropped, int64(dropped))
+		}
+	}
+}
+
 // Health says whether the bridge serves the swarm: nil, or why not (the
 // directory unreachable, this process holding no lease, the last publish
 // refused).
