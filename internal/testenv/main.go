@@ -1,10 +1,15 @@
 package testenv
 
 import (
+	"bufio"
 	"fmt"
+	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/transport/mooncake/mocklib"
 )
@@ -32,4 +37,29 @@ func MainMockTE(m *testing.M, lib *string) {
 	cleanup()
 	Cleanup()
 	os.Exit(code)
+}
+
+// Child is a helper process a test talks to over its stdin and stdout.
+type Child struct {
+	Cmd   *exec.Cmd
+	Stdin io.WriteCloser
+	Out   *bufio.Reader // its stdout
+}
+
+// StartChild starts cmd, nil for this test binary again running no test
+// (its TestMain then takes the role env gives it), with env added to this
+// process's environment, its stderr this process's. The caller ends it.
+func StartChild(tb testing.TB, cmd *exec.Cmd, env ...string) *Child {
+	tb.Helper()
+	if cmd == nil {
+		cmd = exec.Command(os.Args[0], "-test.run=^$")
+	}
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	require.NoError(tb, err)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(tb, err)
+	require.NoError(tb, cmd.Start())
+	return &Child{Cmd: cmd, Stdin: stdin, Out: bufio.NewReader(stdout)}
 }

@@ -140,15 +140,8 @@ func startChild(t *testing.T, role string, j job) *proc {
 	t.Helper()
 	doc, err := json.Marshal(j)
 	require.NoError(t, err)
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "MCB_REL_ROLE="+role, "MCB_REL_JOB="+string(doc))
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	require.NoError(t, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
-	p := &proc{t: t, cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout)}
+	c := testenv.StartChild(t, nil, "MCB_REL_ROLE="+role, "MCB_REL_JOB="+string(doc))
+	p := &proc{t: t, cmd: c.Cmd, stdin: c.Stdin, out: c.Out}
 	t.Cleanup(p.kill)
 	return p
 }

@@ -244,14 +244,8 @@ func startCmd(t *testing.T, cmd *exec.Cmd, role string, j job, env ...string) *p
 	t.Helper()
 	doc, err := json.Marshal(j)
 	require.NoError(t, err)
-	cmd.Env = append(append(os.Environ(), "MCB_SWARM_ROLE="+role, "MCB_SWARM_JOB="+string(doc)), env...)
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	require.NoError(t, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
-	p := &proc{cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout)}
+	c := testenv.StartChild(t, cmd, append([]string{"MCB_SWARM_ROLE=" + role, "MCB_SWARM_JOB=" + string(doc)}, env...)...)
+	p := &proc{cmd: c.Cmd, stdin: c.Stdin, out: c.Out}
 	t.Cleanup(func() {
 		_ = p.cmd.Process.Kill()
 		_ = p.cmd.Wait()
