@@ -1,11 +1,9 @@
 package bench
 
 import (
-	"bufio"
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
 	"slices"
 	"syscall"
 	"testing"
@@ -94,20 +92,14 @@ func runHolder(endpoint, dir string) int {
 func BenchmarkSharedHolderStopped(b *testing.B) {
 	etcd := etcdtest.Start(b)
 	dir := b.TempDir()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), holderEnv+"="+etcd.Endpoint(), holderDirEnv+"="+dir)
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	require.NoError(b, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(b, err)
-	require.NoError(b, cmd.Start())
+	holder := testenv.StartChild(b, nil, holderEnv+"="+etcd.Endpoint(), holderDirEnv+"="+dir)
+	cmd := holder.Cmd
 	b.Cleanup(func() {
 		_ = cmd.Process.Signal(syscall.SIGCONT)
-		_ = stdin.Close()
+		_ = holder.Stdin.Close()
 		_ = cmd.Wait()
 	})
-	line, err := bufio.NewReader(stdout).ReadString('\n')
+	line, err := holder.Out.ReadString('\n')
 	require.NoError(b, err)
 	require.Equal(b, "ready\n", line)
 

@@ -27,11 +27,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
-func TestMain(m *testing.M) {
-	code := m.Run()
-	testenv.Cleanup()
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { testenv.Main(m) }
 
 // The swarm: servers × slots slots, agents agents of turns turns.
 const (

@@ -9,30 +9,16 @@
 package e2e
 
 import (
-	"fmt"
-	"os"
 	"sort"
 	"testing"
 	"time"
 
 	"github.com/mcbridge/mcbridge/internal/testenv"
-	"github.com/mcbridge/mcbridge/internal/transport/mooncake/mocklib"
 )
 
 var mockTE string
 
-func TestMain(m *testing.M) {
-	p, cleanup, err := mocklib.Find()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "bench/e2e:", err)
-		os.Exit(2)
-	}
-	mockTE = p
-	code := m.Run()
-	cleanup()
-	testenv.Cleanup()
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { testenv.MainMockTE(m, &mockTE) }
 
 // ttft is the client's wall time to the first token: a completion of one
 // token, which is when a streamed answer's first token would arrive.

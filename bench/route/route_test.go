@@ -22,11 +22,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
-func TestMain(m *testing.M) {
-	code := m.Run()
-	testenv.Cleanup()
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { testenv.Main(m) }
 
 // policies are compared in this order, each on fresh servers;
 // MCB_ROUTE_POLICIES (comma-separated) runs others, a policy twice for one.

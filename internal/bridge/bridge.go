@@ -29,6 +29,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/reach"
 	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/storenode"
 	"github.com/mcbridge/mcbridge/internal/transport"
 )
 
@@ -77,9 +78,10 @@ type Bridge struct {
 	closed   bool
 	poolBusy bool // a transfer outlived Close: keep the pool mapped
 
-	shared *sameHost                 // shared pools of this host (samehost.go); nil when the pool is not shared
-	rep    *reporter                 // reports to blocks' holders, and from readers; nil without a Notifier
-	node   atomic.Pointer[StoreNode] // a store node's roles (storenode.go); nil without them
+	shared *sameHost                      // shared pools of this host (samehost.go); nil when the pool is not shared
+	rep    *reporter                      // reports to blocks' holders; nil without a Notifier
+	inbox  *storenode.Inbox               // reports from readers (storenode's reports.go)
+	node   atomic.Pointer[storenode.Node] // a store node's roles (storenode.go); nil without them
 
 	reach *reach.Watch // says in the log when the swarm is out of reach (reach.go)
 }
@@ -437,6 +439,30 @@ func (b *Bridge) gone(gone []holdings.Entry, evicted bool) {
 		b.stats.add(&b.stats.evictions, int64(len(gone)))
 	}
 	b.discard(gone)
+}
+
+// discard forgets blocks that left the pool and withdraws those the
+// directory names as this process's; holdings frees their memory after.
+func (b *Bridge) discard(gone []holdings.Entry) {
+	byModel := map[key.Fingerprint][]key.BlockKey{}
+	for _, e := range gone {
+		// A block in the store stays published: the store still holds it.
+		if b.store != nil && b.store.names(e.Value.Entry.Loc) {
+			continue
+		}
+		if e.Value.State.Ours() {
+			byModel[e.Value.Model] = append(byModel[e.Value.Model], e.Key)
+		}
+		if m := b.model(e.Value.Model); m != nil {
+			m.forget(e.Key, b.tr.LocalSegment())
+		}
+	}
+	b.removedEvents(byModel)
+	for fp, keys := range byModel {
+		if dropped := b.pub.withdraw(fp, keys); dropped > 0 {
+			b.stats.add(&b.stats.unpublishDropped, int64(dropped))
+		}
+	}
 }
 
 // Health says whether the bridge serves the swarm: nil, or why not (the

@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -579,7 +580,13 @@ type peers struct {
 
 func savedPeers(t *testing.T, cfg config.Config, cells, blockTokens, n int, seed int64) peers {
 	t.Helper()
-	p := peers{a: bridgetest.Open(t, cfg, "a"), b: bridgetest.Open(t, cfg, "b"),
+	return savedPeersDeps(t, cfg, bridge.Deps{}, cells, blockTokens, n, seed)
+}
+
+// savedPeersDeps is savedPeers with the reader b built from bDeps.
+func savedPeersDeps(t *testing.T, cfg config.Config, bDeps bridge.Deps, cells, blockTokens, n int, seed int64) peers {
+	t.Helper()
+	p := peers{a: bridgetest.Open(t, cfg, "a"), b: bridgetest.OpenDeps(t, cfg, "b", bDeps),
 		src: kvtest.New(t, 2, cells, 32, 32, false), dst: kvtest.New(t, 2, cells, 32, 32, false)}
 	p.ma, p.mb = bridgetest.Register(t, p.a, p.src, blockTokens), bridgetest.Register(t, p.b, p.dst, blockTokens)
 	p.tokens = kvtest.Tokens(rand.New(rand.NewSource(seed)), n)
@@ -645,6 +652,35 @@ func TestScatteredCellsStaged(t *testing.T) {
 	}
 }
 
+// stepClock is an engine's clock that moves only when told: Step has the
+// next reading return the time then and move the clock on by d for every
+// later one, Advance moves it at once.
+type stepClock struct {
+	mu   sync.Mutex
+	t    time.Time
+	step time.Duration
+}
+
+func (c *stepClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	now := c.t
+	c.t, c.step = c.t.Add(c.step), 0
+	return now
+}
+
+func (c *stepClock) Step(d time.Duration) {
+	c.mu.Lock()
+	c.step = d
+	c.mu.Unlock()
+}
+
+func (c *stepClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
 // The seqlock's second read of every remote block goes out as one batch
 // as soon as the payloads are in, before the host ends the load. One that
 // times out fails its block, and its batch is parked with the memory it
@@ -653,7 +689,13 @@ func TestGenerationCheck(t *testing.T) {
 	cfg := bridgetest.Config(t)
 	cfg.TransferTimeoutMS = 200
 	cfg.PeerDownMS = 0
-	p := savedPeers(t, cfg, 32, 4, 16, 13)
+	// The reader's engine runs on a clock of the test's, so that which
+	// reads a delay holds back depends on no scheduling.
+	clock := &stepClock{t: time.Unix(1, 0)}
+	eng, err := transport.NewLoopback(transport.LoopbackOptions{Name: "b", Now: clock.Now})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = eng.Close() })
+	p := savedPeersDeps(t, cfg, bridge.Deps{Transport: eng}, 32, 4, 16, 13)
 	a, b, dst, mb, tokens := p.a, p.b, p.dst, p.mb, p.tokens
 
 	begin := func() *bridge.Load {
@@ -675,19 +717,24 @@ func TestGenerationCheck(t *testing.T) {
 	require.NoError(t, dst.Check(tokens, kvtest.SeqCells(16), 16))
 	idle := b.Holdings().Used()
 
-	ld := begin()
-	// The reads are out but not yet served: Loopback moves a task's bytes
-	// when it is polled, which End does next.
-	delay := 2 * time.Duration(cfg.TransferTimeoutMS) * time.Millisecond
+	// The holder delays every read it serves by an hour from when it was
+	// due. The payloads, submitted in one batch at the clock's first
+	// reading, are due an hour later when polled: the clock has stepped
+	// there. The generation reads, submitted then, are due another hour
+	// on, which the clock reaches only when the test moves it.
+	const delay = time.Hour
 	a.Transport().(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(delay)})
+	clock.Step(delay)
 	parked := b.Stats().ParkedBatches
-	res, err = ld.End()
+	res, err = begin().End()
 	require.Equal(t, status.Timeout, status.Of(err), "%v", err)
 	require.Zero(t, res.OKTokens)
 	require.Equal(t, parked+1, b.Stats().ParkedBatches, "the generation check is parked")
 	require.Equal(t, idle+4*bridge.GenSlot, b.Holdings().Used(), "its reads' memory stays allocated while they may write")
-	time.Sleep(delay + 50*time.Millisecond)
 	b.Reap()
-	require.Equal(t, idle, b.Holdings().Used(), "and is freed once they are done")
+	require.Equal(t, idle+4*bridge.GenSlot, b.Holdings().Used(), "a reap leaves it while the reads are due")
+	clock.Advance(delay)
+	b.Reap()
+	require.Equal(t, idle, b.Holdings().Used(), "and frees it once they are done")
 	a.Transport().(*transport.Loopback).SetFault(transport.Fault{})
 }

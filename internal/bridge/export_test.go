@@ -8,6 +8,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/pool"
 	mcstore "github.com/mcbridge/mcbridge/internal/store/mooncake"
+	"github.com/mcbridge/mcbridge/internal/storenode"
 	"github.com/mcbridge/mcbridge/internal/transport"
 )
 
@@ -72,21 +73,8 @@ func (b *Bridge) StoreNames(loc directory.Location) bool { return b.store.names(
 // StoreClient is the bridge's Mooncake Store client; nil until connected.
 func (b *Bridge) StoreClient() *mcstore.Client { return b.store.conn.Load().c }
 
-// Reports (reports.go).
-type ReportItem = reportItem
-
-const (
-	ReportName     = reportName
-	MaxReportItems = maxReportItems
-)
-
-// UsedReport is a used report of block k.
-func UsedReport(k key.BlockKey) ReportItem { return reportItem{key: k} }
-
-// QueueUsed queues used reports for the holder behind segment.
-func (b *Bridge) QueueUsed(segment string, items ...ReportItem) {
-	b.queue(segment, reportUsed, items...)
+// QueueUsed queues used reports for the holder behind segment
+// (reports.go).
+func (b *Bridge) QueueUsed(segment string, items ...storenode.ReportItem) {
+	b.queue(segment, storenode.ReportUsed, items...)
 }
-
-// EncodeUsed renders used reports as messages.
-func EncodeUsed(items []ReportItem) []string { return encodeReports(reportUsed, items) }

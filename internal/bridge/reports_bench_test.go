@@ -6,9 +6,9 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/bridge/bridgetest"
 	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/storenode"
 	"github.com/mcbridge/mcbridge/internal/transport"
 )
 
@@ -21,9 +21,9 @@ import (
 func BenchmarkReport(b *testing.B) {
 	cfg := bridgetest.Config(b)
 	reader, holder := bridgetest.Open(b, cfg, "reader"), bridgetest.Open(b, cfg, "holder")
-	items := make([]bridge.ReportItem, bridge.MaxReportItems)
+	items := make([]storenode.ReportItem, storenode.MaxReportItems)
 	for i := range items {
-		items[i] = bridge.UsedReport(key.BlockKey{0: byte(i), 1: byte(i >> 8), 2: 7})
+		items[i] = storenode.ReportItem{Key: key.BlockKey{0: byte(i), 1: byte(i >> 8), 2: 7}}
 	}
 	b.Run("queue-16-blocks", func(b *testing.B) {
 		for b.Loop() {
@@ -38,8 +38,8 @@ func BenchmarkReport(b *testing.B) {
 		seg, err := reader.OpenSegment(ctx, holder.Segment())
 		require.NoError(b, err)
 		for b.Loop() {
-			for _, msg := range bridge.EncodeUsed(items) {
-				require.NoError(b, n.SendNotify(ctx, seg, bridge.ReportName, msg))
+			for _, msg := range storenode.EncodeReports(storenode.ReportUsed, items) {
+				require.NoError(b, n.SendNotify(ctx, seg, storenode.ReportName, msg))
 			}
 			// The holder's own inbox goroutine may take some first.
 			_, err := inbox.Notifications()

@@ -4,6 +4,7 @@ import (
 	"sync/atomic"
 
 	"github.com/mcbridge/mcbridge/internal/arbiter"
+	"github.com/mcbridge/mcbridge/internal/holdings"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -35,7 +36,8 @@ type Stats struct {
 	ReplicationFails int64
 	PeersDown        int64 // times a peer timed out and was planned around
 	SharedPoolBlocks int64 // blocks restored in place from a same-host process's shared pool
-	// Reports between readers and blocks' holders (reports.go).
+	// Reports between readers and blocks' holders (reports.go, and
+	// storenode's for the holder's side).
 	ReportsSent       int64 // notifications sent to holders
 	ReportsFailed     int64 // notifications that could not be sent (holder gone)
 	ReportsDropped    int64 // report items a full queue could not take
@@ -44,7 +46,7 @@ type Stats struct {
 	BadReported       int64 // blocks this process found failing verification and reported
 	// BadChecks counts the holder's checks of reported blocks by outcome:
 	// dropped, intact, gone, busy (BadOutcomeNames).
-	BadChecks [badOutcomes]int64
+	BadChecks [holdings.Outcomes]int64
 	// A store node's disk tier (internal/storenode).
 	Persisted        int64 // blocks written behind to the disk
 	Spilled          int64 // blocks written on eviction
@@ -58,8 +60,12 @@ type Stats struct {
 	FailuresByStatus [status.Count]int64
 }
 
-// BadOutcomeNames label Stats.BadChecks.
-var BadOutcomeNames = badOutcomeNames
+// BadOutcomeNames label Stats.BadChecks: the outcomes of a holder's check
+// of a block a reader reported, as holdings.Drop returns them: the copy
+// here fails too (dropped and unpublished), it verifies (the reader's read
+// went wrong), it is no longer held at that generation, or a load here
+// holds it (checked again on the next report).
+var BadOutcomeNames = [holdings.Outcomes]string{holdings.Dropped: "dropped", holdings.Intact: "intact", holdings.Gone: "gone", holdings.Busy: "busy"}
 
 type counters struct {
 	lookups, hits, misses, decidedRestore, decidedRecompute, decidedLocal   atomic.Int64
@@ -68,9 +74,7 @@ type counters struct {
 	saves, saveFailures, savedBlocks, dedupedBlocks                         atomic.Int64
 	evictions, directoryErrors, tornReads, parkedBatches                    atomic.Int64
 	takenOver, peersDown, sharedPoolBlocks                                  atomic.Int64
-	reportsSent, reportsFailed, reportsDropped, reportsUnreadable           atomic.Int64
-	peerUses, badReported                                                   atomic.Int64
-	badChecks                                                               [badOutcomes]atomic.Int64
+	reportsSent, reportsFailed, reportsDropped, badReported                 atomic.Int64
 	storePuts, storePutFailures, storeGets, storeAdopted, storeAuditDropped atomic.Int64
 	failuresByStatus                                                        [status.Count]atomic.Int64
 }
@@ -121,18 +125,19 @@ func (b *Bridge) Stats() Stats {
 		TornReads: c.tornReads.Load(), ParkedBatches: c.parkedBatches.Load(),
 		TakenOver: c.takenOver.Load(), PeersDown: c.peersDown.Load(), SharedPoolBlocks: c.sharedPoolBlocks.Load(),
 		ReportsSent: c.reportsSent.Load(), ReportsFailed: c.reportsFailed.Load(), ReportsDropped: c.reportsDropped.Load(),
-		ReportsUnreadable: c.reportsUnreadable.Load(), PeerUses: c.peerUses.Load(), BadReported: c.badReported.Load(),
-		StorePuts: c.storePuts.Load(), StorePutFailures: c.storePutFailures.Load(), StoreGets: c.storeGets.Load(),
+		BadReported: c.badReported.Load(),
+		StorePuts:   c.storePuts.Load(), StorePutFailures: c.storePutFailures.Load(), StoreGets: c.storeGets.Load(),
 		StoreAdopted: c.storeAdopted.Load(), StoreDropped: c.storeAuditDropped.Load(),
 	}
-	for i := range c.badChecks {
-		s.BadChecks[i] = c.badChecks[i].Load()
-	}
+	in := b.inbox.Stats()
+	s.ReportsUnreadable, s.PeerUses, s.BadChecks = in.Unreadable, in.PeerUses, in.BadChecks
 	for i := range c.failuresByStatus {
 		s.FailuresByStatus[i] = c.failuresByStatus[i].Load()
 	}
 	if n := b.storeNode(); n != nil {
-		n.AddStats(&s)
+		ns := n.Stats()
+		s.Replicated, s.ReplicationFails = ns.Replicated, ns.ReplicationFails
+		s.Persisted, s.Spilled, s.PagedIn = ns.Persisted, ns.Spilled, ns.PagedIn
 	}
 	return s
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/status"
 	mcstore "github.com/mcbridge/mcbridge/internal/store/mooncake"
+	"github.com/mcbridge/mcbridge/internal/storenode"
 )
 
 // A bridge configured with a store (config store.kind "mooncake",
@@ -22,8 +23,9 @@ import (
 // verify them as blocks read from a peer (storefetch.go). The pool stays
 // this process's cache: a block it still holds is restored from it.
 // Mooncake Store has no prefix index, so the etcd directory still feeds the
-// local mirror; a keeper goroutine (storekeep.go) keeps the directory's
-// store entries true to the store, off the request path.
+// local mirror; a keeper goroutine (storenode.Keeper, with this backend as
+// its storenode.Store in storekeep.go) keeps the directory's store entries
+// true to the store, off the request path.
 
 // storeScheme starts the Segment of an entry whose block is in a store:
 // mooncake-store://<master>/<writer>, writer being the segment the block's
@@ -62,7 +64,7 @@ type storeBackend struct {
 	master    string
 	replicas  int
 	opTimeout time.Duration
-	keeper    *keeper
+	keeper    *storenode.Keeper
 	conn      atomic.Pointer[storeConn] // nil until the client is set up
 	ctx       context.Context           // ends at shutdown
 	cancel    context.CancelFunc
@@ -110,7 +112,7 @@ func openStore(b *Bridge) (*storeBackend, error) {
 			Protocol: sc.Protocol, Device: sc.Device, SegmentBytes: uint64(sc.SegmentBytes)},
 		down: status.Errorf(status.Transfer, "connecting to the Mooncake Store master %s", sc.Master)}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
-	s.keeper = newKeeper(s, time.Duration(sc.AuditIntervalMS)*time.Millisecond)
+	s.keeper = storenode.NewKeeper(s, time.Duration(sc.AuditIntervalMS)*time.Millisecond, b.log)
 	go s.connect(time.Duration(sc.SetupTimeoutMS) * time.Millisecond)
 	return s, nil
 }
@@ -139,7 +141,7 @@ func (s *storeBackend) connect(timeout time.Duration) {
 			cn.own = storeSegment(s.master, cn.segment)
 			s.conn.Store(cn)
 			s.setDown(nil)
-			go s.keeper.run()
+			go s.keeper.Run()
 			return
 		}
 		s.setDown(status.Wrap(status.Of(err), err, "connecting to the Mooncake Store master "+s.master))
@@ -174,7 +176,7 @@ func (s *storeBackend) shutdown() error {
 	if cn == nil {
 		return nil
 	}
-	s.keeper.stop()
+	s.keeper.Stop()
 	deadline := time.After(2 * time.Duration(s.b.cfg.TransferTimeoutMS) * time.Millisecond)
 	for {
 		s.mu.Lock()

@@ -1,157 +1,47 @@
 package bridge
 
 import (
-	"sync"
-	"time"
-
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
-// The keeper holds the directory's store entries to what the store holds,
-// from its own goroutine, never on a request's path:
-//
-//   - A store entry outlives its owner's lease in the store (its replicas
-//     sit in other segments), not in the directory. When one leaves the
-//     directory (its owner exited, was killed, or lost its lease), the
-//     keeper asks the store whether it still holds the block
-//     (batch_is_exist) and, if so, publishes the entry again under this
-//     process's name. Every store-backed bridge does; the directory's
-//     put-if-absent keeps one.
-//   - Every audit interval it asks the store about every store entry it
-//     knows. One the store lost (evicted, its only replica's segment gone,
-//     the master restarted) leaves the local mirror at once, and, when
-//     this process owns it, the directory; a copy still in this pool is
-//     marked pending, so the next save of its tokens writes it again.
-//
-// It learns the entries from the directory's events: those of the models
-// this bridge registered (mirrorFeed), or of every model for a store node
-// (WatchStore).
-type keeper struct {
-	s        *storeBackend
-	interval time.Duration
-
-	mu    sync.Mutex
-	known map[key.BlockKey]directory.Entry // store entries the directory shows
-	gone  []directory.Entry                // left the directory; adopt what the store holds
-
-	wake chan struct{}
-	quit chan struct{}
-	done chan struct{}
-}
-
-// maxExistKeys bounds one batch_is_exist.
-const maxExistKeys = 512
+// A store-backed bridge's keeper (storenode.Keeper) holds the directory's
+// store entries to what the store holds; the store backend is its
+// storenode.Store: it asks the store, and adopts and drops entries in the
+// directory and the mirrors. The keeper learns the entries from the
+// directory's events: those of the models this bridge registered
+// (mirrorFeed), or of every model for a store node (WatchStore).
 
 // probeKey is asked about when there is nothing else to ask, so that an
 // audit always learns whether the master answers.
 const probeKey = "mcbridge-probe"
 
-func newKeeper(s *storeBackend, interval time.Duration) *keeper {
-	return &keeper{s: s, interval: interval, known: map[key.BlockKey]directory.Entry{},
-		wake: make(chan struct{}, 1), quit: make(chan struct{}), done: make(chan struct{})}
-}
+// Names says whether a location is the store's.
+func (s *storeBackend) Names(loc directory.Location) bool { return s.names(loc) }
 
-// observe takes one directory event. It runs on the directory's delivery
-// goroutine: it only records.
-func (k *keeper) observe(ev directory.Event) {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	e := ev.Entry
-	switch ev.Kind {
-	case directory.Put:
-		if k.s.names(e.Loc) {
-			k.known[e.Key] = e
-		} else {
-			delete(k.known, e.Key)
-		}
-		return
-	case directory.Delete:
-		have, ok := k.known[e.Key]
-		// A delete names the entry it removed when the directory still
-		// knew it; one of another owner leaves ours in place.
-		if !ok || (e.Loc.Owner != "" && e.Loc.Owner != have.Loc.Owner) {
-			return
-		}
-		delete(k.known, e.Key)
-		k.gone = append(k.gone, have)
-	}
-	select {
-	case k.wake <- struct{}{}:
-	default:
-	}
-}
-
-func (k *keeper) stop() {
-	close(k.quit)
-	<-k.done
-}
-
-func (k *keeper) run() {
-	defer close(k.done)
-	tick := time.NewTicker(k.interval)
-	defer tick.Stop()
-	for {
-		select {
-		case <-k.quit:
-			return
-		case <-k.wake:
-			k.adopt()
-		case <-tick.C:
-			k.audit()
-			k.reoffer()
+// Exist is one batch_is_exist, whose outcome says whether the master
+// answers; of no keys, it asks about probeKey.
+func (s *storeBackend) Exist(keys []key.BlockKey) ([]bool, error) {
+	names := []string{probeKey}
+	if len(keys) > 0 {
+		names = make([]string, len(keys))
+		for i, k := range keys {
+			names[i] = storeKey(k)
 		}
 	}
-}
-
-// exist splits entries into those the store holds and those it does not;
-// a batch whose check failed (the master unreachable) is in neither.
-func (k *keeper) exist(entries []directory.Entry) (held, lost []directory.Entry) {
-	for start := 0; start < len(entries); start += maxExistKeys {
-		chunk := entries[start:min(start+maxExistKeys, len(entries))]
-		keys := make([]string, len(chunk))
-		for i, e := range chunk {
-			keys[i] = storeKey(e.Key)
-		}
-		have, err := k.ask(keys)
-		if err != nil {
-			k.s.b.log.Warn("mcbridge: checking the directory against Mooncake Store failed", "blocks", len(chunk), "err", err)
-			continue
-		}
-		for i, e := range chunk {
-			if have[i] {
-				held = append(held, e)
-			} else {
-				lost = append(lost, e)
-			}
-		}
-	}
-	return held, lost
-}
-
-// ask is one batch_is_exist, whose outcome says whether the master answers.
-func (k *keeper) ask(keys []string) ([]bool, error) {
-	cn := k.s.conn.Load()
-	ctx, cancel := k.s.context()
+	cn := s.conn.Load()
+	ctx, cancel := s.context()
 	defer cancel()
-	have, err := cn.c.Exist(ctx, keys)
-	k.s.observe(err)
+	have, err := cn.c.Exist(ctx, names)
+	s.observe(err)
 	return have, err
 }
 
-// adopt publishes, under this process's name, the entries that left the
+// Adopt publishes, under this process's name, the entries that left the
 // directory while the store still holds their blocks.
-func (k *keeper) adopt() {
-	k.mu.Lock()
-	gone := k.gone
-	k.gone = nil
-	k.mu.Unlock()
-	held, _ := k.exist(gone)
-	if len(held) == 0 {
-		return
-	}
-	b := k.s.b
+func (s *storeBackend) Adopt(held []directory.Entry) {
+	b := s.b
 	for i := range held {
 		held[i].Loc.Owner = b.owner
 	}
@@ -176,31 +66,13 @@ func (k *keeper) adopt() {
 	b.stats.add(&b.stats.storeAdopted, int64(n))
 }
 
-// audit drops the store entries whose blocks the store no longer holds.
-func (k *keeper) audit() {
-	k.mu.Lock()
-	entries := make([]directory.Entry, 0, len(k.known))
-	for _, e := range k.known {
-		entries = append(entries, e)
-	}
-	k.mu.Unlock()
-	if len(entries) == 0 {
-		_, _ = k.ask([]string{probeKey})
-		return
-	}
-	_, lost := k.exist(entries)
-	if len(lost) == 0 {
-		return
-	}
-	b := k.s.b
+// Lost drops store entries whose blocks the store lost: they leave the
+// local mirror at once, and, when this process owns them, the directory;
+// a copy still in this pool is marked pending, so the next save of its
+// tokens writes it again.
+func (s *storeBackend) Lost(lost []directory.Entry) {
+	b := s.b
 	mine := map[key.Fingerprint][]key.BlockKey{}
-	k.mu.Lock()
-	for _, e := range lost {
-		if have, ok := k.known[e.Key]; ok && have == e {
-			delete(k.known, e.Key)
-		}
-	}
-	k.mu.Unlock()
 	for _, e := range lost {
 		if m := b.model(e.Model); m != nil {
 			m.forget(e.Key, e.Loc.Segment)
@@ -220,10 +92,9 @@ func (k *keeper) audit() {
 	b.stats.add(&b.stats.storeAuditDropped, int64(len(lost)))
 }
 
-// reoffer hands the blocks puts left pending back to the publisher once the
-// store answers again.
-func (k *keeper) reoffer() {
-	s := k.s
+// Audited hands the blocks puts left pending back to the publisher once
+// the store answers again.
+func (s *storeBackend) Audited() {
 	if s.healthy() != nil {
 		return
 	}
@@ -270,7 +141,7 @@ func (b *Bridge) mirrorFeed(m *Model) func(directory.Event) {
 		return m.apply
 	}
 	return func(ev directory.Event) {
-		b.store.keeper.observe(ev)
+		b.store.keeper.Observe(ev)
 		m.apply(ev)
 	}
 }
@@ -285,7 +156,7 @@ func (b *Bridge) WatchStore() error {
 	if !ok {
 		return status.Errorf(status.Unsupported, "WatchStore: the directory cannot be watched across models")
 	}
-	cancel, err := all.SubscribeAll(b.store.keeper.observe)
+	cancel, err := all.SubscribeAll(b.store.keeper.Observe)
 	if err != nil {
 		return status.Wrap(status.Directory, err, "watching the directory")
 	}

@@ -2,7 +2,6 @@ package bridge
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
@@ -12,49 +11,26 @@ import (
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/mem"
 	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/storenode"
 	"github.com/mcbridge/mcbridge/internal/transport"
 )
 
-// StoreNode is a store node's roles attached to this bridge
-// (internal/storenode, which builds on the bridge): the bridge tells it
-// what only the endpoint sees.
-type StoreNode interface {
-	// Evicted hears blocks evicted from the pool, before their memory is
-	// reused.
-	Evicted(gone []holdings.Entry)
-	// Used hears the blocks readers reported restoring from this pool;
-	// Wanted the blocks a reader's lookup wanted right after them.
-	Used(keys []key.BlockKey)
-	Wanted(keys []key.BlockKey)
-	// Stop ends the node's background work. Close calls it once the
-	// readers' reports have stopped, before this process's blocks are
-	// unpublished.
-	Stop()
-	// AddStats adds the node's counters to s; DiskStats is its disk
-	// tier's.
-	AddStats(s *Stats)
-	DiskStats() disk.Stats
-}
-
-// Attach has the bridge tell n what only it sees, until Close, which
-// stops n. A bridge takes one store node.
-func (b *Bridge) Attach(n StoreNode) error {
+// Attach has the bridge tell n, a store node's roles on it, what only the
+// endpoint sees (evictions, readers' used and want reports) until Close,
+// which stops n once the reports have stopped, before this process's
+// blocks are unpublished. A bridge takes one store node.
+func (b *Bridge) Attach(n *storenode.Node) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed || b.node.Load() != nil {
 		return status.Errorf(status.State, "a store node is attached once, to an open bridge")
 	}
-	b.node.Store(&n)
+	b.node.Store(n)
 	return nil
 }
 
 // storeNode is the attached store node, or nil.
-func (b *Bridge) storeNode() StoreNode {
-	if n := b.node.Load(); n != nil {
-		return *n
-	}
-	return nil
-}
+func (b *Bridge) storeNode() *storenode.Node { return b.node.Load() }
 
 // Holdings is the pool and the blocks in it.
 func (b *Bridge) Holdings() *holdings.Holdings { return b.hold }
@@ -71,13 +47,9 @@ func (b *Bridge) SubscribeAll(fn func(directory.Event)) (cancel func(), err erro
 	return cancel, nil
 }
 
-// ErrParked says that a read timed out with its transfer still in flight:
-// the batch was parked with the pool memory it may write into, which the
-// caller must leave to the bridge to free.
-var ErrParked = errors.New("transfer parked in flight")
-
 // ReadBlock reads the whole block an entry names, from its holder, into
-// the pool at off (allocated by the caller, e.Loc.Length bytes).
+// the pool at off (allocated by the caller, e.Loc.Length bytes). A read
+// that timed out in flight wraps storenode.ErrParked.
 func (b *Bridge) ReadBlock(e directory.Entry, off int64) error {
 	ext := extent{off, int64(e.Loc.Length)}
 	dst := b.hold.Bytes(ext.off, ext.n)
@@ -106,7 +78,7 @@ func (b *Bridge) ReadBlock(e directory.Entry, off int64) error {
 		// the batch, until nothing writes into it.
 		if batch.Free() != nil {
 			b.parkBatch(batch, []extent{ext})
-			return fmt.Errorf("copy of %s: %w: %w", e.Key, ErrParked, err)
+			return fmt.Errorf("copy of %s: %w: %w", e.Key, storenode.ErrParked, err)
 		}
 		return err
 	}

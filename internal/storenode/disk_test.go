@@ -1,6 +1,7 @@
 package storenode_test
 
 import (
+	"fmt"
 	"math/rand"
 	"os"
 	"testing"
@@ -42,6 +43,34 @@ func saved(t *testing.T, cfg config.Config, owner string, seed int64, blocks int
 	return o, tokens
 }
 
+// takenOver has an owner save a prompt of n full blocks, waits until the
+// store's tier has written them, closes the owner and waits until the
+// store has published its copies.
+func takenOver(t *testing.T, cfg config.Config, store *storeNode, tier *disk.Tier, seed int64, blocks int) []int32 {
+	t.Helper()
+	owner, tokens := saved(t, cfg, "owner", seed, blocks)
+	bridgetest.WaitFor(t, fmt.Sprintf("the store to write %d blocks", blocks), func() bool { return tier.Stats().Files == int64(blocks) })
+	require.NoError(t, owner.Close())
+	bridgetest.WaitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == int64(blocks) })
+	return tokens
+}
+
+// reader opens a bridge named name with bigBlocks' model registered.
+func reader(t *testing.T, cfg config.Config, name string) *bridge.Model {
+	t.Helper()
+	return bridgetest.Register(t, bridgetest.Open(t, cfg, name), bigBlocks(t), 4)
+}
+
+// waitMatched waits until mr's lookup of tokens finds blocks blocks.
+func waitMatched(t *testing.T, what string, mr *bridge.Model, tokens []int32, blocks int) {
+	t.Helper()
+	bridgetest.WaitFor(t, what, func() bool {
+		lk, err := mr.Lookup(key.Scope{}, tokens, 0)
+		require.NoError(t, err)
+		return lk.MatchedBlocks == blocks
+	})
+}
+
 // A store node with a disk tier writes every block it copies to its file;
 // closed and opened again on the same directory, it reads them back into
 // its pool and publishes them, and a reader restores them byte for byte.
@@ -50,18 +79,13 @@ func TestDiskTierOutlivesTheStore(t *testing.T) {
 	cfg.Arbiter.Policy = "always-restore"
 	dir := t.TempDir()
 	store, tier := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
-	owner, tokens := saved(t, cfg, "owner", 3, 5)
-	bridgetest.WaitFor(t, "the store to write 5 blocks", func() bool { return tier.Stats().Files == 5 })
-	require.NoError(t, owner.Close())
-	bridgetest.WaitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 5 })
+	tokens := takenOver(t, cfg, store, tier, 3, 5)
 	require.NoError(t, store.Close())
 
 	again, _ := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
 	require.Equal(t, 5, again.RefillFromDisk())
 	bridgetest.WaitFor(t, "the store to publish what came back", func() bool { return again.Stats().TakenOver == 5 })
-	r := bridgetest.Open(t, cfg, "reader")
-	mr := bridgetest.Register(t, r, bigBlocks(t), 4)
-	n, seg := restoreFrom(t, cfg, mr, tokens)
+	n, seg := restoreFrom(t, cfg, reader(t, cfg, "reader"), tokens)
 	assert.Equal(t, 20, n)
 	assert.Equal(t, again.Segment(), seg)
 	assert.Zero(t, again.Node.DiskStats().Dropped)
@@ -88,13 +112,8 @@ func TestDiskTierDropsTornFiles(t *testing.T) {
 	again, tier2 := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Zstd)
 	assert.Equal(t, int64(1), tier2.Stats().Dropped, "the torn file")
 	again.RefillFromDisk()
-	r := bridgetest.Open(t, cfg, "reader")
-	mr := bridgetest.Register(t, r, bigBlocks(t), 4)
-	bridgetest.WaitFor(t, "the reader to find what came back", func() bool {
-		lk, err := mr.Lookup(key.Scope{}, tokens, 0)
-		require.NoError(t, err)
-		return lk.MatchedBlocks == 2
-	})
+	mr := reader(t, cfg, "reader")
+	waitMatched(t, "the reader to find what came back", mr, tokens, 2)
 	n, _ := restoreFrom(t, cfg, mr, tokens)
 	assert.Equal(t, 8, n, "the two blocks before the torn one")
 }
@@ -120,10 +139,7 @@ func TestDiskTierBringsBackWhatReadersWant(t *testing.T) {
 			cfg := bridgetest.Config(t)
 			cfg.Arbiter.Policy = "always-restore"
 			store, tier := diskStore(t, storeNodeConfig(cfg, 12, "lru"), t.TempDir(), 64<<20, disk.Raw)
-			owner, tokens := saved(t, cfg, "owner", 7, 6)
-			bridgetest.WaitFor(t, "the store to write 6 blocks", func() bool { return tier.Stats().Files == 6 })
-			require.NoError(t, owner.Close())
-			bridgetest.WaitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 6 })
+			tokens := takenOver(t, cfg, store, tier, 7, 6)
 			chain := key.Chain(key.Root(registeredFP(t, cfg), key.Scope{}), tokens[:24], 4)
 			// Eviction takes the chain's last four blocks, as the pool's
 			// budget would: leaves first.
@@ -132,8 +148,7 @@ func TestDiskTierBringsBackWhatReadersWant(t *testing.T) {
 			if tc.changed {
 				flipFileByte(t, tier.Dir()+"/"+chain[3].String()[:2]+"/"+chain[3].String())
 			}
-			r := bridgetest.Open(t, cfg, "reader")
-			mr := bridgetest.Register(t, r, bigBlocks(t), 4)
+			mr := reader(t, cfg, "reader")
 			want := 6
 			if tc.changed {
 				want = 3
@@ -141,11 +156,7 @@ func TestDiskTierBringsBackWhatReadersWant(t *testing.T) {
 			// The reader's lookups find the two blocks still in the pool
 			// and ask for the rest; the store brings back what its disk
 			// holds whole.
-			bridgetest.WaitFor(t, "the store to bring the wanted blocks back", func() bool {
-				lk, err := mr.Lookup(key.Scope{}, tokens, 0)
-				require.NoError(t, err)
-				return lk.MatchedBlocks == want
-			})
+			waitMatched(t, "the store to bring the wanted blocks back", mr, tokens, want)
 			n, _ := restoreFrom(t, cfg, mr, tokens)
 			assert.Equal(t, 4*want, n)
 			if tc.changed {
@@ -227,22 +238,15 @@ func TestDiskTierFull(t *testing.T) {
 	assert.Less(t, st.Budget, int64(64<<20), "the budget follows the filesystem")
 	require.NoError(t, owner.Close())
 	bridgetest.WaitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 5 })
-	r := bridgetest.Open(t, cfg, "reader")
-	mr := bridgetest.Register(t, r, bigBlocks(t), 4)
-	n, _ := restoreFrom(t, cfg, mr, tokens)
+	n, _ := restoreFrom(t, cfg, reader(t, cfg, "reader"), tokens)
 	assert.Equal(t, 20, n, "the pool serves what the disk could not take")
 	require.NoError(t, store.Close())
 
 	again, _ := diskStore(t, storeNodeConfig(cfg, 12, "lru"), dir, 64<<20, disk.Raw)
 	back := again.RefillFromDisk()
 	require.Equal(t, int(st.Files), back)
-	r = bridgetest.Open(t, cfg, "reader-2")
-	mr = bridgetest.Register(t, r, bigBlocks(t), 4)
-	bridgetest.WaitFor(t, "the reader to find what came back", func() bool {
-		lk, err := mr.Lookup(key.Scope{}, tokens, 0)
-		require.NoError(t, err)
-		return lk.MatchedBlocks == back
-	})
+	mr := reader(t, cfg, "reader-2")
+	waitMatched(t, "the reader to find what came back", mr, tokens, back)
 	n, _ = restoreFrom(t, cfg, mr, tokens)
 	assert.Equal(t, 4*back, n, "the chain's first blocks, whole")
 }
@@ -255,23 +259,15 @@ func TestRestartedHolderIsReopened(t *testing.T) {
 	cfg.Arbiter.Policy = "always-restore"
 	dir := t.TempDir()
 	store, tier := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Raw)
-	owner, tokens := saved(t, cfg, "owner", 11, 2)
-	bridgetest.WaitFor(t, "the store to write 2 blocks", func() bool { return tier.Stats().Files == 2 })
-	require.NoError(t, owner.Close())
-	bridgetest.WaitFor(t, "the store to publish its copies", func() bool { return store.Stats().TakenOver == 2 })
-	r := bridgetest.Open(t, cfg, "reader")
-	mr := bridgetest.Register(t, r, bigBlocks(t), 4)
+	tokens := takenOver(t, cfg, store, tier, 11, 2)
+	mr := reader(t, cfg, "reader")
 	n, _ := restoreFrom(t, cfg, mr, tokens)
 	require.Equal(t, 8, n)
 	require.NoError(t, store.Close())
 
 	again, _ := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Raw)
 	require.Equal(t, 2, again.RefillFromDisk())
-	bridgetest.WaitFor(t, "the reader to find what came back", func() bool {
-		lk, err := mr.Lookup(key.Scope{}, tokens, 0)
-		require.NoError(t, err)
-		return lk.MatchedBlocks == 2
-	})
+	waitMatched(t, "the reader to find what came back", mr, tokens, 2)
 	h := bigBlocks(t)
 	_, err := bridgetest.LoadAll(t, mr, h, key.Scope{}, tokens[:8], kvtest.SeqCells(8))
 	require.Equal(t, status.Transfer, status.Of(err), "the cached segment names the old holder")

@@ -22,6 +22,9 @@ type storeNode struct {
 	*storenode.Node
 }
 
+// Stats are the bridge's, which carry the node's too.
+func (s *storeNode) Stats() bridge.Stats { return s.Bridge.Stats() }
+
 // replicating opens a store node as owner, with the disk tier given (nil
 // for none), and starts its replication. The bridge's Close stops it.
 func replicating(t *testing.T, cfg config.Config, owner string, tier *disk.Tier) *storeNode {

@@ -1,20 +1,27 @@
-// Package storenode is a store node's roles on top of a bridge's
-// holdings: replication (copies of every block other owners publish,
-// published when their owner lets go) and the disk tier (every block in a
-// file too, spilled on eviction, read back on demand and after a restart).
+// Package storenode is what a process does as a holder of blocks for the
+// swarm, on top of a bridge's holdings (internal/holdings):
 //
-// A Node reaches its bridge only through Host, and the bridge tells it
-// what only the endpoint sees (evictions, readers' reports, its Close)
-// through bridge.StoreNode: the bridge never imports this package.
+//   - the Inbox of readers' reports (used, bad, want), which every bridge
+//     runs (reports.go);
+//   - the Keeper of a store-backed bridge's store entries (keeper.go);
+//   - a store node's roles, a Node: replication (copies of every block
+//     other owners publish, published when their owner lets go) and the
+//     disk tier (every block in a file too, spilled on eviction, read back
+//     on demand and after a restart), which `mcbridge serve` attaches.
+//
+// The package imports no bridge code: a Node reaches its bridge only
+// through Host, the Keeper through Store, and the bridge, which imports
+// this package, runs the Inbox and the Keeper and tells an attached Node
+// what only the endpoint sees (evictions, readers' reports, its Close).
 package storenode
 
 import (
+	"errors"
 	"log/slog"
 	"sync"
 	"sync/atomic"
 
 	"github.com/mcbridge/mcbridge/internal/arbiter"
-	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/disk"
 	"github.com/mcbridge/mcbridge/internal/holdings"
@@ -38,8 +45,13 @@ type Host interface {
 	// PublishHeld offers held replicas to the directory as the endpoint's.
 	PublishHeld(keys []key.BlockKey)
 	// Attach has the endpoint tell n what only it sees, until its Close.
-	Attach(n bridge.StoreNode) error
+	Attach(n *Node) error
 }
+
+// ErrParked says that a read timed out with its transfer still in flight:
+// the batch was parked with the pool memory it may write into, which the
+// caller must leave to the host to free. Host.ReadBlock's errors wrap it.
+var ErrParked = errors.New("transfer parked in flight")
 
 // Config builds a Node.
 type Config struct {
@@ -128,14 +140,20 @@ func (n *Node) Wanted(keys []key.BlockKey) {
 	}
 }
 
-// AddStats adds the node's counters to s.
-func (n *Node) AddStats(s *bridge.Stats) {
+// Stats are a node's counters since New.
+type Stats struct {
+	Replicated       int64 // blocks copied from their owners
+	ReplicationFails int64
+	Persisted        int64 // blocks written behind to the disk
+	Spilled          int64 // blocks written on eviction
+	PagedIn          int64 // blocks read back from the disk into the pool
+}
+
+// Stats returns a snapshot of the node's counters.
+func (n *Node) Stats() Stats {
 	c := &n.stats
-	s.Replicated += c.replicated.Load()
-	s.ReplicationFails += c.replicationFailures.Load()
-	s.Persisted += c.persisted.Load()
-	s.Spilled += c.spilled.Load()
-	s.PagedIn += c.pagedIn.Load()
+	return Stats{Replicated: c.replicated.Load(), ReplicationFails: c.replicationFailures.Load(),
+		Persisted: c.persisted.Load(), Spilled: c.spilled.Load(), PagedIn: c.pagedIn.Load()}
 }
 
 // DiskStats is the disk tier's counters; zero without one.

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"sync"
 
-	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/holdings"
 	"github.com/mcbridge/mcbridge/internal/key"
@@ -116,7 +115,7 @@ func (n *Node) copyBlock(e directory.Entry) {
 	}
 	g, h, err := n.readVerified(e, off)
 	if err != nil {
-		if !errors.Is(err, bridge.ErrParked) {
+		if !errors.Is(err, ErrParked) {
 			n.hold.Invalidate(off, size)
 		}
 		n.stats.replicationFailures.Add(1)

@@ -11,30 +11,16 @@ package e2e
 
 import (
 	"encoding/json"
-	"fmt"
-	"os"
 	"testing"
 	"time"
 
 	"github.com/mcbridge/mcbridge/internal/testenv"
-	"github.com/mcbridge/mcbridge/internal/transport/mooncake/mocklib"
 )
 
 // mockTE is the mock Transfer Engine library.
 var mockTE string
 
-func TestMain(m *testing.M) {
-	p, cleanup, err := mocklib.Find()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "e2e:", err)
-		os.Exit(2)
-	}
-	mockTE = p
-	code := m.Run()
-	cleanup()
-	testenv.Cleanup()
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { testenv.MainMockTE(m, &mockTE) }
 
 // defaultWait bounds what the tests wait for that happens in the
 // background: publishing, the directory's watch, a lease's expiry.

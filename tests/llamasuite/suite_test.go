@@ -40,7 +40,6 @@ import (
 	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
 	"github.com/mcbridge/mcbridge/internal/gguf"
 	"github.com/mcbridge/mcbridge/internal/testenv"
-	"github.com/mcbridge/mcbridge/internal/transport/mooncake/mocklib"
 )
 
 // EnvLlamaSrc names the pinned llama.cpp source tree (scripts/llama/fetch.sh).
@@ -108,16 +107,7 @@ func TestMain(m *testing.M) {
 	if c := os.Getenv(envShim); c != "" {
 		os.Exit(shim(c, os.Args[1:]))
 	}
-	p, cleanup, err := mocklib.Find()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "llamasuite:", err)
-		os.Exit(2)
-	}
-	mockTE = p
-	code := m.Run()
-	cleanup()
-	testenv.Cleanup()
-	os.Exit(code)
+	testenv.MainMockTE(m, &mockTE)
 }
 
 var mockTE string

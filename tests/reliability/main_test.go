@@ -30,7 +30,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/config"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
-	"github.com/mcbridge/mcbridge/internal/transport/mooncake/mocklib"
+	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
 var mockLib string
@@ -39,15 +39,7 @@ func TestMain(m *testing.M) {
 	if role := os.Getenv("MCB_REL_ROLE"); role != "" {
 		os.Exit(child(role))
 	}
-	p, cleanup, err := mocklib.Find()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "reliability tests:", err)
-		os.Exit(2)
-	}
-	mockLib = p
-	code := m.Run()
-	cleanup()
-	os.Exit(code)
+	testenv.MainMockTE(m, &mockLib)
 }
 
 // Host and block shape shared by every process of a test: 4 layers of f16
@@ -148,15 +140,8 @@ func startChild(t *testing.T, role string, j job) *proc {
 	t.Helper()
 	doc, err := json.Marshal(j)
 	require.NoError(t, err)
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "MCB_REL_ROLE="+role, "MCB_REL_JOB="+string(doc))
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	require.NoError(t, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
-	p := &proc{t: t, cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout)}
+	c := testenv.StartChild(t, nil, "MCB_REL_ROLE="+role, "MCB_REL_JOB="+string(doc))
+	p := &proc{t: t, cmd: c.Cmd, stdin: c.Stdin, out: c.Out}
 	t.Cleanup(p.kill)
 	return p
 }

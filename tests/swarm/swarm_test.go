@@ -34,8 +34,8 @@ import (
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
 	"github.com/mcbridge/mcbridge/internal/storenode"
+	"github.com/mcbridge/mcbridge/internal/testenv"
 	"github.com/mcbridge/mcbridge/internal/transport/mooncake"
-	"github.com/mcbridge/mcbridge/internal/transport/mooncake/mocklib"
 )
 
 var mockLib string
@@ -70,15 +70,7 @@ func TestMain(m *testing.M) {
 	if role := os.Getenv("MCB_SWARM_ROLE"); role != "" {
 		os.Exit(child(role))
 	}
-	p, cleanup, err := mocklib.Find()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "swarm tests:", err)
-		os.Exit(2)
-	}
-	mockLib = p
-	code := m.Run()
-	cleanup()
-	os.Exit(code)
+	testenv.MainMockTE(m, &mockLib)
 }
 
 // job is what a child process is told: its bridge config, the host shape
@@ -252,14 +244,8 @@ func startCmd(t *testing.T, cmd *exec.Cmd, role string, j job, env ...string) *p
 	t.Helper()
 	doc, err := json.Marshal(j)
 	require.NoError(t, err)
-	cmd.Env = append(append(os.Environ(), "MCB_SWARM_ROLE="+role, "MCB_SWARM_JOB="+string(doc)), env...)
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	require.NoError(t, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
-	p := &proc{cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout)}
+	c := testenv.StartChild(t, cmd, append([]string{"MCB_SWARM_ROLE=" + role, "MCB_SWARM_JOB=" + string(doc)}, env...)...)
+	p := &proc{cmd: c.Cmd, stdin: c.Stdin, out: c.Out}
 	t.Cleanup(func() {
 		_ = p.cmd.Process.Kill()
 		_ = p.cmd.Wait()

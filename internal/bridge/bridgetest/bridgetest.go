@@ -45,7 +45,13 @@ func WithOwner(c config.Config, owner string) config.Config {
 
 // Open opens a bridge as owner, closed when the test ends.
 func Open(t testing.TB, c config.Config, owner string) *bridge.Bridge {
-	b, err := bridge.Open(WithOwner(c, owner), bridge.Deps{})
+	return OpenDeps(t, c, owner, bridge.Deps{})
+}
+
+// OpenDeps opens a bridge as owner with the parts deps supplies, closed
+// when the test ends (before the parts, which the test closes itself).
+func OpenDeps(t testing.TB, c config.Config, owner string, deps bridge.Deps) *bridge.Bridge {
+	b, err := bridge.Open(WithOwner(c, owner), deps)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = b.Close() })
 	return b

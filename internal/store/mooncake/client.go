@@ -16,7 +16,8 @@ import (
 )
 
 // Mirror of struct mooncake_replicate_config (store_c.h) with the padding
-// spelled out; layout_test.go pins it to the header compiled by cc.
+// spelled out; TestLayoutMatchesHeader (conformance_test.go) pins it to the
+// header compiled by cc.
 type cReplicateConfig struct {
 	replicaNum     uintptr // size_t
 	withSoftPin    int32

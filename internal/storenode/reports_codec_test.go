@@ -1,4 +1,4 @@
-package bridge
+package storenode
 
 import (
 	"strings"
@@ -12,32 +12,32 @@ import (
 )
 
 func TestReportCodec(t *testing.T) {
-	var items []reportItem
+	var items []ReportItem
 	for i := range 150 {
-		items = append(items, reportItem{key: key.Hash{byte(i), 1, 2}, gen: uint64(i) * 1e15})
+		items = append(items, ReportItem{Key: key.Hash{byte(i), 1, 2}, Gen: uint64(i) * 1e15})
 	}
-	for _, kind := range []reportKind{reportUsed, reportBad, reportWant} {
-		msgs := encodeReports(kind, items)
-		require.Len(t, msgs, 3, "150 items in messages of %d", maxReportItems)
-		var got []reportItem
+	for _, kind := range []ReportKind{ReportUsed, ReportBad, ReportWant} {
+		msgs := EncodeReports(kind, items)
+		require.Len(t, msgs, 3, "150 items in messages of %d", MaxReportItems)
+		var got []ReportItem
 		for _, m := range msgs {
-			k, its, err := parseReport(m)
+			k, its, err := ParseReport(m)
 			require.NoError(t, err, m)
 			require.Equal(t, kind, k)
 			got = append(got, its...)
 		}
 		want := items
-		if kind != reportBad {
-			want = make([]reportItem, len(items))
+		if kind != ReportBad {
+			want = make([]ReportItem, len(items))
 			for i := range items {
-				want[i] = reportItem{key: items[i].key}
+				want[i] = ReportItem{Key: items[i].Key}
 			}
 		}
 		require.Equal(t, want, got)
 	}
 	for _, bad := range []string{"", "u", "x 00", "uu " + key.Hash{}.String(), "u 00", "u " + strings.Repeat("g", 32),
-		"b " + key.Hash{}.String(), "b " + key.Hash{}.String() + ":x", "u " + strings.Repeat(key.Hash{}.String()+" ", maxReportItems+1)} {
-		_, _, err := parseReport(bad)
+		"b " + key.Hash{}.String(), "b " + key.Hash{}.String() + ":x", "u " + strings.Repeat(key.Hash{}.String()+" ", MaxReportItems+1)} {
+		_, _, err := ParseReport(bad)
 		assert.Equal(t, status.InvalidArg, status.Of(err), "%q: %v", bad, err)
 	}
 }
@@ -48,14 +48,14 @@ func FuzzParseReport(f *testing.F) {
 	f.Add("b " + key.Hash{2}.String() + ":42 " + key.Hash{3}.String() + ":0")
 	f.Add("w")
 	f.Fuzz(func(t *testing.T, msg string) {
-		kind, items, err := parseReport(msg)
+		kind, items, err := ParseReport(msg)
 		if err != nil {
 			require.Equal(t, status.InvalidArg, status.Of(err))
 			return
 		}
-		again := encodeReports(kind, items)
+		again := EncodeReports(kind, items)
 		require.Len(t, again, 1)
-		k2, items2, err := parseReport(again[0])
+		k2, items2, err := ParseReport(again[0])
 		require.NoError(t, err)
 		require.Equal(t, kind, k2)
 		require.Equal(t, items, items2)
