@@ -17,6 +17,9 @@ const (
 	Ones
 	// Zeros is f32 0: a bias.
 	Zeros
+	// RandomF32 is Random's values in f32, for a tensor ggml adds to activations as it
+	// is (BERT's token type rows): its CPU backend adds no f16 to f32.
+	RandomF32
 )
 
 // TensorSpec is one tensor of WriteModelFile: its name, ggml's shape (ne[0] first)
@@ -35,6 +38,9 @@ func (s TensorSpec) tensor() tensor {
 		return tensor{s.Name, TensorF32, s.Shape, func(dst []byte, _ *splitMix64) { fillF32Const(dst, 0) }}
 	}
 	scale := float32(math.Sqrt(3 / float64(s.Shape[0])))
+	if s.Init == RandomF32 {
+		return tensor{s.Name, TensorF32, s.Shape, func(dst []byte, rng *splitMix64) { fillF32(dst, rng, scale) }}
+	}
 	return tensor{s.Name, TensorF16, s.Shape, func(dst []byte, rng *splitMix64) { fillF16(dst, rng, scale) }}
 }
 
@@ -50,7 +56,7 @@ func (s TensorSpec) validate() error {
 			return status.Errorf(status.InvalidArg, "gguf: tensor %s: dimension %d outside [1, %d]", s.Name, d, maxDim)
 		}
 	}
-	if s.Init < Random || s.Init > Zeros {
+	if s.Init < Random || s.Init > RandomF32 {
 		return status.Errorf(status.InvalidArg, "gguf: tensor %s: unknown Init %d", s.Name, s.Init)
 	}
 	return nil

@@ -22,6 +22,7 @@ func TestWriteModelFile(t *testing.T) {
 		{"blk.0.ffn_up_exps.weight", []uint64{8, 16, 4}, Random},
 		{"token_embd_norm.weight", []uint64{8}, Ones},
 		{"token_embd_norm.bias", []uint64{8}, Zeros},
+		{"token_types.weight", []uint64{8, 2}, RandomF32},
 	}
 	require.NoError(t, WriteModelFile(p, kvs, specs, 7))
 
@@ -33,8 +34,8 @@ func TestWriteModelFile(t *testing.T) {
 	assert.Equal(t, "bert.block_count", f.Metadata[1].Key)
 	al, _ := f.Lookup("general.alignment")
 	assert.Equal(t, "32", al.String())
-	require.Len(t, f.Tensors, 4)
-	wantTypes := []TensorType{TensorF16, TensorF16, TensorF32, TensorF32}
+	require.Len(t, f.Tensors, 5)
+	wantTypes := []TensorType{TensorF16, TensorF16, TensorF32, TensorF32, TensorF32}
 	for i, s := range specs {
 		assert.Equal(t, s.Name, f.Tensors[i].Name)
 		assert.Equal(t, s.Shape, f.Tensors[i].Shape)
@@ -57,6 +58,13 @@ func TestWriteModelFile(t *testing.T) {
 		assert.LessOrEqual(t, math.Abs(float64(f16ToF32(h))), bound+1e-3)
 	}
 	assert.Greater(t, len(seen), 100)
+	distinct := map[uint32]bool{}
+	for i := 0; i+3 < len(data(4)); i += 4 {
+		v := binary.LittleEndian.Uint32(data(4)[i:])
+		distinct[v] = true
+		assert.LessOrEqual(t, math.Abs(float64(math.Float32frombits(v))), bound)
+	}
+	assert.Len(t, distinct, 16)
 
 	// A tensor's data depends on its name and the seed only.
 	p2 := filepath.Join(t.TempDir(), "m2.gguf")
