@@ -178,7 +178,7 @@ func TestLlamaServerSuite(t *testing.T) {
 	}
 	got := make([]outcome, len(runs))
 	for i, r := range runs {
-		got[i] = runSuite(t, suite, ignore, models, timeout, shimConfig{Server: r.server, Extra: r.extra})
+		got[i] = runSuite(t, src, ignore, models, timeout, shimConfig{Server: r.server, Extra: r.extra})
 		t.Logf("llama.cpp server suite, %s: %s", r.name, got[i])
 	}
 	t.Logf("failing on stock too (no stand-in model, no network, random weights): %s", summarize(got[0].failed))
@@ -246,11 +246,15 @@ def load_server_presets(configure_worker_port):
     yield
 `
 
-// runSuite runs the suite once, in a fresh copy of the tests directory (the tests
-// write into it), with the test binary as llama-server.
-func runSuite(t *testing.T, suite string, ignore []pyFile, models map[string]string, timeout time.Duration, c shimConfig) outcome {
-	dir := t.TempDir()
-	require.NoError(t, os.CopyFS(dir, os.DirFS(suite)))
+// runSuite runs the suite of the tree src once, with the test binary as llama-server,
+// in a fresh copy of the tests directory (the tests write into it) at the same depth
+// under a link to the tree's models/: the tests name chat templates
+// ../../../models/templates/<name>.jinja.
+func runSuite(t *testing.T, src string, ignore []pyFile, models map[string]string, timeout time.Duration, c shimConfig) outcome {
+	root := t.TempDir()
+	require.NoError(t, os.Symlink(filepath.Join(src, "models"), filepath.Join(root, "models")))
+	dir := filepath.Join(root, "tools", "server", "tests")
+	require.NoError(t, os.CopyFS(dir, os.DirFS(filepath.Join(src, "tools", "server", "tests"))))
 	// utils.py's download_file and LLAMA_CACHE both mean tmp/.
 	cache := filepath.Join(dir, "tmp")
 	require.NoError(t, writeHubCache(cache, models))
