@@ -162,12 +162,9 @@ func (c Config) tensors() []tensor {
 	embd, ff, vocab := uint64(c.EmbeddingLength), uint64(c.FeedForwardLength), uint64(c.VocabSize)
 	kv := uint64(c.HeadCountKV * c.headDim())
 	matrix := func(name string, in, out uint64) tensor {
-		scale := float32(math.Sqrt(3 / float64(in)))
-		fill := func(dst []byte, rng *splitMix64) { fillF16(dst, rng, scale) }
-		return tensor{name, TensorF16, []uint64{in, out}, fill}
+		return TensorSpec{name, []uint64{in, out}, Random}.tensor()
 	}
-	ones := func(dst []byte, _ *splitMix64) { fillF32Const(dst, 1) }
-	norm := func(name string) tensor { return tensor{name, TensorF32, []uint64{embd}, ones} }
+	norm := func(name string) tensor { return TensorSpec{name, []uint64{embd}, Ones}.tensor() }
 
 	ts := []tensor{
 		matrix("token_embd.weight", embd, vocab),
