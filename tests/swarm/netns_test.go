@@ -158,6 +158,14 @@ func TestMultiHost(t *testing.T) {
 		t.Logf("host A cut off mid-transfer: %s", strings.TrimSpace(line))
 		cut.expect(t, "dropped", 0)
 		run(t, "ip", "netns", "exec", h.a, "ip", "link", "set", h.vethA, "up")
+		run(t, "ip", "netns", "exec", h.a, "tc", "qdisc", "del", "dev", h.vethA, "root")
+		// The payload that was streaming resumes at the sockets' next
+		// retransmission, which backs off while the link is down: after the
+		// seconds above it can come later than the close's wait for
+		// in-flight batches (twice the transfer timeout), which then leaves
+		// the pool mapped and fails. So the reader closes once nothing is
+		// left unsent on either side.
+		waitSent(t, h.a, h.b)
 		cut.finish(t)
 		saver.kill()
 	})
@@ -209,6 +217,26 @@ func cutReader(j job, m *bridge.Model, h *kvtest.Host) int {
 	// The parent restores the link, then closes stdin: the bridge closes.
 	_, _ = io.Copy(io.Discard, in)
 	return 0
+}
+
+// waitSent waits until no TCP socket in the namespaces has bytes queued
+// that the peer has not acknowledged (ss's Send-Q).
+func waitSent(t *testing.T, namespaces ...string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		for _, ns := range namespaces {
+			out, err := exec.Command("ip", "netns", "exec", ns, "ss", "-tnH").Output()
+			if err != nil {
+				return false
+			}
+			for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+				if f := strings.Fields(line); len(f) >= 3 && f[2] != "0" {
+					return false
+				}
+			}
+		}
+		return true
+	}, time.Minute, 50*time.Millisecond, "bytes stayed unsent on the restored link")
 }
 
 // directoryDump lists what etcd holds under the job's prefix, with each
