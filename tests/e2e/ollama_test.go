@@ -114,8 +114,9 @@ func (o *ollama) runnerArgs(t *testing.T) [][]string {
 
 // ollamaSystem is a long system prompt (the shared prefix of a tool-using
 // agent) in text that the generated model's byte-level vocabulary
-// tokenizes: longer than one ubatch, so that a restore aligned to
-// n_ubatch has something to restore.
+// tokenizes: longer than one of the runner's ubatches (1024 here), so
+// that restores end inside a ubatch, where only stock from as many cached
+// tokens answers as they must (docs/design.md §10.1).
 var ollamaSystem = strings.Repeat("You are a careful assistant. Answer briefly, cite the tools you used, never invent a file name. ", 12)
 
 // ollamaTemplate is a model's own Ollama (Go) template: Ollama renders the
@@ -324,13 +325,19 @@ func (s *ollamaSwarm) script(t *testing.T, o *ollama, held []ollamaAnswer) []oll
 		if step.storeDown {
 			s.stopStore(t)
 		}
-		if held != nil && held[i].Cached > 0 {
+		primed := held != nil && held[i].Cached > 0
+		if primed {
 			o.prime(t, step.req, held[i].Cached)
 		}
 		out = append(out, o.send(t, step.req))
 		if step.storeDown {
 			s.restartStore(t)
-			o.generate(t, step.req.model, "", nil, 0) // an empty prompt with keep_alive 0 unloads
+		}
+		// An empty prompt with keep_alive 0 unloads: the primed runner was
+		// loaded with a keep-alive that /v1 requests (which have none)
+		// leave in place.
+		if step.storeDown || primed {
+			o.generate(t, step.req.model, "", nil, 0)
 		}
 		o.idle(t)
 		if !step.storeDown {
