@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -42,6 +43,8 @@ type Timings struct {
 	PromptN   int     `json:"prompt_n"`
 	PromptMS  float64 `json:"prompt_ms"`
 	Predicted int     `json:"predicted_n"`
+	// PredictedMS is the decode's time after the first token.
+	PredictedMS float64 `json:"predicted_ms"`
 	// PredictedPerSecond is the server's decode rate.
 	PredictedPerSecond float64 `json:"predicted_per_second"`
 }
@@ -179,4 +182,52 @@ func LlamaTemplate(tb testing.TB, name string) string {
 	_, err := os.Stat(p)
 	require.NoError(tb, err, "a template of the stock server's source tree")
 	return p
+}
+
+// StockFrom is a stock llama-server's answer (at url) to r when it holds
+// the first k tokens of r's prompt and computes the rest: the answer of a
+// server that restored (or kept) k tokens must be this one, not the
+// answer computed fresh. llama-server on the CPU is not batch-invariant
+// (docs/design.md §10.1): the rest, computed in ubatches starting at k,
+// can give other bits than the same tokens computed from 0, without any
+// restore being wrong. On slot 0, the first k tokens are computed fresh,
+// followed by a token the prompt does not continue with, so that the
+// prompt then reuses exactly k; k 0 is the prompt computed fresh. Each
+// request is alone on the server, as the answers compared with it are.
+func StockFrom(tb testing.TB, url string, r Request, k int) Completion {
+	tb.Helper()
+	fresh := map[string]any{"cache_prompt": false}
+	for key, v := range r.Extra {
+		if _, ok := fresh[key]; !ok {
+			fresh[key] = v
+		}
+	}
+	r.Slot = 0
+	if k == 0 {
+		r.Extra = fresh
+		return Complete(tb, url, r)
+	}
+	Prime(tb, url, r.Prompt, k, fresh)
+	c := Complete(tb, url, r)
+	require.Equal(tb, k, c.Timings.CacheN, "the stock slot held the prompt's first %d tokens", k)
+	return c
+}
+
+// Prime has slot 0 of the stock server at url compute the Primer of
+// prompt's first k tokens fresh (extra: the request's own fields and
+// cache_prompt false), so that the prompt on slot 0 reuses exactly k.
+func Prime(tb testing.TB, url string, prompt []int32, k int, extra map[string]any) {
+	tb.Helper()
+	Complete(tb, url, Request{Prompt: Primer(tb, prompt, k), Slot: 0, NPredict: 1, Extra: extra})
+}
+
+// Primer is the first k tokens of prompt and then one of them that the
+// prompt does not continue with: a slot that computed it shares exactly
+// k tokens with the prompt.
+func Primer(tb testing.TB, prompt []int32, k int) []int32 {
+	tb.Helper()
+	require.Less(tb, k, len(prompt))
+	other := slices.IndexFunc(prompt[:k], func(x int32) bool { return x != prompt[k] })
+	require.GreaterOrEqual(tb, other, 0, "a token of the prefix that the prompt does not continue with")
+	return append(slices.Clip(prompt[:k]), prompt[other])
 }

@@ -35,12 +35,12 @@ func deviceSwarm(t *testing.T) string {
 		`"], "lease_ttl_s": 60}, "transport": {"kind": "mooncake", "lib": "` + mockTE + `"}`)
 }
 
-// stockAnswers are stock's answers to prompt on slot 1, with the given
-// placement arguments.
-func stockAnswer(t *testing.T, args []string, prompt []int32) []int32 {
+// stockAnswer is stock's answer to prompt from its first k tokens
+// (stockFrom), with the given placement arguments.
+func stockAnswer(t *testing.T, args []string, prompt []int32, k int) []int32 {
 	s := testenv.StartLlama(t, "stock", testenv.StockServer(t), args)
 	defer s.Stop()
-	return s.Complete(t, testenv.Request{Prompt: prompt, Slot: 1, NPredict: nPredict}).Tokens
+	return testenv.StockFrom(t, s.URL, testenv.Request{Prompt: prompt, NPredict: nPredict}, k).Tokens
 }
 
 // With KV on a device, fully or partly offloaded, on two devices, or kept
@@ -53,7 +53,8 @@ func TestDeviceKV(t *testing.T) {
 	model := testenv.Model(t, "tiny", 0)
 	cfg := deviceSwarm(t)
 	spare := testenv.StartRPC(t, "rpc-spare") // for one server at a time
-	want := stockAnswer(t, onDevice(model, spare.Endpoint), promptB)
+	// Every server below restores the prefix's whole blocks.
+	want := stockAnswer(t, onDevice(model, spare.Endpoint), promptB, shared)
 
 	holder := testenv.StartRPC(t, "rpc-holder")
 	dev := testenv.StartLlama(t, "dev", testenv.PatchedServer(t), append(onDevice(model, holder.Endpoint), "--mcb-config", cfg))
@@ -98,7 +99,7 @@ func TestDeviceKV(t *testing.T) {
 		got := dev.Complete(t, testenv.Request{Prompt: q2, Slot: 1, NPredict: nPredict})
 		assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN},
 			"the device-KV server restores what the host-KV server computed: %+v", got.MCB)
-		assert.Equal(t, stockAnswer(t, onDevice(model, spare.Endpoint), q2), got.Tokens, "answers as stock")
+		assert.Equal(t, stockAnswer(t, onDevice(model, spare.Endpoint), q2, got.Timings.CacheN), got.Tokens, "answers as stock")
 	})
 
 	t.Run("proxy", func(t *testing.T) {
@@ -123,7 +124,8 @@ func TestDeviceFaults(t *testing.T) {
 	model := testenv.Model(t, "tiny", 0)
 	cfg := deviceSwarm(t)
 	rpcs := []*testenv.RPC{testenv.StartRPC(t, "rpc-x"), testenv.StartRPC(t, "rpc-y")}
-	want := stockAnswer(t, onDevice(model, rpcs[1].Endpoint), promptB)
+	// Until the last request, every restore fails: the prompt is computed.
+	want := stockAnswer(t, onDevice(model, rpcs[1].Endpoint), promptB, 0)
 
 	start := func(name string, rpc *testenv.RPC, env ...string) *testenv.Llama {
 		s := testenv.StartLlama(t, name, testenv.PatchedServer(t), append(onDevice(model, rpc.Endpoint), "--mcb-config", cfg), env...)
@@ -173,5 +175,6 @@ func TestDeviceFaults(t *testing.T) {
 		assert.Error(t, (<-done).err, "%s: the request in flight gets no answer", name)
 	}
 	got = z.Complete(t, testenv.Request{Prompt: promptB, Slot: 0, NPredict: nPredict})
-	assert.Equal(t, want, got.Tokens, "the rest of the swarm answers as stock")
+	assert.Equal(t, stockAnswer(t, onDevice(model, testenv.StartRPC(t, "rpc-ref").Endpoint), promptB, got.Timings.CacheN), got.Tokens,
+		"the rest of the swarm answers as stock")
 }

@@ -50,7 +50,6 @@ func TestLoRAThenBase(t *testing.T) {
 	stockBase := ref.Complete(t, testenv.Request{Prompt: base1, Slot: 0, NPredict: nPredict})
 	t.Logf("stock, base after LoRA on one slot: cache_n %d, same tokens as a fresh base request: %v",
 		stockBase.Timings.CacheN, testenv.JSON(stockBase.Tokens) == testenv.JSON(wantBase1.Tokens))
-	ref.Stop()
 
 	etcd := etcdtest.Start(t)
 	cfg := bridgeConfig(`, "directory": {"kind": "etcd", "endpoints": ["` + etcd.Endpoint() + `"]}, "transport": {"kind": "mooncake", "lib": "` + mockTE + `"}`)
@@ -64,10 +63,12 @@ func TestLoRAThenBase(t *testing.T) {
 
 	b := loraServer(t, "b", testenv.PatchedServer(t), model, adapter, "--mcb-config", cfg)
 	waitMirrored(t, b.URL, 2*shared/block)
-	got := b.Complete(t, testenv.Request{Prompt: base2, Slot: 0, NPredict: nPredict})
+	reqBase2 := testenv.Request{Prompt: base2, Slot: 0, NPredict: nPredict}
+	got := b.Complete(t, reqBase2)
 	assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN}, "b restores the base prefix: %+v", got.MCB)
-	assert.Equal(t, wantBase2.Tokens, got.Tokens, "b's base answer is the stock server's base-model answer")
-	got = b.Complete(t, testenv.Request{Prompt: adapted2, Slot: 0, NPredict: nPredict, Extra: withLoRA})
+	assert.Equal(t, testenv.StockFrom(t, ref.URL, reqBase2, got.Timings.CacheN).Tokens, got.Tokens, "b's base answer is the stock server's base-model answer")
+	reqAdapted2 := testenv.Request{Prompt: adapted2, Slot: 0, NPredict: nPredict, Extra: withLoRA}
+	got = b.Complete(t, reqAdapted2)
 	assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN}, "b restores the adapted prefix: %+v", got.MCB)
-	assert.Equal(t, wantAdapted2.Tokens, got.Tokens, "b's adapted answer is the stock server's adapted answer")
+	assert.Equal(t, testenv.StockFrom(t, ref.URL, reqAdapted2, got.Timings.CacheN).Tokens, got.Tokens, "b's adapted answer is the stock server's adapted answer")
 }

@@ -22,15 +22,10 @@ import (
 
 const storeDeadlineMS = 5000
 
-// storeWant is what a stock server answers to each prompt, fresh.
-func storeWant(t *testing.T, model string, prompts ...[]int32) [][]int32 {
-	stock := testenv.StartLlama(t, "stock", testenv.StockServer(t), serverArgs(model, "on", false))
-	defer stock.Stop()
-	var out [][]int32
-	for _, p := range prompts {
-		out = append(out, stock.Complete(t, testenv.Request{Prompt: p, Slot: -1, NPredict: nPredict, Extra: map[string]any{"cache_prompt": false}}).Tokens)
-	}
-	return out
+// storeRef is the stock server the answers are compared with
+// (assertStock).
+func storeRef(t *testing.T, model string) string {
+	return testenv.StartLlama(t, "stock", testenv.StockServer(t), serverArgs(model, "on", false)).URL
 }
 
 func patched(t *testing.T, name, model, cfg string) *testenv.Llama {
@@ -85,7 +80,7 @@ func TestStoreSwarm(t *testing.T) {
 	other := testenv.Tokens(600, 5, 29)
 	promptD := testenv.Cat(other, testenv.Tokens(30, 3, 1))
 	promptE := testenv.Cat(other, testenv.Tokens(50, 7, 2))
-	want := storeWant(t, model, promptA, promptB, promptC, promptD, promptE)
+	ref := storeRef(t, model)
 	etcd := etcdtest.Start(t)
 	node := testenv.StartStoreNode(t, "node", etcd.Endpoint(), testenv.StoreNodeOptions{})
 	cfg := node.Config(t, testenv.BridgeOptions{SegmentBytes: 32 << 20, DeadlineMS: storeDeadlineMS})
@@ -96,25 +91,25 @@ func TestStoreSwarm(t *testing.T) {
 	testenv.Eventually(t, defaultWait, func() bool { return len(node.Segments(t)) == 4 }, "the node, x, y and the proxy each contribute a segment")
 
 	got := x.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict})
-	assert.Equal(t, want[0], got.Tokens, "x answers as stock")
+	assertStock(t, ref, promptA, got, "x answers as stock")
 	waitMirrored(t, y.URL, shared/block)
 	got = y.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
 	assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN}, "y restores x's blocks from the store: %+v", got.MCB)
-	assert.Equal(t, want[1], got.Tokens, "y answers as stock")
+	assertStock(t, ref, promptB, got, "y answers as stock")
 	waitMirrored(t, p.URL, shared/block)
 	got = testenv.Complete(t, p.URL, testenv.Request{Prompt: promptC, Slot: -1, NPredict: nPredict})
 	assert.Equal(t, shared, got.MCB.RestoredN, "the proxy restores x's blocks: %+v", got.MCB)
-	assert.Equal(t, want[2], got.Tokens, "the proxy answers as stock")
+	assertStock(t, ref, promptC, got, "the proxy answers as stock")
 
 	// What the stock server behind the proxy computed, a patched server
 	// restores.
 	before := metric(t, y.URL, "mcbridge_mirrored_blocks")
 	got = testenv.Complete(t, p.URL, testenv.Request{Prompt: promptD, Slot: -1, NPredict: nPredict})
-	assert.Equal(t, want[3], got.Tokens)
+	assertStock(t, ref, promptD, got)
 	waitMirrored(t, y.URL, int(before)+len(other)/block)
 	got = y.Complete(t, testenv.Request{Prompt: promptE, Slot: 0, NPredict: nPredict})
 	assert.Equal(t, []any{"restore", len(other) / block * block}, []any{got.MCB.Decision, got.MCB.RestoredN}, "%+v", got.MCB)
-	assert.Equal(t, want[4], got.Tokens)
+	assertStock(t, ref, promptE, got)
 
 	assert.GreaterOrEqual(t, metric(t, x.URL, "mcbridge_store_put_blocks_total"), float64(shared/block))
 	assert.GreaterOrEqual(t, metric(t, p.URL, "mcbridge_store_put_blocks_total"), float64(len(other)/block))
@@ -128,12 +123,12 @@ func TestStoreSwarm(t *testing.T) {
 // entries again once the writer's leave.
 func TestStoreRestoreAfterExit(t *testing.T) {
 	model := testenv.Model(t, "tiny", 0)
-	want := storeWant(t, model, promptA, promptB)
+	ref := storeRef(t, model)
 	etcd := etcdtest.Start(t)
 	node := testenv.StartStoreNode(t, "node", etcd.Endpoint(), testenv.StoreNodeOptions{})
 	cfg := node.Config(t, testenv.BridgeOptions{Replicas: 2, SegmentBytes: 32 << 20, DeadlineMS: storeDeadlineMS})
 	x := patched(t, "x", model, cfg)
-	assert.Equal(t, want[0], x.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict}).Tokens)
+	assertStock(t, ref, promptA, x.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict}))
 	testenv.Eventually(t, defaultWait, func() bool {
 		return metric(t, x.URL, "mcbridge_store_put_blocks_total") >= float64(shared/block)
 	}, "x never wrote its blocks")
@@ -147,7 +142,7 @@ func TestStoreRestoreAfterExit(t *testing.T) {
 	waitMirrored(t, z.URL, shared/block)
 	got := z.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
 	assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN}, "z restores after x exited: %+v", got.MCB)
-	assert.Equal(t, want[1], got.Tokens)
+	assertStock(t, ref, promptB, got)
 }
 
 // The segment of the server that computed a prefix is SIGKILLed. With two
@@ -157,7 +152,7 @@ func TestStoreRestoreAfterExit(t *testing.T) {
 // entries.
 func TestStoreSegmentKilled(t *testing.T) {
 	model := testenv.Model(t, "tiny", 0)
-	want := storeWant(t, model, promptA, promptB, promptC)
+	ref := storeRef(t, model)
 	for _, replicas := range []int{2, 1} {
 		t.Run(map[int]string{1: "one replica", 2: "two replicas"}[replicas], func(t *testing.T) {
 			etcd := etcdtest.Start(t)
@@ -167,12 +162,12 @@ func TestStoreSegmentKilled(t *testing.T) {
 			y := patched(t, "y", model, node.Config(t, testenv.BridgeOptions{Replicas: replicas, DeadlineMS: storeDeadlineMS}))
 			testenv.Eventually(t, defaultWait, func() bool { return len(node.Segments(t)) == 2 }, "x's segment never joined the node's")
 			segments := 2
-			assert.Equal(t, want[0], x.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict}).Tokens)
+			assertStock(t, ref, promptA, x.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict}))
 			waitMirrored(t, y.URL, shared/block)
 			x.Kill()
 
 			got := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
-			assert.Equal(t, want[1], got.Tokens, "right after the kill y answers as stock: %+v", got.Timings)
+			assertStock(t, ref, promptB, got, "right after the kill y answers as stock: %+v", got.Timings)
 			assert.Less(t, got.MCB.RestoreMS, float64(storeDeadlineMS), "no restore waits past the deadline")
 			if replicas == 1 {
 				assert.Equal(t, []any{"failed", 0}, []any{got.MCB.Decision, got.MCB.RestoredN},
@@ -188,7 +183,7 @@ func TestStoreSegmentKilled(t *testing.T) {
 				}, "nobody published x's blocks again")
 				got = y.Complete(t, testenv.Request{Prompt: promptC, Slot: 0, NPredict: nPredict})
 				assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN}, "restored from the other replica: %+v", got.MCB)
-				assert.Equal(t, want[2], got.Tokens)
+				assertStock(t, ref, promptC, got)
 				return
 			}
 			testenv.Eventually(t, defaultWait, func() bool {
@@ -196,7 +191,7 @@ func TestStoreSegmentKilled(t *testing.T) {
 			}, "the audits never dropped the dead segment's blocks")
 			got = y.Complete(t, testenv.Request{Prompt: promptC, Slot: 0, NPredict: nPredict})
 			assert.Equal(t, []any{"miss", 0}, []any{got.MCB.Decision, got.MCB.RestoredN}, "%+v", got.MCB)
-			assert.Equal(t, want[2], got.Tokens)
+			assertStock(t, ref, promptC, got)
 		})
 	}
 }
@@ -211,13 +206,13 @@ func TestStoreMasterStopped(t *testing.T) {
 	promptD := testenv.Cat(other, testenv.Tokens(30, 3, 1))
 	promptE := testenv.Cat(other, testenv.Tokens(50, 7, 2))
 	promptF := testenv.Cat(prefix, testenv.Tokens(20, 19, 4))
-	want := storeWant(t, model, promptA, promptB, promptC, promptD, promptE, promptF)
+	ref := storeRef(t, model)
 	etcd := etcdtest.Start(t)
 	node := testenv.StartStoreNode(t, "node", etcd.Endpoint(), testenv.StoreNodeOptions{})
 	const deadline = 2000
 	x := patched(t, "x", model, node.Config(t, testenv.BridgeOptions{SegmentBytes: 32 << 20, DeadlineMS: deadline}))
 	y := patched(t, "y", model, node.Config(t, testenv.BridgeOptions{DeadlineMS: deadline}))
-	assert.Equal(t, want[0], x.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict}).Tokens)
+	assertStock(t, ref, promptA, x.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict}))
 	waitMirrored(t, y.URL, shared/block)
 
 	pid := node.MasterState(t).Pid
@@ -229,21 +224,21 @@ func TestStoreMasterStopped(t *testing.T) {
 		}
 	}()
 	got := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
-	assert.Equal(t, want[1], got.Tokens, "the master stopped: y answers as stock")
+	assertStock(t, ref, promptB, got, "the master stopped: y answers as stock")
 	// The restore gives up at its deadline, or, once y has found the
 	// master silent, y matches nothing it cannot read.
 	assert.Contains(t, []string{"failed", "miss"}, got.MCB.Decision, "%+v", got.MCB)
 	assert.Zero(t, got.MCB.RestoredN)
 	assert.Less(t, got.MCB.RestoreMS, float64(deadline+1000), "no restore waits past its deadline")
 	got = x.Complete(t, testenv.Request{Prompt: promptD, Slot: 1, NPredict: nPredict})
-	assert.Equal(t, want[3], got.Tokens, "the master stopped: x computes and saves as stock answers")
+	assertStock(t, ref, promptD, got, "the master stopped: x computes and saves as stock answers")
 
 	require.NoError(t, syscall.Kill(pid, syscall.SIGCONT))
 	stopped = false
 	testenv.Eventually(t, defaultWait, func() bool { return metric(t, y.URL, "mcbridge_up") == 1 }, "y never saw the master again")
 	got = y.Complete(t, testenv.Request{Prompt: promptC, Slot: 0, NPredict: nPredict})
 	assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN}, "the master serves again: %+v", got.MCB)
-	assert.Equal(t, want[2], got.Tokens)
+	assertStock(t, ref, promptC, got)
 
 	// Killed: the node starts a new, empty master. The audits find the
 	// blocks gone; the copies still in the pools go into the new one by
@@ -256,7 +251,7 @@ func TestStoreMasterStopped(t *testing.T) {
 	}, "the audits never dropped the blocks the old master held")
 	testenv.Eventually(t, defaultWait, func() bool { return metric(t, x.URL, "mcbridge_up") == 1 }, "x never reached the new master")
 	got = x.Complete(t, testenv.Request{Prompt: promptE, Slot: 0, NPredict: nPredict})
-	assert.Equal(t, want[4], got.Tokens)
+	assertStock(t, ref, promptE, got)
 	// Every block computed so far, promptD's included, which x saved while
 	// the master was stopped; nothing else writes into this master.
 	blocks := distinctBlocks(promptA, promptB, promptC, promptD, promptE)
@@ -266,9 +261,9 @@ func TestStoreMasterStopped(t *testing.T) {
 	waitMirrored(t, z.URL, blocks)
 	got = z.Complete(t, testenv.Request{Prompt: promptF, Slot: 0, NPredict: nPredict})
 	assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN}, "x's copies, put back: %+v", got.MCB)
-	assert.Equal(t, want[5], got.Tokens)
+	assertStock(t, ref, promptF, got)
 	got = z.Complete(t, testenv.Request{Prompt: promptD, Slot: 1, NPredict: nPredict})
 	assert.Equal(t, []any{"restore", len(other) / block * block}, []any{got.MCB.Decision, got.MCB.RestoredN},
 		"blocks x saved while the master was stopped: %+v", got.Timings)
-	assert.Equal(t, want[3], got.Tokens)
+	assertStock(t, ref, promptD, got)
 }

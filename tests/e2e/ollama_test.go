@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -113,8 +114,9 @@ func (o *ollama) runnerArgs(t *testing.T) [][]string {
 
 // ollamaSystem is a long system prompt (the shared prefix of a tool-using
 // agent) in text that the generated model's byte-level vocabulary
-// tokenizes: longer than one ubatch, so that a restore aligned to
-// n_ubatch has something to restore.
+// tokenizes: longer than one of the runner's ubatches (1024 here), so
+// that restores end inside a ubatch, where only stock from as many cached
+// tokens answers as they must (docs/design.md §10.1).
 var ollamaSystem = strings.Repeat("You are a careful assistant. Answer briefly, cite the tools you used, never invent a file name. ", 12)
 
 // ollamaTemplate is a model's own Ollama (Go) template: Ollama renders the
@@ -241,54 +243,149 @@ func (s *ollamaSwarm) settle(t *testing.T) {
 // tokens do not.
 const ollamaShiftCtx = 1280
 
+// ollamaRequest is one request to Ollama: api is "chat" (/api/chat),
+// "generate" (/api/generate, raw) or "openai" (/v1/chat/completions, which
+// has no keep_alive: OLLAMA_KEEP_ALIVE=0 holds).
+type ollamaRequest struct {
+	api       string
+	model     string
+	msgs      []map[string]string // chat, openai
+	prompt    string              // generate
+	options   map[string]any
+	keepAlive any
+}
+
+const (
+	ollamaTpl    = "mcb-tpl"    // a model with a template of its own: Ollama renders the chat
+	ollamaNative = "mcb-native" // one without: llama-server renders it
+)
+
+func (o *ollama) send(t *testing.T, r ollamaRequest) ollamaAnswer {
+	t.Helper()
+	switch r.api {
+	case "chat":
+		return o.chat(t, r.model, r.msgs, r.keepAlive)
+	case "generate":
+		return o.generate(t, r.model, r.prompt, r.options, r.keepAlive)
+	case "openai":
+		return o.openAIChat(t, r.model, r.msgs)
+	}
+	require.FailNow(t, "no such API "+r.api)
+	return ollamaAnswer{}
+}
+
 // ollamaStep is one request of the script, on a runner Ollama starts for
 // it (the previous one was killed).
 type ollamaStep struct {
 	name    string
-	native  bool // the model without a template of its own: Ollama's native chat path
+	req     ollamaRequest
 	shift   bool // num_ctx ollamaShiftCtx: the answer shifts the context
 	restore bool // the patched runner restores a prefix from the store
+	// storeDown: the store node (and the swarm's directory with it) is
+	// stopped during the request. Last: the restarted store node holds
+	// copies of the blocks this runner publishes once it is back, so its
+	// takeovers no longer tell when the runner's entries are gone.
+	storeDown bool
 }
 
+// native is whether llama-server renders the step's chat.
+func (s ollamaStep) native() bool { return s.req.model == ollamaNative }
+
+// shiftOptions make num_ctx each slot's context: the prompt fits, the
+// answer does not.
+var shiftOptions = map[string]any{"num_ctx": ollamaShiftCtx, "num_predict": 200}
+
 var ollamaSteps = []ollamaStep{
-	{"/api/chat, rendered, turn 1", false, false, false},
-	{"/api/chat, rendered, turn 2 after keep_alive 0", false, false, true},
-	{"/api/generate raw after the keep-alive expired", false, false, true},
-	{"/api/chat, native, turn 1", true, false, false},
-	{"/v1/chat/completions, native, turn 2", true, false, true},
-	{"/api/generate past num_ctx: a context shift", false, true, true},
-	{"/api/generate past num_ctx again", false, true, true},
-	{"/api/chat, rendered, store node stopped", false, false, false},
+	{name: "/api/chat, rendered, turn 1", req: ollamaRequest{api: "chat", model: ollamaTpl, msgs: turn1, keepAlive: 0}},
+	{name: "/api/chat, rendered, turn 2 after keep_alive 0", restore: true,
+		req: ollamaRequest{api: "chat", model: ollamaTpl, msgs: turn2, keepAlive: "1s"}}, // the keep-alive expires
+	{name: "/api/generate raw after the keep-alive expired", restore: true,
+		req: ollamaRequest{api: "generate", model: ollamaTpl, prompt: rendered(turn1), keepAlive: 0}},
+	{name: "/api/chat, native, turn 1", req: ollamaRequest{api: "chat", model: ollamaNative, msgs: turn1, keepAlive: 0}},
+	{name: "/v1/chat/completions, native, turn 2", restore: true, req: ollamaRequest{api: "openai", model: ollamaNative, msgs: turn2}},
+	{name: "/api/generate past num_ctx: a context shift", shift: true, restore: true,
+		req: ollamaRequest{api: "generate", model: ollamaTpl, prompt: rendered(turn1), options: shiftOptions, keepAlive: 0}},
+	{name: "/api/generate past num_ctx again", shift: true, restore: true,
+		req: ollamaRequest{api: "generate", model: ollamaTpl, prompt: rendered(turn1), options: shiftOptions, keepAlive: 0}},
+	{name: "/api/chat, rendered, store node stopped", storeDown: true,
+		req: ollamaRequest{api: "chat", model: ollamaTpl, msgs: turn1, keepAlive: "10m"}},
 }
 
 // script sends the requests of ollamaSteps through o, one runner each.
-func (s *ollamaSwarm) script(t *testing.T, o *ollama) []ollamaAnswer {
-	const tpl, native = "mcb-tpl", "mcb-native"
+// held, on the stock run, are the patched run's answers: before each
+// request whose patched runner restored k tokens, the stock runner is
+// made to hold the request's first k tokens (prime), so that both
+// answers come from the same cache state. llama-server on the CPU is not
+// batch-invariant (docs/design.md §10.1): an answer computed from k
+// cached tokens and one computed fresh may differ without any restore
+// being wrong.
+func (s *ollamaSwarm) script(t *testing.T, o *ollama, held []ollamaAnswer) []ollamaAnswer {
 	var out []ollamaAnswer
-	next := func(a ollamaAnswer) {
-		out = append(out, a)
+	for i, step := range ollamaSteps {
+		if step.storeDown {
+			s.stopStore(t)
+		}
+		primed := held != nil && held[i].Cached > 0
+		if primed {
+			o.prime(t, step.req, held[i].Cached)
+		}
+		out = append(out, o.send(t, step.req))
+		if step.storeDown {
+			s.restartStore(t)
+		}
+		// An empty prompt with keep_alive 0 unloads: the primed runner was
+		// loaded with a keep-alive that /v1 requests (which have none)
+		// leave in place.
+		if step.storeDown || primed {
+			o.generate(t, step.req.model, "", nil, 0)
+		}
 		o.idle(t)
-		s.settle(t)
+		if !step.storeDown {
+			s.settle(t)
+		}
 	}
-	next(o.chat(t, tpl, turn1, 0))
-	next(o.chat(t, tpl, turn2, "1s")) // the keep-alive expires
-	next(o.generate(t, tpl, rendered(turn1), nil, 0))
-	next(o.chat(t, native, turn1, 0))
-	next(o.openAIChat(t, native, turn2)) // OLLAMA_KEEP_ALIVE=0
-	// num_ctx is each slot's context: the prompt fits, the answer does not.
-	shift := map[string]any{"num_ctx": ollamaShiftCtx, "num_predict": 200}
-	next(o.generate(t, tpl, rendered(turn1), shift, 0))
-	next(o.generate(t, tpl, rendered(turn1), shift, 0))
-	// Last: the restarted store node holds copies of the blocks this
-	// runner publishes once it is back, so its takeovers no longer tell
-	// when the runner's entries are gone.
-	s.stopStore(t)
-	a := o.chat(t, tpl, turn1, "10m")
-	s.restartStore(t)
-	o.generate(t, tpl, "", nil, 0) // an empty prompt with keep_alive 0 unloads
-	out = append(out, a)
-	o.idle(t)
 	return out
+}
+
+// runnerURL is the address of the runner Ollama started last (its
+// --port).
+func (o *ollama) runnerURL(t *testing.T) string {
+	t.Helper()
+	args := o.runnerArgs(t)
+	require.NotEmpty(t, args, "Ollama started no runner")
+	a := args[len(args)-1]
+	i := slices.Index(a, "--port")
+	require.True(t, i >= 0 && i+1 < len(a), "no --port in %v", a)
+	return "http://127.0.0.1:" + a[i+1]
+}
+
+// prime makes Ollama start the runner r will go to and has one of its
+// slots compute the primer of the prompt r makes it evaluate, so that r
+// reuses exactly k tokens: the state the patched runner is in after
+// restoring k tokens. The prompt's tokens are
+// the runner's own: it renders native chats (/apply-template) and
+// tokenizes (/tokenize) what Ollama sends it.
+func (o *ollama) prime(t *testing.T, r ollamaRequest, k int) {
+	t.Helper()
+	o.generate(t, r.model, "", r.options, "10m") // an empty prompt loads the model, with r's options
+	url := o.runnerURL(t)
+	text := r.prompt
+	switch {
+	case r.model == ollamaNative:
+		var tpl struct {
+			Prompt string `json:"prompt"`
+		}
+		testenv.Post(t, url+"/apply-template", map[string]any{"messages": r.msgs}, &tpl)
+		text = tpl.Prompt
+	case r.api != "generate":
+		text = rendered(r.msgs)
+	}
+	var tok struct {
+		Tokens []int32 `json:"tokens"`
+	}
+	testenv.Post(t, url+"/tokenize", map[string]any{"content": text, "add_special": true, "parse_special": true}, &tok)
+	c := testenv.Complete(t, url, testenv.Request{Prompt: testenv.Primer(t, tok.Tokens, k), Slot: -1, NPredict: 1})
+	require.Equal(t, k+1, c.Timings.PromptN, "a new runner computes the whole primer")
 }
 
 // stopStore stops the store node, and with it the swarm's directory (its
@@ -337,30 +434,34 @@ func upReason(t *testing.T, url string) string {
 // runs out (or is 0) before every request: each new runner restores the
 // conversation's prefix from the store node, Ollama reports it as cached
 // prompt tokens, and every answer is the one Ollama gives with the stock
-// llama-server as its runner. The store node goes away for one runner,
-// which says so and answers from its own computation.
+// llama-server as its runner holding as many of the prompt's tokens. The
+// store node goes away for one runner, which says so and answers from its
+// own computation.
 func TestOllama(t *testing.T) {
 	model := testenv.Model(t, "tiny", 0)
 	metricsAddr := "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))
 	sw := newDiskSwarm(t, fmt.Sprintf(`, "metrics_listen": %q`, metricsAddr))
 	o := startOllama(t, "OLLAMA_NUM_PARALLEL=2", "OLLAMA_KEEP_ALIVE=0", "MCB_CONFIG="+sw.serverCfg, "LLAMA_ARG_CACHE_RAM=0")
-	o.create(t, "mcb-tpl", fmt.Sprintf("FROM %s\nTEMPLATE \"\"\"%s\"\"\"\n", model, ollamaTemplate))
-	o.create(t, "mcb-native", fmt.Sprintf("FROM %s\n", model))
+	o.create(t, ollamaTpl, fmt.Sprintf("FROM %s\nTEMPLATE \"\"\"%s\"\"\"\n", model, ollamaTemplate))
+	o.create(t, ollamaNative, fmt.Sprintf("FROM %s\n", model))
 
-	var none *ollamaSwarm
-	want := none.script(t, o)
-	nStock := len(o.runnerArgs(t))
-	shifts := o.count("slot context shift")
-	require.GreaterOrEqual(t, shifts, 2, "the stock runners shifted their context")
-
+	// The patched run first: what its runners restored is the state the
+	// stock runners are then put in.
 	s := &ollamaSwarm{sw: sw, store: sw.startStore(t, "store"), metrics: "http://" + metricsAddr + "/metrics", o: o}
 	o.useRunner(t, testenv.PatchedServer(t))
-	got := s.script(t, o)
+	got := s.script(t, o, nil)
+	nPatched := len(o.runnerArgs(t))
+	shifts := o.count("slot context shift")
+	require.GreaterOrEqual(t, shifts, 2, "the patched runners shifted their context")
+
+	var none *ollamaSwarm
+	o.useRunner(t, testenv.StockServer(t))
+	want := none.script(t, o, got)
 
 	for i, step := range ollamaSteps {
 		assert.Equal(t, want[i].Text, got[i].Text, "%s: answers as with the stock runner", step.name)
 		assert.Equal(t, want[i].PromptEval, got[i].PromptEval, "%s: the same prompt (prompt_eval_count counts cached tokens too)", step.name)
-		assert.Zero(t, want[i].Cached, "%s: a new stock runner holds nothing", step.name)
+		assert.Equal(t, got[i].Cached, want[i].Cached, "%s: the stock runner held as many of the prompt's tokens", step.name)
 		if step.restore {
 			assert.Positive(t, got[i].Cached, "%s: the new runner restored the conversation's prefix", step.name)
 		} else {
@@ -371,7 +472,7 @@ func TestOllama(t *testing.T) {
 
 	// What Ollama passed its runners, as docs/ollama.md lists it.
 	args := o.runnerArgs(t)
-	require.Len(t, args, 2*nStock, "one runner a request, in both runs")
+	require.Len(t, args, 2*nPatched, "one runner a request, in both runs")
 	for i, a := range args {
 		line := " " + strings.Join(a, " ") + " "
 		step := ollamaSteps[i%len(ollamaSteps)]
@@ -385,13 +486,13 @@ func TestOllama(t *testing.T) {
 			b = 512
 		}
 		assert.Contains(t, line, fmt.Sprintf(" -b %d -ub %d ", b, b), "runner %d (%s)", i, step.name)
-		if step.native {
+		if step.native() {
 			assert.NotContains(t, line, " --no-jinja ", "runner %d (%s): llama-server renders the chat", i, step.name)
 		} else {
 			assert.Contains(t, line, " --no-jinja --chat-template chatml ", "runner %d (%s): Ollama renders the chat", i, step.name)
 		}
 	}
-	assert.Equal(t, 2*shifts, o.count("slot context shift"), "the patched runners shifted their context as often")
+	assert.Equal(t, 2*shifts, o.count("slot context shift"), "the stock runners shifted their context as often")
 	assert.True(t, o.LogContains("mcbridge: on: "), "MCB_CONFIG in Ollama's environment turns the bridge on")
 	assert.False(t, o.LogContains("keeps every prefix a second time"), "LLAMA_ARG_CACHE_RAM=0 reaches the runner")
 }

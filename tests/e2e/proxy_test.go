@@ -90,6 +90,8 @@ func TestProxy(t *testing.T) {
 	pb := testenv.Cat(prefix[:512], testenv.Tokens(40, 3, 17))
 	const sharedTokens = 512
 	fresh := map[string]any{"cache_prompt": false}
+	reqA := testenv.Request{Prompt: pa, Slot: -1, NPredict: nPredict}
+	reqB := testenv.Request{Prompt: pb, Slot: -1, NPredict: nPredict}
 	for _, fa := range []string{"on", "off"} {
 		t.Run("fa-"+fa, func(t *testing.T) {
 			otherFA := map[string]string{"on": "off", "off": "on"}[fa]
@@ -100,23 +102,22 @@ func TestProxy(t *testing.T) {
 			p1 := testenv.StartProxy(t, "p1", s1.URL, d1, cfg)
 			p2 := testenv.StartProxy(t, "p2", s2.URL, d2, cfg)
 
-			out := testenv.Complete(t, p1.URL, testenv.Request{Prompt: pa, Slot: -1, NPredict: nPredict})
+			out := testenv.Complete(t, p1.URL, reqA)
 			assert.Zero(t, out.MCB.RestoredN, "request 1 restores nothing from an empty directory")
-			assert.Equal(t, ref.Complete(t, testenv.Request{Prompt: pa, Slot: -1, NPredict: nPredict, Extra: fresh}).Tokens, out.Tokens,
-				"request 1 answers as stock")
+			assert.Equal(t, testenv.StockFrom(t, ref.URL, reqA, out.Timings.CacheN).Tokens, out.Tokens, "request 1 answers as stock")
 			n := (len(pa) + nPredict - 1) / block
 			waitMirrored(t, p2.URL, n)
 
-			want := ref.Complete(t, testenv.Request{Prompt: pb, Slot: -1, NPredict: nPredict, Extra: fresh})
-			out = testenv.Complete(t, p2.URL, testenv.Request{Prompt: pb, Slot: -1, NPredict: nPredict})
+			out = testenv.Complete(t, p2.URL, reqB)
 			assert.Equal(t, sharedTokens, out.MCB.RestoredN, "request 2 restores the shared tokens: %+v", out.MCB)
 			assert.Equal(t, sharedTokens, out.Timings.CacheN, "server 2 computes only the rest")
-			assert.Equal(t, want.Tokens, out.Tokens, "request 2 is token-identical to stock")
+			assert.Equal(t, testenv.StockFrom(t, ref.URL, reqB, sharedTokens).Tokens, out.Tokens, "request 2 is token-identical to stock")
 			assert.Equal(t, float64(sharedTokens), testenv.Metrics(t, p2.URL+"/metrics")["mcbridge_restored_tokens_total"])
 
 			got := streamEvents(t, p2.URL, testenv.Request{Prompt: pb, Slot: 1 - out.IDSlot, NPredict: nPredict})
-			assert.Equal(t, streamEvents(t, ref.URL, testenv.Request{Prompt: pb, Slot: -1, NPredict: nPredict, Extra: fresh}), got,
-				"the streamed answer is stock's, event by event")
+			testenv.Prime(t, ref.URL, pb, sharedTokens, fresh)
+			assert.Equal(t, streamEvents(t, ref.URL, testenv.Request{Prompt: pb, Slot: 0, NPredict: nPredict}), got,
+				"the streamed answer is stock's from as many tokens, event by event")
 			assert.Equal(t, float64(2*sharedTokens), testenv.Metrics(t, p2.URL+"/metrics")["mcbridge_restored_tokens_total"],
 				"the streamed request restored too")
 
@@ -135,8 +136,10 @@ func TestProxy(t *testing.T) {
 				Timings testenv.Timings  `json:"timings"`
 			}
 			h := testenv.PostHeaders(t, p2.URL+"/v1/chat/completions", chatRequest("another one", nil), &chatOut)
-			testenv.Post(t, ref.URL+"/v1/chat/completions", chatRequest("another one", fresh), &chatRef)
+			testenv.Prime(t, ref.URL, tb, chatOut.Timings.CacheN, fresh)
+			testenv.Post(t, ref.URL+"/v1/chat/completions", chatRequest("another one", map[string]any{"id_slot": 0}), &chatRef)
 			assert.Equal(t, chatShared, testenv.ProxyOutcome(t, h).RestoredN, "a chat restores the tokens its template shares with another")
+			assert.Equal(t, chatOut.Timings.CacheN, chatRef.Timings.CacheN, "the stock server held as many of the chat's tokens")
 			assert.Equal(t, testenv.JSON(chatRef.Choices), testenv.JSON(chatOut.Choices), "the chat answer is stock's")
 
 			for _, v := range []struct{ name, model, fa string }{{"other weights", other, fa}, {"flash attention " + otherFA, model, otherFA}} {

@@ -121,14 +121,12 @@ func TestRouteSharedPrefix(t *testing.T) {
 	model := testenv.Model(t, "tiny", 0)
 	u := startRouted(t, model, 3, 1)
 	ref := testenv.StartLlama(t, "ref", testenv.StockServer(t), testenv.ServerArgs(model, 4096, 1, "on"))
-	fresh := map[string]any{"cache_prompt": false}
 	ask := func(prompt []int32) answer {
 		t.Helper()
 		r := testenv.Request{Prompt: prompt, Slot: -1, NPredict: nPredict}
 		a := postThrough(t, u.proxy.URL, "/completion", completionBody(r))
 		require.Equal(t, 200, a.code, "%s", a.body)
-		r.Extra = fresh
-		assert.Equal(t, ref.Complete(t, r).Tokens, a.Tokens, "the answer is a stock server's")
+		assert.Equal(t, testenv.StockFrom(t, ref.URL, r, a.Timings.CacheN).Tokens, a.Tokens, "the answer is a stock server's")
 		return a
 	}
 
@@ -228,9 +226,9 @@ func TestRouteUpstreamKilled(t *testing.T) {
 			failed++
 			continue
 		}
-		// The reference reuses its own prefix: a stock server's answer
-		// either way, and the machine has two cores.
-		want := ref.Complete(t, testenv.Request{Prompt: r.req.Prompt, Slot: -1, NPredict: r.req.NPredict})
+		// Each upstream has one slot: every answer was computed alone, as
+		// the reference's.
+		want := testenv.StockFrom(t, ref.URL, r.req, r.a.Timings.CacheN)
 		assert.Equal(t, want.Tokens, r.a.Tokens, "every answer is a stock server's")
 	}
 	assert.Len(t, results, clients*each)
@@ -271,6 +269,5 @@ func TestRouteUpstreamKilled(t *testing.T) {
 	a := postThrough(t, u.proxy.URL, "/completion", completionBody(prompt(7, 1)))
 	require.Equal(t, 200, a.code, "%s", a.body)
 	assert.ElementsMatch(t, []int{0, 1, 2}, append(used, a.upstream), "the server is back in the rotation")
-	want := ref.Complete(t, prompt(7, 1))
-	assert.Equal(t, want.Tokens, a.Tokens)
+	assert.Equal(t, testenv.StockFrom(t, ref.URL, prompt(7, 1), a.Timings.CacheN).Tokens, a.Tokens)
 }

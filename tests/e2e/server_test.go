@@ -129,12 +129,19 @@ func serverArgs(model, fa string, kvu bool) []string {
 	return a
 }
 
-// threePrompts runs prefix+A on slot 0, prefix+B on slot 1 and prefix+C on
-// slot 0, in that order.
+// threeRequests are prefix+A on slot 0, prefix+B on slot 1 and prefix+C on
+// slot 0.
+var threeRequests = []testenv.Request{
+	{Prompt: promptA, Slot: 0, NPredict: nPredict},
+	{Prompt: promptB, Slot: 1, NPredict: nPredict},
+	{Prompt: promptC, Slot: 0, NPredict: nPredict},
+}
+
+// threePrompts runs threeRequests in that order.
 func threePrompts(t *testing.T, url string) []testenv.Completion {
 	var out []testenv.Completion
-	for i, p := range [][]int32{promptA, promptB, promptC} {
-		out = append(out, testenv.Complete(t, url, testenv.Request{Prompt: p, Slot: []int{0, 1, 0}[i], NPredict: nPredict}))
+	for _, r := range threeRequests {
+		out = append(out, testenv.Complete(t, url, r))
 	}
 	return out
 }
@@ -148,7 +155,6 @@ func TestOneServerTwoSlots(t *testing.T) {
 		t.Run(m.name, func(t *testing.T) {
 			stock := testenv.StartLlama(t, "stock", testenv.StockServer(t), serverArgs(model, m.fa, m.kvu))
 			want := threePrompts(t, stock.URL)
-			stock.Stop()
 
 			off := testenv.StartLlama(t, "off", testenv.PatchedServer(t), serverArgs(model, m.fa, m.kvu), "MCB_CONFIG=")
 			gotOff := threePrompts(t, off.URL)
@@ -164,8 +170,8 @@ func TestOneServerTwoSlots(t *testing.T) {
 			require.Equal(t, "on", on.BridgeState())
 			got := threePrompts(t, on.URL)
 			metrics := testenv.Metrics(t, on.URL+"/metrics")
-			for i := range want {
-				assert.Equal(t, want[i].Tokens, got[i].Tokens, "prompt %d: the same tokens as stock", i)
+			for i, r := range threeRequests {
+				assert.Equal(t, testenv.StockFrom(t, stock.URL, r, got[i].Timings.CacheN).Tokens, got[i].Tokens, "prompt %d: the same tokens as stock", i)
 			}
 			assert.Equal(t, []any{"miss", 0}, []any{got[0].MCB.Decision, got[0].MCB.RestoredN}, "slot 0 finds nothing")
 			assert.Equal(t, []any{"restore", shared, shared}, []any{got[1].MCB.Decision, got[1].MCB.RestoredN, got[1].Timings.CacheN},
@@ -221,8 +227,7 @@ func TestTwoServers(t *testing.T) {
 	model := testenv.Model(t, "tiny", 0)
 	other := testenv.Model(t, "tiny", 2)
 	stock := testenv.StartLlama(t, "stock", testenv.StockServer(t), serverArgs(model, "on", false))
-	want := stock.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
-	stock.Stop()
+	reqB := testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict}
 	for name, te := range transports(t) {
 		t.Run(name, func(t *testing.T) {
 			etcd := etcdtest.Start(t)
@@ -232,9 +237,9 @@ func TestTwoServers(t *testing.T) {
 			y := testenv.StartLlama(t, "y", testenv.PatchedServer(t), append(serverArgs(model, "on", false), "--mcb-config", cfg))
 			x.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict})
 			waitMirrored(t, y.URL, shared/block)
-			got := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
+			got := y.Complete(t, reqB)
 			assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN}, "y restores what x computed: %+v", got.MCB)
-			assert.Equal(t, want.Tokens, got.Tokens, "y answers as stock")
+			assert.Equal(t, testenv.StockFrom(t, stock.URL, reqB, got.Timings.CacheN).Tokens, got.Tokens, "y answers as stock")
 			y.Stop()
 
 			for _, v := range []struct {
@@ -257,10 +262,10 @@ func TestTwoServers(t *testing.T) {
 			x.Kill()
 			z := testenv.StartLlama(t, "z", testenv.PatchedServer(t), append(serverArgs(model, "on", false), "--mcb-config", cfg))
 			waitMirrored(t, z.URL, shared/block)
-			got = z.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
+			got = z.Complete(t, reqB)
 			assert.Equal(t, []any{"failed", 0, 0}, []any{got.MCB.Decision, got.MCB.RestoredN, got.Timings.CacheN},
 				"x killed: z's restore fails (%s)", got.MCB.Error)
-			assert.Equal(t, want.Tokens, got.Tokens, "x killed: z computes the prompt and answers as stock")
+			assert.Equal(t, testenv.StockFrom(t, stock.URL, reqB, 0).Tokens, got.Tokens, "x killed: z computes the prompt and answers as stock")
 		})
 	}
 }
