@@ -92,11 +92,9 @@ type Row struct {
 	// token than their uncached twin (the same agent and turn): the
 	// target's count. SlowerThanStock counts those slower than their stock
 	// twin, which reused its own slot's cache.
-	SlowerThanUncached int `json:"slower_than_uncached"`
-	SlowerThanStock    int `json:"slower_than_stock"`
-	// SameAnswers counts the requests whose answer is the stock twin's.
-	SameAnswers int     `json:"same_answers"`
-	Exclusive   float64 `json:"exclusive"`
+	SlowerThanUncached int     `json:"slower_than_uncached"`
+	SlowerThanStock    int     `json:"slower_than_stock"`
+	Exclusive          float64 `json:"exclusive"`
 }
 
 func side(run Run) Side {
@@ -118,9 +116,6 @@ func Compare(uncached, stock, proxy Run) Row {
 		}
 		if p.TTFTMS > stock.Requests[i].TTFTMS {
 			row.SlowerThanStock++
-		}
-		if p.Answer == stock.Requests[i].Answer {
-			row.SameAnswers++
 		}
 	}
 	return row

@@ -75,11 +75,10 @@ func (r *report) writeAgentAPI(m *md) {
 			secs(row.Uncached.MakespanMS), secs(row.Stock.MakespanMS), secs(row.Proxy.MakespanMS),
 			secs(row.Uncached.TTFT.P50), secs(row.Stock.TTFT.P50), secs(row.Proxy.TTFT.P50),
 			secs(row.Uncached.TTFT.Max), secs(row.Stock.TTFT.Max), secs(row.Proxy.TTFT.Max),
-			fmt.Sprintf("%d of %d", row.SlowerThanUncached, row.Requests), fmt.Sprintf("%d of %d", row.SlowerThanStock, row.Requests),
-			fmt.Sprintf("%d of %d", row.SameAnswers, row.Requests), num(row.Exclusive, 0)})
+			fmt.Sprintf("%d of %d", row.SlowerThanUncached, row.Requests), fmt.Sprintf("%d of %d", row.SlowerThanStock, row.Requests), num(row.Exclusive, 0)})
 	}
 	m.table([]string{"swarm", "requests", "makespan uncached", "stock", "proxy", "TTFT p50 uncached", "stock", "proxy",
-		"TTFT max uncached", "stock", "proxy", "proxy slower than uncached", "than stock", "answers as stock", "`mcproxy_exclusive_total`"}, rows)
+		"TTFT max uncached", "stock", "proxy", "proxy slower than uncached", "than stock", "`mcproxy_exclusive_total`"}, rows)
 
 	// Every request's TTFT: a row per agent and turn, a column per side
 	// and swarm.
