@@ -206,6 +206,15 @@ func (b *Bridge) publishLoop() {
 		p.mu.Lock()
 		closing := p.closing
 		p.mu.Unlock()
+		select {
+		case <-b.closeCh:
+			// Close's flush waits on this queue, and with closeCh closed
+			// the backoff below no longer waits: a directory that refuses
+			// (full, say) would be asked again in a tight loop until the
+			// flush's deadline, which then fails the close.
+			closing = true
+		default:
+		}
 		if closing {
 			// Close gives up on what is left: the lease takes what was
 			// published, and nothing else names these blocks.
