@@ -29,23 +29,35 @@ endif()
 message(STATUS "mcbridge: ${MCB_ROOT} (llama.cpp ${MCB_LLAMA_TAG})")
 
 find_package(Threads REQUIRED)
-find_program(MCB_GO go HINTS /usr/local/go/bin REQUIRED)
 
 # libmcbridge.a, rebuilt when a Go or cgo source of the bridge changes (Go's own build
-# cache makes an unchanged rebuild cheap).
-file(GLOB_RECURSE MCB_GO_SOURCES CONFIGURE_DEPENDS
-    ${MCB_ROOT}/bridge/*.go ${MCB_ROOT}/bridge/*.c ${MCB_ROOT}/internal/*.go ${MCB_ROOT}/internal/llamapin/PIN)
-list(FILTER MCB_GO_SOURCES EXCLUDE REGEX "_test\\.go$")
-set(MCB_ARCHIVE ${CMAKE_BINARY_DIR}/mcbridge/libmcbridge.a)
-add_custom_command(
-    OUTPUT  ${MCB_ARCHIVE}
-    COMMAND ${CMAKE_COMMAND} -E env CGO_ENABLED=1
-            ${MCB_GO} build -buildmode=c-archive -trimpath -o ${MCB_ARCHIVE} ./bridge
-    WORKING_DIRECTORY ${MCB_ROOT}
-    DEPENDS ${MCB_GO_SOURCES} ${MCB_ROOT}/include/mcbridge.h ${MCB_ROOT}/go.mod ${MCB_ROOT}/go.sum
-    COMMENT "mcbridge: go build -buildmode=c-archive -> ${MCB_ARCHIVE}"
-    VERBATIM)
-add_custom_target(mcbridge-archive DEPENDS ${MCB_ARCHIVE})
+# cache makes an unchanged rebuild cheap). -DMCBRIDGE_ARCHIVE=<libmcbridge.a> links one
+# built elsewhere instead (`go build -buildmode=c-archive -o <it> ./bridge` from the same
+# checkout): a build host without Go, such as a GPU machine that builds llama.cpp with
+# CUDA, still links the bridge of this tree.
+set(MCBRIDGE_ARCHIVE "" CACHE FILEPATH "a prebuilt libmcbridge.a of this checkout (default: go build it)")
+if (MCBRIDGE_ARCHIVE)
+    if (NOT EXISTS ${MCBRIDGE_ARCHIVE})
+        message(FATAL_ERROR "mcbridge: MCBRIDGE_ARCHIVE=${MCBRIDGE_ARCHIVE} does not exist")
+    endif()
+    set(MCB_ARCHIVE ${MCBRIDGE_ARCHIVE})
+    add_custom_target(mcbridge-archive)
+else()
+    find_program(MCB_GO go HINTS /usr/local/go/bin REQUIRED)
+    file(GLOB_RECURSE MCB_GO_SOURCES CONFIGURE_DEPENDS
+        ${MCB_ROOT}/bridge/*.go ${MCB_ROOT}/bridge/*.c ${MCB_ROOT}/internal/*.go ${MCB_ROOT}/internal/llamapin/PIN)
+    list(FILTER MCB_GO_SOURCES EXCLUDE REGEX "_test\\.go$")
+    set(MCB_ARCHIVE ${CMAKE_BINARY_DIR}/mcbridge/libmcbridge.a)
+    add_custom_command(
+        OUTPUT  ${MCB_ARCHIVE}
+        COMMAND ${CMAKE_COMMAND} -E env CGO_ENABLED=1
+                ${MCB_GO} build -buildmode=c-archive -trimpath -o ${MCB_ARCHIVE} ./bridge
+        WORKING_DIRECTORY ${MCB_ROOT}
+        DEPENDS ${MCB_GO_SOURCES} ${MCB_ROOT}/include/mcbridge.h ${MCB_ROOT}/go.mod ${MCB_ROOT}/go.sum
+        COMMENT "mcbridge: go build -buildmode=c-archive -> ${MCB_ARCHIVE}"
+        VERBATIM)
+    add_custom_target(mcbridge-archive DEPENDS ${MCB_ARCHIVE})
+endif()
 add_library(mcbridge-go STATIC IMPORTED GLOBAL)
 set_target_properties(mcbridge-go PROPERTIES
     IMPORTED_LOCATION ${MCB_ARCHIVE}

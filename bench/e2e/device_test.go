@@ -12,13 +12,12 @@ import (
 	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
-// BenchmarkDeviceRestore measures restores into KV on a device, ggml's RPC
-// backend (every llama-server here has an rpc-server of its own and -ngl
-// 99), in one run against two baselines on the same device: a stock
-// server computing the prompt, and llama-server's own slot restore of the
-// same prefix, which writes the same bytes with the backend's tensor_set.
-// The RPC device is a TCP socket to another process, so only the ratios
-// mean anything.
+// BenchmarkDeviceRestore measures restores into KV on a device (onDevice:
+// ggml's RPC backend, or a CUDA GPU in a -tags gpu build; -ngl 99), in one
+// run against two baselines on the same device: a stock server computing
+// the prompt, and llama-server's own slot restore of the same prefix, which
+// writes the same bytes with the backend's tensor_set. The RPC device is a
+// TCP socket to another process, so there only the ratios mean anything.
 //
 //	go test -run '^$' -bench DeviceRestore -benchtime 1x ./bench/e2e
 func BenchmarkDeviceRestore(b *testing.B) {
@@ -27,16 +26,24 @@ func BenchmarkDeviceRestore(b *testing.B) {
 	etcd := etcdtest.Start(b)
 	cfg := fmt.Sprintf(`{"block_tokens": 256, "arbiter": {"policy": "always-restore"}, "directory": {"kind": "etcd", "endpoints": [%q]}, "transport": {"kind": "mooncake", "lib": %q}}`,
 		etcd.Endpoint(), mockTE)
-	args := func(rpc *testenv.RPC, extra ...string) []string {
-		return append(append(testenv.ServerArgs(model, 8192, 2, "on"), "--rpc", rpc.Endpoint, "-ngl", "99"), extra...)
+	args := func(name string, extra ...string) []string {
+		return append(append(testenv.ServerArgs(model, 8192, 2, "on"), onDevice(b, name)...), extra...)
 	}
 	dir := testenv.SlotDir(b, "stock")
-	stock := testenv.StartLlama(b, "stock", testenv.StockServer(b), args(testenv.StartRPC(b, "rpc-stock"), "--slot-save-path", dir))
-	holder := testenv.StartLlama(b, "holder", testenv.PatchedServer(b), args(testenv.StartRPC(b, "rpc-holder"), "--mcb-config", cfg))
-	reader := testenv.StartLlama(b, "reader", testenv.PatchedServer(b), args(testenv.StartRPC(b, "rpc-reader"), "--mcb-config", cfg))
+	stock := testenv.StartLlama(b, "stock", testenv.StockServer(b), args("stock", "--slot-save-path", dir))
+	holder := testenv.StartLlama(b, "holder", testenv.PatchedServer(b), args("holder", "--mcb-config", cfg))
+	reader := testenv.StartLlama(b, "reader", testenv.PatchedServer(b), args("reader", "--mcb-config", cfg))
 	require.Equal(b, "on", reader.BridgeState())
 	// The same restore into host KV: the bridge's own part of the restore.
-	host := testenv.StartLlama(b, "host", testenv.PatchedServer(b), append(testenv.ServerArgs(model, 8192, 2, "on"), "--mcb-config", cfg))
+	// Its KV is the device's only where the device computes like the host;
+	// a GPU's is another swarm, so there a host-KV holder computes it too.
+	hostArgs := append(testenv.ServerArgs(model, 8192, 2, "on"), "--mcb-config", cfg)
+	host := testenv.StartLlama(b, "host", testenv.PatchedServer(b), hostArgs)
+	hostHolder, blocksPerRound := holder, shared/256
+	if !deviceComputesLikeHost {
+		hostHolder = testenv.StartLlama(b, "host-holder", testenv.PatchedServer(b), hostArgs)
+		blocksPerRound *= 2
+	}
 
 	var stockMS, restoredMS, slotMS, restoreGBs, slotGBs, hostGBs []float64
 	same := true
@@ -51,7 +58,10 @@ func BenchmarkDeviceRestore(b *testing.B) {
 
 		// The holder computes the prefix; the reader restores it.
 		holder.Complete(b, testenv.Request{Prompt: first, Slot: 0, NPredict: 1})
-		waitMirroredBlocks(b, reader.URL, (r+1)*shared/256)
+		if hostHolder != holder {
+			hostHolder.Complete(b, testenv.Request{Prompt: first, Slot: 0, NPredict: 1})
+		}
+		waitMirroredBlocks(b, reader.URL, (r+1)*blocksPerRound)
 		d, got := ttft(b, reader.URL, prompt, r%2, nil)
 		require.Equal(b, shared, got.MCB.RestoredN, "round %d: the reader restores the prefix: %+v", r, got.Timings)
 		same = same && slices.Equal(got.Tokens, want.Tokens)
