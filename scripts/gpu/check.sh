@@ -36,10 +36,14 @@ llama_args=(-DBUILD_SHARED_LIBS=OFF -DLLAMA_USE_SYSTEM_GGML=ON "-DCMAKE_PREFIX_P
 	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON
 	-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF)
 build_ggml() {
+	# Through llama.cpp's top level: the bundled ggml/ lacks what a standalone ggml
+	# build wants (tests/, examples/, ggml.pc.in). Its own install rules install the
+	# libraries and the CMake package that -DLLAMA_USE_SYSTEM_GGML=ON finds.
 	# shellcheck disable=SC2086 # cuda_args is a word list
-	cmake -S "$in/llama-src/ggml" -B "$work/ggml-build" "${common[@]}" -DBUILD_SHARED_LIBS=ON \
-		"-DCMAKE_INSTALL_PREFIX=$work/ggml" $cuda_args &&
-		cmake --build "$work/ggml-build" -j "$jobs" && cmake --install "$work/ggml-build"
+	cmake -S "$in/llama-src" -B "$work/ggml-build" "${common[@]}" -DBUILD_SHARED_LIBS=ON \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
+		-DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF "-DCMAKE_INSTALL_PREFIX=$work/ggml" $cuda_args &&
+		cmake --build "$work/ggml-build" --target ggml -j "$jobs" && cmake --install "$work/ggml-build/ggml"
 }
 build_server() { # build_server SRC DIR CMAKE-ARGS...
 	local src=$1 dir=$2
