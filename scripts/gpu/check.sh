@@ -13,6 +13,7 @@ out=${OUT:-/tmp/gpu-out}
 work=${MCB_GPU_WORK:-/tmp/mcb-gpu}
 jobs=$(nproc)
 cuda_args=${MCB_GPU_CMAKE--DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real -DGGML_CUDA_NCCL=OFF}
+rm -rf "$work" # every run builds from scratch
 mkdir -p "$out" "$work"
 t0=$SECONDS
 log() { echo "[gpu $((SECONDS - t0))s] $*" | tee -a "$out/summary.txt"; }
