@@ -11,7 +11,7 @@ set -euo pipefail
 # the store adds zstd, xxhash and msgpack, which brings the boost headers); llama.cpp's
 # server test suite's Python packages (tests/llamasuite; openai is not packaged); SQLite
 # for Ollama (scripts/ollama/build.sh builds it with -tags libsqlite3).
-pkgs=(cmake ninja-build ccache pkg-config jq curl etcd-server iproute2 git
+pkgs=(cmake ninja-build ccache pkg-config jq curl etcd-server iproute2 git patch
 	python3 python3-dev python3-pytest python3-requests python3-wget
 	python3-filelock python3-numpy python3-prometheus-client python3-aiohttp libibverbs-dev libnuma-dev libgoogle-glog-dev libgflags-dev
 	libjsoncpp-dev libyaml-cpp-dev libcurl4-openssl-dev

@@ -35,8 +35,10 @@
  *     to stderr (MC_LOG_LEVEL and MC_LOG_DIR, read once per process, quiet
  *     or route it);
  *   - calls that reach a peer block inside the library: openSegment for up
- *     to a minute against a peer that accepts but does not answer, and a
- *     transfer to such a peer stays WAITING with no timeout of its own;
+ *     to a minute against a peer that accepts but does not answer; a
+ *     transfer's status frame has a deadline (30 s on TCP,
+ *     MC_TCP_STATUS_TIMEOUT_SEC), its payload none: a transfer whose peer
+ *     stops mid-payload stays WAITING until the peer resumes, and lands;
  *   - enableGracefulShutdown installs process-wide SIGINT/SIGTERM handlers.
  *     It is deliberately not declared here: the bridge must never call it.
  *

@@ -88,9 +88,12 @@ static int reply(struct conn_state *c, const struct wire_hdr *h,
                  int32_t status, const void *payload, size_t len) {
     uint8_t hdr[WIRE_HDR_LEN];
     wire_encode_reply(hdr, h->type, status, len, h->tag);
-    int rc = io_send_all(c->fd, hdr, sizeof(hdr), c->e->io_timeout_ms);
-    if (rc == 0 && len > 0)
-        rc = io_send_all(c->fd, payload, len, c->e->io_timeout_ms);
+    /* As the real transport's ServerSession, which arms no timer: the
+     * client's status deadline is the only one, and a client stopped
+     * mid-payload holds this connection until it resumes or the kernel
+     * drops it (server_stop shuts the socket down to end the wait). */
+    int rc = io_send_all(c->fd, hdr, sizeof(hdr), -1);
+    if (rc == 0 && len > 0) rc = io_send_all(c->fd, payload, len, -1);
     if (status == 0)
         atomic_fetch_add(&c->e->stats.frames_served, 1);
     else
@@ -127,7 +130,7 @@ static int serve_one(struct conn_state *c, const struct wire_hdr *h) {
         /* The payload cannot be skipped safely when its length is absurd. */
         if (h->length == 0 || h->length > WIRE_MAX_IO) return -1;
         if (reserve(c, h->length)) return -1;
-        if (io_recv_all(c->fd, c->buf, h->length, e->io_timeout_ms)) return -1;
+        if (io_recv_all(c->fd, c->buf, h->length, -1)) return -1;
         pthread_rwlock_rdlock(&e->regs.lock);
         bool ok = registry_covers_locked(&e->regs, h->addr, h->length);
         if (ok) memcpy((void *)(uintptr_t)h->addr, c->buf, h->length);
@@ -138,7 +141,7 @@ static int serve_one(struct conn_state *c, const struct wire_hdr *h) {
         if (h->addr != 0 || h->length < 8 || h->length > WIRE_MAX_NOTIFY)
             return -1;
         if (reserve(c, h->length)) return -1;
-        if (io_recv_all(c->fd, c->buf, h->length, e->io_timeout_ms)) return -1;
+        if (io_recv_all(c->fd, c->buf, h->length, -1)) return -1;
         uint64_t nl = get32le(c->buf), ml = get32le(c->buf + 4);
         if (nl + ml != h->length - 8)
             return reply(c, h, -TE_INVALID_ARGUMENT, NULL, 0);

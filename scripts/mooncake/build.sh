@@ -7,8 +7,10 @@
 #   te     <dir>/install/lib/libtransfer_engine.so (+ libasio.so beside it)
 #   store  <dir>/out/{mooncake_master,libmooncake_store.so,libasio.so,store_c.h}
 #
-# A warm rerun checks a stamp and costs nothing. A failed build fails (exit 1): the
-# suites that use these libraries never skip for want of them.
+# The numbered patches in patches/<what>/ (each says why it is carried) are applied to
+# the sources before the build, in order; the cache key covers them too, so a changed
+# patch rebuilds. A warm rerun checks a stamp and costs nothing. A failed build fails
+# (exit 1): the suites that use these libraries never skip for want of them.
 #
 # MCB_MOONCAKE_VENDOR points at the vendor folder (default: ../shared/vendor beside the
 # checkout, or, for a clone of a local checkout such as CI's, beside the checkout it was
@@ -48,7 +50,14 @@ tarball=$vendor/$tarball_name
 script=$vendor/$script_name
 [[ -f $tarball && -f $script ]] || { log "error: no $tarball_name or $script_name under $vendor (set MCB_MOONCAKE_VENDOR)"; exit 1; }
 
+patches=()
+for p in "$repo/scripts/mooncake/patches/$what"/[0-9]*.patch; do
+	[[ -f $p ]] && patches+=("$p")
+done
+# The key: the tarball's sha256 alone where no patch is carried (so that such a build
+# keeps its cache folder), else that of the tarball and the patches together.
 sha=$(sha256sum "$tarball" | cut -c1-64)
+((${#patches[@]} == 0)) || sha=$(cat "$tarball" "${patches[@]}" | sha256sum | cut -c1-64)
 dir=$cache/mooncake-$what-${sha:0:16}
 stamp=$dir/.built
 case $what in
@@ -68,8 +77,28 @@ skip_apt=
 # Everything from the previous attempt goes: a half-built tree is never reused.
 rm -rf "$dir"
 mkdir -p "$dir"
-log "building from $tarball (sha256 ${sha:0:16}); log in $dir/build.log"
+log "building from $tarball with ${#patches[@]} patch(es) (key ${sha:0:16}); log in $dir/build.log"
 start=$SECONDS
+# apply_patches SRC: applies each patch not already in SRC (its reverse applies
+# cleanly there), so that a tree patched once is left as it is.
+apply_patches() {
+	local p
+	for p in "${patches[@]}"; do
+		if patch -d "$1" -p1 -R -s -f --dry-run <"$p" >/dev/null 2>&1; then
+			continue
+		fi
+		patch -d "$1" -p1 -s -f --no-backup-if-mismatch <"$p" || { log "error: $(basename "$p") does not apply"; return 1; }
+	done
+}
+if ((${#patches[@]})); then
+	# The vendor script builds from a tarball: it gets one of the patched tree.
+	tar xzf "$tarball" -C "$dir"
+	top=$(tar tzf "$tarball" | sed -n '1s|/.*||p')
+	apply_patches "$dir/$top"
+	tar czf "$dir/patched-src.tar.gz" -C "$dir" "$top"
+	rm -rf "${dir:?}/$top"
+	tarball=$dir/patched-src.tar.gz
+fi
 if ! (SKIP_APT=$skip_apt JOBS=${JOBS:-2} SKIP_PY_RPC=1 bash "$script" "$tarball" "$dir") >"$dir/build.log" 2>&1; then
 	tail -n 40 "$dir/build.log" >&2
 	log "error: build failed after $((SECONDS - start)) s (full log: $dir/build.log)"

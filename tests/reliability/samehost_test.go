@@ -27,7 +27,7 @@ func TestSharedPoolHolder(t *testing.T) {
 	j.Config.Directory.LeaseTTLS = 60
 	o := startChild(t, "owner", j)
 	require.Equal(t, fullBlocks, o.save(seedA, ""), "blocks the owner published")
-	require.Empty(t, listeners(t, o.cmd.Process.Pid), "TCP ports the owner listens on")
+	require.Empty(t, testenv.Listeners(t, o.cmd.Process.Pid), "TCP ports the owner listens on")
 
 	rc := j.Config
 	rc.Owner = "reader"
