@@ -796,6 +796,24 @@ func mcbgo_load_wait_layer(load uint64, il uint32, nok unsafe.Pointer, errbuf un
 	})
 }
 
+//export mcbgo_load_progress
+func mcbgo_load_progress(load uint64, nLayers, nok unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
+	return withHandle(load, "load", errbuf, errlen, func(h *loadHandle) error {
+		if err := aligned(nLayers, 4, "n_layers"); err != nil {
+			return err
+		}
+		if err := aligned(nok, 4, "n_tokens_ok"); err != nil {
+			return err
+		}
+		layers, ok, err := h.ld.Progress()
+		if err != nil {
+			return err
+		}
+		*(*uint32)(nLayers), *(*uint32)(nok) = uint32(layers), uint32(ok)
+		return nil
+	})
+}
+
 func loadResult(r bridge.LoadResult) cLoadResult {
 	return cLoadResult{NBlocks: uint32(r.Blocks), NBlocksOK: uint32(r.OKBlocks),
 		NTokensOK: uint32(r.OKTokens), FirstError: int32(status.Of(r.Err)), NBytes: u64(r.Bytes)}

@@ -52,6 +52,7 @@ const (
 	opStateRestore
 	opMetrics
 	opProbeTokens
+	opLoadProgress
 	nOps
 )
 
@@ -434,6 +435,8 @@ func (w *world) step(o op) {
 		w.metrics()
 	case opProbeTokens:
 		w.probeTokens()
+	case opLoadProgress:
+		w.loadProgress()
 	}
 }
 
@@ -1264,6 +1267,34 @@ func (w *world) waitLayer() {
 	o.nok, o.placed = nok, max(o.placed, int(il)+1)
 	if err := o.ts.checkRestore(o.before, o.tok, o.cells, o.n, o.nok, o.placed); err != nil {
 		w.fail("after waiting on layer %d: %v", il, err)
+	}
+}
+
+// loadProgress asks how far a load is: the layers it reports placed hold
+// their verified rows, and the good prefix never grows.
+func (w *world) loadProgress() {
+	h := w.handle(loadKind)
+	o := w.objects[h]
+	ok := w.valid(h, loadKind)
+	outL, obL, badL := w.out(w.arg(2), 4, 4)
+	outT, obT, badT := w.out(w.arg(3), 4, 4)
+	var faults []status.Code
+	if badL || badT {
+		faults = append(faults, status.InvalidArg)
+	}
+	if w.check("load progress", mcbgo_load_progress(h, outL, outT, w.eb, w.el), expect(ok, faults, status.OK)...) != status.OK {
+		if !untouched(obL) || !untouched(obT) {
+			w.fail("a refused progress wrote its output")
+		}
+		return
+	}
+	layers, nok := int(*(*uint32)(outL)), int(*(*uint32)(outT))
+	if layers > o.m.layers() || nok > o.nok || nok%int(o.m.block) != 0 {
+		w.fail("progress: %d of %d layers, %d tokens good after %d", layers, o.m.layers(), nok, o.nok)
+	}
+	o.nok, o.placed = nok, max(o.placed, layers)
+	if err := o.ts.checkRestore(o.before, o.tok, o.cells, o.n, o.nok, o.placed); err != nil {
+		w.fail("after progress reported %d layers: %v", layers, err)
 	}
 }
 

@@ -143,6 +143,10 @@ mcb_status mcb_load_wait_layer(mcb_load load, uint32_t il, uint32_t *n_tokens_ok
     return (mcb_status)mcbgo_load_wait_layer(load, il, n_tokens_ok, ERR);
 }
 
+mcb_status mcb_load_progress(mcb_load load, uint32_t *n_layers, uint32_t *n_tokens_ok) {
+    return (mcb_status)mcbgo_load_progress(load, n_layers, n_tokens_ok, ERR);
+}
+
 mcb_status mcb_load_poll(mcb_load load, uint32_t timeout_us, bool *done) {
     return (mcb_status)mcbgo_load_poll(load, timeout_us, done, ERR);
 }

@@ -421,6 +421,18 @@ MCB_API mcb_status mcb_load_begin(mcb_plan plan, const struct mcb_kv_layout *lay
  *                           before it, still good. */
 MCB_API mcb_status mcb_load_wait_layer(mcb_load load, uint32_t il, uint32_t *n_tokens_ok);
 
+/* Says, without waiting, how far the load is: *n_layers receives how many
+ * leading layers are verified and in place (as mcb_load_wait_layer would
+ * find them), *n_tokens_ok the good prefix so far (it only shrinks). A host
+ * that moves each layer on as soon as it is in place (an upload into device
+ * memory) asks between its other work and then waits on no peer.
+ * Returns:
+ *   MCB_STATUS_OK           both are set.
+ *   MCB_STATUS_BAD_HANDLE   load is not an open load.
+ *   MCB_STATUS_INVALID_ARG  n_layers or n_tokens_ok is NULL or misaligned.
+ *   MCB_STATUS_STATE        the load has ended. */
+MCB_API mcb_status mcb_load_progress(mcb_load load, uint32_t *n_layers, uint32_t *n_tokens_ok);
+
 /* Waits at most timeout_us microseconds (0: not at all) for the load to be
  * over: every layer verified and in place, or failed, its deadline
  * included. *done says whether it is; mcb_load_end then waits on no peer.

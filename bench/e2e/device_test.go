@@ -35,15 +35,13 @@ func BenchmarkDeviceRestore(b *testing.B) {
 	reader := testenv.StartLlama(b, "reader", testenv.PatchedServer(b), args("reader", "--mcb-config", cfg))
 	require.Equal(b, "on", reader.BridgeState())
 	// The same restore into host KV: the bridge's own part of the restore.
-	// Its KV is the device's only where the device computes like the host;
-	// a GPU's is another swarm, so there a host-KV holder computes it too.
+	// Its holder computes the prefix on the host: where the device's KV
+	// bytes are the host's (the RPC device; the probe decides), its blocks
+	// are the device holder's, already known.
 	hostArgs := append(testenv.ServerArgs(model, 8192, 2, "on"), "--mcb-config", cfg)
 	host := testenv.StartLlama(b, "host", testenv.PatchedServer(b), hostArgs)
-	hostHolder, blocksPerRound := holder, shared/256
-	if !deviceComputesLikeHost {
-		hostHolder = testenv.StartLlama(b, "host-holder", testenv.PatchedServer(b), hostArgs)
-		blocksPerRound *= 2
-	}
+	hostHolder := testenv.StartLlama(b, "host-holder", testenv.PatchedServer(b), hostArgs)
+	mirrored := func(url string) int { return int(testenv.Metrics(b, url+"/metrics")["mcbridge_mirrored_blocks"]) }
 
 	var stockMS, restoredMS, slotMS, restoreGBs, slotGBs, hostGBs []float64
 	same := true
@@ -57,11 +55,11 @@ func BenchmarkDeviceRestore(b *testing.B) {
 		stockMS = append(stockMS, ms(d))
 
 		// The holder computes the prefix; the reader restores it.
-		holder.Complete(b, testenv.Request{Prompt: first, Slot: 0, NPredict: 1})
-		if hostHolder != holder {
-			hostHolder.Complete(b, testenv.Request{Prompt: first, Slot: 0, NPredict: 1})
-		}
-		waitMirroredBlocks(b, reader.URL, (r+1)*blocksPerRound)
+		readerHad, hostHad := mirrored(reader.URL), mirrored(host.URL)
+		savedDev := holder.Complete(b, testenv.Request{Prompt: first, Slot: 0, NPredict: 1}).MCB.SavedBlocks
+		savedHost := hostHolder.Complete(b, testenv.Request{Prompt: first, Slot: 0, NPredict: 1}).MCB.SavedBlocks
+		waitMirroredBlocks(b, reader.URL, readerHad+savedDev)
+		waitMirroredBlocks(b, host.URL, hostHad+savedDev+savedHost)
 		d, got := ttft(b, reader.URL, prompt, r%2, nil)
 		require.Equal(b, shared, got.MCB.RestoredN, "round %d: the reader restores the prefix: %+v", r, got.Timings)
 		same = same && slices.Equal(got.Tokens, want.Tokens)

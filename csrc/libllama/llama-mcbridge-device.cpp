@@ -2,13 +2,14 @@
 // memory, layer by layer, with ggml's backend API (docs/design.md §5.7).
 //
 // The bridge's loads and saves move rows between its pool and a host layout. When any
-// KV tensor of a context is not host memory, that layout is a staging buffer of ours:
-// position i of a restore or save in staging row i (cells 0..n-1), every layer, so one
-// load or save covers the whole cache whatever each layer's placement (partial
-// offload, several devices). A restore uploads layer l from staging as soon as the
-// bridge reports it verified, while the bridge's transfers of later layers go on; a
-// save downloads every layer first (asynchronously where the backend can) and hands
-// each to the bridge as soon as its download is done.
+// KV tensor of a context is not host memory, that layout is a staging buffer of ours,
+// one per load or save in flight: position i of a restore or save in staging row i
+// (cells 0..n-1), every layer, so one load or save covers the whole cache whatever
+// each layer's placement (partial offload, several devices). A restore uploads layer l
+// from its staging as soon as the bridge reports it verified, while the bridge's
+// transfers of later layers go on and the server decodes other slots; a save
+// downloads every layer first (asynchronously where the backend can) and hands each
+// to the bridge as soon as its download is done.
 #include "llama-mcbridge-impl.h"
 
 #include "llama-context.h"
@@ -24,9 +25,8 @@ namespace mcb_llama {
 
 namespace {
 
-// Staging grows to the largest restore or save in steps of this many cells, doubling,
-// so that it is reallocated (and registered with the transport again) a few times at
-// most.
+// Staging buffers hold this many positions, or a power of two times it, so that a few
+// sizes serve every restore and save and idle buffers are reused.
 constexpr uint32_t k_min_cells = 512;
 
 // The backend of ctx that computes on buf's device, nullptr for host memory or when
@@ -120,48 +120,87 @@ kv_stage::~kv_stage() {
             }
         }
     }
-    if (buf != nullptr) {
-        ggml_backend_buffer_free(buf);
+    for (auto & b : bufs) {
+        ggml_backend_buffer_free(b->buf);
     }
 }
 
-mcb_kv_layout kv_stage::layout(uint32_t n) {
-    if (n > cap) {
-        uint32_t c = std::max(cap, k_min_cells);
+size_t kv_stage::bytes_for(uint32_t n) const {
+    size_t size = 0;
+    for (size_t l = 0; l < krow.size(); l++) {
+        size += (size_t) n * (krow[l] + vrow[l]);
+    }
+    return size;
+}
+
+stage_buf * kv_stage::acquire(uint32_t n) {
+    stage_buf * best = nullptr;
+    for (auto & b : bufs) {
+        if (!b->lent && b->cap >= n && (best == nullptr || b->cap < best->cap)) {
+            best = b.get();
+        }
+    }
+    if (best == nullptr) {
+        uint32_t c = k_min_cells;
         while (c < n) {
             c *= 2;
         }
         c = std::min(c, std::max(n, n_cells));
-        size_t size = 0;
-        for (size_t l = 0; l < krow.size(); l++) {
-            size += (size_t) c * (krow[l] + vrow[l]);
+        const size_t size = bytes_for(c);
+        // Loads in flight place into distinct cells, so together they stage at most one
+        // stream's worth, and a save at most one more: idle buffers go before that
+        // budget is exceeded.
+        const size_t budget = 2 * bytes_for(n_cells);
+        for (auto it = bufs.begin(); it != bufs.end() && allocated + size > budget;) {
+            if ((*it)->lent) {
+                ++it;
+                continue;
+            }
+            allocated -= (*it)->bytes;
+            ggml_backend_buffer_free((*it)->buf);
+            it = bufs.erase(it);
+        }
+        if (allocated + size > budget) {
+            throw std::runtime_error("mcbridge: host staging is lent to other loads (" + std::to_string(allocated) +
+                                     " of " + std::to_string(budget) + " bytes)");
         }
         ggml_backend_buffer_t nb = ggml_backend_buft_alloc_buffer(host_buft, size);
         if (nb == nullptr) {
             throw std::runtime_error("mcbridge: cannot allocate " + std::to_string(size) + " bytes of host staging");
         }
-        if (buf != nullptr) {
-            ggml_backend_buffer_free(buf);
-        }
-        buf = nb;
-        cap = c;
-        uint8_t * base = static_cast<uint8_t *>(ggml_backend_buffer_get_base(buf));
-        rows.assign(krow.size(), {});
+        auto b   = std::make_unique<stage_buf>();
+        b->buf   = nb;
+        b->cap   = c;
+        b->bytes = size;
+        uint8_t * base = static_cast<uint8_t *>(ggml_backend_buffer_get_base(nb));
+        b->rows.assign(krow.size(), {});
         for (size_t l = 0; l < krow.size(); l++) {
-            rows[l].k        = base;
-            rows[l].k_stride = krow[l];
-            base += (size_t) cap * krow[l];
-            rows[l].v        = base;
-            rows[l].v_stride = v_trans ? (uint64_t) cap * vel[l] : vrow[l];
-            base += (size_t) cap * vrow[l];
+            b->rows[l].k        = base;
+            b->rows[l].k_stride = krow[l];
+            base += (size_t) c * krow[l];
+            b->rows[l].v        = base;
+            b->rows[l].v_stride = v_trans ? (uint64_t) c * vel[l] : vrow[l];
+            base += (size_t) c * vrow[l];
         }
+        allocated += size;
+        best = b.get();
+        bufs.push_back(std::move(b));
     }
+    best->lent = true;
+    return best;
+}
+
+void kv_stage::release(stage_buf * b) {
+    b->lent = false;
+}
+
+mcb_kv_layout kv_stage::layout(const stage_buf & b) const {
     mcb_kv_layout lo = {};
-    lo.n_layer  = (uint32_t) rows.size();
-    lo.n_cells  = cap;
+    lo.n_layer  = (uint32_t) b.rows.size();
+    lo.n_cells  = b.cap;
     lo.v_trans  = v_trans;
     lo.location = "cpu:0";
-    lo.layers   = rows.data();
+    lo.layers   = b.rows.data();
     return lo;
 }
 
@@ -169,11 +208,13 @@ mcb_kv_layout kv_stage::layout(uint32_t n) {
 // and V that positions [0, n) occupy in cells (of stream strm): one a run of cells,
 // or, with V transposed, one a run and dimension.
 template <typename F>
-void kv_stage::pieces(uint32_t l, uint32_t strm, const std::vector<uint32_t> & cells, uint32_t n, F && fn) const {
+void kv_stage::pieces(const stage_buf & b, uint32_t l, uint32_t strm, const std::vector<uint32_t> & cells, uint32_t n,
+                      F && fn) const {
     ggml_tensor * k = st.k[l];
     ggml_tensor * v = st.v[l];
-    uint8_t * sk = static_cast<uint8_t *>(rows[l].k);
-    uint8_t * sv = static_cast<uint8_t *>(rows[l].v);
+    uint8_t * sk = static_cast<uint8_t *>(b.rows[l].k);
+    uint8_t * sv = static_cast<uint8_t *>(b.rows[l].v);
+    const size_t cap = b.cap;
     for (uint32_t p0 = 0; p0 < n;) {
         uint32_t len = 1;
         while (p0 + len < n && cells[p0 + len] == cells[p0] + len) {
@@ -193,8 +234,8 @@ void kv_stage::pieces(uint32_t l, uint32_t strm, const std::vector<uint32_t> & c
     }
 }
 
-void kv_stage::upload(uint32_t l, uint32_t strm, const std::vector<uint32_t> & cells, uint32_t n) {
-    pieces(l, strm, cells, n, [](ggml_backend_t b, ggml_tensor * t, const uint8_t * src, size_t off, size_t size) {
+void kv_stage::upload(const stage_buf & b, uint32_t l, uint32_t strm, const std::vector<uint32_t> & cells, uint32_t n) {
+    pieces(b, l, strm, cells, n, [](ggml_backend_t b, ggml_tensor * t, const uint8_t * src, size_t off, size_t size) {
         if (b != nullptr) {
             ggml_backend_tensor_set_async(b, t, src, off, size);
         } else {
@@ -203,8 +244,8 @@ void kv_stage::upload(uint32_t l, uint32_t strm, const std::vector<uint32_t> & c
     });
 }
 
-void kv_stage::download(uint32_t l, uint32_t strm, const std::vector<uint32_t> & cells) {
-    pieces(l, strm, cells, (uint32_t) cells.size(), [](ggml_backend_t b, ggml_tensor * t, uint8_t * dst, size_t off, size_t size) {
+void kv_stage::download(const stage_buf & b, uint32_t l, uint32_t strm, const std::vector<uint32_t> & cells) {
+    pieces(b, l, strm, cells, (uint32_t) cells.size(), [](ggml_backend_t b, ggml_tensor * t, uint8_t * dst, size_t off, size_t size) {
         if (b != nullptr) {
             ggml_backend_tensor_get_async(b, t, dst, off, size);
         } else {
@@ -212,12 +253,12 @@ void kv_stage::download(uint32_t l, uint32_t strm, const std::vector<uint32_t> &
         }
     });
     size_t i = 0;
-    for (ggml_backend_t b : {kb[l], vb[l]}) {
-        if (b != nullptr) {
+    for (ggml_backend_t be : {kb[l], vb[l]}) {
+        if (be != nullptr) {
             if (events[l][i] != nullptr) {
-                ggml_backend_event_record(events[l][i], b);
+                ggml_backend_event_record(events[l][i], be);
             } else {
-                ggml_backend_synchronize(b);
+                ggml_backend_synchronize(be);
             }
             i++;
         }

@@ -43,11 +43,25 @@ std::vector<mcb_kv_layer> stream_layers(const kv_storage & st, uint32_t n_cells,
 // The layout the bridge takes for layers of kv; it points into layers.
 mcb_kv_layout layout_of(const llama_kv_cache * kv, bool v_trans, const std::vector<mcb_kv_layer> & layers);
 
-// KV in memory the CPU cannot address (a GPU, an RPC server), staged through a host
-// buffer (llama-mcbridge-device.cpp, docs/design.md §5.7): the bridge's loads and
-// saves use the staging layout, position i in staging row i, and the rows move
-// between staging and the tensors through ggml's backend API. Used only on the thread
-// driving the context.
+// KV in memory the CPU cannot address (a GPU, an RPC server), staged through host
+// buffers (llama-mcbridge-device.cpp, docs/design.md §5.7): the bridge's loads and
+// saves use a staging layout, position i in staging row i, and the rows move between
+// staging and the tensors through ggml's backend API. Used only on the thread driving
+// the context.
+//
+// Each load or save has a staging buffer of its own for as long as it runs, so a
+// restore stays in flight across the server's loop iterations while other slots
+// decode and save. kv_stage owns every buffer; a buffer is idle or lent (acquire ->
+// release), and idle ones are kept for the next load, since allocating pinned memory
+// and registering it with the transport cost more than the copy.
+struct stage_buf {
+    ggml_backend_buffer_t     buf   = nullptr;
+    uint32_t                  cap   = 0;     // positions it holds
+    size_t                    bytes = 0;
+    bool                      lent  = false; // between acquire and release
+    std::vector<mcb_kv_layer> rows;          // per layer
+};
+
 class kv_stage {
 public:
     // nullptr when every K and V tensor of st is host memory.
@@ -57,14 +71,18 @@ public:
     kv_stage(const kv_stage &) = delete;
     kv_stage & operator=(const kv_stage &) = delete;
 
-    // The host layout of n positions (cells 0..n-1), growing staging when needed; it
-    // points into this object and stays valid until the next call.
-    mcb_kv_layout layout(uint32_t n);
-    // Layer l of positions [0, n) from staging into their cells (of stream strm), on
-    // the layer's backend, asynchronously where it can; sync() waits for it.
-    void upload(uint32_t l, uint32_t strm, const std::vector<uint32_t> & cells, uint32_t n);
-    // Layer l of the positions held in cells into staging; wait_download(l) waits for it.
-    void download(uint32_t l, uint32_t strm, const std::vector<uint32_t> & cells);
+    // A buffer of at least n positions, lent until release. Throws when the staging
+    // budget (twice one stream's cells) is lent to other loads, or memory runs out.
+    stage_buf * acquire(uint32_t n);
+    void        release(stage_buf * b);
+    // b's host layout (cells 0..cap-1).
+    mcb_kv_layout layout(const stage_buf & b) const;
+    // Layer l of positions [0, n) from b into their cells (of stream strm), on the
+    // layer's backend, asynchronously where it can; sync() waits for it.
+    void upload(const stage_buf & b, uint32_t l, uint32_t strm, const std::vector<uint32_t> & cells, uint32_t n);
+    // Layer l of the positions held in cells into b; wait_download(l) waits for it.
+    // One save downloads at a time: the events are per layer.
+    void download(const stage_buf & b, uint32_t l, uint32_t strm, const std::vector<uint32_t> & cells);
     void wait_download(uint32_t l);
     // Waits for every upload and download issued.
     void sync();
@@ -74,8 +92,10 @@ public:
 
 private:
     kv_stage() = default;
+    size_t bytes_for(uint32_t n) const;
     template <typename F>
-    void pieces(uint32_t l, uint32_t strm, const std::vector<uint32_t> & cells, uint32_t n, F && fn) const;
+    void pieces(const stage_buf & b, uint32_t l, uint32_t strm, const std::vector<uint32_t> & cells, uint32_t n,
+                F && fn) const;
 
     kv_storage st;
     bool       v_trans = false;
@@ -86,9 +106,8 @@ private:
     std::set<ggml_backend_t> backends;
     std::vector<std::vector<ggml_backend_event_t>> events; // per layer, per backend of kb/vb; nullptr where none
     ggml_backend_buffer_type_t host_buft = nullptr;
-    ggml_backend_buffer_t      buf       = nullptr;
-    uint32_t                   cap       = 0; // positions staging holds
-    std::vector<mcb_kv_layer>  rows;          // staging, per layer
+    std::vector<std::unique_ptr<stage_buf>> bufs;
+    size_t                                  allocated = 0; // bytes of bufs
 };
 
 } // namespace mcb_llama

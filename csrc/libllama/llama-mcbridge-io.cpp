@@ -345,15 +345,17 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
     const std::vector<mcb_kv_layer> layers = stream_layers(att.storage, kv->get_size(), att.v_trans, sinfo.strm[0]);
     mcb_kv_layout layout = layout_of(kv, att.v_trans, layers);
     std::vector<uint32_t> at = cells; // where the load puts position i
+    stage_buf * staging = nullptr;
     if (att.stage) {
         try {
-            layout = att.stage->layout((uint32_t) n_tokens);
+            staging = att.stage->acquire((uint32_t) n_tokens);
         } catch (const std::exception & e) {
             mcb_plan_drop(plan);
             out.status = MCB_STATUS_LAYOUT; // no room for the staging, as for the cells
             out.error  = e.what();
             return out;
         }
+        layout = att.stage->layout(*staging);
         for (int32_t i = 0; i < n_tokens; i++) {
             at[i] = (uint32_t) i;
         }
@@ -362,6 +364,9 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
     out.status = mcb_load_begin(plan, &layout, at.data(), &load);
     if (out.status != MCB_STATUS_OK) {
         out.error = "mcb_load_begin: " + status_message(out.status);
+        if (staging != nullptr) {
+            att.stage->release(staging);
+        }
         return out;
     }
 
@@ -380,6 +385,9 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
         mcb_load_cancel(load);
         mcb_load_result res = {};
         mcb_load_end(load, &res);
+        if (staging != nullptr) {
+            att.stage->release(staging); // nothing was uploaded from it
+        }
         out.status = MCB_STATUS_LAYOUT;
         out.error  = reader.error.empty() ? e.what() : reader.error;
         if (kv->seq_pos_max(seq_id) >= 0) {
@@ -387,34 +395,72 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
         }
         return out;
     }
-    if (att.stage) {
-        // Staging is one buffer per context, shared by every restore and save, so a
-        // device restore does not stay in flight across loop iterations: it waits here
-        // for each layer, verified, and uploads it while the bridge moves the next
-        // (docs/design.md §5.7); seq_restore_end then finds the load over. The wait is
-        // still bounded by the load's deadline, which the cost model sets.
-        uint32_t ok = (uint32_t) n_tokens;
-        for (uint32_t l = 0; l < (uint32_t) layers.size(); l++) {
-            uint32_t ok_l = 0;
-            const mcb_status st = mcb_load_wait_layer(load, l, &ok_l);
-            ok = std::min(ok, st == MCB_STATUS_OK ? ok_l : 0u);
-            if (ok > 0) {
-                att.stage->upload(l, sinfo.strm[0], cells, ok);
-            }
-        }
-        att.stage->sync();
-    }
     op.ctx      = ctx;
     op.seq_id   = seq_id;
     op.n_tokens = n_tokens;
     op.n_layer  = att.n_layer;
     op.load     = load;
+    if (staging != nullptr) {
+        // The restore stays in flight in its own staging: the polls upload each layer
+        // once the bridge has it verified, while the bridge moves the next and the
+        // server decodes other slots (docs/design.md §5.7).
+        op.stage   = att.stage;
+        op.staging = staging;
+        op.cells   = cells;
+        op.strm    = sinfo.strm[0];
+        op.n_ok    = (uint32_t) n_tokens;
+    }
     return out;
 }
 
-bool seq_restore_poll(const restore_op & op, uint32_t timeout_us) {
+namespace {
+
+// Queues the upload of op's layers from op.n_uploaded on: those the bridge reports
+// verified and in staging, or, with wait, every layer, waiting for each (bounded by
+// the load's deadline). Only the prefix verified so far is uploaded; it only shrinks,
+// and seq_restore_end removes the cells past the final one.
+void upload_verified(restore_op & op, bool wait) {
+    while (op.n_uploaded < op.n_layer) {
+        const uint32_t l = op.n_uploaded;
+        if (!wait) {
+            uint32_t placed = 0, ok = 0;
+            if (mcb_load_progress(op.load, &placed, &ok) != MCB_STATUS_OK || placed <= l) {
+                return;
+            }
+        }
+        uint32_t ok_l = 0;
+        const mcb_status st = mcb_load_wait_layer(op.load, l, &ok_l);
+        op.n_ok = std::min(op.n_ok, st == MCB_STATUS_OK ? ok_l : 0u);
+        if (op.n_ok > 0) {
+            op.stage->upload(*op.staging, l, op.strm, op.cells, op.n_ok);
+        }
+        op.n_uploaded++;
+    }
+}
+
+// Waits for op's uploads and gives its staging back: before its cells change owner or
+// go back to llama.cpp, nothing may still be writing them.
+void return_staging(restore_op & op) {
+    if (op.staging == nullptr) {
+        return;
+    }
+    op.stage->sync();
+    op.stage->release(op.staging);
+    op.staging = nullptr;
+    op.stage.reset();
+}
+
+} // namespace
+
+bool seq_restore_poll(restore_op & op, uint32_t timeout_us) {
+    if (op.load == 0) {
+        return true;
+    }
+    if (op.staging != nullptr) {
+        upload_verified(op, false);
+    }
     bool done = true;
-    if (op.load != 0 && mcb_load_poll(op.load, timeout_us, &done) != MCB_STATUS_OK) {
+    if (mcb_load_poll(op.load, timeout_us, &done) != MCB_STATUS_OK) {
         return true; // seq_restore_end reports why
     }
     return done;
@@ -427,6 +473,10 @@ restore_result seq_restore_end(restore_op & op) {
         out.status = MCB_STATUS_STATE;
         out.error  = "no restore in flight";
         return out;
+    }
+    if (op.staging != nullptr) {
+        upload_verified(op, true);
+        return_staging(op);
     }
     // Every layer, each verified before it is reported, so no compute ever sees
     // unverified rows (docs/design.md §5.2). After a poll that said done, nothing waits.
@@ -473,6 +523,7 @@ void seq_restore_cancel(restore_op & op) {
     mcb_load_result res = {};
     mcb_load_end(op.load, &res);
     op.load = 0;
+    return_staging(op);
     // The cells hold whatever the load had written: they leave the sequence.
     plain_kv(op.ctx)->seq_rm(op.seq_id, -1, -1);
 }
@@ -499,12 +550,14 @@ save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scop
     uint32_t strm = 0;
     mcb_kv_layout layout = {};
     std::vector<uint32_t> at = cells; // where the save reads position i
+    stage_buf * staging = nullptr;
     try {
         strm   = seq_stream(kv, seq_id);
         layers = stream_layers(att.storage, kv->get_size(), att.v_trans, strm);
         layout = layout_of(kv, att.v_trans, layers);
         if (att.stage) {
-            layout = att.stage->layout((uint32_t) n);
+            staging = att.stage->acquire((uint32_t) n);
+            layout  = att.stage->layout(*staging);
             for (int32_t i = 0; i < n; i++) {
                 at[i] = (uint32_t) i;
             }
@@ -514,11 +567,18 @@ save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scop
         out.error  = e.what();
         return out;
     }
-    if (att.stage) {
+    // The staging is given back once nothing writes it any more.
+    auto give_back = [&]() {
+        if (staging != nullptr) {
+            att.stage->sync();
+            att.stage->release(staging);
+        }
+    };
+    if (staging != nullptr) {
         // Every layer's download is queued at once; the bridge copies layer l while the
         // device sends the later ones (§5.7).
         for (uint32_t l = 0; l < layout.n_layer; l++) {
-            att.stage->download(l, strm, cells);
+            att.stage->download(*staging, l, strm, cells);
         }
     }
 
@@ -526,13 +586,11 @@ save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scop
     out.status = mcb_save_begin(att.model, scope, &layout, tokens, (size_t) n, at.data(), &h);
     if (out.status != MCB_STATUS_OK) {
         out.error = "mcb_save_begin: " + status_message(out.status);
-        if (att.stage) {
-            att.stage->sync(); // staging is written until then
-        }
+        give_back();
         return out;
     }
     for (uint32_t l = 0; l < layout.n_layer; l++) {
-        if (att.stage) {
+        if (staging != nullptr) {
             att.stage->wait_download(l);
         }
         const mcb_status st = mcb_save_layer(h, l);
@@ -542,10 +600,8 @@ save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scop
             break;
         }
     }
-    if (att.stage) {
-        att.stage->sync();
-    }
     const mcb_status st_end = mcb_save_end(h, &out.blocks);
+    give_back(); // the save has copied the rows it takes
     if (st_end != MCB_STATUS_OK && out.status == MCB_STATUS_OK) {
         out.status = st_end;
         out.error  = "mcb_save_end: " + status_message(st_end);

@@ -155,11 +155,13 @@ mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const m
             const std::vector<mcb_kv_layer> layers = stream_layers(storage, kv->get_size(), v_trans, 0);
             mcb_kv_layout layout = layout_of(kv, v_trans, layers);
             std::vector<uint32_t> at = cells;
+            stage_buf * probe_rows = nullptr;
             if (stage) {
                 // The probe's rows, downloaded into staging rows 0..7.
-                layout = stage->layout((uint32_t) cells.size());
+                probe_rows = stage->acquire((uint32_t) cells.size());
+                layout     = stage->layout(*probe_rows);
                 for (uint32_t l = 0; l < layout.n_layer; l++) {
-                    stage->download(l, 0, cells);
+                    stage->download(*probe_rows, l, 0, cells);
                 }
                 stage->sync();
                 for (uint32_t i = 0; i < at.size(); i++) {
@@ -167,6 +169,9 @@ mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const m
                 }
             }
             st = mcb_model_register(state().bridge, &params, &format, &layout, at.data(), &out);
+            if (probe_rows != nullptr) {
+                stage->release(probe_rows);
+            }
             if (st != MCB_STATUS_OK) {
                 why = "mcb_model_register: " + status_message(st);
             }

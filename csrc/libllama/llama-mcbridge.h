@@ -33,6 +33,7 @@ class llama_kv_cache;
 namespace mcb_llama {
 
 class kv_stage;
+struct stage_buf;
 
 // Configuration, given before any context attaches. An empty config falls back to
 // the MCB_CONFIG environment variable; neither set means the bridge stays off.
@@ -91,6 +92,14 @@ struct restore_op {
     int32_t         n_tokens = 0;
     uint32_t        n_layer  = 0;
     mcb_load        load     = 0;
+    // KV on a device: the load lands in staging, lent to op until it ends, and each
+    // verified layer is uploaded into the cells as the polls find it.
+    std::shared_ptr<kv_stage> stage;
+    stage_buf *               staging    = nullptr;
+    std::vector<uint32_t>     cells;          // where position i goes
+    uint32_t                  strm       = 0; // their stream
+    uint32_t                  n_uploaded = 0; // leading layers queued for upload
+    uint32_t                  n_ok       = 0; // the verified prefix they were uploaded with
 };
 
 // Stage 2: starts restoring a lookup's plan (positions [0, n_tokens), whole blocks)
@@ -102,7 +111,9 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
                                  llama_seq_id seq_id, int32_t n_tokens, restore_op & op);
 // Waits at most timeout_us (0: not at all) for op's load to be over, verified or failed
 // (its deadline included), and says whether it is: seq_restore_end then waits on no peer.
-bool seq_restore_poll(const restore_op & op, uint32_t timeout_us);
+// With KV on a device it first queues the upload of every layer verified since the
+// last poll.
+bool seq_restore_poll(restore_op & op, uint32_t timeout_us);
 // Ends op: the sequence keeps the verified prefix of the restore (n_tokens), the rest of
 // its cells are removed; on failure it is left empty and n_tokens is 0, so the caller
 // recomputes from position 0.

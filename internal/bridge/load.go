@@ -529,6 +529,19 @@ func (ld *Load) WaitLayer(il int) (int, error) {
 	return ld.ok * ld.m.geo.BlockTokens, nil
 }
 
+// Progress reports, without waiting, how many leading layers of every block
+// still good are verified and placed, and how many leading tokens are good
+// so far: a host that moves each layer on (a device upload) as soon as it
+// is in place asks between its other work.
+func (ld *Load) Progress() (layers, tokensOK int, err error) {
+	ld.mu.Lock()
+	defer ld.mu.Unlock()
+	if ld.ended {
+		return 0, 0, status.Errorf(status.State, "progress of an ended load")
+	}
+	return ld.layers, ld.ok * ld.m.geo.BlockTokens, nil
+}
+
 // layer verifies and places one layer of every block still good; the
 // worker runs it, reading ok without the lock as only it writes ok.
 func (ld *Load) layer(a arrival) {

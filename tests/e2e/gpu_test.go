@@ -14,11 +14,14 @@ import (
 
 // The device tests on a CUDA GPU, built with -tags gpu where llama-server
 // (stock and patched) is built with -DGGML_CUDA=ON (scripts/gpu/check.sh).
-// TestDeviceKV's device is ggml's RPC backend, which computes with the
-// host's CPU backend; a GPU computes other bytes, so here every placement
-// is a swarm of its own (docs/design.md §5.7): full offload restores what
-// full offload saved, partial what partial saved, and a host-KV server
-// restores none of a GPU's KV.
+// Whether a GPU's KV bytes are the host's is the probe's call (docs/design.md
+// §3.2, §5.7): where they are, the placements share one swarm, as they did
+// for these models on an H200; where they are not, each is a swarm of its
+// own. Either way every answer is stock's for the same placement.
+
+func mirroredBlocks(t *testing.T, url string) int {
+	return int(testenv.Metrics(t, url+"/metrics")["mcbridge_mirrored_blocks"])
+}
 
 // onGPU are the arguments that put the first n layers, and their KV, on
 // CUDA0.
@@ -56,22 +59,24 @@ func TestGPUKV(t *testing.T) {
 		// mixed placement, saved by one process and restored by another.
 		a := start("gpu-partial-a", onGPU(model, "1"))
 		defer a.Stop()
-		a.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict})
 		b := start("gpu-partial-b", onGPU(model, "1"))
 		defer b.Stop()
-		waitMirrored(t, b.URL, 2*shared/block)
+		waitMirrored(t, b.URL, shared/block)
+		mirrored := mirroredBlocks(t, b.URL)
+		saved := a.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: nPredict}).MCB.SavedBlocks
+		waitMirrored(t, b.URL, mirrored+saved) // none new where a's KV is the holder's
 		got := b.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
 		assert.Equal(t, []any{"restore", shared}, []any{got.MCB.Decision, got.MCB.RestoredN},
-			"restores what the other partial-offload process computed: %+v", got.MCB)
+			"restores what a partial-offload process computed: %+v", got.MCB)
 		assert.Equal(t, stockAnswer(t, onGPU(model, "1"), promptB, shared), got.Tokens, "answers as stock")
 	})
 
-	t.Run("host KV is another swarm", func(t *testing.T) {
+	t.Run("host KV", func(t *testing.T) {
 		s := start("host", serverArgs(model, "on", false))
 		defer s.Stop()
 		waitMirrored(t, s.URL, shared/block)
 		got := s.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
-		assert.Zero(t, got.MCB.RestoredN, "a host-KV server takes none of a GPU's KV: %+v", got.MCB)
+		t.Logf("a host-KV server asking for the GPU's prefix: %s, %d tokens restored", got.MCB.Decision, got.MCB.RestoredN)
 		assert.Equal(t, stockAnswer(t, serverArgs(model, "on", false), promptB, got.Timings.CacheN), got.Tokens, "answers as stock")
 	})
 
@@ -95,7 +100,7 @@ func TestGPUKV(t *testing.T) {
 		s := start("gpu-faults", onGPU(model, "99"), "MOCK_TE_VM_EPERM=1")
 		defer s.Stop()
 		waitMirrored(t, s.URL, shared/block)
-		mirrored := int(testenv.Metrics(t, s.URL+"/metrics")["mcbridge_mirrored_blocks"])
+		mirrored := mirroredBlocks(t, s.URL)
 		for _, p := range prefixes {
 			holder.Complete(t, testenv.Request{Prompt: testenv.Cat(p, testenv.Tokens(50, 7, 9)), Slot: 0, NPredict: 1})
 		}
@@ -112,9 +117,11 @@ func TestGPUKV(t *testing.T) {
 		assert.Equal(t, stockAnswer(t, onGPU(model, "99"), testenv.Cat(prefixes[0], testenv.Tokens(60, 11, 13)), got.Timings.CacheN),
 			got.Tokens, "holder stopped: computes and answers as stock")
 
+		// The stopped holder's miss marked it down in s's mirror, so s may
+		// not even try it now ("miss"); either way nothing is restored.
 		holder.Kill()
 		got = ask(prefixes[1])
-		assert.Equal(t, []any{"failed", 0}, []any{got.MCB.Decision, got.MCB.RestoredN}, "holder killed: %+v", got.MCB)
+		assert.Zero(t, got.MCB.RestoredN, "holder killed: %+v", got.MCB)
 		assert.Equal(t, stockAnswer(t, onGPU(model, "99"), testenv.Cat(prefixes[1], testenv.Tokens(60, 11, 13)), got.Timings.CacheN),
 			got.Tokens, "holder killed: computes and answers as stock")
 	})
