@@ -1,0 +1,341 @@
+package e2e
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
+	"github.com/mcbridge/mcbridge/internal/gguf"
+	"github.com/mcbridge/mcbridge/internal/llamastate"
+	"github.com/mcbridge/mcbridge/internal/testenv"
+)
+
+// The models of test-llama-archs have a vocabulary of 128 test tokens
+// (none special) and were trained for 256 positions, to which
+// llama-server caps a slot's context: archArgs raises the training
+// context, the same for every server of a comparison.
+const archVocab = 128
+
+// archArgs are the llama-server arguments of every server of model's
+// comparison: ServerArgs and a training context of 4096.
+func archArgs(t *testing.T, model string, extra []string) []string {
+	f, err := os.Open(model)
+	require.NoError(t, err)
+	defer f.Close()
+	g, err := gguf.Read(f)
+	require.NoError(t, err, "%s", model)
+	v, ok := g.Lookup("general.architecture")
+	require.True(t, ok, "%s has no general.architecture", model)
+	arch, _ := v.Str()
+	args := append(testenv.ServerArgs(model, 4096, 2, "on"), "--override-kv", arch+".context_length=int:4096")
+	return append(args, extra...)
+}
+
+// archTokens is n token ids of the test vocabulary, varied by mul and off.
+func archTokens(n, mul, off int) []int32 {
+	t := make([]int32, n)
+	for i := range t {
+		t[i] = int32((i*mul + off) % archVocab)
+	}
+	return t
+}
+
+// The prompts of every architecture: 1024 shared tokens (16 blocks), then
+// 40 of the holder's own or 48 of the asker's.
+var (
+	archPrefix = archTokens(1024, 7, 3)
+	archShared = len(archPrefix) / block * block
+	archA      = testenv.Cat(archPrefix, archTokens(40, 11, 5))
+	archB      = testenv.Cat(archPrefix, archTokens(48, 13, 9))
+)
+
+// representatives are the models `make test` runs, one of each memory kind
+// and cache shape the bridge serves (docs/models.md): each must restore.
+// Kinds the bridge does not serve yet are not here; `make test-models`
+// runs every architecture and its table says "off" for them.
+var representatives = []archRun{
+	{model: "llama-dense"},  // plain attention
+	{model: "qwen3-dense"},  // MQA (one KV head)
+	{model: "qwen3moe-moe"}, // MoE
+	{model: "llama-dense", args: []string{"-ctk", "q8_0", "-ctv", "q8_0"}}, // quantized KV
+}
+
+// archExceptions are the models no prefix reuse can serve, with the
+// reason: they are not run, and docs/models.md lists them.
+var archExceptions = map[string]string{}
+
+// archRun is one model and the llama-server arguments of its run beyond
+// ServerArgs'.
+type archRun struct {
+	model string
+	args  []string
+}
+
+func (r archRun) name() string {
+	if len(r.args) == 0 {
+		return r.model
+	}
+	return r.model + " " + strings.Join(r.args, " ")
+}
+
+// archRow is a line of docs/models.md.
+type archRow struct {
+	run              archRun
+	kind             string
+	patched, proxied string
+}
+
+// Every architecture test-llama-archs writes (MCB_MODELS_ALL=1, `make
+// test-models`) or the representatives: a patched holder computes prefix+A
+// and a second patched process, through etcd and the Transfer Engine,
+// asks for prefix+B; a proxy in front of a stock server does the same
+// for another proxy's server. Where the bridge serves the model, the
+// asker restores the shared blocks, byte for byte the holder's KV, and
+// answers as a stock server in the same cache state; where the patched
+// server turns the bridge off, the test records why and checks that the
+// answers are still stock's. MCB_MODELS_TABLE=FILE writes the table of the
+// run there (docs/models.md).
+func TestModels(t *testing.T) {
+	dir := testenv.ArchModels(t)
+	runs := representatives
+	all := os.Getenv("MCB_MODELS_ALL") == "1"
+	if all {
+		files, err := filepath.Glob(filepath.Join(dir, "*.gguf"))
+		require.NoError(t, err)
+		require.NotEmpty(t, files, "no models in %s", dir)
+		runs = nil
+		for _, f := range files {
+			runs = append(runs, archRun{model: strings.TrimSuffix(filepath.Base(f), ".gguf")})
+		}
+	}
+	etcd := etcdtest.Start(t)
+	var rows []archRow
+	for i, r := range runs {
+		row := archRow{run: r}
+		if why, ok := archExceptions[r.model]; ok {
+			row.patched, row.proxied = "exception: "+why, "exception: "+why
+			rows = append(rows, row)
+			continue
+		}
+		t.Run(r.name(), func(t *testing.T) {
+			row = runArch(t, etcd.Endpoint(), fmt.Sprintf("/models/%d", i), filepath.Join(dir, r.model+".gguf"), r, !all)
+		})
+		rows = append(rows, row)
+	}
+	if out := os.Getenv("MCB_MODELS_TABLE"); out != "" {
+		require.NoError(t, os.WriteFile(out, []byte(modelsTable(rows)), 0o644))
+	}
+}
+
+// runArch runs one model through both hosts; must says that both must
+// restore (a representative).
+func runArch(t *testing.T, etcd, prefix, model string, r archRun, must bool) archRow {
+	row := archRow{run: r, patched: "(failed)", proxied: "(failed)"}
+	args := archArgs(t, model, r.args)
+	ref := testenv.StartLlama(t, "stock", testenv.StockServer(t), args)
+	row.kind = memoryKind(t, ref.Log)
+	reqA := testenv.Request{Prompt: archA, Slot: 0, NPredict: nPredict}
+	reqB := testenv.Request{Prompt: archB, Slot: 0, NPredict: nPredict}
+	// Stock's answers to prefix+B, by the tokens it holds: both hosts'
+	// answers usually come from the same state.
+	stock := map[int][]int32{}
+	stockFrom := func(k int) []int32 {
+		if _, ok := stock[k]; !ok {
+			stock[k] = testenv.StockFrom(t, ref.URL, reqB, k).Tokens
+		}
+		return stock[k]
+	}
+
+	// The patched server.
+	cfg := fmt.Sprintf(`{"block_tokens": %d, "arbiter": {"policy": "always-restore"}, "directory": {"kind": "etcd", "endpoints": [%q], "prefix": %q}, "transport": {"kind": "mooncake", "lib": %q}}`,
+		block, etcd, prefix+"/patched", mockTE)
+	slots := testenv.SlotDir(t, "patched")
+	patchedArgs := append(slices.Clone(args), "--mcb-config", cfg, "--slot-save-path", slots)
+	x := testenv.StartLlama(t, "x", testenv.PatchedServer(t), patchedArgs)
+	y := testenv.StartLlama(t, "y", testenv.PatchedServer(t), patchedArgs)
+	on := x.BridgeState()
+	x.Complete(t, reqA)
+	if on == "on" {
+		waitMirrored(t, y.URL, archShared/block)
+	}
+	got := y.Complete(t, reqB)
+	asStock := assert.Equal(t, stockFrom(got.Timings.CacheN), got.Tokens,
+		"the patched server answers as stock (cache_n %d): %+v", got.Timings.CacheN, got.MCB)
+	switch {
+	case on != "on":
+		row.patched = "off: " + on
+		assert.Zero(t, got.MCB.RestoredN, "the bridge is off: %+v", got.MCB)
+		assert.False(t, must, "a representative the patched server does not serve: %s", on)
+	case got.MCB.RestoredN != archShared:
+		row.patched = fmt.Sprintf("on, restored %d of %d: %s %s", got.MCB.RestoredN, archShared, got.MCB.Decision, got.MCB.Error)
+		t.Errorf("the bridge is on and did not restore the shared blocks: %+v", got.MCB)
+	default:
+		same := samePrefixKV(t, slots, x, y, archShared)
+		row.patched = fmt.Sprintf("restored %d, byte-identical: %v", archShared, same)
+	}
+	if asStock {
+		row.patched += ", answers as stock"
+	} else {
+		row.patched += ", answers differ from stock"
+	}
+	x.Stop()
+	y.Stop()
+
+	// The proxy in front of stock servers.
+	pcfg := proxyConfig(etcd, mockTE, prefix+"/proxy")
+	var proxies [2]*testenv.Proxy
+	for i := range proxies {
+		dir := testenv.SlotDir(t, fmt.Sprint("s", i))
+		s := testenv.StartLlama(t, fmt.Sprint("s", i), testenv.StockServer(t), append(slices.Clone(args), "--slot-save-path", dir))
+		proxies[i] = testenv.StartProxy(t, fmt.Sprint("p", i), s.URL, dir, pcfg)
+	}
+	testenv.Complete(t, proxies[0].URL, testenv.Request{Prompt: archA, Slot: -1, NPredict: nPredict})
+	st := proxies[1].State(t)
+	if st["bridge"] == true {
+		testenv.Eventually(t, defaultWait, func() bool {
+			return proxies[1].State(t)["mirrored_blocks"].(float64) >= float64(archShared/block)
+		}, "the asker's proxy never mirrored the holder's blocks (holder: %v)", testenv.JSON(proxies[0].State(t)))
+	}
+	got = testenv.Complete(t, proxies[1].URL, testenv.Request{Prompt: archB, Slot: -1, NPredict: nPredict})
+	asStock = assert.Equal(t, stockFrom(got.Timings.CacheN), got.Tokens,
+		"the proxy answers as stock (cache_n %d)", got.Timings.CacheN)
+	switch {
+	case st["bridge"] != true:
+		row.proxied = fmt.Sprintf("off: %v", st["bridge_off"])
+	case got.MCB.RestoredN == archShared:
+		row.proxied = fmt.Sprintf("restored %d", archShared)
+	default:
+		row.proxied = fmt.Sprintf("restored %d of %d (holder: %s)", got.MCB.RestoredN, archShared, proxyWhy(t, proxies[0]))
+	}
+	if must {
+		assert.Equal(t, archShared, got.MCB.RestoredN, "a representative: the proxy restores the shared blocks: %s", row.proxied)
+	}
+	if asStock {
+		row.proxied += ", answers as stock"
+	} else {
+		row.proxied += ", answers differ from stock"
+	}
+	return row
+}
+
+// proxyWhy is what a proxy says about its last publish: its state, and
+// its log's last line about a save or a publish.
+func proxyWhy(t *testing.T, p *testenv.Proxy) string {
+	st := p.State(t)
+	why := fmt.Sprintf("publishing %v", st["publishing"])
+	if off, ok := st["publish_off"]; ok {
+		why += ": " + fmt.Sprint(off)
+	}
+	b, _ := os.ReadFile(p.Log)
+	for _, l := range strings.Split(string(b), "\n") {
+		if strings.Contains(l, "publish failed") || strings.Contains(l, "save failed") {
+			if _, err, ok := strings.Cut(l, "err="); ok {
+				why = strings.Trim(err, `"`)
+			}
+		}
+	}
+	return why
+}
+
+// samePrefixKV saves slot 0 of x and of y (into their slot directory
+// slots) and checks that their first n positions are the same bytes:
+// cells, cell extensions, K and V.
+func samePrefixKV(t *testing.T, slots string, x, y *testenv.Llama, n int) bool {
+	var prefixes [2][]byte
+	for i, s := range []*testenv.Llama{x, y} {
+		name := fmt.Sprintf("prefix-%d.bin", i)
+		testenv.Post(t, s.URL+"/slots/0?action=save", map[string]any{"filename": name}, nil)
+		path := filepath.Join(slots, name)
+		b, err := os.ReadFile(path)
+		require.NoError(t, err)
+		st, err := llamastate.Parse(b)
+		require.NoError(t, err, "slot file %s", path)
+		sl, err := st.Slice(n)
+		require.NoError(t, err, "positions [0, %d) of %s", n, path)
+		prefixes[i], err = sl.Build()
+		require.NoError(t, err)
+	}
+	return assert.True(t, slices.Equal(prefixes[0], prefixes[1]), "the restored prefix is the holder's KV, byte for byte")
+}
+
+var (
+	ropeType  = regexp.MustCompile(`rope type\s+= (-?\d+)`)
+	headCount = regexp.MustCompile(`n_head\s+= (.*)`)
+	kvHeads   = regexp.MustCompile(`n_head_kv\s+= (.*)`)
+	experts   = regexp.MustCompile(`n_expert\s+= (\d+)`)
+)
+
+// memoryKind names a model's memory and cache shape from what a stock
+// llama-server logs loading it (llama-model.cpp print_info, the caches'
+// constructors).
+func memoryKind(t *testing.T, logPath string) string {
+	b, err := os.ReadFile(logPath)
+	require.NoError(t, err)
+	log := string(b)
+	attn := strings.Contains(log, "llama_kv_cache: size =")
+	var kind []string
+	switch {
+	case strings.Contains(log, "llama_memory_recurrent") && attn:
+		kind = append(kind, "hybrid")
+	case strings.Contains(log, "llama_memory_recurrent"):
+		kind = append(kind, "recurrent")
+	}
+	if strings.Contains(log, "creating     SWA KV cache") {
+		kind = append(kind, "sliding-window")
+	}
+	if strings.Contains(log, "n_lora_kv") {
+		kind = append(kind, "MLA")
+	}
+	if m := ropeType.FindStringSubmatch(log); m != nil {
+		// GGML_ROPE_TYPE_MROPE, _VISION, _IMROPE
+		if v, _ := strconv.Atoi(m[1]); v == 8 || v == 24 || v == 40 {
+			kind = append(kind, "M-RoPE")
+		}
+	}
+	if strings.Contains(log, "causal attn           = 0") {
+		kind = append(kind, "non-causal")
+	}
+	if h, kv := headCount.FindStringSubmatch(log), kvHeads.FindStringSubmatch(log); h != nil && kv != nil && h[1] != kv[1] && attn {
+		kind = append(kind, "GQA/MQA")
+	}
+	if len(kind) == 0 {
+		kind = append(kind, "plain")
+	}
+	if m := experts.FindStringSubmatch(log); m != nil && m[1] != "0" {
+		kind = append(kind, "MoE")
+	}
+	return strings.Join(kind, ", ")
+}
+
+// modelsTable is docs/models.md for a run.
+func modelsTable(rows []archRow) string {
+	var b strings.Builder
+	b.WriteString(`# Every architecture
+
+Written by ` + "`make test-models`" + ` (tests/e2e, TestModels): the random-weight model of
+every architecture that the pinned llama.cpp's tests/test-llama-archs.cpp writes
+(` + "`test-llama-archs -s 42 -o DIR`" + `, scripts/llama/archs.sh), with token prompts of
+1024 shared and 40 or 48 own tokens. "patched server": a holder computes prefix+A,
+a second patched process asks for prefix+B through etcd and the mock Transfer Engine.
+"proxy": the same through two ` + "`mcbridge proxy`" + ` processes in front of stock servers.
+Every answer is compared with a stock server's in the same cache state. "off" is
+what the patched server logs (` + "`mcbridge: off: <why>`" + `) or the proxy's state says.
+` + "`make test`" + ` runs the representatives of tests/e2e/models_test.go.
+
+| model | memory kind | patched server | proxy |
+|---|---|---|---|
+`)
+	for _, r := range rows {
+		fmt.Fprintf(&b, "| %s | %s | %s | %s |\n", r.run.name(), r.kind, r.patched, r.proxied)
+	}
+	return b.String()
+}
