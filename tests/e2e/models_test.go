@@ -63,9 +63,10 @@ var (
 // Kinds the bridge does not serve yet are not here; `make test-models`
 // runs every architecture and its table says "off" for them.
 var representatives = []archRun{
-	{model: "llama-dense"},  // plain attention
-	{model: "qwen3-dense"},  // MQA (one KV head)
-	{model: "qwen3moe-moe"}, // MoE
+	{model: "llama-dense"},   // plain attention
+	{model: "qwen3-dense"},   // MQA (one KV head)
+	{model: "qwen3moe-moe"},  // MoE
+	{model: "qwen3vl-dense"}, // M-RoPE: cells carry a 2-D position and the token
 	{model: "llama-dense", args: []string{"-ctk", "q8_0", "-ctv", "q8_0"}}, // quantized KV
 }
 
@@ -141,7 +142,8 @@ func TestModels(t *testing.T) {
 func runArch(t *testing.T, etcd, prefix, model string, r archRun, must bool) archRow {
 	row := archRow{run: r, patched: "(failed)", proxied: "(failed)"}
 	args := archArgs(t, model, r.args)
-	ref := testenv.StartLlama(t, "stock", testenv.StockServer(t), args)
+	// -lv 4: llama.cpp's loading log, which memoryKind reads; it changes no answer.
+	ref := testenv.StartLlama(t, "stock", testenv.StockServer(t), append(slices.Clone(args), "-lv", "4"))
 	row.kind = memoryKind(t, ref.Log)
 	reqA := testenv.Request{Prompt: archA, Slot: 0, NPredict: nPredict}
 	reqB := testenv.Request{Prompt: archB, Slot: 0, NPredict: nPredict}
@@ -224,6 +226,7 @@ func runArch(t *testing.T, etcd, prefix, model string, r archRun, must bool) arc
 	} else {
 		row.proxied += ", answers differ from stock"
 	}
+	t.Logf("%s: patched server: %s; proxy: %s", row.kind, row.patched, row.proxied)
 	return row
 }
 
@@ -296,8 +299,8 @@ func memoryKind(t *testing.T, logPath string) string {
 		kind = append(kind, "MLA")
 	}
 	if m := ropeType.FindStringSubmatch(log); m != nil {
-		// GGML_ROPE_TYPE_MROPE, _VISION, _IMROPE
-		if v, _ := strconv.Atoi(m[1]); v == 8 || v == 24 || v == 40 {
+		// GGML_ROPE_TYPE_MROPE, _IMROPE: the cells carry 2-D positions
+		if v, _ := strconv.Atoi(m[1]); v == 8 || v == 40 {
 			kind = append(kind, "M-RoPE")
 		}
 	}
