@@ -128,7 +128,7 @@ func TestModels(t *testing.T) {
 			continue
 		}
 		t.Run(r.name(), func(t *testing.T) {
-			row = runArch(t, etcd.Endpoint(), fmt.Sprintf("/models/%d", i), filepath.Join(dir, r.model+".gguf"), r, !all)
+			runArch(t, etcd.Endpoint(), fmt.Sprintf("/models/%d", i), filepath.Join(dir, r.model+".gguf"), &row, !all)
 		})
 		rows = append(rows, row)
 	}
@@ -137,10 +137,12 @@ func TestModels(t *testing.T) {
 	}
 }
 
-// runArch runs one model through both hosts; must says that both must
-// restore (a representative).
-func runArch(t *testing.T, etcd, prefix, model string, r archRun, must bool) archRow {
-	row := archRow{run: r, patched: "(failed)", proxied: "(failed)"}
+// runArch runs one model through both hosts and fills in row as it goes,
+// so that a test that stops half-way leaves what it found; must says that
+// both hosts must restore (a representative).
+func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) {
+	r := row.run
+	row.kind, row.patched, row.proxied = "?", "(not reached)", "(not reached)"
 	args := archArgs(t, model, r.args)
 	// -lv 4: llama.cpp's loading log, which memoryKind reads; it changes no answer.
 	ref := testenv.StartLlama(t, "stock", testenv.StockServer(t), append(slices.Clone(args), "-lv", "4"))
@@ -227,7 +229,6 @@ func runArch(t *testing.T, etcd, prefix, model string, r archRun, must bool) arc
 		row.proxied += ", answers differ from stock"
 	}
 	t.Logf("%s: patched server: %s; proxy: %s", row.kind, row.patched, row.proxied)
-	return row
 }
 
 // proxyWhy is what a proxy says about its last publish: its state, and
