@@ -21,13 +21,26 @@ import (
 
 // The models of test-llama-archs have a vocabulary of 128 test tokens
 // (none special) and were trained for 256 positions, to which
-// llama-server caps a slot's context: archArgs raises the training
-// context, the same for every server of a comparison.
-const archVocab = 128
+// llama-server caps a slot's context.
+const (
+	archVocab    = 128
+	archCtxTrain = 256
+)
 
-// archArgs are the llama-server arguments of every server of model's
-// comparison: ServerArgs and a training context of 4096.
-func archArgs(t *testing.T, model string, extra []string) []string {
+// archSetup is what every server of a model's comparison runs with, and
+// the prompts: shared tokens, then the holder's own 40 (A) or the asker's
+// 48 (B).
+type archSetup struct {
+	args             []string
+	shared           int
+	promptA, promptB []int32
+}
+
+// setupArch raises the training context to 4096 for the 1024 shared
+// tokens (16 blocks) of the comparison, except for a model with a learned
+// position table (GPT-2 and its kind), which has rows for 256 positions
+// only: it gets 192 shared tokens (3 blocks), the most that fit.
+func setupArch(t *testing.T, model string, extra []string) archSetup {
 	f, err := os.Open(model)
 	require.NoError(t, err)
 	defer f.Close()
@@ -36,8 +49,17 @@ func archArgs(t *testing.T, model string, extra []string) []string {
 	v, ok := g.Lookup("general.architecture")
 	require.True(t, ok, "%s has no general.architecture", model)
 	arch, _ := v.Str()
-	args := append(testenv.ServerArgs(model, 4096, 2, "on"), "--override-kv", arch+".context_length=int:4096")
-	return append(args, extra...)
+	su := archSetup{args: testenv.ServerArgs(model, 4096, 2, "on"), shared: 1024}
+	if slices.ContainsFunc(g.Tensors, func(ti gguf.TensorInfo) bool { return ti.Name == "position_embd.weight" }) {
+		su.shared = (archCtxTrain - 48) / block * block
+	} else {
+		su.args = append(su.args, "--override-kv", arch+".context_length=int:4096")
+	}
+	su.args = append(su.args, extra...)
+	prefix := archTokens(su.shared, 7, 3)
+	su.promptA = testenv.Cat(prefix, archTokens(40, 11, 5))
+	su.promptB = testenv.Cat(prefix, archTokens(48, 13, 9))
+	return su
 }
 
 // archTokens is n token ids of the test vocabulary, varied by mul and off.
@@ -48,15 +70,6 @@ func archTokens(n, mul, off int) []int32 {
 	}
 	return t
 }
-
-// The prompts of every architecture: 1024 shared tokens (16 blocks), then
-// 40 of the holder's own or 48 of the asker's.
-var (
-	archPrefix = archTokens(1024, 7, 3)
-	archShared = len(archPrefix) / block * block
-	archA      = testenv.Cat(archPrefix, archTokens(40, 11, 5))
-	archB      = testenv.Cat(archPrefix, archTokens(48, 13, 9))
-)
 
 // representatives are the models `make test` runs, one of each memory kind
 // and cache shape the bridge serves (docs/models.md): each must restore.
@@ -70,9 +83,29 @@ var representatives = []archRun{
 	{model: "llama-dense", args: []string{"-ctk", "q8_0", "-ctv", "q8_0"}}, // quantized KV
 }
 
-// archExceptions are the models no prefix reuse can serve, with the
-// reason: they are not run, and docs/models.md lists them.
-var archExceptions = map[string]string{}
+// archException is a model no prefix reuse can serve: why, and what stock
+// llama-server answers a completion of a token prompt with.
+type archException struct {
+	why, stockSays string
+}
+
+// archExceptions are the models no prefix reuse can serve. Their run only
+// checks that stock still answers them so: one that stock comes to serve
+// leaves the list.
+var archExceptions = map[string]archException{
+	"dream-dense":   diffusion,
+	"llada-dense":   diffusion,
+	"llada-moe-moe": diffusion,
+	"rnd1-moe":      diffusion,
+}
+
+// diffusion models denoise a whole sequence in steps with non-causal
+// attention: no prefix of it has KV of its own, and llama-server's
+// completion does not run them (llama-diffusion-cli does).
+var diffusion = archException{
+	why:       "diffusion model (non-causal, denoised in steps): no prefix has KV of its own",
+	stockSays: "the current context does not logits computation",
+}
 
 // archRun is one model and the llama-server arguments of its run beyond
 // ServerArgs'.
@@ -122,13 +155,23 @@ func TestModels(t *testing.T) {
 	var rows []archRow
 	for i, r := range runs {
 		row := archRow{run: r}
-		if why, ok := archExceptions[r.model]; ok {
-			row.patched, row.proxied = "exception: "+why, "exception: "+why
+		model := filepath.Join(dir, r.model+".gguf")
+		if ex, ok := archExceptions[r.model]; ok {
+			t.Run(r.name(), func(t *testing.T) {
+				row.patched = "exception: " + ex.why
+				row.proxied = "exception: stock answers " + strconv.Quote(ex.stockSays)
+				su := setupArch(t, model, r.args)
+				stock := testenv.StartLlama(t, "stock", testenv.StockServer(t), append(su.args, "-lv", "4"))
+				row.kind = memoryKind(t, stock.Log)
+				code, body := testenv.PostRaw(t, stock.URL+"/completion", testenv.Request{Prompt: su.promptA, Slot: 0, NPredict: nPredict}.Body())
+				assert.NotEqual(t, 200, code, "stock serves %s now: %s", r.model, body)
+				assert.Contains(t, string(body), ex.stockSays)
+			})
 			rows = append(rows, row)
 			continue
 		}
 		t.Run(r.name(), func(t *testing.T) {
-			runArch(t, etcd.Endpoint(), fmt.Sprintf("/models/%d", i), filepath.Join(dir, r.model+".gguf"), &row, !all)
+			runArch(t, etcd.Endpoint(), fmt.Sprintf("/models/%d", i), model, &row, !all)
 		})
 		rows = append(rows, row)
 	}
@@ -143,12 +186,13 @@ func TestModels(t *testing.T) {
 func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) {
 	r := row.run
 	row.kind, row.patched, row.proxied = "?", "(not reached)", "(not reached)"
-	args := archArgs(t, model, r.args)
+	su := setupArch(t, model, r.args)
+	args, shared := su.args, su.shared
 	// -lv 4: llama.cpp's loading log, which memoryKind reads; it changes no answer.
 	ref := testenv.StartLlama(t, "stock", testenv.StockServer(t), append(slices.Clone(args), "-lv", "4"))
 	row.kind = memoryKind(t, ref.Log)
-	reqA := testenv.Request{Prompt: archA, Slot: 0, NPredict: nPredict}
-	reqB := testenv.Request{Prompt: archB, Slot: 0, NPredict: nPredict}
+	reqA := testenv.Request{Prompt: su.promptA, Slot: 0, NPredict: nPredict}
+	reqB := testenv.Request{Prompt: su.promptB, Slot: 0, NPredict: nPredict}
 	// Stock's answers to prefix+B, by the tokens it holds: both hosts'
 	// answers usually come from the same state.
 	stock := map[int][]int32{}
@@ -169,7 +213,7 @@ func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) 
 	on := x.BridgeState()
 	x.Complete(t, reqA)
 	if on == "on" {
-		waitMirrored(t, y.URL, archShared/block)
+		waitMirrored(t, y.URL, shared/block)
 	}
 	got := y.Complete(t, reqB)
 	asStock := assert.Equal(t, stockFrom(got.Timings.CacheN), got.Tokens,
@@ -179,12 +223,12 @@ func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) 
 		row.patched = "off: " + on
 		assert.Zero(t, got.MCB.RestoredN, "the bridge is off: %+v", got.MCB)
 		assert.False(t, must, "a representative the patched server does not serve: %s", on)
-	case got.MCB.RestoredN != archShared:
-		row.patched = fmt.Sprintf("on, restored %d of %d: %s %s", got.MCB.RestoredN, archShared, got.MCB.Decision, got.MCB.Error)
+	case got.MCB.RestoredN != shared:
+		row.patched = fmt.Sprintf("on, restored %d of %d: %s %s", got.MCB.RestoredN, shared, got.MCB.Decision, got.MCB.Error)
 		t.Errorf("the bridge is on and did not restore the shared blocks: %+v", got.MCB)
 	default:
-		same := samePrefixKV(t, slots, x, y, archShared)
-		row.patched = fmt.Sprintf("restored %d, byte-identical: %v", archShared, same)
+		same := samePrefixKV(t, slots, x, y, shared)
+		row.patched = fmt.Sprintf("restored %d, byte-identical: %v", shared, same)
 	}
 	if asStock {
 		row.patched += ", answers as stock"
@@ -202,26 +246,26 @@ func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) 
 		s := testenv.StartLlama(t, fmt.Sprint("s", i), testenv.StockServer(t), append(slices.Clone(args), "--slot-save-path", dir))
 		proxies[i] = testenv.StartProxy(t, fmt.Sprint("p", i), s.URL, dir, pcfg)
 	}
-	testenv.Complete(t, proxies[0].URL, testenv.Request{Prompt: archA, Slot: -1, NPredict: nPredict})
+	testenv.Complete(t, proxies[0].URL, testenv.Request{Prompt: su.promptA, Slot: -1, NPredict: nPredict})
 	st := proxies[1].State(t)
 	if st["bridge"] == true {
 		testenv.Eventually(t, defaultWait, func() bool {
-			return proxies[1].State(t)["mirrored_blocks"].(float64) >= float64(archShared/block)
+			return proxies[1].State(t)["mirrored_blocks"].(float64) >= float64(shared/block)
 		}, "the asker's proxy never mirrored the holder's blocks (holder: %v)", testenv.JSON(proxies[0].State(t)))
 	}
-	got = testenv.Complete(t, proxies[1].URL, testenv.Request{Prompt: archB, Slot: -1, NPredict: nPredict})
+	got = testenv.Complete(t, proxies[1].URL, testenv.Request{Prompt: su.promptB, Slot: -1, NPredict: nPredict})
 	asStock = assert.Equal(t, stockFrom(got.Timings.CacheN), got.Tokens,
 		"the proxy answers as stock (cache_n %d)", got.Timings.CacheN)
 	switch {
 	case st["bridge"] != true:
 		row.proxied = fmt.Sprintf("off: %v", st["bridge_off"])
-	case got.MCB.RestoredN == archShared:
-		row.proxied = fmt.Sprintf("restored %d", archShared)
+	case got.MCB.RestoredN == shared:
+		row.proxied = fmt.Sprintf("restored %d", shared)
 	default:
-		row.proxied = fmt.Sprintf("restored %d of %d (holder: %s)", got.MCB.RestoredN, archShared, proxyWhy(t, proxies[0]))
+		row.proxied = fmt.Sprintf("restored %d of %d (holder: %s)", got.MCB.RestoredN, shared, proxyWhy(t, proxies[0]))
 	}
 	if must {
-		assert.Equal(t, archShared, got.MCB.RestoredN, "a representative: the proxy restores the shared blocks: %s", row.proxied)
+		assert.Equal(t, shared, got.MCB.RestoredN, "a representative: the proxy restores the shared blocks: %s", row.proxied)
 	}
 	if asStock {
 		row.proxied += ", answers as stock"
@@ -328,7 +372,8 @@ func modelsTable(rows []archRow) string {
 Written by ` + "`make test-models`" + ` (tests/e2e, TestModels): the random-weight model of
 every architecture that the pinned llama.cpp's tests/test-llama-archs.cpp writes
 (` + "`test-llama-archs -s 42 -o DIR`" + `, scripts/llama/archs.sh), with token prompts of
-1024 shared and 40 or 48 own tokens. "patched server": a holder computes prefix+A,
+1024 shared (192 for a model with a learned position table of 256 rows) and 40 or 48
+own tokens. "patched server": a holder computes prefix+A,
 a second patched process asks for prefix+B through etcd and the mock Transfer Engine.
 "proxy": the same through two ` + "`mcbridge proxy`" + ` processes in front of stock servers.
 Every answer is compared with a stock server's in the same cache state. "off" is
