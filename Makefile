@@ -14,7 +14,7 @@ export MCB_TE_MOCK_LIB := $(abspath $(BUILD))/libmooncake_te_mock.so
 # The end-to-end environment scripts/deps.sh writes.
 E2E := . $(abspath $(BUILD))/e2e.env &&
 
-.PHONY: all bootstrap configure deps test test-go test-cgocheck test-c test-bench test-llama-suite demo fuzz bench-report clean
+.PHONY: all bootstrap configure deps test test-go test-cgocheck test-c test-bench test-llama-suite test-models demo fuzz bench-report clean
 
 all: configure
 	cmake --build $(BUILD) -j$$(nproc)
@@ -56,6 +56,11 @@ test-bench:
 LLAMA_SUITE_TIMEOUT ?= 30m
 test-llama-suite: deps
 	$(E2E) $(GO) test -tags llamasuite -count=1 -v -timeout $(LLAMA_SUITE_TIMEOUT) -run '^TestLlamaServerSuite$$' ./tests/llamasuite/
+
+# Every architecture test-llama-archs writes through the patched server and the proxy
+# (tests/e2e TestModels; test-go runs its representatives), and its table, docs/models.md.
+test-models: deps
+	$(E2E) MCB_MODELS_ALL=1 MCB_MODELS_TABLE=$(abspath docs/models.md) $(GO) test -count=1 -v -timeout 3h -run '^TestModels$$' ./tests/e2e/
 
 # The swarm demo is a Go test behind the build tag "demo" (demo/demo_test.go),
 # so that test-go leaves it out.

@@ -5,6 +5,9 @@
 #
 #   MCB_LLAMA_SRC                                      scripts/llama/fetch.sh: the pinned tree
 #   MCB_LLAMA_SERVER_STOCK, MCB_LLAMA_SERVER_PATCHED   scripts/llama/build.sh
+#   MCB_LLAMA_ARCHS                                    scripts/llama/archs.sh: the folder of
+#                                                      test-llama-archs' model of every
+#                                                      architecture
 #   MCB_GGML_RPC_SERVER                                ggml's RPC server, next to the stock
 #                                                      llama-server: the device-KV tests' device
 #   MCB_TE_REAL_LIB                                    scripts/mooncake/build.sh te
@@ -42,6 +45,8 @@ llama_patched() {
 	patched=$(last "$repo/scripts/llama/build.sh" patched)
 	cmake --build "$(dirname "$(dirname "$patched")")" --target llama-mcbridge-test -j "$(nproc)" >/dev/null
 }
+archs=
+llama_archs() { archs=$(last "$repo/scripts/llama/archs.sh"); }
 mooncake_te() { te=$(last "$repo/scripts/mooncake/build.sh" te)/install/lib/libtransfer_engine.so; }
 store=
 mooncake_store() { store=$(JOBS=2 last "$repo/scripts/mooncake/build.sh" store)/out; }
@@ -56,6 +61,7 @@ libllama() {
 
 step "llama-server (stock)" llama_stock
 step "llama-server (patched)" llama_patched
+step "llama.cpp test models" llama_archs
 step "Ollama" ollama_build
 step "Mooncake Transfer Engine" mooncake_te
 step "Mooncake Store" mooncake_store
@@ -65,6 +71,7 @@ cat >"$build/e2e.env" <<ENV
 export MCB_LLAMA_SRC=$("$repo/scripts/llama/fetch.sh" | tail -n 1)
 export MCB_LLAMA_SERVER_STOCK=$stock
 export MCB_LLAMA_SERVER_PATCHED=$patched
+export MCB_LLAMA_ARCHS=$archs
 export MCB_GGML_RPC_SERVER=$(dirname "$stock")/ggml-rpc-server
 export MCB_TE_REAL_LIB=$te
 export MCB_MOONCAKE_STORE_DIR=$store

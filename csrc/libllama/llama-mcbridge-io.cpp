@@ -48,6 +48,20 @@ std::vector<cell_run> runs_of(const std::vector<uint32_t> & cells) {
     return runs;
 }
 
+// The extension a text token of prompt position pos gives its cell, in a cache whose
+// cells carry one (M-RoPE, per-layer embeddings: llama_kv_cache::has_cell_ext).
+llama_kv_cell_ext text_cell_ext(const llama_hparams & hp, llama_pos pos, llama_token tok) {
+    llama_kv_cell_ext ext;
+    // apply_ubatch: a text ubatch broadcasts each token's position to every M-RoPE
+    // section, and the cell keeps the spatial ones (llama_ubatch::is_pos_2d).
+    if (hp.n_pos_per_embd() >= 3) {
+        ext.x = pos;
+        ext.y = pos;
+    }
+    ext.tok = tok;
+    return ext;
+}
+
 } // namespace
 
 std::vector<uint32_t> seq_cells(const llama_kv_cache * kv, llama_seq_id seq_id, int32_t n) {
@@ -99,17 +113,23 @@ namespace {
 // the load writes the cells, and seq_restore_end waits for it.
 class bridge_reader : public llama_io_read_i {
 public:
-    bridge_reader(llama_kv_cache * kv, const llama_hparams & hp, const attachment & att,
-                  llama_seq_id seq_id, const std::vector<uint32_t> & cells, const std::vector<mcb_kv_layer> & layers) :
+    bridge_reader(llama_kv_cache * kv, const llama_hparams & hp, const attachment & att, llama_seq_id seq_id,
+                  const llama_token * tokens, const std::vector<uint32_t> & cells, const std::vector<mcb_kv_layer> & layers) :
         kv(kv), hp(hp), att(att), seq_id(seq_id), n_tokens((int32_t) cells.size()), cells(cells),
         runs(runs_of(cells)), layers(layers), layer_ids(kv->get_layer_ids()) {
         put<uint32_t>(kv->get_n_stream());
         // The cells go in the first stream section; state_read places a single-sequence
         // blob in the destination's own stream whichever section carries it.
         put<uint32_t>((uint32_t) n_tokens);
+        const bool ext = kv->has_cell_ext();
         for (int32_t i = 0; i < n_tokens; i++) {
             put<int32_t>(i);       // pos
             put<uint32_t>(1);      // n_seq_id
+            if (ext) {
+                // What computing the prompt's token there gives the cell; seq_save
+                // publishes only cells that hold it.
+                put(text_cell_ext(hp, i, tokens[i]));
+            }
             put<int32_t>(seq_id);  // discarded: the destination is used
         }
         put<uint32_t>(att.v_trans ? 1 : 0);
@@ -305,7 +325,9 @@ llama_kv_cache::slot_info place(const llama_kv_cache * kv, const llama_hparams &
     llama_ubatch ub = balloc.ubatch_reserve((uint32_t) n, 1);
     ub.seq_id_unq[0] = seq_id;
     for (int32_t i = 0; i < n; i++) {
-        ub.pos[i]      = i;
+        for (uint32_t d = 0; d < hp.n_pos_per_embd(); d++) {
+            ub.pos[i + d * n] = i; // a text token's position in every M-RoPE section
+        }
         ub.n_seq_id[i] = 1;
         ub.seq_id[i]   = &seq_id;
     }
@@ -315,11 +337,11 @@ llama_kv_cache::slot_info place(const llama_kv_cache * kv, const llama_hparams &
 } // namespace
 
 restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mcb_plan plan,
-                                 llama_seq_id seq_id, int32_t n_tokens, restore_op & op) {
+                                 llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens, restore_op & op) {
     restore_result out;
     op = restore_op{};
     llama_kv_cache * kv = plain_kv(ctx);
-    if (kv == nullptr || n_tokens <= 0) {
+    if (kv == nullptr || n_tokens <= 0 || tokens == nullptr) {
         mcb_plan_drop(plan);
         out.status = MCB_STATUS_INVALID_ARG;
         out.error  = "no plain KV cache or no tokens";
@@ -370,7 +392,7 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
         return out;
     }
 
-    bridge_reader reader(kv, llama_get_model(ctx)->hparams, att, seq_id, cells, layers);
+    bridge_reader reader(kv, llama_get_model(ctx)->hparams, att, seq_id, tokens, cells, layers);
     llama_kv_cache::slot_info_vec_t placed(kv->get_n_stream());
     placed[0] = sinfo; // the blob's first section carries the cells
     try {
@@ -540,7 +562,21 @@ save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scop
     llama_synchronize(ctx);
 
     const int32_t clean = (int32_t) std::min<llama_pos>(n_tokens, seq_get_origin(ctx, seq_id).clean_end);
-    const std::vector<uint32_t> cells = seq_cells(kv, seq_id, clean);
+    std::vector<uint32_t> cells = seq_cells(kv, seq_id, clean);
+    if (kv->has_cell_ext()) {
+        // A restore gives every cell a text token's extension (bridge_reader), so only
+        // the cells that carry one are published: not those of an image's embeddings.
+        const llama_kv_cells & kc = kv->get_cells(seq_id);
+        const llama_hparams & hp = llama_get_model(ctx)->hparams;
+        for (size_t p = 0; p < cells.size(); p++) {
+            const llama_kv_cell_ext got  = kc.ext_get(cells[p]);
+            const llama_kv_cell_ext want = text_cell_ext(hp, (llama_pos) p, tokens[p]);
+            if (got.x != want.x || got.y != want.y || got.tok != want.tok) {
+                cells.resize(p);
+                break;
+            }
+        }
+    }
     const int32_t n = (int32_t) cells.size();
     if (n == 0) {
         return out;

@@ -280,8 +280,6 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
         why_off = "sliding-window attention (iSWA)";
     } else if (kv == nullptr) {
         why_off = "the context's memory is not a plain KV cache";
-    } else if (kv->has_cell_ext()) {
-        why_off = "KV cells carry M-RoPE/per-layer-embedding extensions";
     } else if (hp.is_mla()) {
         why_off = "MLA attention (no V cache)";
     } else if (!cp.causal_attn) {

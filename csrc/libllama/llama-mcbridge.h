@@ -65,7 +65,7 @@ struct attachment {
 // the probe prompt is decoded into sequence 0 of the empty cache and its KV handed
 // over, so that the library derives the model's identity as for any other host.
 // Returns false, with why_off set, when the bridge is off or cannot serve this
-// context (draft, recurrent, hybrid, sliding window, M-RoPE, ...).
+// context (draft, recurrent, hybrid, sliding window, MLA, ...).
 bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::string & why_off);
 void detach(llama_context * ctx);
 
@@ -102,13 +102,13 @@ struct restore_op {
     uint32_t                  n_ok       = 0; // the verified prefix they were uploaded with
 };
 
-// Stage 2: starts restoring a lookup's plan (positions [0, n_tokens), whole blocks)
-// into seq_id; the plan is consumed. The sequence's previous cells are removed first
+// Stage 2: starts restoring a lookup's plan (positions [0, n_tokens) of tokens, whole
+// blocks) into seq_id; the plan is consumed. The sequence's previous cells are removed first
 // (llama.cpp's restore always starts with seq_rm(seq, -1, -1)). Waits on no peer: on
 // return op.load is set and the restore runs, or the result says why it did not start
 // (the sequence is then empty, n_tokens 0).
 restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mcb_plan plan,
-                                 llama_seq_id seq_id, int32_t n_tokens, restore_op & op);
+                                 llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens, restore_op & op);
 // Waits at most timeout_us (0: not at all) for op's load to be over, verified or failed
 // (its deadline included), and says whether it is: seq_restore_end then waits on no peer.
 // With KV on a device it first queues the upload of every layer verified since the

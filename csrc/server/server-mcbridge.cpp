@@ -259,7 +259,7 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
     sr.t_begin_us = now_us();
     sr.n_prompt   = n;
     std::copy(rs.id, rs.id + 16, sr.scope);
-    const mcb_llama::restore_result r = mcb_llama::seq_restore_begin(ctx, s.att, lr.plan, seq_id, p, sr.op);
+    const mcb_llama::restore_result r = mcb_llama::seq_restore_begin(ctx, s.att, lr.plan, seq_id, tokens.data(), p, sr.op);
     if (sr.op.load == 0) {
         st.restore_ms = ms_between(sr.t_begin_us, now_us());
         st.decision   = "failed";

@@ -122,7 +122,7 @@ struct context {
             r.error = "nothing to restore";
             return r;
         }
-        return mcb_llama::seq_restore_begin(ctx, att, lr.plan, seq, (int32_t) lr.n_restore_tokens, op);
+        return mcb_llama::seq_restore_begin(ctx, att, lr.plan, seq, toks.data(), (int32_t) lr.n_restore_tokens, op);
     }
 
     // Restores what a lookup of toks plans (the policy restores every usable block),

@@ -40,6 +40,7 @@ const (
 	EnvLibllama      = "MCB_LIBLLAMA_BUILD"       // the build of csrc/embed: libllama_test, libllama_test_asan
 	EnvRPCServer     = "MCB_GGML_RPC_SERVER"      // scripts/llama/build.sh stock: ggml-rpc-server, next to llama-server
 	EnvOllama        = "MCB_OLLAMA"               // scripts/ollama/build.sh: the pinned Ollama
+	EnvArchModels    = "MCB_LLAMA_ARCHS"          // scripts/llama/archs.sh: test-llama-archs' models
 )
 
 // Binary returns the file an environment variable names, failing the test
@@ -51,6 +52,19 @@ func Binary(tb testing.TB, env, what string) string {
 	st, err := os.Stat(p)
 	require.NoError(tb, err, "%s=%s (%s)", env, p, what)
 	require.False(tb, st.IsDir(), "%s=%s is a directory, want %s", env, p, what)
+	return p
+}
+
+// ArchModels is the folder of the random-weight model of every
+// architecture that the pinned tree's test-llama-archs writes
+// (<arch>-dense.gguf, <arch>-moe.gguf).
+func ArchModels(tb testing.TB) string {
+	tb.Helper()
+	p := os.Getenv(EnvArchModels)
+	require.NotEmpty(tb, p, "%s is not set: it names test-llama-archs' models (scripts/llama/archs.sh; make test sets it)", EnvArchModels)
+	st, err := os.Stat(p)
+	require.NoError(tb, err, "%s=%s", EnvArchModels, p)
+	require.True(tb, st.IsDir(), "%s=%s is not a directory", EnvArchModels, p)
 	return p
 }
 

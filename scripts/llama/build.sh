@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# build.sh stock|patched: builds llama-server (CPU, with ggml's RPC backend) and ggml-rpc-server
-# for the pinned llama.cpp and prints llama-server's path on the last line of stdout.
+# build.sh stock|patched|archs: builds llama-server (CPU, with ggml's RPC backend) and
+# ggml-rpc-server for the pinned llama.cpp and prints llama-server's path on the last line
+# of stdout.
 #
 #   stock    the pristine tree from fetch.sh
 #   patched  a copy of that tree with llama-patches/apply.sh applied, configured with
 #            -DMCBRIDGE_ROOT=<a mirror of this repository> so that the patches' CMake
 #            hook finds csrc/, include/ and the Go module there
+#   archs    the pristine tree with llama.cpp's tests on, building only test-llama-archs
+#            (the random-weight model of every architecture, scripts/llama/archs.sh) and
+#            printing its path instead
 #
 # The hash in the directory names covers everything that needs a fresh configure: the
 # source tree, the CMake options below, LLAMA_EXTRA_CMAKE_ARGS (word-split) and, for
@@ -34,8 +38,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 variant=${1:-}
 case $variant in
-stock | patched) ;;
-*) die "usage: $0 stock|patched" ;;
+stock | patched | archs) ;;
+*) die "usage: $0 stock|patched|archs" ;;
 esac
 
 start=$SECONDS
@@ -64,6 +68,12 @@ cmake_args=(
 	-DLLAMA_OPENSSL=OFF
 	-DGGML_RPC=ON
 )
+targets=(llama-server ggml-rpc-server)
+if [[ $variant == archs ]]; then
+	# The same options otherwise, so ccache serves ggml and libllama from the stock build.
+	cmake_args=("${cmake_args[@]/-DLLAMA_BUILD_TESTS=OFF/-DLLAMA_BUILD_TESTS=ON}")
+	targets=(test-llama-archs)
+fi
 # shellcheck disable=SC2206 # word splitting is the interface
 extra_args=(${LLAMA_EXTRA_CMAKE_ARGS:-})
 if [[ $variant == patched ]]; then
@@ -94,8 +104,8 @@ series=$(series_digest)"
 mirror=$MCB_LLAMA_MIRROR"
 fi
 hash=$(printf '%s' "$key" | sha256sum | cut -c1-12)
-if [[ $variant == stock ]]; then
-	build=$llama_root/build-stock-$hash
+if [[ $variant != patched ]]; then
+	build=$llama_root/build-$variant-$hash
 else
 	build=$llama_root/patched-$hash/build
 	mirror=$llama_root/patched-$hash/mcbridge
@@ -171,13 +181,14 @@ build_server() {
 		log "cmake options: ${cmake_args[*]} ${extra_args[*]}"
 		cmake -S "$tree" -B "$build" "${generator[@]}" "${launcher[@]}" "${cmake_args[@]}" "${extra_args[@]}" >&2
 	fi
-	log "build llama-server and ggml-rpc-server ($variant) with $(nproc) jobs"
-	cmake --build "$build" --target llama-server ggml-rpc-server -j "$(nproc)" >&2
+	log "build ${targets[*]} ($variant) with $(nproc) jobs"
+	cmake --build "$build" --target "${targets[@]}" -j "$(nproc)" >&2
 }
 
 mkdir -p "$(dirname "$build")"
 with_lock "$build.lock" build_server
-bin=$build/bin/llama-server
-[[ -x $bin && -x $build/bin/ggml-rpc-server ]] || die "build finished without $bin or ggml-rpc-server"
-log "llama-server ($variant) ready in $((SECONDS - start))s"
-echo "$bin"
+for t in "${targets[@]}"; do
+	[[ -x $build/bin/$t ]] || die "build finished without $build/bin/$t"
+done
+log "${targets[0]} ($variant) ready in $((SECONDS - start))s"
+echo "$build/bin/${targets[0]}"

@@ -1,0 +1,390 @@
+package e2e
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
+	"github.com/mcbridge/mcbridge/internal/gguf"
+	"github.com/mcbridge/mcbridge/internal/llamastate"
+	"github.com/mcbridge/mcbridge/internal/testenv"
+)
+
+// The models of test-llama-archs have a vocabulary of 128 test tokens
+// (none special) and were trained for 256 positions, to which
+// llama-server caps a slot's context.
+const (
+	archVocab    = 128
+	archCtxTrain = 256
+)
+
+// archSetup is what every server of a model's comparison runs with, and
+// the prompts: shared tokens, then the holder's own 40 (A) or the asker's
+// 48 (B).
+type archSetup struct {
+	args             []string
+	shared           int
+	promptA, promptB []int32
+}
+
+// setupArch raises the training context to 4096 for the 1024 shared
+// tokens (16 blocks) of the comparison, except for a model with a learned
+// position table (GPT-2 and its kind), which has rows for 256 positions
+// only: it gets 192 shared tokens (3 blocks), the most that fit.
+func setupArch(t *testing.T, model string, extra []string) archSetup {
+	f, err := os.Open(model)
+	require.NoError(t, err)
+	defer f.Close()
+	g, err := gguf.Read(f)
+	require.NoError(t, err, "%s", model)
+	v, ok := g.Lookup("general.architecture")
+	require.True(t, ok, "%s has no general.architecture", model)
+	arch, _ := v.Str()
+	su := archSetup{args: testenv.ServerArgs(model, 4096, 2, "on"), shared: 1024}
+	if slices.ContainsFunc(g.Tensors, func(ti gguf.TensorInfo) bool { return ti.Name == "position_embd.weight" }) {
+		su.shared = (archCtxTrain - 48) / block * block
+	} else {
+		su.args = append(su.args, "--override-kv", arch+".context_length=int:4096")
+	}
+	su.args = append(su.args, extra...)
+	prefix := archTokens(su.shared, 7, 3)
+	su.promptA = testenv.Cat(prefix, archTokens(40, 11, 5))
+	su.promptB = testenv.Cat(prefix, archTokens(48, 13, 9))
+	return su
+}
+
+// archTokens is n token ids of the test vocabulary, varied by mul and off.
+func archTokens(n, mul, off int) []int32 {
+	t := make([]int32, n)
+	for i := range t {
+		t[i] = int32((i*mul + off) % archVocab)
+	}
+	return t
+}
+
+// representatives are the models `make test` runs, one of each memory kind
+// and cache shape the bridge serves (docs/models.md): each must restore.
+// Kinds the bridge does not serve yet are not here; `make test-models`
+// runs every architecture and its table says "off" for them.
+var representatives = []archRun{
+	{model: "llama-dense"},   // plain attention
+	{model: "qwen3-dense"},   // MQA (one KV head)
+	{model: "qwen3moe-moe"},  // MoE
+	{model: "qwen3vl-dense"}, // M-RoPE: cells carry a 2-D position and the token
+	{model: "llama-dense", args: []string{"-ctk", "q8_0", "-ctv", "q8_0"}}, // quantized KV
+}
+
+// archException is a model no prefix reuse can serve: why, and what stock
+// llama-server answers a completion of a token prompt with.
+type archException struct {
+	why, stockSays string
+}
+
+// archExceptions are the models no prefix reuse can serve. Their run only
+// checks that stock still answers them so: one that stock comes to serve
+// leaves the list.
+var archExceptions = map[string]archException{
+	"dream-dense":   diffusion,
+	"llada-dense":   diffusion,
+	"llada-moe-moe": diffusion,
+	"rnd1-moe":      diffusion,
+}
+
+// diffusion models denoise a whole sequence in steps with non-causal
+// attention: no prefix of it has KV of its own, and llama-server's
+// completion does not run them (llama-diffusion-cli does).
+var diffusion = archException{
+	why:       "diffusion model (non-causal, denoised in steps): no prefix has KV of its own",
+	stockSays: "the current context does not logits computation",
+}
+
+// archRun is one model and the llama-server arguments of its run beyond
+// ServerArgs'.
+type archRun struct {
+	model string
+	args  []string
+}
+
+func (r archRun) name() string {
+	if len(r.args) == 0 {
+		return r.model
+	}
+	return r.model + " " + strings.Join(r.args, " ")
+}
+
+// archRow is a line of docs/models.md.
+type archRow struct {
+	run              archRun
+	kind             string
+	patched, proxied string
+}
+
+// Every architecture test-llama-archs writes (MCB_MODELS_ALL=1, `make
+// test-models`) or the representatives: a patched holder computes prefix+A
+// and a second patched process, through etcd and the Transfer Engine,
+// asks for prefix+B; a proxy in front of a stock server does the same
+// for another proxy's server. Where the bridge serves the model, the
+// asker restores the shared blocks, byte for byte the holder's KV, and
+// answers as a stock server in the same cache state; where the patched
+// server turns the bridge off, the test records why and checks that the
+// answers are still stock's. MCB_MODELS_TABLE=FILE writes the table of the
+// run there (docs/models.md).
+func TestModels(t *testing.T) {
+	dir := testenv.ArchModels(t)
+	runs := representatives
+	all := os.Getenv("MCB_MODELS_ALL") == "1"
+	if all {
+		files, err := filepath.Glob(filepath.Join(dir, "*.gguf"))
+		require.NoError(t, err)
+		require.NotEmpty(t, files, "no models in %s", dir)
+		runs = nil
+		for _, f := range files {
+			runs = append(runs, archRun{model: strings.TrimSuffix(filepath.Base(f), ".gguf")})
+		}
+	}
+	etcd := etcdtest.Start(t)
+	var rows []archRow
+	for i, r := range runs {
+		row := archRow{run: r}
+		model := filepath.Join(dir, r.model+".gguf")
+		if ex, ok := archExceptions[r.model]; ok {
+			t.Run(r.name(), func(t *testing.T) {
+				row.patched = "exception: " + ex.why
+				row.proxied = "exception: stock answers " + strconv.Quote(ex.stockSays)
+				su := setupArch(t, model, r.args)
+				stock := testenv.StartLlama(t, "stock", testenv.StockServer(t), append(su.args, "-lv", "4"))
+				row.kind = memoryKind(t, stock.Log)
+				code, body := testenv.PostRaw(t, stock.URL+"/completion", testenv.Request{Prompt: su.promptA, Slot: 0, NPredict: nPredict}.Body())
+				assert.NotEqual(t, 200, code, "stock serves %s now: %s", r.model, body)
+				assert.Contains(t, string(body), ex.stockSays)
+			})
+			rows = append(rows, row)
+			continue
+		}
+		t.Run(r.name(), func(t *testing.T) {
+			runArch(t, etcd.Endpoint(), fmt.Sprintf("/models/%d", i), model, &row, !all)
+		})
+		rows = append(rows, row)
+	}
+	if out := os.Getenv("MCB_MODELS_TABLE"); out != "" {
+		require.NoError(t, os.WriteFile(out, []byte(modelsTable(rows)), 0o644))
+	}
+}
+
+// runArch runs one model through both hosts and fills in row as it goes,
+// so that a test that stops half-way leaves what it found; must says that
+// both hosts must restore (a representative).
+func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) {
+	r := row.run
+	row.kind, row.patched, row.proxied = "?", "(not reached)", "(not reached)"
+	su := setupArch(t, model, r.args)
+	args, shared := su.args, su.shared
+	// -lv 4: llama.cpp's loading log, which memoryKind reads; it changes no answer.
+	ref := testenv.StartLlama(t, "stock", testenv.StockServer(t), append(slices.Clone(args), "-lv", "4"))
+	row.kind = memoryKind(t, ref.Log)
+	reqA := testenv.Request{Prompt: su.promptA, Slot: 0, NPredict: nPredict}
+	reqB := testenv.Request{Prompt: su.promptB, Slot: 0, NPredict: nPredict}
+	// Stock's answers to prefix+B, by the tokens it holds: both hosts'
+	// answers usually come from the same state.
+	stock := map[int][]int32{}
+	stockFrom := func(k int) []int32 {
+		if _, ok := stock[k]; !ok {
+			stock[k] = testenv.StockFrom(t, ref.URL, reqB, k).Tokens
+		}
+		return stock[k]
+	}
+
+	// The patched server.
+	cfg := fmt.Sprintf(`{"block_tokens": %d, "arbiter": {"policy": "always-restore"}, "directory": {"kind": "etcd", "endpoints": [%q], "prefix": %q}, "transport": {"kind": "mooncake", "lib": %q}}`,
+		block, etcd, prefix+"/patched", mockTE)
+	slots := testenv.SlotDir(t, "patched")
+	patchedArgs := append(slices.Clone(args), "--mcb-config", cfg, "--slot-save-path", slots)
+	x := testenv.StartLlama(t, "x", testenv.PatchedServer(t), patchedArgs)
+	y := testenv.StartLlama(t, "y", testenv.PatchedServer(t), patchedArgs)
+	on := x.BridgeState()
+	x.Complete(t, reqA)
+	if on == "on" {
+		waitMirrored(t, y.URL, shared/block)
+	}
+	got := y.Complete(t, reqB)
+	asStock := assert.Equal(t, stockFrom(got.Timings.CacheN), got.Tokens,
+		"the patched server answers as stock (cache_n %d): %+v", got.Timings.CacheN, got.MCB)
+	switch {
+	case on != "on":
+		row.patched = "off: " + on
+		assert.Zero(t, got.MCB.RestoredN, "the bridge is off: %+v", got.MCB)
+		assert.False(t, must, "a representative the patched server does not serve: %s", on)
+	case got.MCB.RestoredN != shared:
+		row.patched = fmt.Sprintf("on, restored %d of %d: %s %s", got.MCB.RestoredN, shared, got.MCB.Decision, got.MCB.Error)
+		t.Errorf("the bridge is on and did not restore the shared blocks: %+v", got.MCB)
+	default:
+		same := samePrefixKV(t, slots, x, y, shared)
+		row.patched = fmt.Sprintf("restored %d, byte-identical: %v", shared, same)
+	}
+	if asStock {
+		row.patched += ", answers as stock"
+	} else {
+		row.patched += ", answers differ from stock"
+	}
+	x.Stop()
+	y.Stop()
+
+	// The proxy in front of stock servers.
+	pcfg := proxyConfig(etcd, mockTE, prefix+"/proxy")
+	var proxies [2]*testenv.Proxy
+	for i := range proxies {
+		dir := testenv.SlotDir(t, fmt.Sprint("s", i))
+		s := testenv.StartLlama(t, fmt.Sprint("s", i), testenv.StockServer(t), append(slices.Clone(args), "--slot-save-path", dir))
+		proxies[i] = testenv.StartProxy(t, fmt.Sprint("p", i), s.URL, dir, pcfg)
+	}
+	testenv.Complete(t, proxies[0].URL, testenv.Request{Prompt: su.promptA, Slot: -1, NPredict: nPredict})
+	st := proxies[1].State(t)
+	if st["bridge"] == true {
+		testenv.Eventually(t, defaultWait, func() bool {
+			return proxies[1].State(t)["mirrored_blocks"].(float64) >= float64(shared/block)
+		}, "the asker's proxy never mirrored the holder's blocks (holder: %v)", testenv.JSON(proxies[0].State(t)))
+	}
+	got = testenv.Complete(t, proxies[1].URL, testenv.Request{Prompt: su.promptB, Slot: -1, NPredict: nPredict})
+	asStock = assert.Equal(t, stockFrom(got.Timings.CacheN), got.Tokens,
+		"the proxy answers as stock (cache_n %d)", got.Timings.CacheN)
+	switch {
+	case st["bridge"] != true:
+		row.proxied = fmt.Sprintf("off: %v", st["bridge_off"])
+	case got.MCB.RestoredN == shared:
+		row.proxied = fmt.Sprintf("restored %d", shared)
+	default:
+		row.proxied = fmt.Sprintf("restored %d of %d (holder: %s)", got.MCB.RestoredN, shared, proxyWhy(t, proxies[0]))
+	}
+	if must {
+		assert.Equal(t, shared, got.MCB.RestoredN, "a representative: the proxy restores the shared blocks: %s", row.proxied)
+	}
+	if asStock {
+		row.proxied += ", answers as stock"
+	} else {
+		row.proxied += ", answers differ from stock"
+	}
+	t.Logf("%s: patched server: %s; proxy: %s", row.kind, row.patched, row.proxied)
+}
+
+// proxyWhy is what a proxy says about its last publish: its state, and
+// its log's last line about a save or a publish.
+func proxyWhy(t *testing.T, p *testenv.Proxy) string {
+	st := p.State(t)
+	why := fmt.Sprintf("publishing %v", st["publishing"])
+	if off, ok := st["publish_off"]; ok {
+		why += ": " + fmt.Sprint(off)
+	}
+	b, _ := os.ReadFile(p.Log)
+	for _, l := range strings.Split(string(b), "\n") {
+		if strings.Contains(l, "publish failed") || strings.Contains(l, "save failed") {
+			if _, err, ok := strings.Cut(l, "err="); ok {
+				why = strings.Trim(err, `"`)
+			}
+		}
+	}
+	return why
+}
+
+// samePrefixKV saves slot 0 of x and of y (into their slot directory
+// slots) and checks that their first n positions are the same bytes:
+// cells, cell extensions, K and V.
+func samePrefixKV(t *testing.T, slots string, x, y *testenv.Llama, n int) bool {
+	var prefixes [2][]byte
+	for i, s := range []*testenv.Llama{x, y} {
+		name := fmt.Sprintf("prefix-%d.bin", i)
+		testenv.Post(t, s.URL+"/slots/0?action=save", map[string]any{"filename": name}, nil)
+		path := filepath.Join(slots, name)
+		b, err := os.ReadFile(path)
+		require.NoError(t, err)
+		st, err := llamastate.Parse(b)
+		require.NoError(t, err, "slot file %s", path)
+		sl, err := st.Slice(n)
+		require.NoError(t, err, "positions [0, %d) of %s", n, path)
+		prefixes[i], err = sl.Build()
+		require.NoError(t, err)
+	}
+	return assert.True(t, slices.Equal(prefixes[0], prefixes[1]), "the restored prefix is the holder's KV, byte for byte")
+}
+
+var (
+	ropeType  = regexp.MustCompile(`rope type\s+= (-?\d+)`)
+	headCount = regexp.MustCompile(`n_head\s+= (.*)`)
+	kvHeads   = regexp.MustCompile(`n_head_kv\s+= (.*)`)
+	experts   = regexp.MustCompile(`n_expert\s+= (\d+)`)
+)
+
+// memoryKind names a model's memory and cache shape from what a stock
+// llama-server logs loading it (llama-model.cpp print_info, the caches'
+// constructors).
+func memoryKind(t *testing.T, logPath string) string {
+	b, err := os.ReadFile(logPath)
+	require.NoError(t, err)
+	log := string(b)
+	attn := strings.Contains(log, "llama_kv_cache: size =")
+	var kind []string
+	switch {
+	case strings.Contains(log, "llama_memory_recurrent") && attn:
+		kind = append(kind, "hybrid")
+	case strings.Contains(log, "llama_memory_recurrent"):
+		kind = append(kind, "recurrent")
+	}
+	if strings.Contains(log, "creating     SWA KV cache") {
+		kind = append(kind, "sliding-window")
+	}
+	if strings.Contains(log, "n_lora_kv") {
+		kind = append(kind, "MLA")
+	}
+	if m := ropeType.FindStringSubmatch(log); m != nil {
+		// GGML_ROPE_TYPE_MROPE, _IMROPE: the cells carry 2-D positions
+		if v, _ := strconv.Atoi(m[1]); v == 8 || v == 40 {
+			kind = append(kind, "M-RoPE")
+		}
+	}
+	if strings.Contains(log, "causal attn           = 0") {
+		kind = append(kind, "non-causal")
+	}
+	if h, kv := headCount.FindStringSubmatch(log), kvHeads.FindStringSubmatch(log); h != nil && kv != nil && h[1] != kv[1] && attn {
+		kind = append(kind, "GQA/MQA")
+	}
+	if len(kind) == 0 {
+		kind = append(kind, "plain")
+	}
+	if m := experts.FindStringSubmatch(log); m != nil && m[1] != "0" {
+		kind = append(kind, "MoE")
+	}
+	return strings.Join(kind, ", ")
+}
+
+// modelsTable is docs/models.md for a run.
+func modelsTable(rows []archRow) string {
+	var b strings.Builder
+	b.WriteString(`# Every architecture
+
+Written by ` + "`make test-models`" + ` (tests/e2e, TestModels): the random-weight model of
+every architecture that the pinned llama.cpp's tests/test-llama-archs.cpp writes
+(` + "`test-llama-archs -s 42 -o DIR`" + `, scripts/llama/archs.sh), with token prompts of
+1024 shared (192 for a model with a learned position table of 256 rows) and 40 or 48
+own tokens. "patched server": a holder computes prefix+A,
+a second patched process asks for prefix+B through etcd and the mock Transfer Engine.
+"proxy": the same through two ` + "`mcbridge proxy`" + ` processes in front of stock servers.
+Every answer is compared with a stock server's in the same cache state. "off" is
+what the patched server logs (` + "`mcbridge: off: <why>`" + `) or the proxy's state says.
+` + "`make test`" + ` runs the representatives of tests/e2e/models_test.go.
+
+| model | memory kind | patched server | proxy |
+|---|---|---|---|
+`)
+	for _, r := range rows {
+		fmt.Fprintf(&b, "| %s | %s | %s | %s |\n", r.run.name(), r.kind, r.patched, r.proxied)
+	}
+	return b.String()
+}
