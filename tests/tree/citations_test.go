@@ -21,9 +21,10 @@ import (
 // foreign are paths that files outside docs/ cite in another project's
 // tree, which a repository path of the same name would otherwise shadow.
 var foreign = map[string]string{
-	"include/llama.h":         "llama.cpp's public header",
-	"include/types.h":         "Mooncake's Transfer Engine error codes",
-	"scripts/ui-assets.cmake": "llama.cpp's UI embedding",
+	"include/llama.h":            "llama.cpp's public header",
+	"include/types.h":            "Mooncake's Transfer Engine error codes",
+	"scripts/ui-assets.cmake":    "llama.cpp's UI embedding",
+	"tests/test-llama-archs.cpp": "llama.cpp's writer of a model of every architecture",
 }
 
 // repoFiles is every file git tracks, relative to the top of the checkout.
