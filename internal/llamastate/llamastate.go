@@ -143,25 +143,36 @@ func (r *reader) bytes(n, size uint64, what string) ([]byte, int, error) {
 // Parse reads a sequence state blob or slot file. It accepts exactly one
 // state: bytes after the last stream are an error. A state that does not
 // read with plain cells and layers with V is read again with extended cells
-// (CellExt), then with layers without V (KOnly), then with both; the error
-// is the plain reading's when none reads. A whole state of one variant does
-// not read as another: each shifts every field that follows, and a reading
-// must end at the state's last byte. (A state with V cut where its K
-// sections end reads as K-only; a host's model has one format and refuses
-// states of another.)
+// (CellExt), then with layers without V (KOnly), then with both. A whole
+// state of one variant does not read as another: each shifts every field
+// that follows, and a reading must end at the state's last byte. (A state
+// with V cut where its K sections end reads as K-only; a host's model has
+// one format and refuses states of another.) When none reads, the error is
+// that of the first reading that read a whole state and found bytes after
+// it, which is what the state of several caches (sliding-window, hybrid,
+// MLA with an indexer) gives, else the plain reading's.
 func Parse(b []byte) (*State, error) {
-	st, err := parse(b, false, false)
-	if err == nil {
-		return st, nil
-	}
-	for _, v := range []struct{ ext, kOnly bool }{{true, false}, {false, true}, {true, true}} {
-		if other, errOther := parse(b, v.ext, v.kOnly); errOther == nil {
-			return other, nil
+	var first, whole error
+	for _, v := range []struct{ ext, kOnly bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
+		st, err := parse(b, v.ext, v.kOnly)
+		if err == nil {
+			return st, nil
+		}
+		if first == nil {
+			first = err
+		}
+		if st != nil && whole == nil {
+			whole = err
 		}
 	}
-	return nil, err
+	if whole != nil {
+		return nil, whole
+	}
+	return nil, first
 }
 
+// parse reads b as one variant. A whole state followed by more bytes is an
+// error that comes with the state read.
 func parse(b []byte, cellExt, kOnly bool) (*State, error) {
 	r := &reader{b: b, ext: cellExt, kOnly: kOnly}
 	magic, err := r.u32("magic")
@@ -213,7 +224,7 @@ func parse(b []byte, cellExt, kOnly bool) (*State, error) {
 		}
 	}
 	if r.left() != 0 {
-		return nil, status.Errorf(status.InvalidArg, "sequence state: %d bytes after the last stream", r.left())
+		return st, status.Errorf(status.InvalidArg, "sequence state: %d bytes after the last stream", r.left())
 	}
 	return st, nil
 }

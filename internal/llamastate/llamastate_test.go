@@ -491,4 +491,11 @@ func TestKOnlyRefuses(t *testing.T) {
 		_, err := Parse(b[:cut])
 		require.Error(t, err, "a K-only blob cut at %d of %d bytes parsed", cut, len(b))
 	}
+	// Two caches' sections back to back (an MLA cache's, then its indexer's,
+	// as llama_kv_cache_dsa writes them) read as nothing, and the error says
+	// that a whole state came first, not what the plain reading made of the
+	// second cache's header.
+	_, err = Parse(append(bytes.Clone(b), b[8:]...))
+	assert.Equal(t, status.InvalidArg, status.Of(err), "%v", err)
+	assert.ErrorContains(t, err, fmt.Sprintf("%d bytes after the last stream", len(b)-8))
 }
