@@ -6,6 +6,8 @@
 #include "llama-context.h"
 #include "llama-impl.h"
 #include "llama-io.h"
+#include "llama-kv-cache-dsa-iswa.h"
+#include "llama-kv-cache-dsa.h"
 #include "llama-kv-cache-iswa.h"
 #include "llama-kv-cache.h"
 #include "llama-model.h"
@@ -268,7 +270,8 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     const llama_cparams & cp = ctx->get_cparams();
 
     // What the bridge cannot describe or restore exactly turns it off (docs/design.md §5.5).
-    llama_kv_cache * kv = plain_kv(ctx);
+    llama_memory_i * mem = llama_get_memory(ctx);
+    llama_kv_cache * kv  = plain_kv(ctx);
     if (!configured()) {
         why_off = "not configured (--mcb-config or MCB_CONFIG)";
     } else if (cp.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
@@ -277,10 +280,12 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
         why_off = "recurrent model";
     } else if (llama_model_is_hybrid(&model)) {
         why_off = "hybrid model";
-    } else if (dynamic_cast<llama_kv_cache_iswa *>(llama_get_memory(ctx)) != nullptr) {
+    } else if (dynamic_cast<llama_kv_cache_iswa *>(mem) != nullptr || dynamic_cast<llama_kv_cache_dsa_iswa *>(mem) != nullptr) {
         // Decided by the memory, not by llama_model_n_swa: a model may name a window
         // and still run one plain cache (EXAONE 4 but its 32B).
         why_off = "sliding-window attention (iSWA)";
+    } else if (dynamic_cast<llama_kv_cache_dsa *>(mem) != nullptr) {
+        why_off = "MLA with an indexer cache (DSA): not a plain KV cache";
     } else if (kv == nullptr) {
         why_off = "the context's memory is not a plain KV cache";
     } else if (hp.swa_type != LLAMA_SWA_TYPE_NONE) {
