@@ -274,6 +274,13 @@ func testModel(vtrans bool) model {
 	return model{block: 4, kEmbd: []uint32{8, 16, 4}, vEmbd: []uint32{8, 4, 12}, vtrans: vtrans}
 }
 
+// kOnlyModel is testModel's K without V, as an MLA cache has it.
+func kOnlyModel(vtrans bool) model {
+	m := testModel(vtrans)
+	m.vEmbd = []uint32{0, 0, 0}
+	return m
+}
+
 func TestBridgeOpen(t *testing.T) {
 	atLimit := func(f *fixture, t *testing.T) unsafe.Pointer {
 		s := edgeString(t, maxConfig, 0) // maxConfig-1 bytes and the terminator
@@ -447,6 +454,8 @@ func TestModelRegister(t *testing.T) {
 		{"longest extra", params(func(f *fixture, t *testing.T, p *cModelParams) { p.Extra = address(edgeString(t, maxString, 0)) }), status.OK},
 		{"V transposed", variant(testModel(true)), status.OK},
 		{"one layer", variant(model{block: 4, kEmbd: []uint32{1}, vEmbd: []uint32{3}}), status.OK},
+		{"K-only (MLA)", variant(kOnlyModel(false)), status.OK},
+		{"K-only, V transposed", variant(kOnlyModel(true)), status.OK},
 		{"probe in padded strides", func(f *fixture, t *testing.T, a *regArgs, r *registration) {
 			p := mustTensors(t, f.c, r.probe.m, 16, false, func(l, kv int) int { return 4*l + 2*kv + 6 })
 			p.compute(probeTokens, r.cells, len(r.cells))
@@ -507,6 +516,23 @@ func TestModelRegister(t *testing.T) {
 			status.InvalidArg},
 		{"no V dimensions", format(func(f *fixture, t *testing.T, p *cKVFormat) { p.NEmbdVGQA = f.c.u32s(t, []uint32{8, 4, 0}) }),
 			status.InvalidArg},
+		{"no V in some layers", format(func(f *fixture, t *testing.T, p *cKVFormat) {
+			p.NEmbdVGQA, p.VRowBytes = f.c.u32s(t, []uint32{8, 0, 12}), f.c.u32s(t, []uint32{16, 0, 24})
+		}), status.InvalidArg},
+		{"V in some layers of a K-only model", func(f *fixture, t *testing.T, a *regArgs, r *registration) {
+			variant(kOnlyModel(false))(f, t, a, r)
+			fm := (*cKVFormat)(a.format)
+			fm.NEmbdVGQA, fm.VRowBytes = f.c.u32s(t, []uint32{0, 0, 12}), f.c.u32s(t, []uint32{0, 0, 24})
+		}, status.InvalidArg},
+		{"K-only with V rows", func(f *fixture, t *testing.T, a *regArgs, r *registration) {
+			variant(kOnlyModel(false))(f, t, a, r)
+			(*cKVFormat)(a.format).VRowBytes = f.c.u32s(t, []uint32{16, 16, 16})
+		}, status.InvalidArg},
+		{"K-only probe with a V tensor", func(f *fixture, t *testing.T, a *regArgs, r *registration) {
+			variant(kOnlyModel(false))(f, t, a, r)
+			ls := unsafe.Slice((*cKVLayer)(ptr((*cKVLayout)(a.probe).Layers)), 3)
+			ls[1].V = ls[1].K
+		}, status.Layout},
 		{"K rows of other dimensions", format(func(f *fixture, t *testing.T, p *cKVFormat) {
 			p.NEmbdKGQA = f.c.u32s(t, []uint32{8, 12, 4})
 		}), status.InvalidArg},
@@ -812,6 +838,7 @@ func TestRoundTrip(t *testing.T) {
 		pad      func(l, kv int) int
 		src, dst []uint32
 		scoped   bool
+		kOnly    bool // the model has no V (MLA)
 	}{
 		{name: "row-major", src: wrapCells(n, 40, cells), dst: reversed(n, cells), pad: tight},
 		{name: "transposed V", vtrans: true, src: wrapCells(n, 40, cells), dst: reversed(n, cells), pad: tight},
@@ -822,11 +849,17 @@ func TestRoundTrip(t *testing.T) {
 		{name: "from a peer", peer: true, src: wrapCells(n, 40, cells), dst: reversed(n, cells), pad: tight},
 		{name: "from a peer, transposed", peer: true, vtrans: true, src: wrapCells(n, 33, cells), dst: wrapCells(n, 1, cells), pad: padded},
 		{name: "from a peer, scoped", peer: true, src: reversed(n, cells), dst: wrapCells(n, 20, cells), pad: tight, scoped: true},
+		{name: "K-only", kOnly: true, src: wrapCells(n, 40, cells), dst: reversed(n, cells), pad: tight},
+		{name: "K-only padded, V transposed", kOnly: true, vtrans: true, src: reversed(n, cells), dst: wrapCells(n, 60, cells), pad: padded},
+		{name: "K-only from a peer", kOnly: true, peer: true, src: wrapCells(n, 33, cells), dst: wrapCells(n, 1, cells), pad: tight},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			f := newFixture(t)
 			g := testModel(c.vtrans)
+			if c.kOnly {
+				g = kOnlyModel(c.vtrans)
+			}
 			saver := f.open(t, f.config(""))
 			loader := saver
 			if c.peer {

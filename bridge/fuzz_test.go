@@ -526,14 +526,20 @@ func (w *world) stats() {
 	}
 }
 
-// geometry draws a model: one to three layers of different widths.
+// geometry draws a model: one to three layers of different widths, with V
+// or, K-only (MLA), without.
 func (w *world) geometry(at int) model {
 	blocks := []uint32{0, 1, 2, 4, 8, 16}
 	embd := []uint32{1, 2, 3, 8, 24, 64, 512}
 	m := model{block: blocks[w.arg(at+1)%byte(len(blocks))], vtrans: w.arg(at+8)%2 == 0}
+	kOnly := w.arg(at+8)%4 >= 2
 	for l := 0; l < 1+int(w.arg(at))%3; l++ {
 		m.kEmbd = append(m.kEmbd, embd[w.arg(at+2+2*l)%byte(len(embd))])
-		m.vEmbd = append(m.vEmbd, embd[w.arg(at+3+2*l)%byte(len(embd))])
+		v := embd[w.arg(at+3+2*l)%byte(len(embd))]
+		if kOnly {
+			v = 0
+		}
+		m.vEmbd = append(m.vEmbd, v)
 	}
 	return m
 }
@@ -599,6 +605,9 @@ func (w *world) register() {
 			rows[l] = uint32(g.row(l, detail%2))
 		}
 		rows[detail%len(rows)] = 0
+		if g.kOnly() && detail%2 == 1 {
+			rows[detail%len(rows)] = elem // a V row in a model without V
+		}
 		*arrays[2+detail%2] = w.c.u32s(w.t, rows)
 		faults = append(faults, status.InvalidArg)
 	case 5:
@@ -973,7 +982,13 @@ func (w *world) layout(g model) (*tensors, unsafe.Pointer, []status.Code) {
 		{func(lo *cKVLayout, _ []cKVLayer) { lo.Layers += 4 }, status.InvalidArg},
 		{func(lo *cKVLayout, _ []cKVLayer) { lo.NCells = 0 }, status.Layout},
 		{func(_ *cKVLayout, ls []cKVLayer) { ls[l].K = 0 }, status.Layout},
-		{func(_ *cKVLayout, ls []cKVLayer) { ls[l].V = 0 }, status.Layout},
+		{func(_ *cKVLayout, ls []cKVLayer) { // no V tensor in a model with V, one in a model without
+			if g.kOnly() {
+				ls[l].V = ls[l].K
+			} else {
+				ls[l].V = 0
+			}
+		}, status.Layout},
 		{func(_ *cKVLayout, ls []cKVLayer) { // K rows running past the top of the address space
 			ls[l].K = ^uintptr(0) - uintptr(uint64(cells-1)*ls[l].KStride+uint64(g.krow(l))) + 1
 		}, status.Layout},

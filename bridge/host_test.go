@@ -172,7 +172,8 @@ func edgeBytes(tb testing.TB, n int) []byte {
 }
 
 // model is the KV shape a host registers, with f16 rows as llama.cpp's
-// default cache type has: two bytes per embedding element.
+// default cache type has: two bytes per embedding element. A model whose
+// vEmbd are all 0 is a K-only cache (MLA): its tensors have no V.
 type model struct {
 	block        uint32
 	kEmbd, vEmbd []uint32
@@ -185,6 +186,7 @@ const (
 )
 
 func (m model) layers() int    { return len(m.kEmbd) }
+func (m model) kOnly() bool    { return len(m.vEmbd) > 0 && m.vEmbd[0] == 0 }
 func (m model) krow(l int) int { return elem * int(m.kEmbd[l]) }
 func (m model) vrow(l int) int { return elem * int(m.vEmbd[l]) }
 func (m model) row(l, kv int) int {
@@ -314,6 +316,9 @@ func newTensors(c *cmem, m model, cells uint32, vtrans bool, pad func(l, kv int)
 		t.koff[l] = size
 		size += extent(int(t.kstride[l]), m.krow(l), int(cells)) + guardGap
 		t.voff[l] = size
+		if m.vEmbd[l] == 0 {
+			continue // no V tensor
+		}
 		if vtrans {
 			t.vstride[l] = uint64(max(int(cells)*elem+pad(l, 1), 0))
 			size += extent(int(t.vstride[l]), int(cells)*elem, int(m.vEmbd[l])) + guardGap
@@ -333,8 +338,10 @@ func newTensors(c *cmem, m model, cells uint32, vtrans bool, pad func(l, kv int)
 	t.layers = unsafe.Slice((*cKVLayer)(pointer(lb)), n)
 	base := address(t.region)
 	for l := 0; l < n; l++ {
-		t.layers[l] = cKVLayer{K: base + uintptr(t.koff[l]), V: base + uintptr(t.voff[l]),
-			KStride: t.kstride[l], VStride: t.vstride[l]}
+		t.layers[l] = cKVLayer{K: base + uintptr(t.koff[l]), KStride: t.kstride[l]}
+		if m.vEmbd[l] > 0 {
+			t.layers[l].V, t.layers[l].VStride = base+uintptr(t.voff[l]), t.vstride[l]
+		}
 	}
 	loc := c.take(len("cpu:0")+1, 1)
 	if loc == nil {

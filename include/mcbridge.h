@@ -136,7 +136,11 @@ struct mcb_model_params {
 };
 
 /* A KV cache's shape, for hosts that hand over tensors. Arrays hold n_layer
- * entries. */
+ * entries. A cache without V tensors (MLA: attention reads V out of K's
+ * latent) has n_embd_v_gqa and v_row_bytes 0 in every layer, and its
+ * layouts' layers a NULL v; type_v is then ignored (the model is keyed with
+ * type_k, as hosts that see only its states, which name no V type, key it).
+ * V in some layers only is refused. */
 struct mcb_kv_format {
     uint32_t n_layer;              /* layers that hold KV */
     const uint32_t *n_embd_k_gqa;  /* per layer */
@@ -165,7 +169,7 @@ struct mcb_scope {
     size_t n_adapters;
 };
 
-/* Where one layer's K and V tensors live. */
+/* Where one layer's K and V tensors live (v NULL in a cache without V). */
 struct mcb_kv_layer {
     void *k;
     void *v;

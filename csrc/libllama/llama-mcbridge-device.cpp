@@ -50,9 +50,12 @@ ggml_backend_t backend_of(llama_context * ctx, ggml_backend_buffer_t buf) {
 
 std::shared_ptr<kv_stage> kv_stage::make(llama_context * ctx, const llama_kv_cache * kv, const kv_storage & st,
                                          bool v_trans) {
+    // A K-only cache (MLA) has no V tensors: st.v[l] is null, and so are its backend,
+    // row and element size, and its pieces.
     bool device = false;
     for (size_t l = 0; l < st.k.size(); l++) {
-        device = device || !ggml_backend_buffer_is_host(st.k[l]->buffer) || !ggml_backend_buffer_is_host(st.v[l]->buffer);
+        device = device || !ggml_backend_buffer_is_host(st.k[l]->buffer) ||
+                 (st.v[l] != nullptr && !ggml_backend_buffer_is_host(st.v[l]->buffer));
     }
     if (!device) {
         return nullptr;
@@ -63,13 +66,17 @@ std::shared_ptr<kv_stage> kv_stage::make(llama_context * ctx, const llama_kv_cac
     s->n_cells = kv->get_size();
     std::set<std::string> names;
     for (size_t l = 0; l < st.k.size(); l++) {
+        ggml_tensor * v = st.v[l];
         s->kb.push_back(backend_of(ctx, st.k[l]->buffer));
-        s->vb.push_back(backend_of(ctx, st.v[l]->buffer));
+        s->vb.push_back(v != nullptr ? backend_of(ctx, v->buffer) : nullptr);
         s->krow.push_back(st.k[l]->nb[1]);
-        s->vrow.push_back(st.v[l]->nb[1]);
-        s->vel.push_back(ggml_element_size(st.v[l]));
-        s->vdim.push_back((uint32_t) st.v[l]->ne[0]);
-        for (ggml_tensor * t : {st.k[l], st.v[l]}) {
+        s->vrow.push_back(v != nullptr ? v->nb[1] : 0);
+        s->vel.push_back(v != nullptr ? ggml_element_size(v) : 0);
+        s->vdim.push_back(v != nullptr ? (uint32_t) v->ne[0] : 0);
+        for (ggml_tensor * t : {st.k[l], v}) {
+            if (t == nullptr) {
+                continue;
+            }
             ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
             if (!ggml_backend_buffer_is_host(t->buffer)) {
                 s->n_device++;
@@ -178,6 +185,9 @@ stage_buf * kv_stage::acquire(uint32_t n) {
             b->rows[l].k        = base;
             b->rows[l].k_stride = krow[l];
             base += (size_t) c * krow[l];
+            if (st.v[l] == nullptr) {
+                continue; // no V: null, of stride 0
+            }
             b->rows[l].v        = base;
             b->rows[l].v_stride = v_trans ? (uint64_t) c * vel[l] : vrow[l];
             base += (size_t) c * vrow[l];
@@ -222,9 +232,9 @@ void kv_stage::pieces(const stage_buf & b, uint32_t l, uint32_t strm, const std:
         }
         const size_t c0 = cells[p0];
         fn(kb[l], k, sk + p0 * krow[l], strm * k->nb[2] + c0 * krow[l], (size_t) len * krow[l]);
-        if (!v_trans) {
+        if (v != nullptr && !v_trans) {
             fn(vb[l], v, sv + p0 * vrow[l], strm * v->nb[2] + c0 * vrow[l], (size_t) len * vrow[l]);
-        } else {
+        } else if (v != nullptr) {
             for (size_t j = 0; j < vdim[l]; j++) {
                 fn(vb[l], v, sv + (j * cap + p0) * vel[l], strm * v->nb[2] + (j * n_cells + c0) * vel[l],
                    (size_t) len * vel[l]);

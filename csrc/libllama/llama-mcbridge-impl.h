@@ -30,12 +30,14 @@ std::vector<uint32_t> seq_cells(const llama_kv_cache * kv, llama_seq_id seq_id, 
 uint32_t seq_stream(const llama_kv_cache * kv, llama_seq_id seq_id);
 
 // The cache's K and V tensors, learned from a state_write of seq_id, which names its
-// stream's views of them (the sequence must hold cells). Throws when they are not
-// laid out as the pinned llama.cpp lays them out. They may be in device memory.
-kv_storage capture_storage(llama_kv_cache * kv, llama_seq_id seq_id);
+// stream's views of them (the sequence must hold cells); with k_only, K alone. Throws
+// when they are not laid out as the pinned llama.cpp lays them out. They may be in
+// device memory.
+kv_storage capture_storage(llama_kv_cache * kv, llama_seq_id seq_id, bool k_only);
 
 // The bridge's view of stream strm of the storage: rows of cell c at k + c * k_stride,
-// or, with V transposed, dimension j of cell c at v + (j * n_cells + c) * element size.
+// or, with V transposed, dimension j of cell c at v + (j * n_cells + c) * element size;
+// v null where the cache has no V tensors.
 // For tensors in device memory the addresses are the device's: they name the tensors
 // (stage-2 checks llama.cpp's reads against them), the bridge never gets them.
 std::vector<mcb_kv_layer> stream_layers(const kv_storage & st, uint32_t n_cells, bool v_trans, uint32_t strm);

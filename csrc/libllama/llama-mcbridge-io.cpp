@@ -98,6 +98,9 @@ std::vector<mcb_kv_layer> stream_layers(const kv_storage & st, uint32_t n_cells,
         const ggml_tensor * v = st.v[l];
         layers[l].k        = static_cast<uint8_t *>(k->data) + strm * k->nb[2];
         layers[l].k_stride = k->nb[1];
+        if (v == nullptr) {
+            continue; // a K-only cache: the layer's V is null, of stride 0
+        }
         layers[l].v        = static_cast<uint8_t *>(v->data) + strm * v->nb[2];
         layers[l].v_stride = v_trans ? (uint64_t) n_cells * ggml_element_size(v) : v->nb[1];
     }
@@ -135,18 +138,22 @@ public:
         put<uint32_t>(att.v_trans ? 1 : 0);
         put<uint32_t>((uint32_t) layer_ids.size());
         const ggml_type tk = kv->type_k();
-        const ggml_type tv = kv->type_v();
         for (uint32_t il : layer_ids) {
             put<int32_t>((int32_t) tk);
             put<uint64_t>(ggml_row_size(tk, hp.n_embd_k_gqa(il)));
         }
-        for (uint32_t il : layer_ids) {
-            put<int32_t>((int32_t) tv);
-            if (!att.v_trans) {
-                put<uint64_t>(ggml_row_size(tv, hp.n_embd_v_gqa(il)));
-            } else {
-                put<uint32_t>((uint32_t) ggml_type_size(tv));
-                put<uint32_t>(hp.n_embd_v_gqa(il));
+        // state_read_data skips every layer whose V is null: a K-only cache's state
+        // has no V section.
+        if (!att.k_only) {
+            const ggml_type tv = kv->type_v(); // layer 0's V, which a K-only cache lacks
+            for (uint32_t il : layer_ids) {
+                put<int32_t>((int32_t) tv);
+                if (!att.v_trans) {
+                    put<uint64_t>(ggml_row_size(tv, hp.n_embd_v_gqa(il)));
+                } else {
+                    put<uint32_t>((uint32_t) ggml_type_size(tv));
+                    put<uint32_t>(hp.n_embd_v_gqa(il));
+                }
             }
         }
         for (uint32_t s = 1; s < kv->get_n_stream(); s++) {
@@ -154,7 +161,7 @@ public:
         }
         n_reads_total = layer_ids.size() * runs.size();
         for (uint32_t il : layer_ids) {
-            n_reads_total += runs.size() * (att.v_trans ? hp.n_embd_v_gqa(il) : 1);
+            n_reads_total += att.k_only ? 0 : runs.size() * (att.v_trans ? hp.n_embd_v_gqa(il) : 1);
         }
     }
 
@@ -193,7 +200,7 @@ private:
     }
 
     // The read that state_read_data issues next, by its index: K of every layer, then V
-    // of every layer (by row j when transposed), one per run.
+    // of every layer (by row j when transposed; none in a K-only cache), one per run.
     void expect(ggml_tensor * t, size_t offset, size_t size) {
         const size_t R = runs.size();
         const size_t L = layer_ids.size();
@@ -208,6 +215,9 @@ private:
             want_size = r.n * row;
             want_data = layers[l].k;
         } else {
+            if (att.k_only) {
+                throw std::runtime_error("mcbridge: llama.cpp read V of a cache without V");
+            }
             i -= L * R;
             size_t l = 0;
             for (; l < L; l++) {
@@ -259,7 +269,8 @@ private:
 };
 
 // Learns which tensors hold a sequence's K and V from a state_write of it: each layer's
-// reads come together, K of every layer first, then V. Copies nothing.
+// writes come together, K of every layer first, then V (of a cache that has V). Copies
+// nothing.
 class tensor_capture : public llama_io_write_i {
 public:
     void write(const void * /*src*/, size_t size) override { n += size; }
@@ -279,13 +290,13 @@ private:
 
 } // namespace
 
-kv_storage capture_storage(llama_kv_cache * kv, llama_seq_id seq_id) {
+kv_storage capture_storage(llama_kv_cache * kv, llama_seq_id seq_id, bool k_only) {
     tensor_capture cap;
     kv->state_write(cap, seq_id);
     const size_t L = kv->get_layer_ids().size();
-    if (cap.order.size() != 2 * L) {
+    if (cap.order.size() != (k_only ? 1 : 2) * L) {
         throw std::runtime_error("state_write named " + std::to_string(cap.order.size()) + " tensors for " +
-                                 std::to_string(L) + " layers");
+                                 std::to_string(L) + " layers" + (k_only ? " without V" : ""));
     }
     // Each named tensor is the sequence's stream's view of a layer's K or V: a view at
     // stream * nb[2] of the whole tensor, with its rows.
@@ -302,6 +313,9 @@ kv_storage capture_storage(llama_kv_cache * kv, llama_seq_id seq_id) {
             throw std::runtime_error(std::string("KV tensor ") + whole->name + " is not laid out by stream");
         }
         (i < L ? st.k : st.v).push_back(whole);
+    }
+    if (k_only) {
+        st.v.assign(L, nullptr);
     }
     return st;
 }

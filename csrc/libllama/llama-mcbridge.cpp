@@ -6,6 +6,9 @@
 #include "llama-context.h"
 #include "llama-impl.h"
 #include "llama-io.h"
+#include "llama-kv-cache-dsa-iswa.h"
+#include "llama-kv-cache-dsa.h"
+#include "llama-kv-cache-iswa.h"
 #include "llama-kv-cache.h"
 #include "llama-model.h"
 
@@ -120,8 +123,8 @@ std::atomic<bool> g_tracking{false};
 // with the KV it produced, learning where the cache's tensors are; the sequence is
 // emptied again either way.
 mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const mcb_model_params & params,
-                               const mcb_kv_format & format, bool v_trans, mcb_model & out, kv_storage & storage,
-                               std::shared_ptr<kv_stage> & stage, std::string & why) {
+                               const mcb_kv_format & format, bool v_trans, bool k_only, mcb_model & out,
+                               kv_storage & storage, std::shared_ptr<kv_stage> & stage, std::string & why) {
     if (kv->seq_pos_max(0) >= 0) {
         why = "sequence 0 is not empty";
         return MCB_STATUS_STATE;
@@ -150,7 +153,7 @@ mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const m
             if (cells.size() != toks.size()) {
                 throw std::runtime_error("the probe's positions are not all in the cache");
             }
-            storage = capture_storage(kv, 0);
+            storage = capture_storage(kv, 0, k_only);
             stage   = kv_stage::make(ctx, kv, storage, v_trans);
             const std::vector<mcb_kv_layer> layers = stream_layers(storage, kv->get_size(), v_trans, 0);
             mcb_kv_layout layout = layout_of(kv, v_trans, layers);
@@ -267,7 +270,8 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     const llama_cparams & cp = ctx->get_cparams();
 
     // What the bridge cannot describe or restore exactly turns it off (docs/design.md §5.5).
-    llama_kv_cache * kv = plain_kv(ctx);
+    llama_memory_i * mem = llama_get_memory(ctx);
+    llama_kv_cache * kv  = plain_kv(ctx);
     if (!configured()) {
         why_off = "not configured (--mcb-config or MCB_CONFIG)";
     } else if (cp.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
@@ -276,12 +280,21 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
         why_off = "recurrent model";
     } else if (llama_model_is_hybrid(&model)) {
         why_off = "hybrid model";
-    } else if (llama_model_n_swa(&model) > 0) {
+    } else if (dynamic_cast<llama_kv_cache_iswa *>(mem) != nullptr || dynamic_cast<llama_kv_cache_dsa_iswa *>(mem) != nullptr) {
+        // Decided by the memory, not by llama_model_n_swa: a model may name a window
+        // and still run one plain cache (EXAONE 4 but its 32B).
         why_off = "sliding-window attention (iSWA)";
+    } else if (dynamic_cast<llama_kv_cache_dsa *>(mem) != nullptr) {
+        why_off = "MLA with an indexer cache (DSA): not a plain KV cache";
     } else if (kv == nullptr) {
         why_off = "the context's memory is not a plain KV cache";
-    } else if (hp.is_mla()) {
-        why_off = "MLA attention (no V cache)";
+    } else if (hp.swa_type != LLAMA_SWA_TYPE_NONE) {
+        // A plain cache masks by the model's window whenever it has one (every plain
+        // cache llama_model::create_memory makes gets hparams.swa_type): it reuses the
+        // cells of positions left behind and its state leaves them out, so positions
+        // [0, P) are not what it holds. None of the pinned release's target contexts
+        // has one; an MTP draft's does, and it is refused above.
+        why_off = "sliding-window attention in a single cache";
     } else if (!cp.causal_attn) {
         why_off = "non-causal attention";
     }
@@ -298,14 +311,19 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     }
 
     const ggml_type tk = kv->type_k();
-    const ggml_type tv = kv->type_v();
     const bool v_trans = !cp.flash_attn;
+    // An MLA cache allocates no V tensor in any layer (llama_kv_cache: has_v = !is_mla)
+    // and its state has no V sections; hp.n_embd_v_gqa is the attention's V width, not
+    // the cache's. Its format has V rows of 0 bytes, and type_v the K type: no V type
+    // is written anywhere (include/mcbridge.h), and kv->type_v() reads layer 0's V.
+    const bool k_only = hp.is_mla();
+    const ggml_type tv = k_only ? tk : kv->type_v();
     std::vector<uint32_t> ek, ev, kr, vr;
     for (uint32_t il : ids) {
         ek.push_back(hp.n_embd_k_gqa(il));
-        ev.push_back(hp.n_embd_v_gqa(il));
+        ev.push_back(k_only ? 0 : hp.n_embd_v_gqa(il));
         kr.push_back((uint32_t) ggml_row_size(tk, ek.back()));
-        vr.push_back((uint32_t) ggml_row_size(tv, ev.back()));
+        vr.push_back(k_only ? 0 : (uint32_t) ggml_row_size(tv, ev.back()));
     }
 
     mcb_model_params p = {};
@@ -325,7 +343,7 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     kv_storage storage;
     std::shared_ptr<kv_stage> stage;
     std::string why_probe;
-    if (register_with_probe(ctx, kv, p, f, v_trans, m, storage, stage, why_probe) != MCB_STATUS_OK) {
+    if (register_with_probe(ctx, kv, p, f, v_trans, k_only, m, storage, stage, why_probe) != MCB_STATUS_OK) {
         why_off = "registering the model: " + why_probe;
         return false;
     }
@@ -334,14 +352,19 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     a.model   = m;
     a.n_layer = f.n_layer;
     a.v_trans = v_trans;
+    a.k_only  = k_only;
     a.storage = storage;
     a.stage   = stage;
     std::ostringstream d;
-    d << model.arch_name() << ", " << f.n_layer << " KV layers, K " << ggml_type_name(tk) << " V " << ggml_type_name(tv)
-      << (v_trans ? " (V transposed)" : "") << ", " << kv->get_n_stream() << " stream(s) of " << kv->get_size()
-      << " cells";
+    d << model.arch_name() << ", " << f.n_layer << " KV layers, K " << ggml_type_name(tk);
+    if (k_only) {
+        d << ", no V (MLA)";
+    } else {
+        d << " V " << ggml_type_name(tv) << (v_trans ? " (V transposed)" : "");
+    }
+    d << ", " << kv->get_n_stream() << " stream(s) of " << kv->get_size() << " cells";
     if (stage) {
-        d << ", KV on " << stage->where << " (" << stage->n_device << " of " << 2 * f.n_layer
+        d << ", KV on " << stage->where << " (" << stage->n_device << " of " << (k_only ? 1 : 2) * f.n_layer
           << " tensors, staged through host memory)";
     }
     a.describe = d.str();

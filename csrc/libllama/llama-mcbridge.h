@@ -43,7 +43,8 @@ void set_tenant(const std::string & tenant);
 const std::string & default_tenant();
 
 // The K and V tensors of every KV layer of a cache, each [n_embd, kv_size, n_stream]:
-// stream s of layer l starts s * nb[2] bytes into k[l] and v[l].
+// stream s of layer l starts s * nb[2] bytes into k[l] and v[l]. A K-only cache
+// (MLA: attention reads V out of K's latent) has no V tensors: every v[l] is null.
 struct kv_storage {
     std::vector<ggml_tensor *> k;
     std::vector<ggml_tensor *> v;
@@ -54,6 +55,7 @@ struct attachment {
     mcb_model   model   = 0;
     uint32_t    n_layer = 0;
     bool        v_trans = false;
+    bool        k_only  = false; // no V tensors (MLA): the format's V rows are 0 bytes
     kv_storage  storage; // learned from the probe's sequence, which names its stream's views
     // Where some K or V tensor is not host memory (a GPU, an RPC server): the host
     // staging every load and save of the context goes through; nullptr otherwise.
@@ -65,7 +67,7 @@ struct attachment {
 // the probe prompt is decoded into sequence 0 of the empty cache and its KV handed
 // over, so that the library derives the model's identity as for any other host.
 // Returns false, with why_off set, when the bridge is off or cannot serve this
-// context (draft, recurrent, hybrid, sliding window, MLA, ...).
+// context (draft, recurrent, hybrid, sliding window, ...).
 bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::string & why_off);
 void detach(llama_context * ctx);
 

@@ -31,8 +31,10 @@ func (m *Model) tensorSpans(lo *kvlayout.Layout) []tensorSpan {
 	g := &m.geo
 	out := make([]tensorSpan, 0, 2*len(lo.Layers))
 	for l, ly := range lo.Layers {
-		out = append(out, tensorSpan{ly.K, uintptr(ly.KStride)*uintptr(lo.Cells-1) + uintptr(g.KRow[l])},
-			tensorSpan{ly.V, uintptr(ly.VStride)*uintptr(lo.Cells-1) + uintptr(g.VRow[l])})
+		out = append(out, tensorSpan{ly.K, uintptr(ly.KStride)*uintptr(lo.Cells-1) + uintptr(g.KRow[l])})
+		if g.VRow[l] > 0 { // a K-only model's layers have no V tensor
+			out = append(out, tensorSpan{ly.V, uintptr(ly.VStride)*uintptr(lo.Cells-1) + uintptr(g.VRow[l])})
+		}
 	}
 	return out
 }

@@ -22,6 +22,10 @@ var LlamaVersion = llamapin.Tag
 
 // LayerFormat is one layer's K and V as llama.cpp lays them out. VElSize and
 // NEmbdV are set only for transposed V, where the state format names them.
+// A layer of a K-only cache (MLA: attention reads V out of K's latent, and
+// llama.cpp allocates no V tensor) has VRow 0 and VType its K type: no V
+// type is written anywhere, and what the host's V type is changes no byte,
+// so every host names it so and their fingerprints agree.
 type LayerFormat struct {
 	KType   int32
 	KRow    uint64 // bytes of one token's K row
@@ -41,6 +45,9 @@ type Format struct {
 	// fingerprint, as it changes no KV byte.
 	CellExt bool
 }
+
+// KOnly reports whether the format's layers have no V (an MLA cache).
+func (f *Format) KOnly() bool { return len(f.Layers) > 0 && f.Layers[0].VRow == 0 }
 
 // Equal reports whether two formats describe the same rows.
 func (f *Format) Equal(o *Format) bool {
@@ -66,6 +73,10 @@ func FormatOf(st *llamastate.State) (Format, int, error) {
 	f := Format{VTrans: s.VTrans, Layers: make([]LayerFormat, len(s.Layers)), CellExt: st.CellExt}
 	for l, ly := range s.Layers {
 		f.Layers[l] = LayerFormat{KType: ly.KType, KRow: ly.KRowSize, VType: ly.VType, VRow: ly.VRowSize}
+		if st.KOnly {
+			f.Layers[l].VType = ly.KType
+			continue
+		}
 		if s.VTrans {
 			f.Layers[l].VElSize, f.Layers[l].NEmbdV = ly.VElSize, ly.NEmbdV
 		}
@@ -119,16 +130,32 @@ type layerShape struct {
 }
 
 // shapes checks f and derives every layer's shape from it. Types must agree
-// across layers: llama.cpp has one K and one V type per cache.
+// across layers: llama.cpp has one K and one V type per cache; and V is in
+// every layer or, in a K-only cache, in none.
 func (f *Format) shapes() ([]layerShape, error) {
 	if len(f.Layers) == 0 {
 		return nil, status.Errorf(status.Unsupported, "KV format without layers")
 	}
 	out := make([]layerShape, len(f.Layers))
 	k0, v0 := f.Layers[0].KType, f.Layers[0].VType
+	kOnly := f.KOnly()
 	for l, ly := range f.Layers {
 		if ly.KType != k0 || ly.VType != v0 {
 			return nil, status.Errorf(status.Unsupported, "layer %d: K/V types %d/%d differ from layer 0's", l, ly.KType, ly.VType)
+		}
+		if kOnly {
+			if ly.VRow != 0 || ly.VElSize != 0 || ly.NEmbdV != 0 || ly.VType != ly.KType {
+				return nil, status.Errorf(status.Unsupported, "layer %d: V of type %d in %d-byte rows in a model whose layer 0 has no V", l, ly.VType, ly.VRow)
+			}
+			if ly.KRow > math.MaxInt32 {
+				return nil, status.Errorf(status.Unsupported, "layer %d: rows over 2 GiB", l)
+			}
+			s := layerShape{kRow: int(ly.KRow), nEmbdK: rowElements(ly.KType, ly.KRow), vElem: 1}
+			if s.nEmbdK == 0 {
+				return nil, status.Errorf(status.Unsupported, "layer %d: K row of %d bytes is not whole rows of type %d", l, ly.KRow, ly.KType)
+			}
+			out[l] = s
+			continue
 		}
 		if ly.KRow > math.MaxInt32 || ly.VRow > math.MaxInt32 {
 			return nil, status.Errorf(status.Unsupported, "layer %d: rows over 2 GiB", l)

@@ -1,6 +1,7 @@
 package host
 
 import (
+	"fmt"
 	"math/rand"
 	"os"
 	"path/filepath"
@@ -37,12 +38,13 @@ func tinyModel(t *testing.T) string {
 	return p
 }
 
-// format describes a kvtest host's rows as f16 K and V.
+// format describes a kvtest host's rows as f16 K and V, or f16 K alone for
+// a host without V tensors.
 func format(h *kvtest.Host) Format {
 	f := Format{VTrans: h.VTrans}
 	for l := range h.KRow {
 		ly := LayerFormat{KType: 1, KRow: uint64(h.KRow[l]), VType: 1, VRow: uint64(h.VRow[l])}
-		if h.VTrans {
+		if h.VTrans && h.VRow[l] > 0 {
 			ly.VElSize, ly.NEmbdV = 2, uint32(h.VRow[l]/2)
 		}
 		f.Layers = append(f.Layers, ly)
@@ -55,7 +57,7 @@ func format(h *kvtest.Host) Format {
 func stateOf(t *testing.T, h *kvtest.Host, cells []uint32) []byte {
 	n := len(cells)
 	f := format(h)
-	st := &llamastate.State{Kind: llamastate.Memory, Streams: make([]llamastate.Stream, 1)}
+	st := &llamastate.State{Kind: llamastate.Memory, Streams: make([]llamastate.Stream, 1), KOnly: f.KOnly()}
 	s := &st.Streams[0]
 	s.VTrans = h.VTrans
 	// The blob's cells are the host's cells in cell order; their rows are
@@ -87,6 +89,10 @@ func stateOf(t *testing.T, h *kvtest.Host, cells []uint32) []byte {
 				}
 			}
 		}
+		if st.KOnly {
+			s.Layers = append(s.Layers, llamastate.Layer{KType: 1, KRowSize: ly.KRow, K: k})
+			continue
+		}
 		s.Layers = append(s.Layers, llamastate.Layer{KType: 1, KRowSize: ly.KRow, K: k, VType: 1, VRowSize: ly.VRow,
 			VElSize: ly.VElSize, NEmbdV: ly.NEmbdV, V: v})
 	}
@@ -109,10 +115,14 @@ func sortU32(s []uint32) {
 // byte of other KV gives another model.
 func TestProbeDigestIsTheSameForTensorsAndStates(t *testing.T) {
 	model := tinyModel(t)
-	for _, vtrans := range []bool{false, true} {
+	for _, tc := range []struct {
+		vtrans bool
+		vrow   int // 0: a K-only cache (MLA)
+	}{{false, 48}, {true, 48}, {false, 0}, {true, 0}} {
+		vtrans := tc.vtrans
 		b := openBridge(t)
-		a := kvtest.New(t, 3, 64, 32, 48, vtrans)
-		c := kvtest.New(t, 3, 200, 32, 48, vtrans) // another cache size: another transposed-V stride
+		a := kvtest.New(t, 3, 64, 32, tc.vrow, vtrans)
+		c := kvtest.New(t, 3, 200, 32, tc.vrow, vtrans) // another cache size: another transposed-V stride
 		probe := ProbeTokens()
 		cellsA := kvtest.SeqCells(len(probe))
 		cellsC := kvtest.ScatteredCells(rand.New(rand.NewSource(7)), len(probe), 200)
@@ -133,7 +143,41 @@ func TestProbeDigestIsTheSameForTensorsAndStates(t *testing.T) {
 		mx, err := Register(b, id, c.Layout(), cellsC)
 		require.NoError(t, err)
 		assert.NotEqual(t, ma.Fingerprint(), mx.Fingerprint(), "vtrans %v: one byte of other KV, the same model", vtrans)
+		assert.Equal(t, tc.vrow == 0, ms.Format.KOnly(), "vtrans %v: the state's format has V rows of %d bytes", vtrans, tc.vrow)
 	}
+}
+
+// A K-only cache (MLA) is another model than a cache of the same K with V,
+// and a format with V in some layers only is refused.
+func TestKOnlyFormat(t *testing.T) {
+	model := tinyModel(t)
+	b := openBridge(t)
+	probe := ProbeTokens()
+	cells := kvtest.SeqCells(len(probe))
+	withV := kvtest.New(t, 2, 16, 32, 32, false)
+	kOnly := kvtest.New(t, 2, 16, 32, 0, false)
+	for _, h := range []*kvtest.Host{withV, kOnly} {
+		h.Fill(probe, cells)
+	}
+	mv, err := Register(b, Identity{LlamaVersion: LlamaVersion, GGUFPath: model, Format: format(withV)}, withV.Layout(), cells)
+	require.NoError(t, err)
+	mk, err := Register(b, Identity{LlamaVersion: LlamaVersion, GGUFPath: model, Format: format(kOnly)}, kOnly.Layout(), cells)
+	require.NoError(t, err)
+	assert.NotEqual(t, mv.Fingerprint(), mk.Fingerprint(), "the same K with and without V")
+	assert.True(t, mk.Format.KOnly())
+	assert.Equal(t, mk.Format.Layers[0].KType, mk.Format.Layers[0].VType, "a K-only format's V type is its K type")
+
+	mixed := format(withV)
+	mixed.Layers[1].VRow = 0
+	_, err = Register(b, Identity{LlamaVersion: LlamaVersion, GGUFPath: model, Format: mixed}, withV.Layout(), cells)
+	assert.Equal(t, status.Unsupported, status.Of(err), "V in layer 0 only: %v", err)
+	mixed = format(kOnly)
+	mixed.Layers[1].VRow = 64
+	_, err = Register(b, Identity{LlamaVersion: LlamaVersion, GGUFPath: model, Format: mixed}, kOnly.Layout(), cells)
+	assert.Equal(t, status.Unsupported, status.Of(err), "V in layer 1 only: %v", err)
+	// A state with V is another model's than a K-only one's.
+	_, err = mk.SaveState(key0(), stateOf(t, withV, cells), probe)
+	assert.Equal(t, status.ModelMismatch, status.Of(err), "a state with V saved as a K-only model's: %v", err)
 }
 
 func TestRegisterRefuses(t *testing.T) {
@@ -228,16 +272,20 @@ func nan() float64 {
 // position, framed as asked; a partial load keeps the verified blocks.
 func TestStateRoundTrip(t *testing.T) {
 	model := tinyModel(t)
-	for _, vtrans := range []bool{false, true} {
+	for _, tc := range []struct {
+		vtrans bool
+		vrow   int // 0: a K-only cache (MLA)
+	}{{false, 48}, {true, 48}, {false, 0}, {true, 0}} {
+		vtrans := tc.vtrans
 		c := config.Default()
-		c.PoolBytes, c.BlockTokens, c.Directory.Name = 16<<20, 4, t.Name()+"-"+map[bool]string{false: "rows", true: "vtrans"}[vtrans]
+		c.PoolBytes, c.BlockTokens, c.Directory.Name = 16<<20, 4, fmt.Sprintf("%s-%v-%d", t.Name(), vtrans, tc.vrow)
 		c.Arbiter.Policy = "always-restore"
 		ba, err := bridge.Open(c, bridge.Deps{})
 		require.NoError(t, err)
 		bb, err := bridge.Open(c, bridge.Deps{})
 		require.NoError(t, err)
 
-		h := kvtest.New(t, 2, 32, 32, 48, vtrans)
+		h := kvtest.New(t, 2, 32, 32, tc.vrow, vtrans)
 		h.Fill(ProbeTokens(), kvtest.SeqCells(8))
 		probe := stateOf(t, h, kvtest.SeqCells(8))
 		ma, _, err := RegisterState(ba, Identity{GGUFPath: model}, probe)
@@ -267,6 +315,7 @@ func TestStateRoundTrip(t *testing.T) {
 		require.NoError(t, bb.Transport().UnregisterMemory(blobAddr))
 		st, err := llamastate.Parse(blob)
 		require.NoError(t, err)
+		assert.Equal(t, tc.vrow == 0, st.KOnly, "vtrans %v: the restored state has V rows of %d bytes", vtrans, tc.vrow)
 		words, err := st.PromptTokens()
 		require.NoError(t, err)
 		assert.Equal(t, tokens[:12], words, "the slot file names the restored tokens")

@@ -254,15 +254,19 @@ func probeDigest(vTrans bool, shapes []layerShape, probe kvlayout.Layout, cells 
 }
 
 // StateLayout points the bridge at a parsed state's rows, in place: cell c
-// of layer l is K row c and V row c, or element c of each V column.
+// of layer l is K row c and V row c, or element c of each V column. The
+// layers of a K-only state have no V.
 func StateLayout(b []byte, s *llamastate.Stream) kvlayout.Layout {
 	lo := kvlayout.Layout{Cells: uint32(len(s.Cells)), VTrans: s.VTrans, Location: "cpu:0", Layers: make([]kvlayout.Layer, len(s.Layers))}
 	for l, ly := range s.Layers {
-		vStride := ly.VRowSize
-		if s.VTrans {
-			vStride = uint64(len(s.Cells)) * uint64(ly.VElSize)
+		lo.Layers[l] = kvlayout.Layer{K: mem.Addr(b[ly.KOff:]), KStride: ly.KRowSize}
+		if ly.VRowSize == 0 {
+			continue
 		}
-		lo.Layers[l] = kvlayout.Layer{K: mem.Addr(b[ly.KOff:]), V: mem.Addr(b[ly.VOff:]), KStride: ly.KRowSize, VStride: vStride}
+		lo.Layers[l].V, lo.Layers[l].VStride = mem.Addr(b[ly.VOff:]), ly.VRowSize
+		if s.VTrans {
+			lo.Layers[l].VStride = uint64(len(s.Cells)) * uint64(ly.VElSize)
+		}
 	}
 	return lo
 }

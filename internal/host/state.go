@@ -158,7 +158,8 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 // only gives them their lengths: FrameInto writes around them.
 func (m *Model) emptyState(fr Frame, tokens []int32) *llamastate.State {
 	n := len(tokens)
-	st := &llamastate.State{Kind: fr.Kind, SeqID: fr.SeqID, Streams: make([]llamastate.Stream, fr.NStream), CellExt: m.Format.CellExt}
+	st := &llamastate.State{Kind: fr.Kind, SeqID: fr.SeqID, Streams: make([]llamastate.Stream, fr.NStream),
+		CellExt: m.Format.CellExt, KOnly: m.Format.KOnly()}
 	if fr.Kind == llamastate.SlotFile {
 		st.Words = ServerWords(tokens)
 	}

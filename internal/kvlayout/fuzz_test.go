@@ -25,9 +25,11 @@ func FuzzLayout(f *testing.F) {
 	f.Add(uint16(5), uint8(5), uint16(1), uint16(5), uint8(0), false, uint32(1), uint32(7), int64(4), []byte{4, 3, 2, 1, 0})
 	f.Add(uint16(5), uint8(3), uint16(1), uint16(2), uint8(1), true, uint32(1), uint32(9), int64(5), []byte{4, 4, 0})
 	f.Add(uint16(300), uint8(3), uint16(8), uint16(8), uint8(2), true, uint32(7), uint32(1199), int64(6), []byte{255, 44, 1})
+	f.Add(uint16(64), uint8(16), uint16(32), uint16(0), uint8(1), false, uint32(32), uint32(0), int64(7), []byte(nil)) // K-only
+	f.Add(uint16(9), uint8(4), uint16(5), uint16(0), uint8(0), true, uint32(9), uint32(3), int64(8), []byte(nil))      // K-only
 	f.Fuzz(func(t *testing.T, cellCount uint16, block uint8, krow, vrow uint16, elemSel uint8, vtrans bool,
 		kstride, vstride uint32, seed int64, rawCells []byte) {
-		if cellCount == 0 || block == 0 || krow == 0 || vrow == 0 || int(block) > int(cellCount) {
+		if cellCount == 0 || block == 0 || krow == 0 || int(block) > int(cellCount) {
 			return
 		}
 		elem := 1 << (elemSel % 4)
@@ -35,8 +37,13 @@ func FuzzLayout(f *testing.F) {
 			Geometry: &pool.Geometry{BlockTokens: int(block), KRow: []int{int(krow)}, VRow: []int{int(vrow)}},
 			VElem:    []int{elem},
 		}
+		// vrow 0 is a K-only model (MLA), whose layers have no V tensor.
+		v := uintptr(1)
+		if vrow == 0 {
+			v = 0
+		}
 		lo := &Layout{Cells: uint32(cellCount), VTrans: vtrans, Location: "cpu:0",
-			Layers: []Layer{{K: 1, V: 1, KStride: uint64(kstride), VStride: uint64(vstride)}}}
+			Layers: []Layer{{K: 1, V: v, KStride: uint64(kstride), VStride: uint64(vstride)}}}
 		// Validate sees placeholder addresses first: tensors are mapped
 		// only for layouts it accepts, and only when they are small.
 		if err := lo.Validate(s); err != nil {

@@ -61,14 +61,19 @@ func (lo *Layout) Validate(s *Shape) error {
 	}
 	for l, ly := range lo.Layers {
 		krow, vrow, elem := uint64(g.KRow[l]), uint64(g.VRow[l]), uint64(s.VElem[l])
-		if ly.K == 0 || ly.V == 0 {
-			return status.Errorf(status.Layout, "layer %d: NULL tensor", l)
+		// A K-only model's layers (MLA) have no V tensor, and every other
+		// model's have one.
+		if ly.K == 0 || (ly.V == 0) != (vrow == 0) {
+			return status.Errorf(status.Layout, "layer %d: K at %#x, V at %#x for V rows of %d bytes", l, ly.K, ly.V, vrow)
 		}
 		if ly.KStride < krow {
 			return status.Errorf(status.Layout, "layer %d: K stride %d below the row size %d", l, ly.KStride, krow)
 		}
 		if !fits(ly.K, ly.KStride, uint64(lo.Cells-1), krow) {
 			return status.Errorf(status.Layout, "layer %d: K tensor reaches past user space", l)
+		}
+		if vrow == 0 {
+			continue
 		}
 		if lo.VTrans {
 			if elem == 0 || vrow%elem != 0 {
@@ -166,12 +171,12 @@ func (lo *Layout) PlaceSum(s *Shape, l int, payload []byte, runs []Run) uint64 {
 	for off := 0; off < len(payload); off += pool.SumChunk {
 		end := min(off+pool.SumChunk, len(payload))
 		placeSpan(ly.K, ly.KStride, krow, runs, kpart, off, end)
-		if !lo.VTrans {
+		if !lo.VTrans && vrow > 0 {
 			placeSpan(ly.V, ly.VStride, vrow, runs, vpart, off-kn, end-kn)
 		}
 		sum.Add(payload[off:end])
 	}
-	if lo.VTrans {
+	if lo.VTrans && vrow > 0 {
 		for _, r := range runs {
 			transposed(ly.V, ly.VStride, vrow, s.VElem[l], r, vpart, true)
 		}
@@ -213,16 +218,16 @@ type Piece struct {
 }
 
 // Pieces lists where layer l's payload lands at the block's cells, in
-// payload order: one piece per run for K and one for V, so that a transfer
-// can write each piece in place. It returns nil where rows do not sit back
-// to back (a padded stride, transposed V): there every row or element
-// would be a piece of its own, and the payload is staged and placed
-// instead.
+// payload order: one piece per run for K and one for V (none for a K-only
+// layer), so that a transfer can write each piece in place. It returns nil
+// where rows do not sit back to back (a padded stride, transposed V):
+// there every row or element would be a piece of its own, and the payload
+// is staged and placed instead.
 func (lo *Layout) Pieces(s *Shape, l int, runs []Run) []Piece {
 	g := s.Geometry
 	ly := lo.Layers[l]
 	krow, vrow := g.KRow[l], g.VRow[l]
-	if lo.VTrans || ly.KStride != uint64(krow) || ly.VStride != uint64(vrow) {
+	if ly.KStride != uint64(krow) || (vrow > 0 && (lo.VTrans || ly.VStride != uint64(vrow))) {
 		return nil
 	}
 	out := make([]Piece, 0, 2*len(runs))
@@ -230,6 +235,9 @@ func (lo *Layout) Pieces(s *Shape, l int, runs []Run) []Piece {
 		base uintptr
 		row  int
 	}{{ly.K, krow}, {ly.V, vrow}} {
+		if p.row == 0 {
+			continue // a K-only layer: no V to write
+		}
 		for _, r := range runs {
 			out = append(out, Piece{
 				Off:  part*g.BlockTokens*krow + r.Pos*p.row,
@@ -281,6 +289,9 @@ func (lo *Layout) move(s *Shape, l int, payload []byte, runs []Run, place bool) 
 	vpart := payload[g.BlockTokens*krow : g.BlockTokens*(krow+vrow)]
 	for _, r := range runs {
 		rows(ly.K, ly.KStride, krow, r, kpart, place)
+		if vrow == 0 {
+			continue // a K-only layer
+		}
 		if !lo.VTrans {
 			rows(ly.V, ly.VStride, vrow, r, vpart, place)
 			continue

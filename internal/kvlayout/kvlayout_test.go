@@ -37,6 +37,14 @@ func TestValidate(t *testing.T) {
 	for _, lo := range []*Layout{good(), trans()} {
 		require.NoError(t, lo.Validate(s), "a good layout")
 	}
+	// A K-only model (MLA) has no V tensors, whatever the V layout says.
+	kOnly := shape(4, []int{16, 16}, []int{0, 0}, []int{1, 1})
+	for _, lo := range []*Layout{good(), trans()} {
+		for l := range lo.Layers {
+			lo.Layers[l].V, lo.Layers[l].VStride = 0, 0
+		}
+		require.NoError(t, lo.Validate(kOnly), "a K-only layout (V transposed %v)", lo.VTrans)
+	}
 	noLoc := good()
 	noLoc.Location = ""
 	require.NoError(t, noLoc.Validate(s), "no location")
@@ -54,8 +62,9 @@ func TestValidate(t *testing.T) {
 		{"no cells", func() *Layout { lo := good(); lo.Cells = 0; return lo }, nil, status.Layout, "no cells"},
 		{"device memory", func() *Layout { lo := good(); lo.Location = "cuda:0"; return lo }, nil, status.Unsupported, "cuda:0"},
 		{"bare cpu", func() *Layout { lo := good(); lo.Location = "cpu:"; return lo }, nil, status.Unsupported, "cpu:"},
-		{"NULL K", func() *Layout { lo := good(); lo.Layers[1].K = 0; return lo }, nil, status.Layout, "layer 1: NULL"},
-		{"NULL V", func() *Layout { lo := good(); lo.Layers[0].V = 0; return lo }, nil, status.Layout, "layer 0: NULL"},
+		{"NULL K", func() *Layout { lo := good(); lo.Layers[1].K = 0; return lo }, nil, status.Layout, "layer 1: K at 0x0"},
+		{"NULL V", func() *Layout { lo := good(); lo.Layers[0].V = 0; return lo }, nil, status.Layout, "layer 0: K at 0x10000, V at 0x0"},
+		{"V of a K-only model", good, shape(4, []int{16, 16}, []int{0, 0}, []int{2, 2}), status.Layout, "V at 0x10000 for V rows of 0 bytes"},
 		{"K stride below row", func() *Layout { lo := good(); lo.Layers[0].KStride = 15; return lo }, nil, status.Layout, "K stride 15"},
 		{"V stride below row", func() *Layout { lo := good(); lo.Layers[1].VStride = 7; return lo }, nil, status.Layout, "V stride 7"},
 		{"K wraps", func() *Layout { lo := good(); lo.Layers[0].K = top; return lo }, nil, status.Layout, "K tensor reaches past user space"},
@@ -182,6 +191,9 @@ func kExtent(lo *Layout, krow int, ly Layer) int {
 }
 
 func vExtent(lo *Layout, vrow, elem int, ly Layer) int {
+	if vrow == 0 {
+		return 0 // a K-only layer
+	}
 	if lo.VTrans {
 		return int(uint64(vrow/elem-1)*ly.VStride) + int(lo.Cells)*elem
 	}
@@ -197,6 +209,9 @@ func expectPlaced(lo *Layout, s *Shape, l int, payload []byte, cells []uint32, k
 	vbase := g.BlockTokens * krow
 	for p, c := range cells {
 		copy(kt[uint64(c)*ly.KStride:][:krow], payload[p*krow:(p+1)*krow])
+		if vrow == 0 {
+			continue
+		}
 		vsrc := payload[vbase+p*vrow : vbase+(p+1)*vrow]
 		if !lo.VTrans {
 			copy(vt[uint64(c)*ly.VStride:][:vrow], vsrc)
@@ -271,7 +286,7 @@ func checkPlaceGather(t testing.TB, r *rand.Rand, lo *Layout, s *Shape, l int, c
 	// gives, and SumPieces of what landed is the payload's checksum.
 	ly := lo.Layers[l]
 	pieces := lo.Pieces(s, l, runs)
-	packed := !lo.VTrans && ly.KStride == uint64(g.KRow[l]) && ly.VStride == uint64(g.VRow[l])
+	packed := ly.KStride == uint64(g.KRow[l]) && (g.VRow[l] == 0 || !lo.VTrans && ly.VStride == uint64(g.VRow[l]))
 	require.Equal(t, packed, pieces != nil, "Pieces of layer %d (layout %+v): pieces only where rows sit back to back", l, lo)
 	if pieces == nil {
 		return
@@ -311,6 +326,9 @@ func buildLayout(t testing.TB, lo *Layout, s *Shape) []tensors {
 		ts[l].k = newGuarded(t, kExtent(lo, g.KRow[l], *ly))
 		ts[l].v = newGuarded(t, vExtent(lo, g.VRow[l], s.VElem[l], *ly))
 		ly.K, ly.V = ts[l].k.addr(), ts[l].v.addr()
+		if g.VRow[l] == 0 {
+			ly.V = 0 // a K-only layer: its V tensor stays empty
+		}
 	}
 	return ts
 }
@@ -349,6 +367,30 @@ func TestPlaceGatherRoundTrip(t *testing.T) {
 			}
 			freeLayout(ts)
 		}
+	}
+}
+
+// A K-only model (MLA): each layer's payload is its K rows, and no copy
+// touches a V tensor, whatever the V layout says.
+func TestPlaceGatherKOnly(t *testing.T) {
+	const block, cellCount = 8, 32
+	r := rand.New(rand.NewSource(4))
+	for _, vtrans := range []bool{false, true} {
+		krow := []int{96, 100}
+		s := shape(block, krow, []int{0, 0}, []int{1, 1})
+		lo := &Layout{Cells: cellCount, VTrans: vtrans, Location: "cpu:0", Layers: []Layer{
+			{KStride: uint64(krow[0])},
+			{KStride: uint64(krow[1] + 12)},
+		}}
+		ts := buildLayout(t, lo, s)
+		require.NoError(t, lo.Validate(s))
+		for _, cells := range [][]uint32{{9, 10, 11, 2, 3, 31, 0, 20}, seqCells(24, block)} {
+			require.NoError(t, lo.CheckCells(cells))
+			for l := range lo.Layers {
+				checkPlaceGather(t, r, lo, s, l, cells, ts)
+			}
+		}
+		freeLayout(ts)
 	}
 }
 

@@ -38,6 +38,14 @@ func FuzzParse(f *testing.F) {
 		seed, err = small.Build()
 		require.NoError(f, err)
 		f.Add(seed)
+		// The same without V sections, as an MLA cache writes its
+		// states, with and without extended cells.
+		for _, ext := range []bool{true, false} {
+			small.CellExt = ext
+			seed, err = kOnly(small).Build()
+			require.NoError(f, err)
+			f.Add(seed)
+		}
 	}
 	f.Add([]byte{})
 	f.Fuzz(func(t *testing.T, b []byte) {
@@ -46,8 +54,8 @@ func FuzzParse(f *testing.F) {
 		st, err := Parse(b)
 		runtime.ReadMemStats(&after)
 		// The worst case is a stream list: 4 input bytes per 56-byte Stream,
-		// read twice (plain cells, then extended ones).
-		require.LessOrEqual(t, after.TotalAlloc-before.TotalAlloc, 32*uint64(len(b))+64<<10, "bytes Parse of %d bytes allocated", len(b))
+		// read four times (plain, extended cells, no V, both).
+		require.LessOrEqual(t, after.TotalAlloc-before.TotalAlloc, 64*uint64(len(b))+64<<10, "bytes Parse of %d bytes allocated", len(b))
 		if err != nil {
 			return
 		}
@@ -69,6 +77,7 @@ func FuzzParse(f *testing.F) {
 			require.Len(t, s.Cells, n, "Slice(%d): cells", n)
 			require.Len(t, sl.Streams, len(st.Streams), "Slice(%d): streams", n)
 			require.Equal(t, st.CellExt, sl.CellExt, "Slice(%d): cell extensions", n)
+			require.Equal(t, st.KOnly, sl.KOnly, "Slice(%d): V sections", n)
 			for p, c := range s.Cells {
 				require.Equal(t, int32(p), c.Pos, "Slice(%d): cell %d: %+v", n, p, c)
 				require.Len(t, c.SeqIDs, 1, "Slice(%d): cell %d: %+v", n, p, c)

@@ -8,13 +8,13 @@
 //
 // A reverse proxy splits slot files into blocks of positions and reassembles
 // a prefix with Slice. The format is version-specific: this package keys on
-// v0.5.0 and refuses other magics and slot versions. The cells of M-RoPE and
-// per-layer-embedding caches carry an extension (llama_kv_cell_ext), which
-// nothing in the state flags: Parse reads a state with them when it does not
-// read as one without, and says so in CellExt. Caches with layers lacking V
-// (MLA) and states of several caches (sliding-window, hybrid and recurrent
-// models) are not supported: such input fails to parse or parses to other
-// cells.
+// v0.5.0 and refuses other magics and slot versions. Two variants are not
+// flagged in the state, and Parse tries them when a state does not read
+// without: the cells of M-RoPE and per-layer-embedding caches carry an
+// extension (llama_kv_cell_ext; CellExt), and an MLA cache has no V tensors,
+// so its layers have no V sections (KOnly). States of several caches
+// (sliding-window, hybrid and recurrent models) are not supported: such
+// input fails to parse or parses to other cells.
 package llamastate
 
 import (
@@ -50,6 +50,10 @@ type State struct {
 	Streams []Stream
 	// CellExt says that every cell carries an extension (Cell.Ext).
 	CellExt bool
+	// KOnly says that the layers carry K only: the cache has no V (MLA,
+	// where attention reads V out of K's latent), and the state no V
+	// sections. Every layer's V fields are then zero and V is empty.
+	KOnly bool
 }
 
 // Stream is one KV stream's section. A stream without cells of the
@@ -95,9 +99,10 @@ type CellExt struct {
 const cellExtSize = 12
 
 type reader struct {
-	b   []byte
-	off int
-	ext bool // cells carry an extension
+	b     []byte
+	off   int
+	ext   bool // cells carry an extension
+	kOnly bool // layers have no V sections
 }
 
 func (r *reader) left() int { return len(r.b) - r.off }
@@ -137,26 +142,44 @@ func (r *reader) bytes(n, size uint64, what string) ([]byte, int, error) {
 
 // Parse reads a sequence state blob or slot file. It accepts exactly one
 // state: bytes after the last stream are an error. A state that does not
-// read with plain cells is read again with extended ones (CellExt); the
-// error is the plain reading's when neither reads.
+// read with plain cells and layers with V is read again with extended cells
+// (CellExt), then with layers without V (KOnly), then with both. A whole
+// state of one variant does not read as another: each shifts every field
+// that follows, and a reading must end at the state's last byte. (A state
+// with V cut where its K sections end reads as K-only; a host's model has
+// one format and refuses states of another.) When none reads, the error is
+// that of the first reading that read a whole state and found bytes after
+// it, which is what the state of several caches (sliding-window, hybrid,
+// MLA with an indexer) gives, else the plain reading's.
 func Parse(b []byte) (*State, error) {
-	st, err := parse(b, false)
-	if err == nil {
-		return st, nil
+	var first, whole error
+	for _, v := range []struct{ ext, kOnly bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
+		st, err := parse(b, v.ext, v.kOnly)
+		if err == nil {
+			return st, nil
+		}
+		if first == nil {
+			first = err
+		}
+		if st != nil && whole == nil {
+			whole = err
+		}
 	}
-	if ext, errExt := parse(b, true); errExt == nil {
-		return ext, nil
+	if whole != nil {
+		return nil, whole
 	}
-	return nil, err
+	return nil, first
 }
 
-func parse(b []byte, cellExt bool) (*State, error) {
-	r := &reader{b: b, ext: cellExt}
+// parse reads b as one variant. A whole state followed by more bytes is an
+// error that comes with the state read.
+func parse(b []byte, cellExt, kOnly bool) (*State, error) {
+	r := &reader{b: b, ext: cellExt, kOnly: kOnly}
 	magic, err := r.u32("magic")
 	if err != nil {
 		return nil, err
 	}
-	st := &State{CellExt: cellExt}
+	st := &State{CellExt: cellExt, KOnly: kOnly}
 	switch magic {
 	case SeqMagic:
 		st.Kind = Memory
@@ -201,7 +224,7 @@ func parse(b []byte, cellExt bool) (*State, error) {
 		}
 	}
 	if r.left() != 0 {
-		return nil, status.Errorf(status.InvalidArg, "sequence state: %d bytes after the last stream", r.left())
+		return st, status.Errorf(status.InvalidArg, "sequence state: %d bytes after the last stream", r.left())
 	}
 	return st, nil
 }
@@ -254,8 +277,13 @@ func (r *reader) stream(s *Stream) error {
 	if err != nil {
 		return err
 	}
-	// A layer takes at least a 12-byte K and a 12-byte V header.
-	if nLayer == 0 || uint64(nLayer) > uint64(r.left()/24) {
+	// A layer takes at least a 12-byte K header and, with V, a 12-byte V
+	// header.
+	minLayer := 24
+	if r.kOnly {
+		minLayer = 12
+	}
+	if nLayer == 0 || uint64(nLayer) > uint64(r.left()/minLayer) {
 		return status.Errorf(status.InvalidArg, "sequence state: %d layers in %d bytes", nLayer, r.left())
 	}
 	s.Layers = make([]Layer, nLayer)
@@ -274,6 +302,9 @@ func (r *reader) stream(s *Stream) error {
 		if ly.K, ly.KOff, err = r.bytes(cells, ly.KRowSize, "K rows"); err != nil {
 			return err
 		}
+	}
+	if r.kOnly {
+		return nil
 	}
 	for l := range s.Layers {
 		ly := &s.Layers[l]
@@ -320,7 +351,10 @@ func (st *State) Size() int {
 		}
 		n += 8
 		for _, l := range s.Layers {
-			n += 24 + len(l.K) + len(l.V)
+			n += 12 + len(l.K)
+			if !st.KOnly {
+				n += 12 + len(l.V)
+			}
 		}
 	}
 	return n
@@ -406,6 +440,9 @@ func (st *State) encode(w []byte, rows bool) []byte {
 			w = le.AppendUint64(w, l.KRowSize)
 			w = put(l.K)
 		}
+		if st.KOnly {
+			continue
+		}
 		for _, l := range s.Layers {
 			w = le.AppendUint32(w, uint32(l.VType))
 			if s.VTrans {
@@ -439,6 +476,12 @@ func (st *State) check() error {
 		}
 		n := uint64(len(s.Cells))
 		for l, ly := range s.Layers {
+			if st.KOnly {
+				if ly.KRowSize == 0 || uint64(len(ly.K)) != n*ly.KRowSize || ly.VRowSize != 0 || ly.VElSize != 0 || ly.NEmbdV != 0 || len(ly.V) != 0 {
+					return status.Errorf(status.InvalidArg, "stream %d layer %d: %d bytes of K for %d cells, V of %d bytes in a K-only state", i, l, len(ly.K), n, len(ly.V))
+				}
+				continue
+			}
 			vRow := ly.VRowSize
 			if s.VTrans && vRow != uint64(ly.VElSize)*uint64(ly.NEmbdV) {
 				return status.Errorf(status.InvalidArg, "stream %d layer %d: V row of %d bytes is not %d x %d", i, l, vRow, ly.NEmbdV, ly.VElSize)

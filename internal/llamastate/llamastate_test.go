@@ -3,6 +3,7 @@ package llamastate
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -226,8 +227,20 @@ func TestParseRefuses(t *testing.T) {
 		_, err := Parse(tc.b)
 		assert.Equal(t, tc.code, status.Of(err), "%s: %v", tc.name, err)
 	}
+	// A blob cut anywhere reads as nothing, except where its K sections
+	// end: that is a state of the same cells in a cache without V (MLA),
+	// which nothing in the state tells apart. A host's model has one
+	// format, and states of the other are refused as another model's.
+	plain, err := Parse(good)
+	require.NoError(t, err)
+	kEnd := kOnly(plain).Size()
 	for cut := 0; cut < len(good); cut++ {
-		_, err := Parse(good[:cut])
+		st, err := Parse(good[:cut])
+		if cut == kEnd {
+			require.NoError(t, err, "the blob's K sections")
+			require.True(t, st.KOnly, "the blob's K sections read as a K-only state")
+			continue
+		}
 		require.Error(t, err, "a blob cut at %d of %d bytes parsed", cut, len(good))
 	}
 }
@@ -371,4 +384,118 @@ func TestCellExtensions(t *testing.T) {
 			}
 		})
 	}
+}
+
+// kOnly is st as an MLA cache writes it: the same cells and K rows, and
+// no V section in any layer.
+func kOnly(st *State) *State {
+	out := *st
+	out.KOnly = true
+	out.Streams = slices.Clone(st.Streams)
+	for i := range out.Streams {
+		out.Streams[i].Layers = slices.Clone(st.Streams[i].Layers)
+		for l := range out.Streams[i].Layers {
+			ly := &out.Streams[i].Layers[l]
+			ly.VType, ly.VRowSize, ly.VElSize, ly.NEmbdV, ly.V, ly.VOff = 0, 0, 0, 0, nil, 0
+		}
+	}
+	return &out
+}
+
+// States of a cache without V (MLA: llama_kv_cache writes no V section for
+// a layer whose V tensor is null) read as K-only, alone and with cell
+// extensions, build back to the same bytes and keep their K rows through
+// Slice; V transposed or not, the flag is written and nothing follows K.
+func TestKOnly(t *testing.T) {
+	for _, file := range []string{"slot-fa-on.bin", "seq-fa-off.bin", "seq-scattered-fa-off.bin", "seq-two-streams-fa-off.bin"} {
+		for _, ext := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s ext %v", file, ext), func(t *testing.T) {
+				plain, err := Parse(readTestdata(t, file))
+				require.NoError(t, err)
+				src := kOnly(plain)
+				if ext {
+					src = withExt(src)
+				}
+				b, err := src.Build()
+				require.NoError(t, err)
+				want := len(readTestdata(t, file))
+				for _, s := range plain.Streams {
+					for _, ly := range s.Layers {
+						want -= 12 + len(ly.V) // V type, V row size or element size and columns, V
+					}
+					if ext {
+						want += cellExtSize * len(s.Cells)
+					}
+				}
+				assert.Len(t, b, want, "the state without its V sections")
+
+				st, err := Parse(b)
+				require.NoError(t, err)
+				require.True(t, st.KOnly, "read without V")
+				require.Equal(t, ext, st.CellExt, "cell extensions")
+				si, err := st.Sequence()
+				require.NoError(t, err)
+				for l, ly := range st.Streams[si].Layers {
+					assert.Equal(t, plain.Streams[si].Layers[l].K, ly.K, "layer %d: K rows", l)
+					assert.True(t, bytes.Equal(b[ly.KOff:ly.KOff+len(ly.K)], ly.K), "layer %d: the offset does not locate the K rows", l)
+					assert.Empty(t, ly.V, "layer %d: V", l)
+					assert.Zero(t, ly.VRowSize, "layer %d: V row size", l)
+				}
+				again, err := st.Build()
+				require.NoError(t, err)
+				assert.Equal(t, b, again, "builds back to its bytes")
+				assert.Equal(t, len(b), st.Size())
+
+				for _, n := range []int{1, 8, len(st.Streams[si].Cells)} {
+					sl, err := st.Slice(n)
+					require.NoError(t, err, "Slice(%d)", n)
+					require.True(t, sl.KOnly, "Slice(%d) is K-only", n)
+					plainSl, err := plain.Slice(n)
+					require.NoError(t, err)
+					for l, ly := range sl.Streams[si].Layers {
+						assert.Equal(t, plainSl.Streams[si].Layers[l].K, ly.K, "Slice(%d): layer %d: the plain state's K rows", n, l)
+						assert.Empty(t, ly.V, "Slice(%d): layer %d: V", n, l)
+					}
+					sb, err := sl.Build()
+					require.NoError(t, err)
+					pb, err := kOnly(plainSl).Build()
+					require.NoError(t, err)
+					if !ext {
+						assert.Equal(t, pb, sb, "Slice(%d): the plain slice without V", n)
+					}
+				}
+			})
+		}
+	}
+}
+
+// K-only and V-carrying states do not read as each other, and Build checks
+// that a K-only state carries no V.
+func TestKOnlyRefuses(t *testing.T) {
+	plain, err := Parse(readTestdata(t, "seq-fa-off.bin"))
+	require.NoError(t, err)
+	b, err := kOnly(plain).Build()
+	require.NoError(t, err)
+	// A V-carrying state with the flag set, a K-only one without it.
+	withV := *plain
+	withV.KOnly = true
+	_, err = withV.Build()
+	assert.Equal(t, status.InvalidArg, status.Of(err), "V in a K-only state: %v", err)
+	st, err := Parse(b)
+	require.NoError(t, err)
+	st.KOnly = false
+	_, err = st.Build()
+	assert.Equal(t, status.InvalidArg, status.Of(err), "no V in a state with V: %v", err)
+	// A K-only state cut anywhere reads as nothing.
+	for cut := 0; cut < len(b); cut++ {
+		_, err := Parse(b[:cut])
+		require.Error(t, err, "a K-only blob cut at %d of %d bytes parsed", cut, len(b))
+	}
+	// Two caches' sections back to back (an MLA cache's, then its indexer's,
+	// as llama_kv_cache_dsa writes them) read as nothing, and the error says
+	// that a whole state came first, not what the plain reading made of the
+	// second cache's header.
+	_, err = Parse(append(bytes.Clone(b), b[8:]...))
+	assert.Equal(t, status.InvalidArg, status.Of(err), "%v", err)
+	assert.ErrorContains(t, err, fmt.Sprintf("%d bytes after the last stream", len(b)-8))
 }

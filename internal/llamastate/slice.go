@@ -114,7 +114,7 @@ func (st *State) Slice(n int) (*State, error) {
 	}
 	si, _ := st.Sequence()
 	src := &st.Streams[si]
-	out := &State{Kind: st.Kind, SeqID: st.SeqID, Streams: make([]Stream, len(st.Streams)), CellExt: st.CellExt}
+	out := &State{Kind: st.Kind, SeqID: st.SeqID, Streams: make([]Stream, len(st.Streams)), CellExt: st.CellExt, KOnly: st.KOnly}
 	if st.Kind == SlotFile {
 		if out.Words, err = st.sliceWords(n); err != nil {
 			return nil, err
@@ -141,7 +141,7 @@ func (st *State) Slice(n int) (*State, error) {
 		for p, c := range at {
 			copy(d.K[p*kRow:(p+1)*kRow], ly.K[c*kRow:])
 		}
-		d.V = make([]byte, n*vRow)
+		d.V = make([]byte, n*vRow) // empty in a K-only state, whose V rows are 0 bytes
 		if !src.VTrans {
 			for p, c := range at {
 				copy(d.V[p*vRow:(p+1)*vRow], ly.V[c*vRow:])

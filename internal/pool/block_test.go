@@ -17,12 +17,14 @@ func smallGeometry() *Geometry {
 }
 
 // fuzzGeometries are the shapes the header tests and the fuzz target run
-// over: a tiny one, one whose header needs padding, and a llama-like one.
+// over: a tiny one, one whose header needs padding, a llama-like one and
+// a K-only one.
 func fuzzGeometries() []*Geometry {
 	return []*Geometry{
 		smallGeometry(),
 		{BlockTokens: 3, KRow: []int{5}, VRow: []int{7}},
 		{BlockTokens: 16, KRow: []int{256, 256, 256}, VRow: []int{256, 256, 128}},
+		{BlockTokens: 4, KRow: []int{24, 24}, VRow: []int{0, 0}}, // K-only (MLA)
 	}
 }
 
@@ -78,6 +80,8 @@ func TestGeometryValidate(t *testing.T) {
 		{"negative V row", Geometry{BlockTokens: 1, KRow: []int{1}, VRow: []int{-1}}, "layer 0"},
 		{"K row too long", Geometry{BlockTokens: 1, KRow: []int{MaxRowBytes + 1}, VRow: []int{1}}, "layer 0"},
 		{"V row too long", Geometry{BlockTokens: 1, KRow: []int{1}, VRow: []int{MaxRowBytes + 1}}, "layer 0"},
+		{"V in some layers only", Geometry{BlockTokens: 1, KRow: []int{1, 1}, VRow: []int{1, 0}}, "layer 1"},
+		{"V after a K-only layer", Geometry{BlockTokens: 1, KRow: []int{1, 1}, VRow: []int{0, 1}}, "layer 1"},
 	} {
 		err := tc.g.Validate()
 		assert.Equal(t, status.InvalidArg, status.Of(err), "%s: %v", tc.name, err)
@@ -85,6 +89,11 @@ func TestGeometryValidate(t *testing.T) {
 	}
 	edge := Geometry{BlockTokens: MaxBlockTokens, KRow: []int{MaxRowBytes}, VRow: []int{1}}
 	assert.NoError(t, edge.Validate(), "largest allowed geometry")
+	kOnly := Geometry{BlockTokens: 4, KRow: []int{8, 8}, VRow: []int{0, 0}}
+	require.NoError(t, kOnly.Validate(), "K-only geometry")
+	assert.True(t, kOnly.KOnly())
+	assert.False(t, smallGeometry().KOnly())
+	assert.Equal(t, 4*8, kOnly.LayerSize(1), "a K-only layer is its K rows")
 }
 
 func TestGeometryDigest(t *testing.T) {

@@ -1,6 +1,8 @@
 package e2e
 
 import (
+	"path/filepath"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
@@ -117,6 +119,46 @@ func TestDeviceKV(t *testing.T) {
 		assert.Equal(t, shared, got.MCB.RestoredN, "the proxy restores into a device-KV upstream: %+v", got.MCB)
 		assert.Equal(t, want, got.Tokens, "answers as stock")
 	})
+}
+
+// An MLA cache (K alone, no V tensors) on a device is staged through host
+// memory as K rows only: a device-KV server restores what another computed,
+// a host-KV server what a device-KV server computed, and both answer as
+// stock.
+func TestDeviceKVMLA(t *testing.T) {
+	model := filepath.Join(testenv.ArchModels(t), "deepseek2-moe.gguf")
+	su := setupArch(t, model, nil)
+	cfg := deviceSwarm(t)
+	onRPC := func(endpoint string) []string { return append(slices.Clone(su.args), "--rpc", endpoint, "-ngl", "99") }
+	reqA := testenv.Request{Prompt: su.promptA, Slot: 0, NPredict: nPredict}
+	reqB := testenv.Request{Prompt: su.promptB, Slot: 1, NPredict: nPredict}
+
+	holder := testenv.StartRPC(t, "rpc-holder")
+	dev := testenv.StartLlama(t, "dev", testenv.PatchedServer(t), append(onRPC(holder.Endpoint), "--mcb-config", cfg))
+	require.Equal(t, "on", dev.BridgeState())
+	assert.Contains(t, dev.LogLine("mcbridge: on:"), "no V (MLA), 2 stream(s) of 2048 cells, KV on RPC", "the log names the device")
+	first := dev.Complete(t, reqA)
+	assert.Equal(t, len(su.promptA)/block, first.MCB.SavedBlocks, "the device-KV server saves the prompt's full blocks")
+
+	spare := testenv.StartRPC(t, "rpc-spare")
+	for _, c := range []struct {
+		name string
+		args []string
+	}{
+		{"device KV", onRPC(spare.Endpoint)},
+		{"host KV", su.args},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := testenv.StartLlama(t, "asker", testenv.PatchedServer(t), append(slices.Clone(c.args), "--mcb-config", cfg))
+			require.Equal(t, "on", s.BridgeState())
+			waitMirrored(t, s.URL, su.shared/block)
+			got := s.Complete(t, reqB)
+			s.Stop()
+			assert.Equal(t, []any{"restore", su.shared}, []any{got.MCB.Decision, got.MCB.RestoredN},
+				"restores what the device-KV server computed: %+v", got.MCB)
+			assert.Equal(t, stockAnswer(t, onRPC(spare.Endpoint), su.promptB, got.Timings.CacheN), got.Tokens, "answers as stock")
+		})
+	}
 }
 
 // The fault cases with KV on a device, each answering as stock: the

@@ -49,7 +49,13 @@ func setupArch(t *testing.T, model string, extra []string) archSetup {
 	v, ok := g.Lookup("general.architecture")
 	require.True(t, ok, "%s has no general.architecture", model)
 	arch, _ := v.Str()
-	su := archSetup{args: testenv.ServerArgs(model, 4096, 2, "on"), shared: 1024}
+	// Flash attention is on unless the run's arguments say otherwise: llama-server
+	// warns of an option given twice.
+	fa := "on"
+	if i := slices.Index(extra, "-fa"); i >= 0 && i+1 < len(extra) {
+		fa, extra = extra[i+1], slices.Delete(slices.Clone(extra), i, i+2)
+	}
+	su := archSetup{args: testenv.ServerArgs(model, 4096, 2, fa), shared: 1024}
 	if slices.ContainsFunc(g.Tensors, func(ti gguf.TensorInfo) bool { return ti.Name == "position_embd.weight" }) {
 		su.shared = (archCtxTrain - 48) / block * block
 	} else {
@@ -76,10 +82,12 @@ func archTokens(n, mul, off int) []int32 {
 // Kinds the bridge does not serve yet are not here; `make test-models`
 // runs every architecture and its table says "off" for them.
 var representatives = []archRun{
-	{model: "llama-dense"},   // plain attention
-	{model: "qwen3-dense"},   // MQA (one KV head)
-	{model: "qwen3moe-moe"},  // MoE
-	{model: "qwen3vl-dense"}, // M-RoPE: cells carry a 2-D position and the token
+	{model: "llama-dense"},                                 // plain attention
+	{model: "qwen3-dense"},                                 // MQA (one KV head)
+	{model: "qwen3moe-moe"},                                // MoE
+	{model: "qwen3vl-dense"},                               // M-RoPE: cells carry a 2-D position and the token
+	{model: "deepseek2-moe"},                               // MLA: the cache holds K (the latent) and no V
+	{model: "deepseek2-moe", args: []string{"-fa", "off"}}, // MLA whose state says V transposed (of no V)
 	{model: "llama-dense", args: []string{"-ctk", "q8_0", "-ctv", "q8_0"}}, // quantized KV
 }
 

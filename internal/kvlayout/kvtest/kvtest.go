@@ -35,7 +35,8 @@ type TB interface {
 }
 
 // New maps a host's tensors; layer l's K rows are krow+16*l bytes so that
-// layers differ. They are unmapped when tb ends.
+// layers differ. vrow 0 is a K-only cache (MLA): no V tensors. They are
+// unmapped when tb ends.
 func New(tb TB, layers, cells, krow, vrow int, vtrans bool) *Host {
 	h := &Host{Cells: cells, VTrans: vtrans, VElem: 2}
 	for l := 0; l < layers; l++ {
@@ -45,9 +46,11 @@ func New(tb TB, layers, cells, krow, vrow int, vtrans bool) *Host {
 		if err != nil {
 			tb.Fatal(err)
 		}
-		vb, err := mem.Map(cells * vrow)
-		if err != nil {
-			tb.Fatal(err)
+		var vb []byte
+		if vrow > 0 {
+			if vb, err = mem.Map(cells * vrow); err != nil {
+				tb.Fatal(err)
+			}
 		}
 		h.K, h.V = append(h.K, kb), append(h.V, vb)
 	}
@@ -81,9 +84,11 @@ func (h *Host) Layout() kvlayout.Layout {
 		if h.VTrans {
 			vstride = uint64(h.Cells * h.VElem)
 		}
-		lo.Layers = append(lo.Layers, kvlayout.Layer{
-			K: mem.Addr(h.K[l]), V: mem.Addr(h.V[l]), KStride: uint64(h.KRow[l]), VStride: vstride,
-		})
+		ly := kvlayout.Layer{K: mem.Addr(h.K[l]), KStride: uint64(h.KRow[l])}
+		if h.VRow[l] > 0 {
+			ly.V, ly.VStride = mem.Addr(h.V[l]), vstride
+		}
+		lo.Layers = append(lo.Layers, ly)
 	}
 	return lo
 }
