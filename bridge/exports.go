@@ -15,6 +15,7 @@ import "C"
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"math"
 	"runtime/debug"
@@ -627,6 +628,12 @@ func mcbgo_model_register_state(bridge uint64, params, state unsafe.Pointer, n u
 			return err
 		}
 		m, nStream, err := host.RegisterState(h.b, id, blob)
+		if ce := (*llamastate.CachesError)(nil); errors.As(err, &ce) {
+			// The states of several caches: the host's memory is not one KV
+			// cache, and the status says that its caller serves no such
+			// model; a malformed blob stays INVALID_ARG.
+			return status.Wrap(status.Unsupported, err, "a memory of several caches (sliding-window attention, MLA with an indexer)")
+		}
 		if err != nil {
 			return err
 		}

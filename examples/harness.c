@@ -452,6 +452,19 @@ static int run(const char *config, const char *gguf, const char *other_file, int
         EXPECT(mcb_state_save(sm, NULL, other_state, other_size - 1, other, 2 * BLOCK, &sr), MCB_STATUS_INVALID_ARG);
         EXPECT(mcb_state_save(model, NULL, NULL, other_size, other, 2 * BLOCK, &sr), MCB_STATUS_INVALID_ARG);
         EXPECT(mcb_model_register_state(bridge, &params, probe_state, probe_size / 2, &sm), MCB_STATUS_INVALID_ARG);
+        {
+            /* Two caches' streams after one header, as llama_kv_cache_iswa
+             * writes its base and window caches: a memory the library does
+             * not serve, not a malformed blob. */
+            uint8_t *two = xmalloc(2 * probe_size - 8);
+            memcpy(two, probe_state, probe_size);
+            memcpy(two + probe_size, probe_state + 8, probe_size - 8);
+            mcb_model none = 0;
+            EXPECT(mcb_model_register_state(bridge, &params, two, 2 * probe_size - 8, &none), MCB_STATUS_UNSUPPORTED);
+            CHECK(none == 0 && strstr(mcb_last_error(), "bytes after the last stream") != NULL,
+                  "a state of two caches: model %llu, %s", (unsigned long long)none, mcb_last_error());
+            free(two);
+        }
         EXPECT(mcb_model_unregister(sm), MCB_STATUS_OK);
         free(other_state);
         free(probe_state);

@@ -349,8 +349,11 @@ MCB_API mcb_status mcb_model_register(mcb_bridge bridge, const struct mcb_model_
  *   MCB_STATUS_MODEL_MISMATCH  llama_version is not mcb_llama_version(), or
  *                              the blob does not hold the probe prompt.
  *   MCB_STATUS_UNSUPPORTED     a blob this llama.cpp version does not
- *                              write, or a KV format the library cannot
- *                              store. */
+ *                              write, the state of a memory of several
+ *                              KV caches (one cache's state after the
+ *                              other's: sliding-window attention, MLA with
+ *                              an indexer), or a KV format the library
+ *                              cannot store. */
 MCB_API mcb_status mcb_model_register_state(mcb_bridge bridge, const struct mcb_model_params *params,
                                             const uint8_t *probe_state, size_t n_bytes, mcb_model *out);
 

@@ -85,10 +85,18 @@ mcb_status mcb_libllama_open(llama_context *ctx, mcb_bridge bridge, const char *
     const llama_model *model = llama_get_model(ctx);
     const llama_rope_type rope = llama_model_rope_type(model);
     if (llama_get_memory(ctx) == nullptr) return fail(MCB_STATUS_UNSUPPORTED, "context without a KV cache");
+    // llama.h names recurrent and hybrid models. A recurrent state is one cell
+    // per sequence (its last position) and no per-token rows, so no prefix can
+    // be cut from it; a hybrid's follows its KV cache's. Their states fail to
+    // read, as malformed blobs would, so the reason is given here.
     if (llama_model_is_recurrent(model) || llama_model_is_hybrid(model))
         return fail(MCB_STATUS_UNSUPPORTED, "recurrent and hybrid models keep state other than a KV cache");
-    if (llama_model_n_swa(model) > 0)
-        return fail(MCB_STATUS_UNSUPPORTED, "sliding-window models write two caches per sequence");
+    // Sliding-window attention is not decided here: llama_model_n_swa names a
+    // window that a model may not run (EXAONE 4 but its 32B has one plain
+    // cache), and llama.h does not say which memory the context has. A
+    // memory of several caches (iSWA, MLA with an indexer) writes their
+    // states one after the other, which mcb_model_register_state refuses
+    // as MCB_STATUS_UNSUPPORTED below.
     if (llama_model_has_encoder(model)) return fail(MCB_STATUS_UNSUPPORTED, "encoder-decoder models");
     if (rope == LLAMA_ROPE_TYPE_MROPE || rope == LLAMA_ROPE_TYPE_IMROPE || rope == LLAMA_ROPE_TYPE_VISION)
         return fail(MCB_STATUS_UNSUPPORTED, "M-RoPE cells carry 2-D positions");

@@ -10,9 +10,18 @@
  * blocks. The KV is copied once more than in a patched build, in exchange
  * for no patch at all.
  *
- * Supported: plain KV caches of models without sliding windows, M-RoPE or
- * per-layer embeddings, any n_stream, flash attention on or off, any K/V
- * type. Anything else is refused with MCB_STATUS_UNSUPPORTED.
+ * Supported: contexts whose memory is one KV cache (MLA caches, which hold
+ * K only, included), of models without M-RoPE or per-layer embeddings, any
+ * n_stream, flash attention on or off, any K/V type. Anything else is
+ * refused with MCB_STATUS_UNSUPPORTED: recurrent and hybrid models by
+ * llama.h, and the rest by the probe's state, since llama.h does not say
+ * which memory a context has: a memory of several caches (sliding-window
+ * attention, llama_kv_cache_iswa; MLA with an indexer) writes a state the
+ * library does not read. A model that names a window but runs one plain
+ * cache (EXAONE 4 but its 32B) is served. A plain cache that masks by a
+ * window (in v0.5.0 only MTP draft contexts have one) leaves the cells it
+ * left behind out of its states: saving positions it no longer holds is
+ * refused, and a restored prefix holds cells its mask ignores.
  *
  * Threads: a struct mcb_libllama is used by one thread at a time, like the
  * llama_context it wraps.

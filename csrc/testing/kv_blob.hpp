@@ -14,34 +14,48 @@ namespace mcb_test {
 
 class blob_reader {
 public:
-    explicit blob_reader(const std::vector<uint8_t> & b) : b(b) {}
+    // fatal: a read past the end exits; otherwise it marks the reader bad
+    // and reads zeros, and the caller checks bad().
+    blob_reader(const std::vector<uint8_t> & b, bool fatal = true) : b(b), fatal(fatal) {}
     const uint8_t * take(size_t n) {
-        if (off + n > b.size()) {
-            std::fprintf(stderr, "state blob ends early (%zu + %zu of %zu bytes)\n", off, n, b.size());
-            std::exit(2);
+        if (failed || n > b.size() - off) {
+            if (fatal) {
+                std::fprintf(stderr, "state blob ends early (%zu + %zu of %zu bytes)\n", off, n, b.size());
+                std::exit(2);
+            }
+            failed = true;
+            return nullptr;
         }
         const uint8_t * p = b.data() + off;
         off += n;
         return p;
     }
-    uint32_t u32() { uint32_t v; std::memcpy(&v, take(4), 4); return v; }
-    uint64_t u64() { uint64_t v; std::memcpy(&v, take(8), 8); return v; }
+    uint32_t u32() { uint32_t v = 0; if (const uint8_t * p = take(4)) std::memcpy(&v, p, 4); return v; }
+    uint64_t u64() { uint64_t v = 0; if (const uint8_t * p = take(8)) std::memcpy(&v, p, 8); return v; }
+    bool bad() const { return failed; }
+    size_t left() const { return b.size() - off; }
 
 private:
     const std::vector<uint8_t> & b;
     size_t off = 0;
+    bool fatal;
+    bool failed = false;
 };
 
-// Every position's K and V bytes, per layer K then V, V by token whatever its layout.
-inline std::map<int32_t, std::vector<uint8_t>> kv_by_pos(const std::vector<uint8_t> & blob) {
-    blob_reader r(blob);
-    std::map<int32_t, std::vector<uint8_t>> out;
+// kv_by_pos's reading with or without V sections: false when the blob does
+// not read so to its last byte.
+inline bool kv_by_pos_as(const std::vector<uint8_t> & blob, bool with_v, std::map<int32_t, std::vector<uint8_t>> & out) {
+    blob_reader r(blob, false);
+    out.clear();
     r.take(8); // magic, seq id
     const uint32_t n_stream = r.u32();
-    for (uint32_t s = 0; s < n_stream; s++) {
+    for (uint32_t s = 0; s < n_stream && !r.bad(); s++) {
         const uint32_t n = r.u32();
         if (n == 0) {
             continue;
+        }
+        if (n > r.left() / 8) {
+            return false;
         }
         std::vector<int32_t> pos(n);
         for (uint32_t i = 0; i < n; i++) {
@@ -51,26 +65,29 @@ inline std::map<int32_t, std::vector<uint8_t>> kv_by_pos(const std::vector<uint8
         std::vector<std::vector<uint8_t>> row(n);
         const uint32_t v_trans = r.u32();
         const uint32_t n_layer = r.u32();
-        for (uint32_t l = 0; l < n_layer; l++) {
+        for (uint32_t l = 0; l < n_layer && !r.bad(); l++) {
             r.u32();
             const uint64_t sz = r.u64();
-            for (uint32_t i = 0; i < n; i++) {
+            for (uint32_t i = 0; i < n && !r.bad(); i++) {
                 const uint8_t * p = r.take(sz);
-                row[i].insert(row[i].end(), p, p + sz);
+                if (p) row[i].insert(row[i].end(), p, p + sz);
             }
         }
-        for (uint32_t l = 0; l < n_layer; l++) {
+        for (uint32_t l = 0; with_v && l < n_layer && !r.bad(); l++) {
             r.u32();
             if (!v_trans) {
                 const uint64_t sz = r.u64();
-                for (uint32_t i = 0; i < n; i++) {
+                for (uint32_t i = 0; i < n && !r.bad(); i++) {
                     const uint8_t * p = r.take(sz);
-                    row[i].insert(row[i].end(), p, p + sz);
+                    if (p) row[i].insert(row[i].end(), p, p + sz);
                 }
                 continue;
             }
             const uint32_t el   = r.u32();
             const uint32_t dims = r.u32();
+            if (r.bad() || el == 0 || dims > r.left() / el / n) {
+                return false;
+            }
             std::vector<std::vector<uint8_t>> v(n);
             for (uint32_t j = 0; j < dims; j++) {
                 for (uint32_t i = 0; i < n; i++) {
@@ -86,7 +103,19 @@ inline std::map<int32_t, std::vector<uint8_t>> kv_by_pos(const std::vector<uint8
             out[pos[i]] = row[i];
         }
     }
-    return out;
+    return !r.bad() && r.left() == 0;
+}
+
+// Every position's K and V bytes, per layer K then V, V by token whatever its
+// layout. An MLA cache has no V, and its state no V sections (K only): a blob
+// that does not read with V to its last byte is read without.
+inline std::map<int32_t, std::vector<uint8_t>> kv_by_pos(const std::vector<uint8_t> & blob) {
+    std::map<int32_t, std::vector<uint8_t>> out;
+    if (kv_by_pos_as(blob, true, out) || kv_by_pos_as(blob, false, out)) {
+        return out;
+    }
+    std::fprintf(stderr, "a state blob of %zu bytes reads neither with V nor K-only\n", blob.size());
+    std::exit(2);
 }
 
 // The position of the first cell the blob lists (cell order), -1 when it has none.

@@ -19,6 +19,8 @@ package llamastate
 
 import (
 	"encoding/binary"
+	"errors"
+	"fmt"
 	"math"
 
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -150,9 +152,11 @@ func (r *reader) bytes(n, size uint64, what string) ([]byte, int, error) {
 // one format and refuses states of another.) When none reads, the error is
 // that of the first reading that read a whole state and found bytes after
 // it, which is what the state of several caches (sliding-window, hybrid,
-// MLA with an indexer) gives, else the plain reading's.
+// MLA with an indexer) gives, else the plain reading's. When those bytes
+// are the states of more KV caches, the error is a *CachesError.
 func Parse(b []byte) (*State, error) {
 	var first, whole error
+	wholeExt := false
 	for _, v := range []struct{ ext, kOnly bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
 		st, err := parse(b, v.ext, v.kOnly)
 		if err == nil {
@@ -162,17 +166,58 @@ func Parse(b []byte) (*State, error) {
 			first = err
 		}
 		if st != nil && whole == nil {
-			whole = err
+			whole, wholeExt = err, v.ext
 		}
 	}
-	if whole != nil {
-		return nil, whole
+	if whole == nil {
+		return nil, first
 	}
-	return nil, first
+	var ce *CachesError
+	if errors.As(whole, &ce) && !kvCaches(b[len(b)-ce.Bytes:], wholeExt) {
+		return nil, status.Errorf(status.InvalidArg, "%s", ce.Error())
+	}
+	return nil, whole
+}
+
+// CachesError is Parse's error for a whole state followed by the states of
+// more KV caches: what a memory of several caches writes, each cache's
+// state after the other's (llama_kv_cache_iswa, llama_kv_cache_dsa and the
+// like). A host that wrote the state itself learns from it that its memory
+// is not one KV cache (errors.As). Bytes after a state that are no cache's
+// state are a plain InvalidArg error with the same message.
+type CachesError struct {
+	Bytes int // after the last stream
+}
+
+func (e *CachesError) Error() string {
+	return fmt.Sprintf("sequence state: %d bytes after the last stream", e.Bytes)
+}
+
+// kvCaches says whether b is the states of one or more KV caches back to
+// back, each a stream count and streams as llama_kv_cache::state_write
+// writes them, with V sections or without (an indexer's cache may have
+// none). The caches of one memory share the cells' format (ext).
+func kvCaches(b []byte, ext bool) bool {
+	for len(b) > 0 {
+		n := 0
+		for _, kOnly := range []bool{false, true} {
+			r := &reader{b: b, ext: ext, kOnly: kOnly}
+			if _, err := r.streams(); err == nil {
+				n = r.off
+				break
+			}
+		}
+		if n == 0 {
+			return false
+		}
+		b = b[n:]
+	}
+	return true
 }
 
 // parse reads b as one variant. A whole state followed by more bytes is an
-// error that comes with the state read.
+// error that comes with the state read: a *CachesError, which Parse keeps
+// only when those bytes read as caches' states.
 func parse(b []byte, cellExt, kOnly bool) (*State, error) {
 	r := &reader{b: b, ext: cellExt, kOnly: kOnly}
 	magic, err := r.u32("magic")
@@ -210,6 +255,17 @@ func parse(b []byte, cellExt, kOnly bool) (*State, error) {
 	default:
 		return nil, status.Errorf(status.Unsupported, "magic %#x: not a llama.cpp v0.5.0 sequence state or slot file", magic)
 	}
+	if st.Streams, err = r.streams(); err != nil {
+		return nil, err
+	}
+	if r.left() != 0 {
+		return st, status.Wrap(status.InvalidArg, &CachesError{Bytes: r.left()}, "")
+	}
+	return st, nil
+}
+
+// streams reads a KV cache's state: the stream count and the streams.
+func (r *reader) streams() ([]Stream, error) {
 	nStream, err := r.u32("stream count")
 	if err != nil {
 		return nil, err
@@ -217,16 +273,13 @@ func parse(b []byte, cellExt, kOnly bool) (*State, error) {
 	if nStream == 0 || uint64(nStream) > uint64(r.left()/4) {
 		return nil, status.Errorf(status.InvalidArg, "sequence state: %d streams in %d bytes", nStream, r.left())
 	}
-	st.Streams = make([]Stream, nStream)
-	for s := range st.Streams {
-		if err := r.stream(&st.Streams[s]); err != nil {
+	ss := make([]Stream, nStream)
+	for s := range ss {
+		if err := r.stream(&ss[s]); err != nil {
 			return nil, err
 		}
 	}
-	if r.left() != 0 {
-		return st, status.Errorf(status.InvalidArg, "sequence state: %d bytes after the last stream", r.left())
-	}
-	return st, nil
+	return ss, nil
 }
 
 func (r *reader) stream(s *Stream) error {

@@ -3,6 +3,7 @@ package llamastate
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -498,4 +499,27 @@ func TestKOnlyRefuses(t *testing.T) {
 	_, err = Parse(append(bytes.Clone(b), b[8:]...))
 	assert.Equal(t, status.InvalidArg, status.Of(err), "%v", err)
 	assert.ErrorContains(t, err, fmt.Sprintf("%d bytes after the last stream", len(b)-8))
+	var ce *CachesError
+	require.ErrorAs(t, err, &ce, "a second cache's state after the first")
+	assert.Equal(t, len(b)-8, ce.Bytes)
+	// The K-only indexer cache after a cache with V, and three caches.
+	v := readTestdata(t, "seq-fa-on.bin")
+	_, err = Parse(append(bytes.Clone(v), b[8:]...))
+	require.ErrorAs(t, err, &ce, "a K-only cache's state after one with V")
+	_, err = Parse(slices.Concat(v, v[8:], b[8:]))
+	require.ErrorAs(t, err, &ce, "three caches")
+	// Bytes that are no cache's state after a whole one, and a state cut
+	// short, are malformed: the same message, no CachesError.
+	for name, bad := range map[string][]byte{
+		"a byte after":             append(bytes.Clone(b), 0),
+		"a cut cache after":        append(bytes.Clone(b), b[8:len(b)-1]...),
+		"a cache and a byte after": slices.Concat(b, b[8:], []byte{0}),
+		"cut":                      b[:len(b)-1],
+	} {
+		_, err = Parse(bad)
+		assert.Equal(t, status.InvalidArg, status.Of(err), "%s: %v", name, err)
+		assert.False(t, errors.As(err, &ce), "%s reads as more caches: %v", name, err)
+	}
+	_, err = Parse(append(bytes.Clone(b), 0))
+	assert.ErrorContains(t, err, "1 bytes after the last stream")
 }

@@ -51,47 +51,80 @@ func TestLibllamaHost(t *testing.T) {
 }
 
 // Two processes: one embedder saves and serves its pool, another restores
-// through etcd and the Transfer Engine, with logits bit-identical to a
-// full prefill.
+// through etcd and the Transfer Engine, with the KV byte-identical to the
+// saver's and logits bit-identical to a full prefill.
 func TestLibllamaTwoProcesses(t *testing.T) {
 	model := testenv.Model(t, "tiny", 0)
 	for name, te := range transports(t) {
 		t.Run(name, func(t *testing.T) {
 			etcd := etcdtest.Start(t)
-			cfg := fmt.Sprintf(`{"directory": {"kind": "etcd", "endpoints": [%q], "prefix": "/libllama"}, "transport": {"kind": "mooncake", "lib": %q}, "arbiter": {"policy": "always-restore"}, "pool_bytes": 16777216}`,
-				etcd.Endpoint(), te)
-			ready := filepath.Join(t.TempDir(), "ready")
-			saver := exec.Command(libllamaTest(t, ""), "xsave", model, cfg, ready)
-			stdin, err := saver.StdinPipe()
-			require.NoError(t, err)
-			out, err := os.Create(filepath.Join(t.TempDir(), "xsave.log"))
-			require.NoError(t, err)
-			saver.Stdout, saver.Stderr = out, out
-			require.NoError(t, saver.Start())
-			defer func() {
-				_ = saver.Process.Kill()
-				_ = saver.Wait()
-			}()
-			testenv.Eventually(t, defaultWait, func() bool { _, err := os.Stat(ready); return err == nil }, "the saver never got ready")
-			res, err := exec.Command(libllamaTest(t, ""), "xrestore", model, cfg).CombinedOutput()
-			require.NoError(t, err, "%s", res)
-			assert.Contains(t, string(res), "PASS two processes")
-			require.NoError(t, stdin.Close())
-			done := make(chan error, 1)
-			go func() { done <- saver.Wait() }()
-			select {
-			case err := <-done:
-				log, _ := os.ReadFile(out.Name())
-				require.NoError(t, err, "%s", log)
-			case <-time.After(defaultWait):
-				require.FailNow(t, "the saver did not exit")
-			}
-			sc := bufio.NewScanner(strings.NewReader(string(res)))
-			for sc.Scan() {
-				if strings.HasPrefix(sc.Text(), "PASS") {
-					t.Log(sc.Text())
-				}
-			}
+			libllamaTwoProcesses(t, model, etcd.Endpoint(), "/libllama", te)
 		})
+	}
+}
+
+// The libllama host decides what it serves by the probe's state, as the
+// patched server does by the memory, and not by llama_model_n_swa: EXAONE 4
+// names a window and runs one plain cache, DeepSeek 2's MLA cache holds K
+// and no V, and both restore across two processes. Gemma 3's sliding-window
+// memory (llama_kv_cache_iswa) writes the states of two caches, which turns
+// the host off with that reason, the context computing as a fresh one.
+func TestLibllamaModels(t *testing.T) {
+	dir := testenv.ArchModels(t)
+	etcd := etcdtest.Start(t)
+	for i, m := range []string{"exaone4-dense", "deepseek2-moe"} {
+		t.Run(m, func(t *testing.T) {
+			libllamaTwoProcesses(t, filepath.Join(dir, m+".gguf"), etcd.Endpoint(), fmt.Sprintf("/libllama-models/%d", i), mockTE)
+		})
+	}
+	t.Run("gemma3-dense", func(t *testing.T) {
+		out, err := exec.Command(libllamaTest(t, ""), "xoff", filepath.Join(dir, "gemma3-dense.gguf")).CombinedOutput()
+		require.NoError(t, err, "%s", out)
+		assert.Regexp(t, `PASS off: mcb_model_register_state: unsupported: a memory of several caches \(sliding-window attention, [^\n]*: \d+ bytes after the last stream`, string(out))
+		logPass(t, string(out))
+	})
+}
+
+// libllamaTwoProcesses runs libllama_test's xsave and xrestore on model
+// through etcd under prefix and the Transfer Engine te.
+func libllamaTwoProcesses(t *testing.T, model, etcd, prefix, te string) {
+	cfg := fmt.Sprintf(`{"directory": {"kind": "etcd", "endpoints": [%q], "prefix": %q}, "transport": {"kind": "mooncake", "lib": %q}, "arbiter": {"policy": "always-restore"}, "pool_bytes": 16777216}`,
+		etcd, prefix, te)
+	ready := filepath.Join(t.TempDir(), "ready")
+	saver := exec.Command(libllamaTest(t, ""), "xsave", model, cfg, ready)
+	stdin, err := saver.StdinPipe()
+	require.NoError(t, err)
+	out, err := os.Create(filepath.Join(t.TempDir(), "xsave.log"))
+	require.NoError(t, err)
+	saver.Stdout, saver.Stderr = out, out
+	require.NoError(t, saver.Start())
+	defer func() {
+		_ = saver.Process.Kill()
+		_ = saver.Wait()
+	}()
+	testenv.Eventually(t, defaultWait, func() bool { _, err := os.Stat(ready); return err == nil }, "the saver never got ready")
+	res, err := exec.Command(libllamaTest(t, ""), "xrestore", model, cfg, ready).CombinedOutput()
+	require.NoError(t, err, "%s", res)
+	assert.Contains(t, string(res), "PASS two processes")
+	require.NoError(t, stdin.Close())
+	done := make(chan error, 1)
+	go func() { done <- saver.Wait() }()
+	select {
+	case err := <-done:
+		log, _ := os.ReadFile(out.Name())
+		require.NoError(t, err, "%s", log)
+	case <-time.After(defaultWait):
+		require.FailNow(t, "the saver did not exit")
+	}
+	logPass(t, string(res))
+}
+
+// logPass logs the PASS lines of libllama_test's output.
+func logPass(t *testing.T, out string) {
+	sc := bufio.NewScanner(strings.NewReader(out))
+	for sc.Scan() {
+		if strings.HasPrefix(sc.Text(), "PASS") {
+			t.Log(sc.Text())
+		}
 	}
 }

@@ -3,14 +3,21 @@
 //   libllama_test MODEL OTHER_MODEL TE_MOCK    every in-process case (below); the
 //                                              mock Transfer Engine injects faults
 //   libllama_test xsave MODEL CONFIG READY     process A of the two-process case:
-//                                              prefill, save, touch READY, serve
-//                                              the pool until stdin closes
-//   libllama_test xrestore MODEL CONFIG        process B: restore, compare logits
+//                                              prefill, save, write the saved KV
+//                                              to READY, serve the pool until
+//                                              stdin closes
+//   libllama_test xrestore MODEL CONFIG READY  process B: restore, compare the KV
+//                                              with A's and the logits with a
+//                                              full prefill's
+//   libllama_test xoff MODEL                   a model whose state the library
+//                                              does not serve: refused, the
+//                                              context computing as before
 //   libllama_test testdata MODEL DIR           writes the state blobs and slot
 //                                              files of internal/llamastate/testdata
 //
 // MODEL is the tiny preset of internal/gguf; OTHER_MODEL the same with another
-// seed. "Identical" always means memcmp-identical: logits of the token after
+// seed. The two-process case and xoff also take test-llama-archs' models
+// (vocabulary of 128). "Identical" always means memcmp-identical: logits of the token after
 // a restored prefix must be the bits a context computing the prompt itself
 // gets. Exit status 0 when every check passed.
 #include <sys/stat.h>
@@ -61,6 +68,16 @@ std::vector<llama_token> token_run(int n, int mul, int add) {
 
 const std::vector<llama_token> kTokens = token_run(kPrompt, 7, 3);
 const std::vector<llama_token> kFillerTokens = token_run(240, 13, 5);
+
+// kTokens in m's vocabulary: the same when it has 256 tokens or more (the
+// tiny preset), else each modulo its size.
+std::vector<llama_token> prompt_for(const llama_model *m) {
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(m));
+    std::vector<llama_token> t = kTokens;
+    if (n_vocab < 256)
+        for (llama_token &x : t) x %= n_vocab;
+    return t;
+}
 
 struct CtxOpts {
     uint32_t n_ctx = 512;
@@ -169,8 +186,9 @@ mcb_bridge open_bridge(const std::string &config) {
 struct Host {
     llama_context *ctx = nullptr;
     mcb_libllama *s = nullptr;
+    const std::vector<llama_token> tokens; // the prompt (prompt_for)
 
-    Host(llama_model *m, const char *gguf, const CtxOpts &o, mcb_bridge bridge) {
+    Host(llama_model *m, const char *gguf, const CtxOpts &o, mcb_bridge bridge) : tokens(prompt_for(m)) {
         ctx = new_ctx(m, o);
         const mcb_status st = mcb_libllama_open(ctx, bridge, gguf, kBlock, 0, &s);
         if (st != MCB_STATUS_OK) {
@@ -194,7 +212,7 @@ struct Host {
         mcb_lookup_result lk{};
         for (int i = 0; i < 200; i++) {
             lk = mcb_lookup_result{};
-            if (mcb_lookup(model(), nullptr, kTokens.data(), kTokens.size(), 0, &lk) != MCB_STATUS_OK) return 0;
+            if (mcb_lookup(model(), nullptr, tokens.data(), tokens.size(), 0, &lk) != MCB_STATUS_OK) return 0;
             mcb_plan_drop(lk.plan);
             if (lk.n_matched_blocks >= want) break;
             usleep(20 * 1000);
@@ -206,9 +224,10 @@ struct Host {
 // Logits of a context that computes the whole prompt itself: in one batch,
 // or split at `split` as a restore of `split` tokens splits it.
 std::vector<float> reference(llama_model *m, const CtxOpts &o, llama_seq_id seq, size_t split = 0) {
+    const std::vector<llama_token> tokens = prompt_for(m);
     llama_context *ctx = new_ctx(m, o);
-    if (split) decode(ctx, seq, kTokens, 0, split);
-    std::vector<float> l = decode(ctx, seq, kTokens, split, kTokens.size());
+    if (split) decode(ctx, seq, tokens, 0, split);
+    std::vector<float> l = decode(ctx, seq, tokens, split, tokens.size());
     llama_free(ctx);
     return l;
 }
@@ -478,20 +497,47 @@ int run_all(const char *gguf, const char *other_gguf, const char *te_mock) {
     return finish("libllama_test");
 }
 
-// Two processes: A saves and serves its pool, B restores from it.
+void write_file(const std::string &path, const std::vector<uint8_t> &b) {
+    FILE *f = std::fopen(path.c_str(), "wb");
+    if (!f || std::fwrite(b.data(), 1, b.size(), f) != b.size() || std::fclose(f) != 0) {
+        std::fprintf(stderr, "writing %s: %s\n", path.c_str(), std::strerror(errno));
+        std::exit(2);
+    }
+    std::printf("  %s (%zu bytes)\n", path.c_str(), b.size());
+}
+
+std::vector<uint8_t> read_file(const std::string &path) {
+    std::vector<uint8_t> b;
+    FILE *f = std::fopen(path.c_str(), "rb");
+    if (!f) {
+        std::fprintf(stderr, "reading %s: %s\n", path.c_str(), std::strerror(errno));
+        std::exit(2);
+    }
+    uint8_t buf[65536];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) b.insert(b.end(), buf, buf + n);
+    std::fclose(f);
+    return b;
+}
+
+// Two processes: A saves and serves its pool, B restores from it. A writes
+// the KV of the positions it saved to READY (renamed into place, so that B
+// never reads half of it), which B's restored KV must be byte for byte.
 int run_xsave(const char *gguf, const char *config, const char *ready) {
     llama_model *model = load_model(gguf);
     mcb_bridge br = open_bridge(config);
     {
         CtxOpts o;
         Host a(model, gguf, o, br);
-        decode(a.ctx, 0, kTokens, 0, kTokens.size());
+        decode(a.ctx, 0, a.tokens, 0, a.tokens.size());
         mcb_save_result sr{};
-        EXPECT(mcb_libllama_save(a.s, 0, nullptr, kTokens.data(), kTokens.size(), &sr), MCB_STATUS_OK);
+        EXPECT(mcb_libllama_save(a.s, 0, nullptr, a.tokens.data(), a.tokens.size(), &sr), MCB_STATUS_OK);
         CHECK(sr.n_queued == kPrompt / kBlock, "xsave: queued %u blocks", sr.n_queued);
         std::printf("xsave: pid %d queued %u blocks\n", static_cast<int>(getpid()), sr.n_queued);
+        const std::string tmp = std::string(ready) + ".tmp";
+        write_file(tmp, kv_by_position(a.ctx, 0, kPrompt / kBlock * kBlock));
+        CHECK(std::rename(tmp.c_str(), ready) == 0, "renaming %s: %s", tmp.c_str(), std::strerror(errno));
         std::fflush(stdout);
-        if (FILE *f = std::fopen(ready, "w")) std::fclose(f);
         char buf[64];
         while (std::fread(buf, 1, sizeof buf, stdin) > 0) {
         }
@@ -501,7 +547,7 @@ int run_xsave(const char *gguf, const char *config, const char *ready) {
     return finish("xsave");
 }
 
-int run_xrestore(const char *gguf, const char *config) {
+int run_xrestore(const char *gguf, const char *config, const char *saved_kv) {
     llama_model *model = load_model(gguf);
     mcb_bridge br = open_bridge(config);
     {
@@ -512,25 +558,48 @@ int run_xrestore(const char *gguf, const char *config) {
         const uint32_t seen = b.matched(kPrompt / kBlock);
         CHECK(seen == kPrompt / kBlock, "xrestore: the directory shows %u of A's blocks", seen);
         size_t n = 0;
-        EXPECT(mcb_libllama_restore(b.s, 0, nullptr, kTokens.data(), kTokens.size(), &n), MCB_STATUS_OK);
+        EXPECT(mcb_libllama_restore(b.s, 0, nullptr, b.tokens.data(), b.tokens.size(), &n), MCB_STATUS_OK);
         CHECK(n == kPrompt / kBlock * kBlock, "xrestore: restored %zu tokens", n);
-        const std::vector<float> logits = decode(b.ctx, 0, kTokens, n, kTokens.size());
+        const std::vector<uint8_t> restored = kv_by_position(b.ctx, 0, static_cast<uint32_t>(n));
+        const std::vector<uint8_t> saved = read_file(saved_kv);
+        CHECK(!saved.empty() && restored == saved, "xrestore: restored KV differs from A's (%zu vs %zu bytes)",
+              restored.size(), saved.size());
+        const std::vector<float> logits = decode(b.ctx, 0, b.tokens, n, b.tokens.size());
         CHECK(same_bits(logits, reference(model, o, 0, n)), "xrestore: logits differ from a full prefill");
-        std::printf("%s two processes: pid %d restored %zu tokens from another process, logits bit-identical\n",
-                    failures ? "FAIL" : "PASS", static_cast<int>(getpid()), n);
+        std::printf("%s two processes: pid %d restored %zu tokens from another process, %zu KV bytes identical, "
+                    "logits bit-identical\n",
+                    failures ? "FAIL" : "PASS", static_cast<int>(getpid()), n, saved.size());
     }
     EXPECT(mcb_bridge_close(br), MCB_STATUS_OK);
     llama_model_free(model);
     return finish("xrestore");
 }
 
-void write_file(const std::string &path, const std::vector<uint8_t> &b) {
-    FILE *f = std::fopen(path.c_str(), "wb");
-    if (!f || std::fwrite(b.data(), 1, b.size(), f) != b.size() || std::fclose(f) != 0) {
-        std::fprintf(stderr, "writing %s: %s\n", path.c_str(), std::strerror(errno));
-        std::exit(2);
+// A model whose context the library does not serve: mcb_libllama_open
+// refuses it as unsupported, says why, and leaves the context as a fresh
+// one, which then computes the prompt to a fresh context's bits.
+int run_xoff(const char *gguf) {
+    llama_model *model = load_model(gguf);
+    mcb_bridge br = open_bridge(bridge_config("libllama-off"));
+    {
+        CtxOpts o;
+        llama_context *ctx = new_ctx(model, o);
+        mcb_libllama *s = nullptr;
+        EXPECT(mcb_libllama_open(ctx, br, gguf, kBlock, 0, &s), MCB_STATUS_UNSUPPORTED);
+        const std::string why = mcb_libllama_last_error();
+        CHECK(s == nullptr && pos_max(ctx, 0) == -1, "xoff: a refused open left a handle or sequence 0 ending at %d",
+              pos_max(ctx, 0));
+        CHECK(mcb_handles_open() == 1, "xoff: %zu handles open, the bridge's only expected", mcb_handles_open());
+        const std::vector<llama_token> tokens = prompt_for(model);
+        const std::vector<float> logits = decode(ctx, 0, tokens, 0, tokens.size());
+        CHECK(same_bits(logits, reference(model, o, 0)), "xoff: the refused context computes other logits");
+        std::printf("%s off: %s\n", failures ? "FAIL" : "PASS", why.c_str());
+        mcb_libllama_close(s);
+        llama_free(ctx);
     }
-    std::printf("  %s (%zu bytes)\n", path.c_str(), b.size());
+    EXPECT(mcb_bridge_close(br), MCB_STATUS_OK);
+    llama_model_free(model);
+    return finish("xoff");
 }
 
 // Real blobs and slot files for internal/llamastate's tests: each prompt
@@ -603,8 +672,10 @@ int main(int argc, char **argv) {
     int rc = 2;
     if (argc == 5 && std::strcmp(argv[1], "xsave") == 0) {
         rc = run_xsave(argv[2], argv[3], argv[4]);
-    } else if (argc == 4 && std::strcmp(argv[1], "xrestore") == 0) {
-        rc = run_xrestore(argv[2], argv[3]);
+    } else if (argc == 5 && std::strcmp(argv[1], "xrestore") == 0) {
+        rc = run_xrestore(argv[2], argv[3], argv[4]);
+    } else if (argc == 3 && std::strcmp(argv[1], "xoff") == 0) {
+        rc = run_xoff(argv[2]);
     } else if (argc == 4 && std::strcmp(argv[1], "testdata") == 0) {
         rc = run_testdata(argv[2], argv[3]);
     } else if (argc == 4) {
@@ -613,9 +684,10 @@ int main(int argc, char **argv) {
         std::fprintf(stderr,
                      "usage: %s MODEL OTHER_MODEL TE_MOCK_LIB\n"
                      "       %s xsave MODEL CONFIG READY_FILE\n"
-                     "       %s xrestore MODEL CONFIG\n"
+                     "       %s xrestore MODEL CONFIG READY_FILE\n"
+                     "       %s xoff MODEL\n"
                      "       %s testdata MODEL DIR\n",
-                     argv[0], argv[0], argv[0], argv[0]);
+                     argv[0], argv[0], argv[0], argv[0], argv[0]);
     }
     llama_backend_free();
     return rc;
