@@ -264,40 +264,54 @@ llama_kv_cache * plain_kv(llama_context * ctx) {
     return dynamic_cast<llama_kv_cache *>(llama_get_memory(ctx));
 }
 
-bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::string & why_off) {
+std::string why_not_plain(llama_context * ctx) {
     const llama_model & model = *llama_get_model(ctx);
     const llama_hparams & hp = model.hparams;
     const llama_cparams & cp = ctx->get_cparams();
 
     // What the bridge cannot describe or restore exactly turns it off (docs/design.md §5.5).
     llama_memory_i * mem = llama_get_memory(ctx);
-    llama_kv_cache * kv  = plain_kv(ctx);
-    if (!configured()) {
-        why_off = "not configured (--mcb-config or MCB_CONFIG)";
-    } else if (cp.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
-        why_off = "not a target context (MTP/draft)";
-    } else if (llama_model_is_recurrent(&model)) {
-        why_off = "recurrent model";
-    } else if (llama_model_is_hybrid(&model)) {
-        why_off = "hybrid model";
-    } else if (dynamic_cast<llama_kv_cache_iswa *>(mem) != nullptr || dynamic_cast<llama_kv_cache_dsa_iswa *>(mem) != nullptr) {
+    if (cp.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
+        return "not a target context (MTP/draft)";
+    }
+    if (llama_model_is_recurrent(&model)) {
+        return "recurrent model";
+    }
+    if (llama_model_is_hybrid(&model)) {
+        return "hybrid model";
+    }
+    if (dynamic_cast<llama_kv_cache_iswa *>(mem) != nullptr || dynamic_cast<llama_kv_cache_dsa_iswa *>(mem) != nullptr) {
         // Decided by the memory, not by llama_model_n_swa: a model may name a window
         // and still run one plain cache (EXAONE 4 but its 32B).
-        why_off = "sliding-window attention (iSWA)";
-    } else if (dynamic_cast<llama_kv_cache_dsa *>(mem) != nullptr) {
-        why_off = "MLA with an indexer cache (DSA): not a plain KV cache";
-    } else if (kv == nullptr) {
-        why_off = "the context's memory is not a plain KV cache";
-    } else if (hp.swa_type != LLAMA_SWA_TYPE_NONE) {
+        return "sliding-window attention (iSWA)";
+    }
+    if (dynamic_cast<llama_kv_cache_dsa *>(mem) != nullptr) {
+        return "MLA with an indexer cache (DSA): not a plain KV cache";
+    }
+    if (plain_kv(ctx) == nullptr) {
+        return "the context's memory is not a plain KV cache";
+    }
+    if (hp.swa_type != LLAMA_SWA_TYPE_NONE) {
         // A plain cache masks by the model's window whenever it has one (every plain
         // cache llama_model::create_memory makes gets hparams.swa_type): it reuses the
         // cells of positions left behind and its state leaves them out, so positions
         // [0, P) are not what it holds. None of the pinned release's target contexts
         // has one; an MTP draft's does, and it is refused above.
-        why_off = "sliding-window attention in a single cache";
-    } else if (!cp.causal_attn) {
-        why_off = "non-causal attention";
+        return "sliding-window attention in a single cache";
     }
+    if (!cp.causal_attn) {
+        return "non-causal attention";
+    }
+    return "";
+}
+
+bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::string & why_off) {
+    const llama_model & model = *llama_get_model(ctx);
+    const llama_hparams & hp = model.hparams;
+    const llama_cparams & cp = ctx->get_cparams();
+    llama_kv_cache * kv = plain_kv(ctx);
+
+    why_off = configured() ? why_not_plain(ctx) : "not configured (--mcb-config or MCB_CONFIG)";
     if (!why_off.empty()) {
         return false;
     }

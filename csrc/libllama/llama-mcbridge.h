@@ -63,6 +63,12 @@ struct attachment {
     std::string describe; // one line for the log: types, layers, layout
 };
 
+// Why the bridge cannot restore ctx's cache exactly (its memory is not one plain,
+// causal KV cache of a target context), or "" when it can. attach refuses such a
+// context; llama-server asks it of a draft context too, which a restore leaves to
+// recompute its prefix in the same plain cache.
+std::string why_not_plain(llama_context * ctx);
+
 // Registers ctx's KV format with the process's bridge (opening it on first use):
 // the probe prompt is decoded into sequence 0 of the empty cache and its KV handed
 // over, so that the library derives the model's identity as for any other host.

@@ -30,6 +30,9 @@ struct mcb_request_stats {
     uint32_t    saved_blocks     = 0; // blocks this prompt copied into the pool
     uint32_t    published_blocks = 0;
     double      save_ms          = 0.0;
+    // with a draft model: the prompt tokens its context computed during the restore
+    int32_t     n_draft_prefilled = 0;
+    double      draft_prefill_ms  = 0.0;
 
     // where the computed remainder of the prompt starts, for the arbiter's calibration
     int32_t     n_compute_start    = 0;

@@ -31,6 +31,7 @@ struct slot_restore {
 struct server_state {
     bool                  on  = false;
     llama_context *       ctx = nullptr;
+    llama_context *       dft = nullptr; // the draft model's context (-md, draft-simple), if any
     mcb_llama::attachment att;
     std::string           why_off; // with a configuration given: why the bridge does not serve ctx
     std::map<int32_t, slot_restore> restores; // by sequence (slot) id
@@ -111,6 +112,44 @@ double ms_between(int64_t t0_us, int64_t t1_us) {
     return (t1_us - t0_us) / 1000.0;
 }
 
+// Why the bridge cannot serve a server with this draft context, or "". A separate draft
+// model (draft-simple) reads only tokens: for a restored prefix its cache is that prefix
+// decoded again, which prompt_restore does while the target's load runs. MTP, EAGLE3,
+// DFlash and DSpark drafts read the target's hidden states of each token, which a
+// restore does not bring.
+std::string why_draft_off(const common_params & params, llama_context * dft) {
+    for (const common_speculative_type t : params.speculative.types) {
+        if (t == COMMON_SPECULATIVE_TYPE_DRAFT_MTP || t == COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3 ||
+            t == COMMON_SPECULATIVE_TYPE_DRAFT_DFLASH || t == COMMON_SPECULATIVE_TYPE_DRAFT_DSPARK) {
+            return "the draft reads the target's hidden states (MTP, EAGLE3, DFlash): a restore brings none";
+        }
+    }
+    const std::string why = mcb_llama::why_not_plain(dft);
+    return why.empty() ? "" : "the draft context: " + why;
+}
+
+// Decodes tokens[from, to) into seq_id of the draft context, in batches of its n_batch
+// and without logits, as common_speculative_process decodes the target's prompt batches
+// into it: the draft's cache then holds what stock's holds for those positions. Returns
+// "" or why it failed.
+std::string draft_prefill(llama_context * dft, int32_t seq_id, const llama_tokens & tokens, int32_t from, int32_t to) {
+    const int32_t n_batch = (int32_t) llama_n_batch(dft);
+    llama_batch batch = llama_batch_init(n_batch, 0, 1);
+    std::string err;
+    for (int32_t i = from; i < to && err.empty(); i += n_batch) {
+        common_batch_clear(batch);
+        for (int32_t j = i; j < std::min(to, i + n_batch); j++) {
+            common_batch_add(batch, tokens[j], j, { seq_id }, false);
+        }
+        const int ret = llama_decode(dft, batch);
+        if (ret != 0) {
+            err = "llama_decode of the draft returned " + std::to_string(ret);
+        }
+    }
+    llama_batch_free(batch);
+    return err;
+}
+
 } // namespace
 
 void attach(llama_context * ctx_tgt, bool has_draft, const common_params & params) {
@@ -124,18 +163,23 @@ void attach(llama_context * ctx_tgt, bool has_draft, const common_params & param
     if (!mcb_llama::configured()) {
         return; // a stock server
     }
-    if (has_draft) {
-        // The draft context would need the same prefix in its own cache.
-        s.why_off = "a draft model is in use";
-    } else if (mcb_llama::attach(ctx_tgt, params.model.path.c_str(), s.att, s.why_off)) {
+    // has_draft: load_model kept a draft context, the one it gave the speculative
+    // decoding in params.speculative.draft.ctx_dft.
+    llama_context * dft = has_draft ? params.speculative.draft.ctx_dft : nullptr;
+    if (dft != nullptr) {
+        s.why_off = why_draft_off(params, dft);
+    }
+    if (s.why_off.empty() && mcb_llama::attach(ctx_tgt, params.model.path.c_str(), s.att, s.why_off)) {
         s.on  = true;
         s.ctx = ctx_tgt;
+        s.dft = dft;
     }
     if (!s.on) {
         SRV_WRN("mcbridge: off: %s\n", s.why_off.c_str());
         return;
     }
-    SRV_INF("mcbridge: on: %s\n", s.att.describe.c_str());
+    SRV_INF("mcbridge: on: %s%s\n", s.att.describe.c_str(),
+            s.dft != nullptr ? "; the draft context recomputes what the target restores" : "");
     if (params.cache_ram_mib != 0) {
         SRV_WRN("%s\n", "mcbridge: the prompt cache (--cache-ram) keeps every prefix a second time; "
                         "--cache-ram 0 (LLAMA_ARG_CACHE_RAM=0) leaves that to the bridge");
@@ -272,6 +316,27 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
         }
         return keep_own();
     }
+    if (s.dft != nullptr) {
+        // The draft computes [n_own, p) while the target's load runs; its cells past
+        // n_own are another prompt's. Positions the load does not verify the slot's own
+        // seq_rm takes from both contexts when its prompt starts.
+        const int64_t t_dft = now_us();
+        std::string err = llama_memory_seq_rm(llama_get_memory(s.dft), seq_id, n_own, -1)
+                              ? draft_prefill(s.dft, seq_id, tokens, n_own, p)
+                              : "the draft's cells past its own prefix cannot be removed";
+        st.draft_prefill_ms = ms_between(t_dft, now_us());
+        if (!err.empty()) {
+            mcb_llama::seq_restore_cancel(sr.op);
+            st.restore_ms = ms_between(sr.t_begin_us, now_us());
+            st.decision   = "failed";
+            st.error      = "draft: " + err;
+            SRV_WRN("mcbridge: the draft of seq %d could not compute the restored prefix, computing instead: %s\n",
+                    seq_id, err.c_str());
+            cached.keep_first(0); // the load's cancel left the target's sequence empty
+            return computing_from(0);
+        }
+        st.n_draft_prefilled = p - n_own;
+    }
     // The sequence holds the load's cells and nothing else; the slot waits for them.
     cached.keep_first(0);
     s.restores.insert_or_assign(seq_id, std::move(sr));
@@ -389,6 +454,10 @@ void add_outcome(const mcb_request_stats & st, json & res) {
         {"saved_blocks",     st.saved_blocks},
         {"save_ms",          st.save_ms},
     };
+    if (st.n_draft_prefilled > 0) {
+        o["draft_prefilled_n"] = st.n_draft_prefilled;
+        o["draft_prefill_ms"]  = st.draft_prefill_ms;
+    }
     if (!st.error.empty()) {
         o["error"] = st.error;
     }

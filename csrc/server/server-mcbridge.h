@@ -14,7 +14,9 @@
 namespace mcb_server {
 
 // End of load_model: registers the target context with the bridge, or logs why the
-// bridge stays off (not configured, draft model, unsupported memory, ...).
+// bridge stays off (not configured, a draft reading the target's hidden states,
+// unsupported memory, ...). A draft model's context (-md) recomputes what a restore
+// brings the target.
 void attach(llama_context * ctx_tgt, bool has_draft, const common_params & params);
 // destroy(): the context is about to be freed.
 void detach(llama_context * ctx_tgt);

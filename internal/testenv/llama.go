@@ -47,6 +47,10 @@ type Timings struct {
 	PredictedMS float64 `json:"predicted_ms"`
 	// PredictedPerSecond is the server's decode rate.
 	PredictedPerSecond float64 `json:"predicted_per_second"`
+	// DraftN and DraftAccepted are the speculative decoding's drafted and
+	// accepted tokens (a server with a draft model; 0 when none was drafted).
+	DraftN        int `json:"draft_n"`
+	DraftAccepted int `json:"draft_n_accepted"`
 }
 
 // Outcome is what the bridge did for a prompt: the patched server's
@@ -62,7 +66,11 @@ type Outcome struct {
 	LookupMS      float64 `json:"lookup_ms"`
 	SavedBlocks   int     `json:"saved_blocks"`
 	SaveMS        float64 `json:"save_ms"`
-	Error         string  `json:"error"`
+	// DraftPrefilledN is what a draft model's context computed of the
+	// restored prefix while the target's restore ran.
+	DraftPrefilledN int     `json:"draft_prefilled_n"`
+	DraftPrefillMS  float64 `json:"draft_prefill_ms"`
+	Error           string  `json:"error"`
 }
 
 // Completion is a /completion answer.

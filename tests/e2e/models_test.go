@@ -40,7 +40,7 @@ type archSetup struct {
 // tokens (16 blocks) of the comparison, except for a model with a learned
 // position table (GPT-2 and its kind), which has rows for 256 positions
 // only: it gets 192 shared tokens (3 blocks), the most that fit.
-func setupArch(t *testing.T, model string, extra []string) archSetup {
+func setupArch(t testing.TB, model string, extra []string) archSetup {
 	f, err := os.Open(model)
 	require.NoError(t, err)
 	defer f.Close()

@@ -272,7 +272,7 @@ func TestTwoServers(t *testing.T) {
 
 // waitMirrored waits until a server's (or proxy's) directory mirror holds
 // at least n blocks: publishing and the watch are asynchronous.
-func waitMirrored(t *testing.T, url string, n int) {
+func waitMirrored(t testing.TB, url string, n int) {
 	t.Helper()
 	testenv.Eventually(t, defaultWait, func() bool {
 		return testenv.Metrics(t, url+"/metrics")["mcbridge_mirrored_blocks"] >= float64(n)
