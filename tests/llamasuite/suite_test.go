@@ -255,13 +255,15 @@ func TestLlamaServerSuite(t *testing.T) {
 // directory of go test is the package's).
 func stockKey(src, stock string, models map[string]string) (string, error) {
 	h := sha256.New()
-	file := func(p string) error {
+	// A file counts by the name given and its bytes: the stand-ins are written to a
+	// new temporary directory each run, so their paths would make every key new.
+	file := func(name, p string) error {
 		f, err := os.Open(p)
 		if err != nil {
 			return err
 		}
 		defer f.Close()
-		fmt.Fprintf(h, "%s\n", p)
+		fmt.Fprintf(h, "%s\n", name)
 		_, err = io.Copy(h, f)
 		return err
 	}
@@ -270,17 +272,17 @@ func stockKey(src, stock string, models map[string]string) (string, error) {
 			if err != nil || d.IsDir() {
 				return err
 			}
-			return file(p)
+			return file(p, p)
 		})
 	}
 	names := slices.Sorted(maps.Keys(models))
 	for _, n := range names {
-		if err := file(models[n]); err != nil {
+		if err := file(n, models[n]); err != nil {
 			return "", err
 		}
 	}
 	for _, p := range []string{stock, "suite_test.go", "standins_test.go"} {
-		if err := file(p); err != nil {
+		if err := file(p, p); err != nil {
 			return "", err
 		}
 	}
