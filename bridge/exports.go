@@ -629,10 +629,11 @@ func mcbgo_model_register_state(bridge uint64, params, state unsafe.Pointer, n u
 		}
 		m, nStream, err := host.RegisterState(h.b, id, blob)
 		if ce := (*llamastate.CachesError)(nil); errors.As(err, &ce) {
-			// The states of several caches: the host's memory is not one KV
-			// cache, and the status says that its caller serves no such
-			// model; a malformed blob stays INVALID_ARG.
-			return status.Wrap(status.Unsupported, err, "a memory of several caches (sliding-window attention, MLA with an indexer)")
+			// The states of several caches that the library does not restore
+			// (a sliding-window memory's, or more than two KV caches): the
+			// status says that its caller serves no such model; a malformed
+			// blob stays INVALID_ARG.
+			return status.Wrap(status.Unsupported, err, "a memory of several caches")
 		}
 		if err != nil {
 			return err

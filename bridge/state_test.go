@@ -230,8 +230,11 @@ func TestRegisterState(t *testing.T) {
 		{"a position twice", sf.build(t, llamastate.Memory, 0, 0, prompt(12, 0, 12), append(inOrder(11), 3)), status.InvalidArg},
 		{"truncated", fa[:len(fa)-1], status.InvalidArg},
 		{"a byte after the state", append(append([]byte(nil), fa...), 0), status.InvalidArg},
-		// A sliding-window memory's: the base cache's state, then the window's.
-		{"the states of two caches", append(append([]byte(nil), fa...), fa[8:]...), status.Unsupported},
+		// A memory of two KV caches (an MLA cache and its indexer's) in a
+		// model that names no sliding window: the first cache's state, then
+		// the second's. A sliding-window model's is refused (TestLibllamaModels).
+		{"the states of two caches", append(append([]byte(nil), fa...), fa[8:]...), status.OK},
+		{"the states of three caches", append(append(append([]byte(nil), fa...), fa[8:]...), fa[8:]...), status.Unsupported},
 		{"the header alone", fa[:12], status.InvalidArg},
 		{"another magic", withWord(fa, 0, 0xdeadbeef), status.Unsupported},
 		{"a slot file of another version", withWord(realState(t, "slot-fa-on.bin"), 4, 2), status.Unsupported},

@@ -453,17 +453,19 @@ static int run(const char *config, const char *gguf, const char *other_file, int
         EXPECT(mcb_state_save(model, NULL, NULL, other_size, other, 2 * BLOCK, &sr), MCB_STATUS_INVALID_ARG);
         EXPECT(mcb_model_register_state(bridge, &params, probe_state, probe_size / 2, &sm), MCB_STATUS_INVALID_ARG);
         {
-            /* Two caches' streams after one header, as llama_kv_cache_iswa
-             * writes its base and window caches: a memory the library does
-             * not serve, not a malformed blob. */
-            uint8_t *two = xmalloc(2 * probe_size - 8);
-            memcpy(two, probe_state, probe_size);
-            memcpy(two + probe_size, probe_state + 8, probe_size - 8);
+            /* Three caches' streams after one header: a memory the library
+             * does not serve, not a malformed blob. (Two KV caches, as an MLA
+             * cache and its indexer's write them, are served.) */
+            const size_t n3 = 3 * probe_size - 16;
+            uint8_t *three = xmalloc(n3);
+            memcpy(three, probe_state, probe_size);
+            memcpy(three + probe_size, probe_state + 8, probe_size - 8);
+            memcpy(three + 2 * probe_size - 8, probe_state + 8, probe_size - 8);
             mcb_model none = 0;
-            EXPECT(mcb_model_register_state(bridge, &params, two, 2 * probe_size - 8, &none), MCB_STATUS_UNSUPPORTED);
+            EXPECT(mcb_model_register_state(bridge, &params, three, n3, &none), MCB_STATUS_UNSUPPORTED);
             CHECK(none == 0 && strstr(mcb_last_error(), "bytes after the last stream") != NULL,
-                  "a state of two caches: model %llu, %s", (unsigned long long)none, mcb_last_error());
-            free(two);
+                  "a state of three caches: model %llu, %s", (unsigned long long)none, mcb_last_error());
+            free(three);
         }
         EXPECT(mcb_model_unregister(sm), MCB_STATUS_OK);
         free(other_state);

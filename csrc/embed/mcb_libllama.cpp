@@ -94,9 +94,11 @@ mcb_status mcb_libllama_open(llama_context *ctx, mcb_bridge bridge, const char *
     // Sliding-window attention is not decided here: llama_model_n_swa names a
     // window that a model may not run (EXAONE 4 but its 32B has one plain
     // cache), and llama.h does not say which memory the context has. A
-    // memory of several caches (iSWA, MLA with an indexer) writes their
-    // states one after the other, which mcb_model_register_state refuses
-    // as MCB_STATUS_UNSUPPORTED below.
+    // memory of several caches writes their states one after the other;
+    // mcb_model_register_state below serves two KV caches that keep every
+    // position (MLA with an indexer) and refuses an iSWA memory's, whose
+    // window cache is written without the cells the window has passed, as
+    // MCB_STATUS_UNSUPPORTED.
     if (llama_model_has_encoder(model)) return fail(MCB_STATUS_UNSUPPORTED, "encoder-decoder models");
     if (rope == LLAMA_ROPE_TYPE_MROPE || rope == LLAMA_ROPE_TYPE_IMROPE || rope == LLAMA_ROPE_TYPE_VISION)
         return fail(MCB_STATUS_UNSUPPORTED, "M-RoPE cells carry 2-D positions");

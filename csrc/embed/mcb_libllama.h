@@ -15,9 +15,10 @@
  * n_stream, flash attention on or off, any K/V type. Anything else is
  * refused with MCB_STATUS_UNSUPPORTED: recurrent and hybrid models by
  * llama.h, and the rest by the probe's state, since llama.h does not say
- * which memory a context has: a memory of several caches (sliding-window
- * attention, llama_kv_cache_iswa; MLA with an indexer) writes a state the
- * library does not read. A model that names a window but runs one plain
+ * which memory a context has: a sliding-window memory (llama_kv_cache_iswa),
+ * whose states hold only the window cache's last window, and memories of more
+ * than two caches. A memory of two KV caches that keep every position (MLA
+ * with an indexer, llama_kv_cache_dsa) is served, both restored whole. A model that names a window but runs one plain
  * cache (EXAONE 4 but its 32B) is served. A plain cache that masks by a
  * window (in v0.5.0 only MTP draft contexts have one) leaves the cells it
  * left behind out of its states: saving positions it no longer holds is

@@ -44,6 +44,11 @@ type Format struct {
 	// keep their cells themselves and leave it unset; it is not part of the
 	// fingerprint, as it changes no KV byte.
 	CellExt bool
+	// SecondLayers is how many of the trailing Layers are a second KV
+	// cache's: a memory of two (a sliding-window model's window cache, after
+	// its base cache) writes each cache's state after the other's. 0 for
+	// one cache. A block carries every layer's rows.
+	SecondLayers int
 }
 
 // KOnly reports whether the format's layers have no V (an MLA cache).
@@ -51,7 +56,7 @@ func (f *Format) KOnly() bool { return len(f.Layers) > 0 && f.Layers[0].VRow == 
 
 // Equal reports whether two formats describe the same rows.
 func (f *Format) Equal(o *Format) bool {
-	if f.VTrans != o.VTrans || f.CellExt != o.CellExt || len(f.Layers) != len(o.Layers) {
+	if f.VTrans != o.VTrans || f.CellExt != o.CellExt || f.SecondLayers != o.SecondLayers || len(f.Layers) != len(o.Layers) {
 		return false
 	}
 	for i := range f.Layers {
@@ -63,15 +68,28 @@ func (f *Format) Equal(o *Format) bool {
 }
 
 // FormatOf reads the format of a parsed state's one sequence and returns the
-// index of the stream that holds it.
+// index of the stream that holds it. In the state of two caches, the
+// sequence is in that stream of each, and the layers are the first cache's
+// then the second's.
 func FormatOf(st *llamastate.State) (Format, int, error) {
 	si, err := st.Sequence()
 	if err != nil {
 		return Format{}, 0, err
 	}
 	s := &st.Streams[si]
-	f := Format{VTrans: s.VTrans, Layers: make([]LayerFormat, len(s.Layers)), CellExt: st.CellExt}
-	for l, ly := range s.Layers {
+	layers := s.Layers
+	f := Format{VTrans: s.VTrans, CellExt: st.CellExt}
+	if st.Second != nil {
+		s2 := &st.Second[si]
+		if len(s2.Cells) == 0 || s2.VTrans != s.VTrans {
+			return Format{}, 0, status.Errorf(status.Unsupported, "the second KV cache holds %d cells of the sequence, V transposed %v (the first %v)",
+				len(s2.Cells), s2.VTrans, s.VTrans)
+		}
+		layers = append(layers[:len(layers):len(layers)], s2.Layers...)
+		f.SecondLayers = len(s2.Layers)
+	}
+	f.Layers = make([]LayerFormat, len(layers))
+	for l, ly := range layers {
 		f.Layers[l] = LayerFormat{KType: ly.KType, KRow: ly.KRowSize, VType: ly.VType, VRow: ly.VRowSize}
 		if st.KOnly {
 			f.Layers[l].VType = ly.KType

@@ -5,6 +5,7 @@ import (
 	"math/rand"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 	"unsafe"
@@ -460,5 +461,84 @@ func TestStateCellExtensions(t *testing.T) {
 		}
 		// Another prompt for the next round.
 		tokens = kvtest.Tokens(rand.New(rand.NewSource(5)), 13)
+	}
+}
+
+// twoCaches is the state of a memory of two KV caches whose second cache
+// holds the same rows as the first, from position from on (V by token).
+func twoCaches(t *testing.T, blob []byte, from int) []byte {
+	st, err := llamastate.Parse(blob)
+	require.NoError(t, err)
+	si, err := st.Sequence()
+	require.NoError(t, err)
+	// The slice holds position p in cell p.
+	sl, err := st.Slice(len(st.Streams[si].Cells))
+	require.NoError(t, err)
+	second := sl.Streams[si]
+	second.Cells = second.Cells[from:]
+	second.Layers = slices.Clone(second.Layers)
+	for l := range second.Layers {
+		ly := &second.Layers[l]
+		ly.K, ly.V = ly.K[uint64(from)*ly.KRowSize:], ly.V[uint64(from)*ly.VRowSize:]
+	}
+	st.Second = slices.Clone(st.Streams)
+	st.Second[si] = second
+	b, err := st.Build()
+	require.NoError(t, err)
+	return b
+}
+
+// A memory of two KV caches (an MLA cache and its indexer's) saves and
+// restores every layer of both; a second cache that lost the blocks'
+// first positions (a sliding window's) publishes nothing.
+func TestStateRoundTripTwoCaches(t *testing.T) {
+	model := tinyModel(t)
+	c := config.Default()
+	c.PoolBytes, c.BlockTokens, c.Directory.Name = 16<<20, 4, t.Name()
+	c.Arbiter.Policy = "always-restore"
+	ba, err := bridge.Open(c, bridge.Deps{})
+	require.NoError(t, err)
+	defer ba.Close()
+	bb, err := bridge.Open(c, bridge.Deps{})
+	require.NoError(t, err)
+	defer bb.Close()
+
+	h := kvtest.New(t, 2, 32, 32, 48, false)
+	h.Fill(ProbeTokens(), kvtest.SeqCells(8))
+	probe := twoCaches(t, stateOf(t, h, kvtest.SeqCells(8)), 0)
+	ma, _, err := RegisterState(ba, Identity{GGUFPath: model}, probe)
+	require.NoError(t, err)
+	require.Equal(t, 2, ma.Format.SecondLayers)
+	mb, nStream, err := RegisterState(bb, Identity{GGUFPath: model}, probe)
+	require.NoError(t, err)
+
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(3)), 13)
+	cells := kvtest.SeqCells(13)
+	h.Fill(tokens, cells)
+	_, err = ma.SaveState(key0(), twoCaches(t, stateOf(t, h, cells), 5), tokens)
+	require.ErrorIs(t, err, ErrSecondCacheLacks)
+	_, err = ma.SaveState(key0(), stateOf(t, h, cells), tokens)
+	require.Error(t, err, "a state of one cache for a model of two")
+	saved, err := ma.SaveState(key0(), twoCaches(t, stateOf(t, h, cells), 0), tokens)
+	require.NoError(t, err)
+	require.Equal(t, 3, saved.Queued)
+
+	var plan *bridge.Plan
+	require.Eventually(t, func() bool {
+		plan, err = mb.Lookup(key0(), tokens, 0)
+		return err == nil && plan.RestoreTokens == 12
+	}, 10*time.Second, time.Millisecond, "b sees a's three blocks")
+	blob, res, err := mb.RestoreState(plan, Frame{Kind: llamastate.Memory, NStream: nStream, SeqID: 1},
+		func(n int) []byte { return make([]byte, n) })
+	require.NoError(t, err)
+	require.Equal(t, 12, res.OKTokens)
+	st, err := llamastate.ParseTwoCaches(blob)
+	require.NoError(t, err)
+	merged, err := st.Merge(12)
+	require.NoError(t, err)
+	got := stateRows(t, merged)
+	for p := 0; p < 12; p++ {
+		want := hostRows(h, int(cells[p]))
+		assert.Equal(t, append(want, want...), got[p], "position %d", p)
 	}
 }

@@ -1,8 +1,11 @@
 package host
 
 import (
+	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 
 	"github.com/zeebo/xxh3"
@@ -93,6 +96,11 @@ func Register(b *bridge.Bridge, id Identity, probe kvlayout.Layout, cells []uint
 		BlockTokens:  uint32(max(id.BlockTokens, 0)),
 		Extra:        id.Extra,
 	}
+	if k := id.Format.SecondLayers; k > 0 {
+		// Which layers each cache holds changes no row, but a state of two
+		// caches is framed by it.
+		p.Extra = strings.TrimPrefix(fmt.Sprintf("%s;caches %d+%d", id.Extra, n-k, k), ";")
+	}
 	spec := bridge.ModelSpec{KRow: make([]int, n), VRow: make([]int, n), VElem: make([]int, n)}
 	for l, s := range shapes {
 		p.NEmbdKGQA = append(p.NEmbdKGQA, s.nEmbdK)
@@ -109,11 +117,29 @@ func Register(b *bridge.Bridge, id Identity, probe kvlayout.Layout, cells []uint
 }
 
 // RegisterState registers a model from a state of the probe sequence, for
-// hosts that see KV only as llama.cpp states: the format is the state's.
-// It returns the number of streams the state was written with, which
-// states restored into the same context must carry.
+// hosts that see KV only as llama.cpp states: the format is the state's,
+// that of one KV cache or of two (Format.SecondLayers). It returns the
+// number of streams the state was written with, which states restored into
+// the same context must carry. The state of other memories (several caches
+// that are not two KV caches) fails with Parse's *llamastate.CachesError.
 func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, int, error) {
 	st, err := llamastate.Parse(probeState)
+	if ce := (*llamastate.CachesError)(nil); errors.As(err, &ce) {
+		window, werr := slidingWindow(id.GGUFPath)
+		if werr != nil {
+			return nil, 0, werr
+		}
+		if window > 0 {
+			// llama_kv_cache::state_write leaves out the cells the window has
+			// moved past, swa_full or not, so a state never holds a prompt's
+			// earlier blocks' window rows: no block of it could be restored.
+			return nil, 0, status.Wrap(status.Unsupported, err, fmt.Sprintf(
+				"a sliding-window memory (window %d): its states keep only the last window of the window layers", window))
+		}
+		if two, err2 := llamastate.ParseTwoCaches(probeState); err2 == nil {
+			st, err = two, nil
+		}
+	}
 	if err != nil {
 		return nil, 0, err
 	}
@@ -141,12 +167,23 @@ func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, in
 		return nil, 0, err
 	}
 	id.Format = f
-	lo := StateLayout(probeState, &st.Streams[si])
+	rows := st
+	if st.Second != nil {
+		// One layout of every layer's rows, in cells 0..n-1.
+		if rows, err = st.Merge(len(probeTokens)); err != nil {
+			return nil, 0, err
+		}
+		for i := range cells {
+			cells[i] = i
+		}
+	}
+	lo := StateLayout(&rows.Streams[si])
 	cs := make([]uint32, len(cells))
 	for i, c := range cells {
 		cs[i] = uint32(c)
 	}
 	m, err := Register(b, id, lo, cs)
+	runtime.KeepAlive(rows)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -210,6 +247,28 @@ func modelFile(path string) (string, key.Hash, error) {
 	return arch, content, nil
 }
 
+// slidingWindow is the attention window the model file names
+// (<arch>.attention.sliding_window), 0 when it names none.
+func slidingWindow(path string) (uint64, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0, status.Wrap(status.InvalidArg, err, "opening the model file")
+	}
+	defer f.Close()
+	g, err := gguf.Read(f)
+	if err != nil {
+		return 0, status.Wrap(status.InvalidArg, err, "reading the model file "+path)
+	}
+	arch, _ := g.Lookup("general.architecture")
+	name, _ := arch.Str()
+	v, ok := g.Lookup(name + ".attention.sliding_window")
+	if !ok {
+		return 0, nil
+	}
+	n, _ := v.Uint()
+	return n, nil
+}
+
 // probeDomain separates probe digests from every other hash of KV bytes.
 var probeDomain = []byte("mcbridge kv probe v2 " + LlamaVersion + "\x00")
 
@@ -255,15 +314,16 @@ func probeDigest(vTrans bool, shapes []layerShape, probe kvlayout.Layout, cells 
 
 // StateLayout points the bridge at a parsed state's rows, in place: cell c
 // of layer l is K row c and V row c, or element c of each V column. The
-// layers of a K-only state have no V.
-func StateLayout(b []byte, s *llamastate.Stream) kvlayout.Layout {
+// layers of a K-only state have no V. The caller keeps the state's buffer
+// alive while the layout is in use.
+func StateLayout(s *llamastate.Stream) kvlayout.Layout {
 	lo := kvlayout.Layout{Cells: uint32(len(s.Cells)), VTrans: s.VTrans, Location: "cpu:0", Layers: make([]kvlayout.Layer, len(s.Layers))}
 	for l, ly := range s.Layers {
-		lo.Layers[l] = kvlayout.Layer{K: mem.Addr(b[ly.KOff:]), KStride: ly.KRowSize}
+		lo.Layers[l] = kvlayout.Layer{K: mem.Addr(ly.K), KStride: ly.KRowSize}
 		if ly.VRowSize == 0 {
 			continue
 		}
-		lo.Layers[l].V, lo.Layers[l].VStride = mem.Addr(b[ly.VOff:]), ly.VRowSize
+		lo.Layers[l].V, lo.Layers[l].VStride = mem.Addr(ly.V), ly.VRowSize
 		if s.VTrans {
 			lo.Layers[l].VStride = uint64(len(s.Cells)) * uint64(ly.VElSize)
 		}

@@ -1,6 +1,8 @@
 package host
 
 import (
+	"errors"
+	"fmt"
 	"runtime"
 
 	"github.com/mcbridge/mcbridge/internal/bridge"
@@ -23,10 +25,26 @@ type Frame struct {
 	SeqID int32
 }
 
+// ErrSecondCacheLacks is SaveState's error for the state of two caches whose
+// second cache lacks positions of the blocks: a sliding-window memory's
+// state holds only the window cache's last window.
+var ErrSecondCacheLacks = errors.New("the second KV cache lacks positions of the blocks")
+
+// ParseState reads a state in the model's framing: of one KV cache, or of
+// two (Format.SecondLayers).
+func (m *Model) ParseState(state []byte) (*llamastate.State, error) {
+	if m.Format.SecondLayers > 0 {
+		return llamastate.ParseTwoCaches(state)
+	}
+	return llamastate.Parse(state)
+}
+
 // SaveState saves the full blocks of a state: its positions [0, len(tokens))
-// must hold tokens, computed from position 0 under scope.
+// must hold tokens, computed from position 0 under scope. A state of two
+// caches must hold the blocks' positions in both: it is copied into one
+// layout of every layer first.
 func (m *Model) SaveState(scope key.Scope, state []byte, tokens []int32) (bridge.SaveResult, error) {
-	st, err := llamastate.Parse(state)
+	st, err := m.ParseState(state)
 	if err != nil {
 		return bridge.SaveResult{}, err
 	}
@@ -61,11 +79,22 @@ func (m *Model) SaveState(scope key.Scope, state []byte, tokens []int32) (bridge
 		}
 		at = at[:n]
 	}
+	rows := st
+	if st.Second != nil {
+		if rows, err = st.Merge(n); err != nil {
+			return bridge.SaveResult{}, status.Wrap(status.Unsupported, fmt.Errorf("%w: %w", ErrSecondCacheLacks, err),
+				"a sliding-window cache's state holds only its last window")
+		}
+		s = &rows.Streams[si]
+		for p := range at {
+			at[p] = p
+		}
+	}
 	cells := make([]uint32, n)
 	for i, c := range at {
 		cells[i] = uint32(c)
 	}
-	sv, err := m.SaveBegin(scope, StateLayout(state, s), tokens[:n], cells)
+	sv, err := m.SaveBegin(scope, StateLayout(s), tokens[:n], cells)
 	if err != nil {
 		return bridge.SaveResult{}, err
 	}
@@ -76,8 +105,9 @@ func (m *Model) SaveState(scope key.Scope, state []byte, tokens []int32) (bridge
 		}
 	}
 	res, err := sv.End()
-	// SaveLayer read state through the layout's addresses.
+	// SaveLayer read the rows through the layout's addresses.
 	runtime.KeepAlive(state)
+	runtime.KeepAlive(rows)
 	if layerErr != nil {
 		return res, layerErr
 	}
@@ -89,7 +119,8 @@ func (m *Model) SaveState(scope key.Scope, state []byte, tokens []int32) (bridge
 // asked for), so the transfers land in the state itself. The state is
 // returned whenever a block verified: alloc's first buffer or, after a
 // partial load, a second one holding the verified blocks, with the error
-// that cut the load short.
+// that cut the load short. The state of two caches is framed from the
+// loaded rows, one copy later, with every position in each.
 func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte) ([]byte, bridge.LoadResult, error) {
 	if p.Model() != m.Model {
 		return nil, bridge.LoadResult{}, status.Errorf(status.InvalidArg, "a plan of another model")
@@ -105,7 +136,13 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 	empty := m.emptyState(fr, tokens)
 	// The rows are left for the load to fill: written here, they would
 	// be written twice.
-	buf := alloc(empty.Size())
+	two := m.Format.SecondLayers > 0
+	var buf []byte
+	if two {
+		buf = make([]byte, empty.Size())
+	} else {
+		buf = alloc(empty.Size())
+	}
 	if err := empty.FrameInto(buf); err != nil {
 		return nil, bridge.LoadResult{}, err
 	}
@@ -117,7 +154,7 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 	for i := range cells {
 		cells[i] = uint32(i)
 	}
-	layout := StateLayout(buf, &st.Streams[0])
+	layout := StateLayout(&st.Streams[0])
 	// At return the load is fenced or was refused: nothing writes into buf
 	// any more, and the caller may free it.
 	defer m.Model.UnregisterTensors(&layout)
@@ -138,13 +175,20 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 		}
 		return nil, res, loadErr
 	}
-	if res.OKTokens == n {
+	if res.OKTokens == n && !two {
 		return buf, res, nil
 	}
 	// Keep the verified leading blocks.
-	sl, err := st.Slice(res.OKTokens)
-	if err != nil {
-		return nil, res, err
+	sl := st
+	if res.OKTokens < n {
+		if sl, err = st.Slice(res.OKTokens); err != nil {
+			return nil, res, err
+		}
+	}
+	if two {
+		if sl, err = sl.Split(len(m.Format.Layers)-m.Format.SecondLayers, 0); err != nil {
+			return nil, res, err
+		}
 	}
 	out, err := sl.AppendTo(alloc(sl.Size())[:0])
 	if err != nil {

@@ -29,6 +29,15 @@ func FuzzParse(f *testing.F) {
 		seed, err := small.Build()
 		require.NoError(f, err)
 		f.Add(seed)
+		// A sliding-window memory's state: the window cache after the base.
+		if len(small.Streams[0].Layers) > 1 || len(small.Streams) > 1 {
+			si, _ := small.Sequence()
+			if len(small.Streams[si].Layers) > 1 {
+				seed, err = twoCachesOf(f, small, 1).Build()
+				require.NoError(f, err)
+				f.Add(seed)
+			}
+		}
 		small.CellExt = true
 		for i := range small.Streams {
 			for c := range small.Streams[i].Cells {
@@ -56,6 +65,7 @@ func FuzzParse(f *testing.F) {
 		// The worst case is a stream list: 4 input bytes per 56-byte Stream,
 		// read four times (plain, extended cells, no V, both).
 		require.LessOrEqual(t, after.TotalAlloc-before.TotalAlloc, 64*uint64(len(b))+64<<10, "bytes Parse of %d bytes allocated", len(b))
+		fuzzTwoCaches(t, b)
 		if err != nil {
 			return
 		}
@@ -89,4 +99,30 @@ func FuzzParse(f *testing.F) {
 			require.True(t, bytes.Equal(b1, b2), "Slice(%d) is not idempotent", n)
 		}
 	})
+}
+
+// fuzzTwoCaches: whatever ParseTwoCaches accepts builds back to the same bytes, and
+// what Merge makes of it splits into a state of two caches again.
+func fuzzTwoCaches(t *testing.T, b []byte) {
+	st, err := ParseTwoCaches(b)
+	if err != nil {
+		return
+	}
+	out, err := st.Build()
+	require.NoError(t, err, "ParseTwoCaches accepted %d bytes that do not build", len(b))
+	require.True(t, bytes.Equal(out, b), "ParseTwoCaches accepted %d bytes but built %d", len(b), len(out))
+	si, err := st.Sequence()
+	if err != nil {
+		return
+	}
+	n := len(st.Streams[si].Cells)
+	m, err := st.Merge(n)
+	if err != nil {
+		return
+	}
+	nb := len(st.Streams[si].Layers)
+	sp, err := m.Split(nb, n-1)
+	require.NoError(t, err, "Split of a merged state")
+	require.Len(t, sp.Second[si].Cells, 1)
+	require.Len(t, sp.Streams[si].Layers, nb)
 }

@@ -12,9 +12,12 @@
 // flagged in the state, and Parse tries them when a state does not read
 // without: the cells of M-RoPE and per-layer-embedding caches carry an
 // extension (llama_kv_cell_ext; CellExt), and an MLA cache has no V tensors,
-// so its layers have no V sections (KOnly). States of several caches
-// (sliding-window, hybrid and recurrent models) are not supported: such
-// input fails to parse or parses to other cells.
+// so its layers have no V sections (KOnly). The state of a memory of two
+// KV caches (llama_kv_cache_iswa of sliding-window models: the base cache's
+// state, then the window cache's; llama_kv_cache_dsa: the MLA cache's, then
+// its indexer's) reads with ParseTwoCaches; Parse refuses it. Hybrid and
+// recurrent memories write states that are not KV caches' and read with
+// neither.
 package llamastate
 
 import (
@@ -50,6 +53,11 @@ type State struct {
 	// llama-server's server_tokens::serialize, or a plain token list.
 	Words   []int32
 	Streams []Stream
+	// Second is the second KV cache's streams in the state of a memory of
+	// two (ParseTwoCaches), written after the first cache's Streams; nil for
+	// one cache. Both caches have as many streams, and one cell format and
+	// variant.
+	Second []Stream
 	// CellExt says that every cell carries an extension (Cell.Ext).
 	CellExt bool
 	// KOnly says that the layers carry K only: the cache has no V (MLA,
@@ -213,6 +221,35 @@ func kvCaches(b []byte, ext bool) bool {
 		b = b[n:]
 	}
 	return true
+}
+
+// ParseTwoCaches reads the state of a memory of two KV caches
+// (llama_kv_cache_iswa::state_write and the like): the first cache's state,
+// then the second's, in one variant (Parse's), with as many streams each.
+func ParseTwoCaches(b []byte) (*State, error) {
+	var first error
+	for _, v := range []struct{ ext, kOnly bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
+		st, err := parse(b, v.ext, v.kOnly)
+		var ce *CachesError
+		if err == nil {
+			err = status.Errorf(status.InvalidArg, "sequence state: one KV cache where two were expected")
+		} else if st != nil && errors.As(err, &ce) {
+			r := &reader{b: b, off: len(b) - ce.Bytes, ext: v.ext, kOnly: v.kOnly}
+			if st.Second, err = r.streams(); err == nil && r.left() != 0 {
+				err = status.Errorf(status.InvalidArg, "sequence state: %d bytes after the second cache", r.left())
+			}
+			if err == nil && len(st.Second) != len(st.Streams) {
+				err = status.Errorf(status.InvalidArg, "sequence state: %d streams in the second cache, %d in the first", len(st.Second), len(st.Streams))
+			}
+			if err == nil {
+				return st, nil
+			}
+		}
+		if first == nil {
+			first = err
+		}
+	}
+	return nil, first
 }
 
 // parse reads b as one variant. A whole state followed by more bytes is an
@@ -391,7 +428,10 @@ func (st *State) Size() int {
 	if st.Kind == SlotFile {
 		n = 16 + 4*len(st.Words)
 	}
-	for _, s := range st.Streams {
+	if st.Second != nil {
+		n += 4
+	}
+	for _, s := range st.streams() {
 		n += 4
 		if len(s.Cells) == 0 {
 			continue
@@ -411,6 +451,15 @@ func (st *State) Size() int {
 		}
 	}
 	return n
+}
+
+// streams is every stream of the state, the first cache's then the
+// second's.
+func (st *State) streams() []Stream {
+	if st.Second == nil {
+		return st.Streams
+	}
+	return append(st.Streams[:len(st.Streams):len(st.Streams)], st.Second...)
 }
 
 // Build writes the state in its Kind's framing. A State that Parse returned
@@ -465,7 +514,10 @@ func (st *State) encode(w []byte, rows bool) []byte {
 		w = le.AppendUint32(w, uint32(st.SeqID))
 	}
 	w = le.AppendUint32(w, uint32(len(st.Streams)))
-	for _, s := range st.Streams {
+	for i, s := range st.streams() {
+		if i == len(st.Streams) {
+			w = le.AppendUint32(w, uint32(len(st.Second)))
+		}
 		w = le.AppendUint32(w, uint32(len(s.Cells)))
 		if len(s.Cells) == 0 {
 			continue
@@ -519,8 +571,10 @@ func (st *State) check() error {
 		return status.Errorf(status.InvalidArg, "state of %d streams", len(st.Streams))
 	case uint64(len(st.Words)) > math.MaxUint32:
 		return status.Errorf(status.InvalidArg, "%d token words", len(st.Words))
+	case st.Second != nil && len(st.Second) != len(st.Streams):
+		return status.Errorf(status.InvalidArg, "%d streams in the second cache, %d in the first", len(st.Second), len(st.Streams))
 	}
-	for i, s := range st.Streams {
+	for i, s := range st.streams() {
 		if len(s.Cells) == 0 {
 			continue
 		}

@@ -7,7 +7,6 @@ import (
 
 	"github.com/mcbridge/mcbridge/internal/host"
 	"github.com/mcbridge/mcbridge/internal/key"
-	"github.com/mcbridge/mcbridge/internal/llamastate"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -109,29 +108,23 @@ func (be *backend) probe(ctx context.Context, slot int) ([]byte, error) {
 	if err := be.up.complete(ctx, req); err != nil {
 		return nil, status.Wrap(status.Unsupported, err, "probe completion")
 	}
-	_, data, err := be.save(ctx, slot)
-	return data, err
+	return be.save(ctx, slot)
 }
 
-// save has the server write slot into a file, reads and parses it, and
-// removes it.
-func (be *backend) save(ctx context.Context, slot int) (*llamastate.State, []byte, error) {
+// save has the server write slot into a file, reads it and removes it.
+func (be *backend) save(ctx context.Context, slot int) ([]byte, error) {
 	name := be.p.fileName("s", slot)
 	path := be.slotPath(name)
 	_, err := be.up.slotAction(ctx, slot, "save", name)
 	defer os.Remove(path)
 	if err != nil {
-		return nil, nil, status.Wrap(status.Unsupported, err, "slot save")
+		return nil, status.Wrap(status.Unsupported, err, "slot save")
 	}
 	data, err := os.ReadFile(path)
 	if err != nil {
-		return nil, nil, status.Wrap(status.Unsupported, err, "reading the saved slot (is the slot directory the server's --slot-save-path?)")
+		return nil, status.Wrap(status.Unsupported, err, "reading the saved slot (is the slot directory the server's --slot-save-path?)")
 	}
-	st, err := llamastate.Parse(data)
-	if err != nil {
-		return nil, nil, err
-	}
-	return st, data, nil
+	return data, nil
 }
 
 // checkUpstream confirms, before a restore, that the upstream is still the

@@ -2,8 +2,10 @@ package proxy
 
 import (
 	"context"
+	"errors"
 	"slices"
 
+	"github.com/mcbridge/mcbridge/internal/host"
 	"github.com/mcbridge/mcbridge/internal/llamastate"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
@@ -72,7 +74,11 @@ func (ru *run) after() {
 		p.stats.savesSkipped.Add(1)
 		return
 	}
-	st, data, err := be.save(ctx, ru.slot)
+	data, err := be.save(ctx, ru.slot)
+	var st *llamastate.State
+	if err == nil {
+		st, err = ru.lm.m.ParseState(data)
+	}
 	if err != nil {
 		p.stats.saveFailures.Add(1)
 		p.log.Info("mcbridge proxy: slot save failed", "upstream", be.name, "slot", ru.slot, "err", err)
@@ -122,6 +128,10 @@ func (p *Proxy) publish(job publishJob) error {
 	res, err := job.lm.m.SaveState(p.opts.Scope, job.data, job.tokens)
 	if status.Of(err) == status.ModelMismatch {
 		job.be.forget(job.lm, "a slot file in another KV format")
+	}
+	if errors.Is(err, host.ErrSecondCacheLacks) {
+		// Every longer prompt would lose its first blocks' window rows too.
+		job.be.stopPublishing("the upstream's slot files hold only part of a prompt in its second KV cache (a sliding window)")
 	}
 	if err != nil {
 		return err
