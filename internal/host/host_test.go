@@ -271,6 +271,21 @@ func nan() float64 {
 // A state host's save and restore: blocks saved from one state come back,
 // through another bridge, as a state whose rows are byte-identical by
 // position, framed as asked; a partial load keeps the verified blocks.
+// restoringBridges opens n bridges that share the in-process directory
+// named name, with blocks of 4 tokens, and always restore.
+func restoringBridges(t *testing.T, name string, n int) []*bridge.Bridge {
+	c := config.Default()
+	c.PoolBytes, c.BlockTokens, c.Directory.Name = 16<<20, 4, name
+	c.Arbiter.Policy = "always-restore"
+	bs := make([]*bridge.Bridge, n)
+	for i := range bs {
+		b, err := bridge.Open(c, bridge.Deps{})
+		require.NoError(t, err)
+		bs[i] = b
+	}
+	return bs
+}
+
 func TestStateRoundTrip(t *testing.T) {
 	model := tinyModel(t)
 	for _, tc := range []struct {
@@ -278,13 +293,8 @@ func TestStateRoundTrip(t *testing.T) {
 		vrow   int // 0: a K-only cache (MLA)
 	}{{false, 48}, {true, 48}, {false, 0}, {true, 0}} {
 		vtrans := tc.vtrans
-		c := config.Default()
-		c.PoolBytes, c.BlockTokens, c.Directory.Name = 16<<20, 4, fmt.Sprintf("%s-%v-%d", t.Name(), vtrans, tc.vrow)
-		c.Arbiter.Policy = "always-restore"
-		ba, err := bridge.Open(c, bridge.Deps{})
-		require.NoError(t, err)
-		bb, err := bridge.Open(c, bridge.Deps{})
-		require.NoError(t, err)
+		bs := restoringBridges(t, fmt.Sprintf("%s-%v-%d", t.Name(), vtrans, tc.vrow), 2)
+		ba, bb := bs[0], bs[1]
 
 		h := kvtest.New(t, 2, 32, 32, tc.vrow, vtrans)
 		h.Fill(ProbeTokens(), kvtest.SeqCells(8))
@@ -297,19 +307,7 @@ func TestStateRoundTrip(t *testing.T) {
 		tokens := kvtest.Tokens(rand.New(rand.NewSource(3)), 13)
 		cells := kvtest.ScatteredCells(rand.New(rand.NewSource(4)), 13, 32)
 		h.Fill(tokens, cells)
-		saved, err := ma.SaveState(key0(), stateOf(t, h, cells), tokens)
-		require.NoError(t, err)
-		require.Equal(t, 3, saved.Queued)
-
-		var plan *bridge.Plan
-		require.Eventually(t, func() bool {
-			plan, err = mb.Lookup(key0(), tokens, 0)
-			return err == nil && plan.RestoreTokens == 12
-		}, 10*time.Second, time.Millisecond, "b sees a's three blocks")
-		blob, res, err := mb.RestoreState(plan, Frame{Kind: llamastate.SlotFile, NStream: nStream, SeqID: 1},
-			func(n int) []byte { return make([]byte, n) })
-		require.NoError(t, err)
-		require.Equal(t, 12, res.OKTokens)
+		blob := saveAndRestore(t, ma, mb, stateOf(t, h, cells), tokens, Frame{Kind: llamastate.SlotFile, NStream: nStream, SeqID: 1})
 		// The blob is the caller's to free: the engine holds none of it.
 		blobAddr := uintptr(unsafe.Pointer(unsafe.SliceData(blob)))
 		require.NoError(t, bb.Transport().RegisterMemory(blobAddr, uint64(len(blob)), "cpu:0", false), "vtrans %v: the blob is still registered", vtrans)
@@ -327,6 +325,23 @@ func TestStateRoundTrip(t *testing.T) {
 		require.NoError(t, ba.Close())
 		require.NoError(t, bb.Close())
 	}
+}
+
+// saveAndRestore saves state's three full blocks of 13 tokens through ma
+// and restores them through mb once it sees them, framed as fr.
+func saveAndRestore(t *testing.T, ma, mb *Model, state []byte, tokens []int32, fr Frame) []byte {
+	saved, err := ma.SaveState(key0(), state, tokens)
+	require.NoError(t, err)
+	require.Equal(t, 3, saved.Queued)
+	var plan *bridge.Plan
+	require.Eventually(t, func() bool {
+		plan, err = mb.Lookup(key0(), tokens, 0)
+		return err == nil && plan.RestoreTokens == 12
+	}, 10*time.Second, time.Millisecond, "b sees a's three blocks")
+	blob, res, err := mb.RestoreState(plan, fr, func(n int) []byte { return make([]byte, n) })
+	require.NoError(t, err)
+	require.Equal(t, 12, res.OKTokens)
+	return blob
 }
 
 func key0() key.Scope { return key.Scope{} }
@@ -396,11 +411,7 @@ func withExts(t *testing.T, blob []byte, ext func(pos int32) llamastate.CellExt)
 // restore writes the text prompt's extensions.
 func TestStateCellExtensions(t *testing.T) {
 	model := tinyModel(t)
-	c := config.Default()
-	c.PoolBytes, c.BlockTokens, c.Directory.Name = 16<<20, 4, t.Name()
-	c.Arbiter.Policy = "always-restore"
-	b, err := bridge.Open(c, bridge.Deps{})
-	require.NoError(t, err)
+	b := restoringBridges(t, t.Name(), 1)[0]
 	defer b.Close()
 	h := kvtest.New(t, 2, 32, 32, 48, false)
 	probe := ProbeTokens()
@@ -493,14 +504,9 @@ func twoCaches(t *testing.T, blob []byte, from int) []byte {
 // first positions (a sliding window's) publishes nothing.
 func TestStateRoundTripTwoCaches(t *testing.T) {
 	model := tinyModel(t)
-	c := config.Default()
-	c.PoolBytes, c.BlockTokens, c.Directory.Name = 16<<20, 4, t.Name()
-	c.Arbiter.Policy = "always-restore"
-	ba, err := bridge.Open(c, bridge.Deps{})
-	require.NoError(t, err)
+	bs := restoringBridges(t, t.Name(), 2)
+	ba, bb := bs[0], bs[1]
 	defer ba.Close()
-	bb, err := bridge.Open(c, bridge.Deps{})
-	require.NoError(t, err)
 	defer bb.Close()
 
 	h := kvtest.New(t, 2, 32, 32, 48, false)
@@ -519,19 +525,7 @@ func TestStateRoundTripTwoCaches(t *testing.T) {
 	require.ErrorIs(t, err, ErrSecondCacheLacks)
 	_, err = ma.SaveState(key0(), stateOf(t, h, cells), tokens)
 	require.Error(t, err, "a state of one cache for a model of two")
-	saved, err := ma.SaveState(key0(), twoCaches(t, stateOf(t, h, cells), 0), tokens)
-	require.NoError(t, err)
-	require.Equal(t, 3, saved.Queued)
-
-	var plan *bridge.Plan
-	require.Eventually(t, func() bool {
-		plan, err = mb.Lookup(key0(), tokens, 0)
-		return err == nil && plan.RestoreTokens == 12
-	}, 10*time.Second, time.Millisecond, "b sees a's three blocks")
-	blob, res, err := mb.RestoreState(plan, Frame{Kind: llamastate.Memory, NStream: nStream, SeqID: 1},
-		func(n int) []byte { return make([]byte, n) })
-	require.NoError(t, err)
-	require.Equal(t, 12, res.OKTokens)
+	blob := saveAndRestore(t, ma, mb, twoCaches(t, stateOf(t, h, cells), 0), tokens, Frame{Kind: llamastate.Memory, NStream: nStream, SeqID: 1})
 	st, err := llamastate.ParseTwoCaches(blob)
 	require.NoError(t, err)
 	merged, err := st.Merge(12)

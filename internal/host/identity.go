@@ -220,20 +220,29 @@ func equalTokens(a, b []int32) bool {
 	return true
 }
 
-// modelFile reads a GGUF's architecture and digests its bytes (cached by
-// path, size and mtime).
-func modelFile(path string) (string, key.Hash, error) {
+// modelHeader reads a GGUF's metadata.
+func modelHeader(path string) (*gguf.File, error) {
 	if path == "" {
-		return "", key.Hash{}, status.Errorf(status.InvalidArg, "no model file: the fingerprint digests the GGUF")
+		return nil, status.Errorf(status.InvalidArg, "no model file: the fingerprint digests the GGUF")
 	}
 	f, err := os.Open(path)
 	if err != nil {
-		return "", key.Hash{}, status.Wrap(status.InvalidArg, err, "opening the model file")
+		return nil, status.Wrap(status.InvalidArg, err, "opening the model file")
 	}
 	defer f.Close()
 	g, err := gguf.Read(f)
 	if err != nil {
-		return "", key.Hash{}, status.Wrap(status.InvalidArg, err, "reading the model file "+path)
+		return nil, status.Wrap(status.InvalidArg, err, "reading the model file "+path)
+	}
+	return g, nil
+}
+
+// modelFile reads a GGUF's architecture and digests its bytes (cached by
+// path, size and mtime).
+func modelFile(path string) (string, key.Hash, error) {
+	g, err := modelHeader(path)
+	if err != nil {
+		return "", key.Hash{}, err
 	}
 	v, ok := g.Lookup("general.architecture")
 	arch, isStr := v.Str()
@@ -250,14 +259,9 @@ func modelFile(path string) (string, key.Hash, error) {
 // slidingWindow is the attention window the model file names
 // (<arch>.attention.sliding_window), 0 when it names none.
 func slidingWindow(path string) (uint64, error) {
-	f, err := os.Open(path)
+	g, err := modelHeader(path)
 	if err != nil {
-		return 0, status.Wrap(status.InvalidArg, err, "opening the model file")
-	}
-	defer f.Close()
-	g, err := gguf.Read(f)
-	if err != nil {
-		return 0, status.Wrap(status.InvalidArg, err, "reading the model file "+path)
+		return 0, err
 	}
 	arch, _ := g.Lookup("general.architecture")
 	name, _ := arch.Str()

@@ -41,8 +41,8 @@ func (m *Model) ParseState(state []byte) (*llamastate.State, error) {
 
 // SaveState saves the full blocks of a state: its positions [0, len(tokens))
 // must hold tokens, computed from position 0 under scope. A state of two
-// caches must hold the blocks' positions in both: it is copied into one
-// layout of every layer first.
+// caches must hold the blocks' positions in both: Merge copies them into
+// one layout of every layer first.
 func (m *Model) SaveState(scope key.Scope, state []byte, tokens []int32) (bridge.SaveResult, error) {
 	st, err := m.ParseState(state)
 	if err != nil {
@@ -119,8 +119,8 @@ func (m *Model) SaveState(scope key.Scope, state []byte, tokens []int32) (bridge
 // asked for), so the transfers land in the state itself. The state is
 // returned whenever a block verified: alloc's first buffer or, after a
 // partial load, a second one holding the verified blocks, with the error
-// that cut the load short. The state of two caches is framed from the
-// loaded rows, one copy later, with every position in each.
+// that cut the load short. The state of two caches is framed again from
+// the loaded rows (Split copies them), with every position in each.
 func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte) ([]byte, bridge.LoadResult, error) {
 	if p.Model() != m.Model {
 		return nil, bridge.LoadResult{}, status.Errorf(status.InvalidArg, "a plan of another model")

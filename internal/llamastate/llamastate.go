@@ -150,6 +150,10 @@ func (r *reader) bytes(n, size uint64, what string) ([]byte, int, error) {
 	return r.b[off:r.off:r.off], off, nil
 }
 
+// variants are the readings a state is tried in, in Parse's order: plain
+// cells and layers with V, extended cells, no V sections, both.
+var variants = []struct{ ext, kOnly bool }{{false, false}, {true, false}, {false, true}, {true, true}}
+
 // Parse reads a sequence state blob or slot file. It accepts exactly one
 // state: bytes after the last stream are an error. A state that does not
 // read with plain cells and layers with V is read again with extended cells
@@ -165,7 +169,7 @@ func (r *reader) bytes(n, size uint64, what string) ([]byte, int, error) {
 func Parse(b []byte) (*State, error) {
 	var first, whole error
 	wholeExt := false
-	for _, v := range []struct{ ext, kOnly bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
+	for _, v := range variants {
 		st, err := parse(b, v.ext, v.kOnly)
 		if err == nil {
 			return st, nil
@@ -228,7 +232,7 @@ func kvCaches(b []byte, ext bool) bool {
 // then the second's, in one variant (Parse's), with as many streams each.
 func ParseTwoCaches(b []byte) (*State, error) {
 	var first error
-	for _, v := range []struct{ ext, kOnly bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
+	for _, v := range variants {
 		st, err := parse(b, v.ext, v.kOnly)
 		var ce *CachesError
 		if err == nil {
