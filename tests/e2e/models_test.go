@@ -81,14 +81,41 @@ func archTokens(n, mul, off int) []int32 {
 // and cache shape the bridge serves (docs/models.md): each must restore.
 // Kinds the bridge does not serve yet are not here; `make test-models`
 // runs every architecture and its table says "off" for them.
-var representatives = []archRun{
+var representatives = append([]archRun{
 	{model: "llama-dense"},                                 // plain attention
 	{model: "qwen3-dense"},                                 // MQA (one KV head)
 	{model: "qwen3moe-moe"},                                // MoE
 	{model: "qwen3vl-dense"},                               // M-RoPE: cells carry a 2-D position and the token
 	{model: "deepseek2-moe"},                               // MLA: the cache holds K (the latent) and no V
 	{model: "deepseek2-moe", args: []string{"-fa", "off"}}, // MLA whose state says V transposed (of no V)
-	{model: "llama-dense", args: []string{"-ctk", "q8_0", "-ctv", "q8_0"}}, // quantized KV
+}, quantizedKV(
+	quantizedShape{model: "llama-dense"},
+	quantizedShape{model: "qwen3-dense"},
+	quantizedShape{model: "qwen3vl-dense"},
+	quantizedShape{model: "deepseek2-moe", mla: true},
+)...)
+
+// quantizedShape is a cache shape the quantized-KV runs cover.
+type quantizedShape struct {
+	model string
+	mla   bool
+}
+
+// quantizedKV is each shape's runs with q8_0 and q4_0 KV, flash attention
+// on and off. llama.cpp quantizes V only with flash attention on, so a run
+// with it off quantizes K alone (V stays f16, transposed), and an MLA cache
+// only with K and V of one type, so MLA has no run with it off.
+func quantizedKV(shapes ...quantizedShape) []archRun {
+	var runs []archRun
+	for _, s := range shapes {
+		for _, typ := range []string{"q8_0", "q4_0"} {
+			runs = append(runs, archRun{model: s.model, args: []string{"-ctk", typ, "-ctv", typ}})
+			if !s.mla {
+				runs = append(runs, archRun{model: s.model, args: []string{"-ctk", typ, "-fa", "off"}})
+			}
+		}
+	}
+	return runs
 }
 
 // archException is a model no prefix reuse can serve: why, and what stock
@@ -154,10 +181,19 @@ func TestModels(t *testing.T) {
 		files, err := filepath.Glob(filepath.Join(dir, "*.gguf"))
 		require.NoError(t, err)
 		require.NotEmpty(t, files, "no models in %s", dir)
+		// Every model as it comes, then the representatives' runs with other
+		// arguments (flash attention off, quantized KV).
+		var variants []archRun
+		for _, r := range runs {
+			if len(r.args) > 0 {
+				variants = append(variants, r)
+			}
+		}
 		runs = nil
 		for _, f := range files {
 			runs = append(runs, archRun{model: strings.TrimSuffix(filepath.Base(f), ".gguf")})
 		}
+		runs = append(runs, variants...)
 	}
 	etcd := etcdtest.Start(t)
 	var rows []archRow
@@ -199,6 +235,9 @@ func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) 
 	// -lv 4: llama.cpp's loading log, which memoryKind reads; it changes no answer.
 	ref := testenv.StartLlama(t, "stock", testenv.StockServer(t), append(slices.Clone(args), "-lv", "4"))
 	row.kind = memoryKind(t, ref.Log)
+	if i := slices.Index(r.args, "-ctk"); i >= 0 && i+1 < len(r.args) {
+		require.Contains(t, row.kind, "K "+r.args[i+1], "the KV cache is not of the type asked for")
+	}
 	reqA := testenv.Request{Prompt: su.promptA, Slot: 0, NPredict: nPredict}
 	reqB := testenv.Request{Prompt: su.promptB, Slot: 0, NPredict: nPredict}
 	// Stock's answers to prefix+B, by the tokens it holds: both hosts'
@@ -328,6 +367,7 @@ var (
 	headCount = regexp.MustCompile(`n_head\s+= (.*)`)
 	kvHeads   = regexp.MustCompile(`n_head_kv\s+= (.*)`)
 	experts   = regexp.MustCompile(`n_expert\s+= (\d+)`)
+	kvTypes   = regexp.MustCompile(`llama_kv_cache: size = .*, K \((\w+)\): .*, V \((\w+)\)`)
 )
 
 // memoryKind names a model's memory and cache shape from what a stock
@@ -368,6 +408,9 @@ func memoryKind(t *testing.T, logPath string) string {
 	}
 	if m := experts.FindStringSubmatch(log); m != nil && m[1] != "0" {
 		kind = append(kind, "MoE")
+	}
+	if m := kvTypes.FindStringSubmatch(log); m != nil && (m[1] != "f16" || m[2] != "f16") {
+		kind = append(kind, fmt.Sprintf("K %s, V %s", m[1], m[2]))
 	}
 	return strings.Join(kind, ", ")
 }
