@@ -42,12 +42,9 @@ private:
     bool failed = false;
 };
 
-// kv_by_pos's reading with or without V sections: false when the blob does
-// not read so to its last byte.
-inline bool kv_by_pos_as(const std::vector<uint8_t> & blob, bool with_v, std::map<int32_t, std::vector<uint8_t>> & out) {
-    blob_reader r(blob, false);
-    out.clear();
-    r.take(8); // magic, seq id
+// Reads one KV cache's section (its stream count, then each stream's cells and
+// layers) and appends each position's rows to out[pos]: false when it is cut short.
+inline bool read_cache(blob_reader & r, bool with_v, std::map<int32_t, std::vector<uint8_t>> & out) {
     const uint32_t n_stream = r.u32();
     for (uint32_t s = 0; s < n_stream && !r.bad(); s++) {
         const uint32_t n = r.u32();
@@ -100,14 +97,30 @@ inline bool kv_by_pos_as(const std::vector<uint8_t> & blob, bool with_v, std::ma
             }
         }
         for (uint32_t i = 0; i < n; i++) {
-            out[pos[i]] = row[i];
+            std::vector<uint8_t> & at = out[pos[i]];
+            at.insert(at.end(), row[i].begin(), row[i].end());
         }
     }
-    return !r.bad() && r.left() == 0;
+    return !r.bad();
 }
 
-// Every position's K and V bytes, per layer K then V, V by token whatever its
-// layout. An MLA cache has no V, and its state no V sections (K only): a blob
+// kv_by_pos's reading with or without V sections: false when the blob does not
+// read so to its last byte. A memory of several KV caches (an MLA cache and its
+// indexer's, llama_kv_cache_dsa) writes each cache's section after the other's.
+inline bool kv_by_pos_as(const std::vector<uint8_t> & blob, bool with_v, std::map<int32_t, std::vector<uint8_t>> & out) {
+    blob_reader r(blob, false);
+    out.clear();
+    r.take(8); // magic, seq id
+    do {
+        if (!read_cache(r, with_v, out)) {
+            return false;
+        }
+    } while (r.left() > 0);
+    return true;
+}
+
+// Every position's K and V bytes, per cache and layer K then V, V by token
+// whatever its layout. An MLA cache has no V, and its state no V sections (K only): a blob
 // that does not read with V to its last byte is read without.
 inline std::map<int32_t, std::vector<uint8_t>> kv_by_pos(const std::vector<uint8_t> & blob) {
     std::map<int32_t, std::vector<uint8_t>> out;

@@ -66,14 +66,16 @@ func TestLibllamaTwoProcesses(t *testing.T) {
 // The libllama host decides what it serves by the probe's state, as the
 // patched server does by the memory, and not by llama_model_n_swa: EXAONE 4
 // names a window and runs one plain cache, DeepSeek 2's MLA cache holds K
-// and no V, and both restore across two processes. Gemma 3's sliding-window
+// and no V, DeepSeek 3.2's memory is two caches that keep every position
+// (the MLA cache and its indexer's, llama_kv_cache_dsa), and each restores
+// across two processes. Gemma 3's sliding-window
 // memory (llama_kv_cache_iswa) writes two caches, but its states keep only
 // the window cache's last window, which turns the host off with that
 // reason, the context computing as a fresh one.
 func TestLibllamaModels(t *testing.T) {
 	dir := testenv.ArchModels(t)
 	etcd := etcdtest.Start(t)
-	for i, m := range []string{"exaone4-dense", "deepseek2-moe"} {
+	for i, m := range []string{"exaone4-dense", "deepseek2-moe", "deepseek32-moe"} {
 		t.Run(m, func(t *testing.T) {
 			libllamaTwoProcesses(t, filepath.Join(dir, m+".gguf"), etcd.Endpoint(), fmt.Sprintf("/libllama-models/%d", i), mockTE)
 		})
