@@ -1,6 +1,7 @@
 package host
 
 import (
+	"encoding/binary"
 	"fmt"
 	"math/rand"
 	"os"
@@ -535,4 +536,62 @@ func TestStateRoundTripTwoCaches(t *testing.T) {
 		want := hostRows(h, int(cells[p]))
 		assert.Equal(t, append(want, want...), got[p], "position %d", p)
 	}
+}
+
+// headerOnlyGGUF writes a GGUF of metadata alone: the architecture and, when
+// window is not 0, its attention window.
+func headerOnlyGGUF(t *testing.T, arch string, window uint32) string {
+	le := binary.LittleEndian
+	str := func(b []byte, s string) []byte { return append(le.AppendUint64(b, uint64(len(s))), s...) }
+	n := uint64(1)
+	if window > 0 {
+		n++
+	}
+	b := le.AppendUint32(nil, 0x46554747) // "GGUF"
+	b = le.AppendUint32(b, 3)
+	b = le.AppendUint64(b, 0) // tensors
+	b = le.AppendUint64(b, n)
+	b = le.AppendUint32(str(b, "general.architecture"), 8) // string
+	b = str(b, arch)
+	if window > 0 {
+		b = le.AppendUint32(str(b, arch+".attention.sliding_window"), 4) // uint32
+		b = le.AppendUint32(b, window)
+	}
+	p := filepath.Join(t.TempDir(), arch+".gguf")
+	require.NoError(t, os.WriteFile(p, b, 0o644))
+	return p
+}
+
+// A state host refuses the states of memories that are not KV caches alone,
+// saying which: hybrid and recurrent memories by the pinned release's list
+// of architectures, sliding-window ones by the window the file names. A
+// state that reads as one KV cache is taken whatever the file names (EXAONE
+// 4 names a window and runs one plain cache).
+func TestRegisterStateRefusesOtherMemories(t *testing.T) {
+	b := openBridge(t)
+	h := kvtest.New(t, 2, 16, 32, 32, false)
+	cells := kvtest.SeqCells(8)
+	h.Fill(ProbeTokens(), cells)
+	plain := stateOf(t, h, cells)
+	// What follows a hybrid's KV cache section: its recurrent state's.
+	tail := append(slices.Clone(plain), 1, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0)
+	for _, c := range []struct {
+		arch   string
+		window uint32
+		says   string
+	}{
+		{"qwen35", 0, "a hybrid memory (qwen35)"},
+		{"deepseek4", 128, "a hybrid memory (deepseek4)"},
+		{"mamba2", 0, "a recurrent memory (mamba2)"},
+		{"gemma3", 512, "a sliding-window memory (window 512)"},
+	} {
+		_, _, err := RegisterState(b, Identity{GGUFPath: headerOnlyGGUF(t, c.arch, c.window)}, tail)
+		assert.Equal(t, status.Unsupported, status.Of(err), "%s: %v", c.arch, err)
+		assert.ErrorContains(t, err, c.says)
+	}
+	m, _, err := RegisterState(b, Identity{GGUFPath: headerOnlyGGUF(t, "exaone4", 128)}, plain)
+	require.NoError(t, err, "one KV cache's state")
+	assert.Zero(t, m.Format.SecondLayers)
+	_, _, err = RegisterState(b, Identity{GGUFPath: headerOnlyGGUF(t, "llama", 0)}, tail)
+	assert.Equal(t, status.InvalidArg, status.Of(err), "bytes after the state of a model of one KV cache: %v", err)
 }

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 
 	"github.com/zeebo/xxh3"
@@ -124,20 +125,18 @@ func Register(b *bridge.Bridge, id Identity, probe kvlayout.Layout, cells []uint
 // that are not two KV caches) fails with Parse's *llamastate.CachesError.
 func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, int, error) {
 	st, err := llamastate.Parse(probeState)
-	if ce := (*llamastate.CachesError)(nil); errors.As(err, &ce) {
-		window, werr := slidingWindow(id.GGUFPath)
-		if werr != nil {
-			return nil, 0, werr
+	if err != nil {
+		mem, merr := memoryOf(id.GGUFPath)
+		if merr != nil {
+			return nil, 0, merr
 		}
-		if window > 0 {
-			// llama_kv_cache::state_write leaves out the cells the window has
-			// moved past, swa_full or not, so a state never holds a prompt's
-			// earlier blocks' window rows: no block of it could be restored.
-			return nil, 0, status.Wrap(status.Unsupported, err, fmt.Sprintf(
-				"a sliding-window memory (window %d): its states keep only the last window of the window layers", window))
+		if why := mem.notKV(); why != "" {
+			return nil, 0, status.Wrap(status.Unsupported, err, why)
 		}
-		if two, err2 := llamastate.ParseTwoCaches(probeState); err2 == nil {
-			st, err = two, nil
+		if ce := (*llamastate.CachesError)(nil); errors.As(err, &ce) {
+			if two, err2 := llamastate.ParseTwoCaches(probeState); err2 == nil {
+				st, err = two, nil
+			}
 		}
 	}
 	if err != nil {
@@ -256,21 +255,53 @@ func modelFile(path string) (string, key.Hash, error) {
 	return arch, content, nil
 }
 
-// slidingWindow is the attention window the model file names
-// (<arch>.attention.sliding_window), 0 when it names none.
-func slidingWindow(path string) (uint64, error) {
+// memory is what a model file says of the memory llama.cpp gives it.
+type memory struct {
+	arch   string
+	window uint64 // <arch>.attention.sliding_window, 0 when it names none
+}
+
+// The architectures whose memory holds a recurrent state, alone or beside a
+// KV cache, in the pinned release (llama-arch.cpp: llm_arch_is_recurrent,
+// llm_arch_is_hybrid).
+var (
+	recurrentArchs = []string{"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"}
+	hybridArchs    = []string{"jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
+		"nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "qwen35", "qwen35moe", "qwen4exp",
+		"deepseek4", "minimax-01"}
+)
+
+// notKV says why the model's states hold something other than rows by
+// position for every position of the prompt, "" when they do not: a
+// recurrent state is one per sequence, for the position it is at, and
+// llama_kv_cache::state_write leaves out the window cells a window has moved
+// past, swa_full or not. Neither can restore a block until snapshots at block
+// boundaries are built (docs/design.md §5.9).
+func (m memory) notKV() string {
+	switch {
+	case slices.Contains(recurrentArchs, m.arch):
+		return fmt.Sprintf("a recurrent memory (%s): its states hold one recurrent state for the position the sequence is at, no rows by position", m.arch)
+	case slices.Contains(hybridArchs, m.arch):
+		return fmt.Sprintf("a hybrid memory (%s): its states hold a recurrent state for the position the sequence is at beside the attention layers' KV", m.arch)
+	case m.window > 0:
+		return fmt.Sprintf("a sliding-window memory (window %d): its states keep only the last window of the window layers", m.window)
+	}
+	return ""
+}
+
+// memoryOf reads what the model file at path says of its memory.
+func memoryOf(path string) (memory, error) {
 	g, err := modelHeader(path)
 	if err != nil {
-		return 0, err
+		return memory{}, err
 	}
-	arch, _ := g.Lookup("general.architecture")
-	name, _ := arch.Str()
-	v, ok := g.Lookup(name + ".attention.sliding_window")
-	if !ok {
-		return 0, nil
+	v, _ := g.Lookup("general.architecture")
+	arch, _ := v.Str()
+	m := memory{arch: arch}
+	if v, ok := g.Lookup(arch + ".attention.sliding_window"); ok {
+		m.window, _ = v.Uint()
 	}
-	n, _ := v.Uint()
-	return n, nil
+	return m, nil
 }
 
 // probeDomain separates probe digests from every other hash of KV bytes.
