@@ -7,8 +7,8 @@
 #   te     <dir>/install/lib/libtransfer_engine.so (+ libasio.so beside it)
 #   store  <dir>/out/{mooncake_master,libmooncake_store.so,libasio.so,store_c.h}
 #
-# The numbered patches in patches/<what>/ (each says why it is carried) are applied to
-# the sources before the build, in order; the cache key covers them too, so a changed
+# The numbered patches in patches/<what>/ (each says why it is carried; the store gets
+# patches/te/ first) are applied to the sources before the build, in order; the cache key covers them too, so a changed
 # patch rebuilds. A warm rerun checks a stamp and costs nothing. A failed build fails
 # (exit 1): the suites that use these libraries never skip for want of them.
 #
@@ -50,9 +50,15 @@ tarball=$vendor/$tarball_name
 script=$vendor/$script_name
 [[ -f $tarball && -f $script ]] || { log "error: no $tarball_name or $script_name under $vendor (set MCB_MOONCAKE_VENDOR)"; exit 1; }
 
+# The store's client runs a Transfer Engine built from the store tree's own copy of
+# the engine's sources, so the engine's patches apply to the store too, first.
+patch_dirs=(te)
+[[ $what == store ]] && patch_dirs+=(store)
 patches=()
-for p in "$repo/scripts/mooncake/patches/$what"/[0-9]*.patch; do
-	[[ -f $p ]] && patches+=("$p")
+for d in "${patch_dirs[@]}"; do
+	for p in "$repo/scripts/mooncake/patches/$d"/[0-9]*.patch; do
+		[[ -f $p ]] && patches+=("$p")
+	done
 done
 # The key: the tarball's sha256 alone where no patch is carried (so that such a build
 # keeps its cache folder), else that of the tarball and the patches together.

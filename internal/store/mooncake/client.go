@@ -53,6 +53,11 @@ func Open(ctx context.Context, cfg Config) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
+	if cfg.Metadata != P2PHandshake {
+		if err := bindHandshake(cfg.LocalHostname); err != nil {
+			return nil, err
+		}
+	}
 	h, _ := lib.call("mooncake_store_create", lib.sym.create, plain)
 	if h == 0 {
 		return nil, status.Errorf(status.Internal, "mooncake_store_create failed; the library's log says why")

@@ -38,6 +38,15 @@
 //     the caller's problem until the call lands (Op.Done). health_check does
 //     not reach the master (it reports the heartbeat thread's view, 1 s
 //     pings, three misses), so Healthy answers at once.
+//   - A client that mounts a segment listens on two TCP ports: the engine's
+//     handshake port and its TCP transport's data port, which serve the
+//     segment without authentication. Upstream binds them to every
+//     interface; the build carries the Transfer Engine's listen patch, so
+//     both bind local_hostname's host. With metadata on a server the
+//     handshake port binds MC_TCP_BIND_ADDRESS, else the host's first
+//     non-loopback address: the binding sets it to local_hostname's host
+//     where the host has not (one address per process).
+//     TestClientListensWhereConfigured checks both kinds of metadata.
 //   - mooncake_store_init_all is not bound: it hard-wires an etcd metadata
 //     server at 127.0.0.1:2379 and a segment name, neither of which this
 //     project runs.

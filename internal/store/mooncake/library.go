@@ -3,6 +3,7 @@
 package mooncake
 
 import (
+	"net"
 	"os"
 	"sync"
 
@@ -72,6 +73,36 @@ const rpcTimeoutMS = "3000"
 var storeEnvironment = []struct{ name, value string }{
 	{"MC_RPC_TIMEOUT_MS", rpcTimeoutMS},
 	{"MC_RPC_CONNECT_TIMEOUT_MS", rpcTimeoutMS},
+}
+
+// envBindAddress is where the embedded engine binds its handshake socket
+// when its metadata is on a server: upstream reads it at each setup and,
+// unset, binds the host's first non-loopback address, whatever the client's
+// local_hostname says (with P2PHANDSHAKE it binds local_hostname's host,
+// with the build patch).
+const envBindAddress = "MC_TCP_BIND_ADDRESS"
+
+// bindHandshake points envBindAddress at the host of localHostname where
+// the host has not set it. The variable is the process's, so every client
+// of a process with metadata on a server binds one address: a client
+// configured for another is refused.
+func bindHandshake(localHostname string) error {
+	host := localHostname
+	if h, _, err := net.SplitHostPort(localHostname); err == nil {
+		host = h
+	}
+	libraries.Lock()
+	defer libraries.Unlock()
+	if v, ok := os.LookupEnv(envBindAddress); ok {
+		if v != host {
+			return status.Errorf(status.Config, "Mooncake Store client on %s: this process's clients with metadata on a server bind their handshake port to %s=%s; a client on another address needs a process of its own", host, envBindAddress, v)
+		}
+		return nil
+	}
+	if err := os.Setenv(envBindAddress, host); err != nil {
+		return status.Wrap(status.Config, err, "setting "+envBindAddress)
+	}
+	return nil
 }
 
 // Load opens the store library at path, or at $MCB_MOONCAKE_STORE_LIB when
