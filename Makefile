@@ -14,7 +14,7 @@ export MCB_TE_MOCK_LIB := $(abspath $(BUILD))/libmooncake_te_mock.so
 # The end-to-end environment scripts/deps.sh writes.
 E2E := . $(abspath $(BUILD))/e2e.env &&
 
-.PHONY: all bootstrap configure deps test test-go test-cgocheck test-c test-bench test-llama-suite test-models demo fuzz bench-report clean
+.PHONY: all bootstrap configure deps test test-go test-cgocheck test-c test-bench test-llama-suite test-models test-vulkan demo fuzz bench-report clean
 
 all: configure
 	cmake --build $(BUILD) -j$$(nproc)
@@ -63,6 +63,16 @@ test-llama-suite: deps
 # (tests/e2e TestModels; test-go runs its representatives), and its table, docs/models.md.
 test-models: deps
 	$(E2E) MCB_MODELS_ALL=1 MCB_MODELS_TABLE=$(abspath docs/models.md) $(GO) test -count=1 -v -timeout 3h -run '^TestModels$$' ./tests/e2e/
+
+# The device tests on Vulkan (Mesa's llvmpipe; tests/e2e/vulkan_test.go, docs/design.md
+# §5.7): stock and patched llama-server built with ggml's Vulkan backend. Not in `make
+# test`: the Vulkan build takes about half an hour of two cores the first time, and
+# needs libvulkan-dev, glslc and mesa-vulkan-drivers.
+test-vulkan: deps
+	$(E2E) MCB_VULKAN_STOCK_SERVER=$$(LLAMA_BACKEND=vulkan scripts/llama/build.sh stock) && \
+	  MCB_VULKAN_PATCHED_SERVER=$$(LLAMA_BACKEND=vulkan scripts/llama/build.sh patched) && \
+	  export MCB_VULKAN_STOCK_SERVER MCB_VULKAN_PATCHED_SERVER && \
+	  $(GO) test -tags vulkan -count=1 -v -timeout 30m -run '^TestVulkanKV$$' ./tests/e2e/
 
 # The swarm demo is a Go test behind the build tag "demo" (demo/demo_test.go),
 # so that test-go leaves it out.

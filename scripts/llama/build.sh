@@ -24,10 +24,16 @@
 # who works in several checkouts at once names each with MCB_LLAMA_MIRROR=<name>: the
 # name goes into the patched build's hash, so each checkout gets a build of its own
 # (ccache makes the first one cheap) and none overwrites another's binary.
+# LLAMA_BACKEND=vulkan builds stock or patched with ggml's Vulkan backend instead (the
+# device of `make test-vulkan`, docs/design.md §5.7): the tree is a private copy with
+# scripts/llama/patches/vulkan/ applied (and, patched, the series), the Vulkan headers
+# come from the Go module cache, and the backend and its patches join the hash. The CPU
+# builds' directories and hashes do not change with it.
 # A rebuild with nothing changed is a ninja no-op. Under $MCB_CACHE/llama.cpp-<tag>/:
 #
 #   src/  build-stock-<hash>/              the pristine tree and its build
 #   patched-<hash>/src/  patched-<hash>/build/  patched-<hash>/mcbridge/
+#   stock-vulkan-<hash>/src/  stock-vulkan-<hash>/build/
 #
 # Both builds reach their sources as ../src: with ccache's base_dir that makes the
 # compile commands identical, so a patched build recompiles only what the patches
@@ -79,6 +85,29 @@ extra_args=(${LLAMA_EXTRA_CMAKE_ARGS:-})
 if [[ $variant == patched ]]; then
 	extra_args+=("-DMCBRIDGE_ROOT=<mirror>") # named once the hash is known
 fi
+backend=${LLAMA_BACKEND:-cpu}
+backend_patches=()
+# A release of Khronos' Vulkan headers new enough for ggml-vulkan.cpp that the Go module
+# proxy serves (it does not serve every tag).
+vulkan_headers=github.com/KhronosGroup/Vulkan-Headers@v1.3.280
+case $backend in
+cpu) ;;
+vulkan)
+	[[ $variant != archs ]] || die "the archs build is CPU only"
+	command -v glslc >/dev/null && [[ -f /usr/include/vulkan/vulkan.h ]] ||
+		die "the Vulkan build needs: apt-get install libvulkan-dev glslc mesa-vulkan-drivers"
+	# Debian 12's headers (1.3.239) lack what ggml-vulkan.cpp uses (vk::LayerSettingEXT);
+	# the Go module proxy serves Khronos' headers as a module.
+	headers=$(cd "$mcb_repo" && go mod download -json "$vulkan_headers" |
+		sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+	[[ -f $headers/include/vulkan/vulkan.hpp ]] || die "no Vulkan headers from $vulkan_headers"
+	cmake_args+=(-DGGML_VULKAN=ON "-DVulkan_INCLUDE_DIR=$headers/include")
+	for p in "$mcb_repo/scripts/llama/patches/vulkan"/[0-9]*.patch; do
+		[[ -f $p ]] && backend_patches+=("$p")
+	done
+	;;
+*) die "LLAMA_BACKEND=$backend: cpu or vulkan" ;;
+esac
 
 # series_digest: apply.sh and every patch, by name and content.
 series_digest() {
@@ -97,6 +126,10 @@ src=$src tree=$(tree_id "$src")
 variant=$variant
 cmake=${cmake_args[*]}
 extra=${extra_args[*]}"
+if [[ $backend != cpu ]]; then
+	key+="
+backend=$backend $(cat "${backend_patches[@]}" | sha256sum | cut -c1-64)"
+fi
 if [[ $variant == patched ]]; then
 	key+="
 series=$(series_digest)"
@@ -104,8 +137,10 @@ series=$(series_digest)"
 mirror=$MCB_LLAMA_MIRROR"
 fi
 hash=$(printf '%s' "$key" | sha256sum | cut -c1-12)
-if [[ $variant != patched ]]; then
+if [[ $variant != patched && $backend == cpu ]]; then
 	build=$llama_root/build-$variant-$hash
+elif [[ $variant != patched ]]; then
+	build=$llama_root/$variant-$backend-$hash/build
 else
 	build=$llama_root/patched-$hash/build
 	mirror=$llama_root/patched-$hash/mcbridge
@@ -135,13 +170,25 @@ sync_mirror() {
 		done
 }
 
-# patched_tree: a private copy of the pristine tree with the series applied, keyed like
-# the build directory, so the stock tree (and a user's LLAMA_SRC) is never modified.
-patched_tree() {
-	local dest=$llama_root/patched-$hash/src tmp
+# backend_patch TREE: applies the backend's build patches not already in TREE.
+backend_patch() {
+	local p
+	for p in "${backend_patches[@]}"; do
+		patch -d "$1" -p1 -R -s -f --dry-run <"$p" >/dev/null 2>&1 && continue
+		patch -d "$1" -p1 -s -f --no-backup-if-mismatch <"$p" >&2 || die "$(basename "$p") does not apply"
+	done
+}
+
+# private_tree: a private copy of the pristine tree with the series (patched) and the
+# backend's patches applied, keyed like the build directory, beside it, so the stock
+# tree (and a user's LLAMA_SRC) is never modified.
+private_tree() {
+	local top dest tmp
+	top=$(dirname "$build")
+	dest=$top/src
 	if [[ ! -d $dest ]]; then
-		mkdir -p "$llama_root/patched-$hash"
-		tmp=$(mktemp -d "$llama_root/patched-$hash/tmp.XXXXXX")
+		mkdir -p "$top"
+		tmp=$(mktemp -d "$top/tmp.XXXXXX")
 		# shellcheck disable=SC2064 # expand now: tmp is local; this runs in $(...)
 		trap "rm -rf '$tmp'" EXIT
 		if [[ -e $src/.git ]]; then
@@ -152,18 +199,22 @@ patched_tree() {
 			git -C "$tmp/src" add -A
 			git -C "$tmp/src" -c user.name=mcbridge -c user.email=mcbridge@localhost commit --quiet -m "$LLAMA_TAG as found in $src"
 		fi
-		"$mcb_repo/llama-patches/apply.sh" "$tmp/src"
+		[[ $variant != patched ]] || "$mcb_repo/llama-patches/apply.sh" "$tmp/src"
+		backend_patch "$tmp/src"
 		mv "$tmp/src" "$dest"
 	else
-		"$mcb_repo/llama-patches/apply.sh" "$dest"
+		[[ $variant != patched ]] || "$mcb_repo/llama-patches/apply.sh" "$dest"
+		backend_patch "$dest"
 	fi
 	echo "$dest"
 }
 
 build_server() {
 	local tree=$src launcher=() generator=()
+	if [[ $variant == patched || $backend != cpu ]]; then
+		tree=$(private_tree)
+	fi
 	if [[ $variant == patched ]]; then
-		tree=$(patched_tree)
 		sync_mirror
 	fi
 	if command -v ccache >/dev/null; then
