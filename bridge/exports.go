@@ -347,6 +347,9 @@ func identityArg(p unsafe.Pointer) (host.Identity, error) {
 	if id.Extra, err = cString(c.Extra, maxString, "extra"); err != nil {
 		return id, err
 	}
+	if id.Partial, err = cString(c.PartialState, maxString, "partial_state"); err != nil {
+		return id, err
+	}
 	id.BlockTokens = int(c.BlockTokens)
 	return id, nil
 }
@@ -622,6 +625,9 @@ func mcbgo_model_register_state(bridge uint64, params, state unsafe.Pointer, n u
 		id, err := identityArg(params)
 		if err != nil {
 			return err
+		}
+		if id.Partial != "" {
+			return status.Errorf(status.Unsupported, "a state host restores whole states: partial_state is for hosts that hand over tensors")
 		}
 		blob, err := stateArg(state, n)
 		if err != nil {
@@ -970,6 +976,60 @@ func mcbgo_state_save(model uint64, scope, state unsafe.Pointer, n uint64, token
 			*(*cSaveResult)(out) = saveResult(r)
 		}
 		return err
+	})
+}
+
+//export mcbgo_model_snapshot_tokens
+func mcbgo_model_snapshot_tokens(model uint64) uint32 {
+	h, err := lookupHandle[*modelHandle](model, "model")
+	if err != nil {
+		return 0
+	}
+	return uint32(h.m.SnapshotTokens())
+}
+
+//export mcbgo_snapshot_save
+func mcbgo_snapshot_save(model uint64, scope, tokens unsafe.Pointer, nTokens uint64, state unsafe.Pointer, n uint64, errbuf unsafe.Pointer, errlen uint64) int32 {
+	return withHandle(model, "model", errbuf, errlen, func(h *modelHandle) error {
+		sc, err := scopeArg(scope)
+		if err != nil {
+			return err
+		}
+		toks, err := tokensArg(tokens, nTokens)
+		if err != nil {
+			return err
+		}
+		blob, err := stateArg(state, n)
+		if err != nil {
+			return err
+		}
+		return h.m.SaveSnapshot(sc, toks, blob)
+	})
+}
+
+//export mcbgo_load_snapshot
+func mcbgo_load_snapshot(load uint64, state, n unsafe.Pointer, errbuf unsafe.Pointer, errlen uint64) int32 {
+	return withHandle(load, "load", errbuf, errlen, func(h *loadHandle) error {
+		if err := aligned(state, 8, "state"); err != nil {
+			return err
+		}
+		if err := aligned(n, 8, "n_bytes"); err != nil {
+			return err
+		}
+		*(*unsafe.Pointer)(state), *(*uint64)(n) = nil, 0
+		snap, err := h.ld.Snapshot()
+		if err != nil || snap == nil {
+			return err
+		}
+		// C memory: the host frees it with mcb_state_free, and it outlives
+		// the load's pool pins.
+		p := C.malloc(C.size_t(len(snap)))
+		if p == nil {
+			return status.Errorf(status.Internal, "out of memory for a snapshot of %d bytes", len(snap))
+		}
+		copy(unsafe.Slice((*byte)(p), len(snap)), snap)
+		*(*unsafe.Pointer)(state), *(*uint64)(n) = p, uint64(len(snap))
+		return nil
 	})
 }
 

@@ -53,6 +53,8 @@ const (
 	opMetrics
 	opProbeTokens
 	opLoadProgress
+	opSnapshotSave
+	opLoadSnapshot
 	nOps
 )
 
@@ -437,6 +439,10 @@ func (w *world) step(o op) {
 		w.probeTokens()
 	case opLoadProgress:
 		w.loadProgress()
+	case opSnapshotSave:
+		w.snapshotSave()
+	case opLoadSnapshot:
+		w.loadSnapshot()
 	}
 }
 
@@ -583,7 +589,7 @@ func (w *world) register() {
 	p, fm := r.params, r.format
 	probe, cells := unsafe.Pointer(r.probe.layout), r.pcells
 	arrays := []*uintptr{&fm.NEmbdKGQA, &fm.NEmbdVGQA, &fm.KRowBytes, &fm.VRowBytes}
-	strs := []*uintptr{&p.LlamaVersion, &p.GGUFPath, &p.Extra}
+	strs := []*uintptr{&p.LlamaVersion, &p.GGUFPath, &p.Extra, &p.PartialState}
 	detail := int(w.arg(13))
 	var faults []status.Code
 	if bad {
@@ -613,7 +619,7 @@ func (w *world) register() {
 	case 5:
 		p.BlockTokens, faults = 1<<17, append(faults, status.InvalidArg)
 	case 6:
-		*strs[detail%3], faults = w.env.str, append(faults, status.InvalidArg)
+		*strs[detail%4], faults = w.env.str, append(faults, status.InvalidArg)
 	case 7:
 		p.GGUFPath, faults = w.c.cstr(w.t, "testdata/missing.gguf"), append(faults, status.InvalidArg)
 	case 8:
@@ -647,6 +653,52 @@ func (w *world) register() {
 		return
 	}
 	w.issue(*(*uint64)(out), &object{kind: modelKind, bridge: h, m: g})
+}
+
+// snapshotSave stores a snapshot through a model of the program's, none
+// of which keeps a partial state: what it may answer is what its arguments
+// allow, and it never writes into the state it is handed.
+func (w *world) snapshotSave() {
+	h := w.handle(modelKind)
+	ok := w.valid(h, modelKind)
+	scope, scopeBad := w.scope(w.arg(2))
+	tp, _, n, tokBad := w.tokens(3, 40, w.modelOf(h).block)
+	blob := bytes.Repeat([]byte{w.arg(7)}, 1+int(w.arg(8)))
+	state, size, stateBad := w.stateArgs(blob, w.arg(9))
+	var faults []status.Code
+	if scopeBad || tokBad || stateBad {
+		faults = append(faults, status.InvalidArg)
+	}
+	w.check("snapshot save", mcbgo_snapshot_save(h, scope, tp, uint64(n), state, size, w.eb, w.el), expect(ok, faults, status.Unsupported)...)
+	if state != nil && !bytes.Equal(blob, unsafe.Slice((*byte)(state), len(blob))) {
+		w.fail("snapshot save wrote into its state")
+	}
+	if got := mcbgo_model_snapshot_tokens(h); got != 0 {
+		w.fail("a model without a partial state snapshots every %d tokens", got)
+	}
+}
+
+// loadSnapshot asks a load for its snapshot: NULL and 0 for a model
+// without a partial state, outputs untouched when refused.
+func (w *world) loadSnapshot() {
+	h := w.handle(loadKind)
+	ok := w.valid(h, loadKind)
+	state, sb, stateBad := w.out(w.arg(2), 8, 8)
+	n, nb, nBad := w.out(w.arg(3), 8, 8)
+	var faults []status.Code
+	if stateBad || nBad {
+		faults = append(faults, status.InvalidArg)
+	}
+	got := w.check("load snapshot", mcbgo_load_snapshot(h, state, n, w.eb, w.el), expect(ok, faults, status.OK)...)
+	if got != status.OK {
+		if !untouched(sb) || !untouched(nb) {
+			w.fail("a refused load snapshot wrote its outputs")
+		}
+		return
+	}
+	if *(*unsafe.Pointer)(state) != nil || *(*uint64)(n) != 0 {
+		w.fail("a load of a model without a partial state handed back a snapshot")
+	}
 }
 
 // stateBlob draws a state: one of the real ones, or a built one, with a

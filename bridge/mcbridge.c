@@ -14,9 +14,10 @@
 
 /* The Go mirrors in bridge/mirror.go assume these layouts;
  * mirror_test.go asserts the same numbers on the Go side. */
-_Static_assert(sizeof(struct mcb_model_params) == 32, "mcb_model_params size");
+_Static_assert(sizeof(struct mcb_model_params) == 40, "mcb_model_params size");
 _Static_assert(offsetof(struct mcb_model_params, block_tokens) == 16, "mcb_model_params.block_tokens");
 _Static_assert(offsetof(struct mcb_model_params, extra) == 24, "mcb_model_params.extra");
+_Static_assert(offsetof(struct mcb_model_params, partial_state) == 32, "mcb_model_params.partial_state");
 _Static_assert(sizeof(struct mcb_kv_format) == 56, "mcb_kv_format size");
 _Static_assert(offsetof(struct mcb_kv_format, n_embd_k_gqa) == 8, "mcb_kv_format.n_embd_k_gqa");
 _Static_assert(offsetof(struct mcb_kv_format, type_k) == 40, "mcb_kv_format.type_k");
@@ -190,6 +191,18 @@ mcb_status mcb_state_save(mcb_model model, const struct mcb_scope *scope,
                           const int32_t *tokens, size_t n_tokens,
                           struct mcb_save_result *out) {
     return (mcb_status)mcbgo_state_save(model, (void *)scope, (void *)state, n_bytes, (void *)tokens, n_tokens, out, ERR);
+}
+
+uint32_t mcb_model_snapshot_tokens(mcb_model model) { return mcbgo_model_snapshot_tokens(model); }
+
+mcb_status mcb_snapshot_save(mcb_model model, const struct mcb_scope *scope,
+                             const int32_t *tokens, size_t n_tokens,
+                             const uint8_t *state, size_t n_bytes) {
+    return (mcb_status)mcbgo_snapshot_save(model, (void *)scope, (void *)tokens, n_tokens, (void *)state, n_bytes, ERR);
+}
+
+mcb_status mcb_load_snapshot(mcb_load load, uint8_t **state, size_t *n_bytes) {
+    return (mcb_status)mcbgo_load_snapshot(load, state, n_bytes, ERR);
 }
 
 size_t mcb_handles_open(void) { return (size_t)mcbgo_handles_open(); }

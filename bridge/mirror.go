@@ -11,6 +11,7 @@ type cModelParams struct {
 	BlockTokens  uint32
 	_            [4]byte
 	Extra        uintptr
+	PartialState uintptr
 }
 
 type cKVFormat struct {

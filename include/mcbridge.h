@@ -83,7 +83,7 @@ extern "C" {
 #endif
 #endif
 
-#define MCB_ABI_VERSION 2
+#define MCB_ABI_VERSION 3
 
 /* Status codes. The values are stable. */
 typedef enum mcb_status {
@@ -133,6 +133,13 @@ struct mcb_model_params {
     const char *extra;          /* what changes KV bytes that the probe cannot see; NULL for none.
                                    Server-wide adapters, control vectors and rope overrides change
                                    the probe's KV, so llama-server passes none. */
+    const char *partial_state;  /* NULL when the KV rows are the host's whole state. Else what the
+                                   rest of it is (llama.cpp's PARTIAL_ONLY state: a sliding-window
+                                   cache, a recurrent state), which joins the fingerprint: the host
+                                   then snapshots it every mcb_model_snapshot_tokens tokens
+                                   (mcb_snapshot_save), restores end only where a snapshot was
+                                   taken, and each load hands its snapshot back
+                                   (mcb_load_snapshot). Only mcb_model_register takes one. */
 };
 
 /* A KV cache's shape, for hosts that hand over tensors. Arrays hold n_layer
@@ -555,6 +562,47 @@ MCB_API mcb_status mcb_state_save(mcb_model model, const struct mcb_scope *scope
                                   const uint8_t *state, size_t n_bytes,
                                   const int32_t *tokens, size_t n_tokens,
                                   struct mcb_save_result *out);
+
+/* How many tokens apart the host snapshots a model's partial state: the
+ * model's block size times the bridge's snapshot_blocks.
+ * Returns: the spacing, 0 for a model registered without a partial state
+ * or a handle that is not an open model. */
+MCB_API uint32_t mcb_model_snapshot_tokens(mcb_model model);
+
+/* Stores state, the host's partial state once positions [0, n_tokens) were
+ * computed from position 0 over exactly tokens under scope (a sliding-window
+ * cache's or a recurrent memory's llama_state_seq_get_data_ext with
+ * LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY), and queues it for publishing; it does
+ * not wait for the directory. A snapshot stored here or published already
+ * is not stored again.
+ * Returns:
+ *   MCB_STATUS_OK           stored, or known already.
+ *   MCB_STATUS_BAD_HANDLE   model is not an open model.
+ *   MCB_STATUS_INVALID_ARG  a NULL or malformed argument, n_tokens not a
+ *                           positive multiple of the block size, or an
+ *                           empty state.
+ *   MCB_STATUS_UNSUPPORTED  the model was registered without a partial
+ *                           state.
+ *   MCB_STATUS_POOL_FULL    no room for it, even after eviction.
+ *   MCB_STATUS_STATE        the bridge is closing. */
+MCB_API mcb_status mcb_snapshot_save(mcb_model model, const struct mcb_scope *scope,
+                                     const int32_t *tokens, size_t n_tokens,
+                                     const uint8_t *state, size_t n_bytes);
+
+/* Waits until a load is over and copies out the snapshot of the partial
+ * state its tokens end at, verified, for llama_state_seq_set_data_ext with
+ * LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY once the blocks are in; free it with
+ * mcb_state_free. Call it before mcb_load_end. A load whose snapshot fails
+ * restores nothing: mcb_load_end reports n_tokens_ok 0.
+ * Returns:
+ *   MCB_STATUS_OK           *state and *n_bytes are set (NULL and 0 for a
+ *                           model without a partial state).
+ *   MCB_STATUS_BAD_HANDLE   load is not an open load.
+ *   MCB_STATUS_INVALID_ARG  state or n_bytes is NULL or misaligned.
+ *   MCB_STATUS_CORRUPT, MCB_STATUS_TRANSFER, MCB_STATUS_TIMEOUT,
+ *   MCB_STATUS_NOT_FOUND    the snapshot did not arrive intact.
+ *   MCB_STATUS_STATE        the load has ended. */
+MCB_API mcb_status mcb_load_snapshot(mcb_load load, uint8_t **state, size_t *n_bytes);
 
 /* Handles currently open, of every kind: a host can check for leaks at exit.
  * Returns: the count. */

@@ -49,11 +49,11 @@ func TestDeadlineIsZeroWithoutAModelledRestore(t *testing.T) {
 		policy Policy
 		in     Input
 	}{
-		{"no match", CostModel, Input{4160, 256, 0, benchKV, "local", 0}},
-		{"local", CostModel, Input{4160, 256, 16, benchKV, "local", 4100}},
-		{"always recompute", AlwaysRecompute, Input{4160, 256, 16, benchKV, "local", 0}},
-		{"always restore", AlwaysRestore, Input{4160, 256, 16, benchKV, "local", 0}},
-		{"invalid", CostModel, Input{0, 256, 16, benchKV, "local", 0}},
+		{"no match", CostModel, Input{4160, 256, 0, benchKV, "local", 0, 0}},
+		{"local", CostModel, Input{4160, 256, 16, benchKV, "local", 4100, 0}},
+		{"always recompute", AlwaysRecompute, Input{4160, 256, 16, benchKV, "local", 0, 0}},
+		{"always restore", AlwaysRestore, Input{4160, 256, 16, benchKV, "local", 0, 0}},
+		{"invalid", CostModel, Input{0, 256, 16, benchKV, "local", 0, 0}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			d := mustNew(t, Config{Policy: tc.policy}).Decide(tc.in)

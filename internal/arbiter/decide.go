@@ -82,6 +82,9 @@ type Input struct {
 	// computed under the same scope: a restore replaces them, so it must
 	// beat computing only the rest.
 	CachedTokens int
+	// FixedBytes is what a restore moves besides the blocks, whatever
+	// their number: the snapshot of a model's partial state.
+	FixedBytes int64
 }
 
 // Decision is the plan for one prompt: restore blocks [0, RestoreBlocks),
@@ -142,7 +145,7 @@ func round3(d time.Duration) time.Duration {
 func (a *Arbiter) Decide(in Input) Decision {
 	d := Decision{MatchedBlocks: in.MatchedBlocks, Policy: a.cfg.Policy}
 	if in.PromptTokens < 1 || in.PromptTokens > MaxPromptTokens || in.BlockTokens < 1 ||
-		in.MatchedBlocks < 0 || in.KVBytesPerToken < 1 || in.CachedTokens < 0 || in.CachedTokens > in.PromptTokens {
+		in.MatchedBlocks < 0 || in.KVBytesPerToken < 1 || in.FixedBytes < 0 || in.CachedTokens < 0 || in.CachedTokens > in.PromptTokens {
 		d.Reason = InvalidInput
 		return d
 	}
@@ -152,7 +155,7 @@ func (a *Arbiter) Decide(in Input) Decision {
 	link := a.linkVec(in.Link, now)
 	a.mu.Unlock()
 
-	c := newPlan(in.PromptTokens, in.BlockTokens, prefill, link[0], link[1]*float64(in.BlockTokens)*float64(in.KVBytesPerToken))
+	c := newPlan(in.PromptTokens, in.BlockTokens, prefill, link[0]+link[1]*float64(in.FixedBytes), link[1]*float64(in.BlockTokens)*float64(in.KVBytesPerToken))
 	usable := min(in.MatchedBlocks, (in.PromptTokens-1)/in.BlockTokens, MaxSearchBlocks)
 	recompute := c.sequential(0)
 	restore := c.sequential(usable)

@@ -35,9 +35,10 @@ type Load struct {
 	finished time.Time     // when it was over, written before done closes
 
 	batch   transport.Batch
-	store   *storeFetch // blocks read from the store (storefetch.go)
-	waves   []taskSpan  // per layer, the transport tasks of every remote block
-	staging []extent    // pool memory the transport writes into
+	store   *storeFetch    // blocks read from the store (storefetch.go)
+	snap    *snapshotFetch // the partial state the blocks end at (snapshot.go), or nil
+	waves   []taskSpan     // per layer, the transport tasks of every remote block
+	staging []extent       // pool memory the transport writes into
 	// landed: remote blocks' layers land in place in the host's tensors,
 	// with only their headers staged (see submitRemote).
 	landed  bool
@@ -111,7 +112,16 @@ func (m *Model) LoadBegin(scope key.Scope, layout kvlayout.Layout, tokens []int3
 		return nil, status.Errorf(status.InvalidArg, "load of %d tokens: a positive multiple of the block size %d", len(tokens), B)
 	}
 	root := key.Root(m.fp, scope)
-	return m.loadBegin(root, key.Chain(root, tokens, B), tokens, layout, cells, 0)
+	chain := key.Chain(root, tokens, B)
+	var snap *directory.Entry
+	if m.spec.Params.Partial != "" {
+		e, ok := m.snapshotAfter(chain[len(chain)-1], m.b.downSegments())
+		if !ok {
+			return nil, status.Errorf(status.NotFound, "no snapshot of the partial state after %d tokens", len(tokens))
+		}
+		snap = &e
+	}
+	return m.loadBegin(root, chain, tokens, snap, layout, cells, 0)
 }
 
 // Load starts restoring what a plan of this model decided, as
@@ -121,7 +131,7 @@ func (p *Plan) Load(layout kvlayout.Layout, cells []uint32) (*Load, error) {
 	if p.RestoreTokens == 0 {
 		return nil, status.Errorf(status.NotFound, "the plan restores nothing (%s)", p.Decision.Reason)
 	}
-	return p.m.loadBegin(p.root, p.chain, p.tokens, layout, cells, p.Decision.Deadline)
+	return p.m.loadBegin(p.root, p.chain, p.tokens, p.snapshot, layout, cells, p.Decision.Deadline)
 }
 
 // errAbandoned is the cause with which Cancel stops a load the host gave up
@@ -133,8 +143,9 @@ func abandoned(ctx context.Context) bool { return context.Cause(ctx) == errAband
 
 // loadBegin starts a load whose transfers must be in within deadline (the
 // arbiter's, see arbiter.Config.DeadlineFactor), or transfer_timeout_ms
-// when that is shorter or deadline is 0.
-func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, layout kvlayout.Layout, cells []uint32, deadline time.Duration) (*Load, error) {
+// when that is shorter or deadline is 0. snap is the snapshot the blocks
+// end at, for a model that keeps a partial state.
+func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, snap *directory.Entry, layout kvlayout.Layout, cells []uint32, deadline time.Duration) (*Load, error) {
 	b := m.b
 	B := m.geo.BlockTokens
 	if len(cells) != len(tokens) {
@@ -149,6 +160,9 @@ func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, l
 	found := m.match(root, chain)
 	if len(found) == 0 {
 		return nil, status.Errorf(status.NotFound, "no block of these tokens is published")
+	}
+	if snap != nil && len(found) < len(chain) {
+		return nil, status.Errorf(status.NotFound, "%d of the %d blocks before the snapshot are published", len(found), len(chain))
 	}
 	if err := b.begin(); err != nil {
 		return nil, err
@@ -174,6 +188,11 @@ func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, l
 	}
 	ld.ok = len(ld.blocks)
 	ld.placed.L = &ld.mu
+	if snap != nil {
+		ld.snap = &snapshotFetch{entry: *snap, done: make(chan struct{}),
+			expect: pool.Expect{Key: snap.Key, Parent: parent, Model: m.fp, Tokens: tokens[len(tokens)-B:], Generation: snap.Loc.Generation}}
+		go ld.fetchSnapshot()
+	}
 	ld.pinLocal()
 	ld.mapSameHost()
 	ld.submitStore()
@@ -208,6 +227,9 @@ func (ld *Load) run() {
 	if g := ld.gens.batch; g != nil {
 		// recheck polls it again and finds it done.
 		_, _ = transport.Wait(ld.ctx, g, 0, g.Tasks(), transport.DefaultBackoff)
+	}
+	if ld.snap != nil {
+		<-ld.snap.done
 	}
 	ld.finished = ld.m.b.now()
 	close(ld.done)
@@ -667,6 +689,7 @@ func (ld *Load) End() (LoadResult, error) {
 		return LoadResult{}, status.Errorf(status.State, "load ended twice")
 	}
 	ld.recheck()
+	ld.settleSnapshot()
 	mapped := 0
 	for i := 0; i < ld.ok; i++ {
 		if ld.blocks[i].mapped {
@@ -705,12 +728,16 @@ func (ld *Load) End() (LoadResult, error) {
 func (ld *Load) observe() {
 	b := ld.m.b
 	took := ld.finished.Sub(ld.start)
+	var snap int64
+	if ld.snap != nil {
+		snap = int64(ld.snap.entry.Loc.Length)
+	}
 	switch {
 	case ld.ok == len(ld.blocks) && ld.ok > 0:
-		b.arb.ObserveTransfer(b.linkFor(ld.blocks[0].entry), int64(ld.ok)*int64(ld.m.geo.PayloadSize()), took)
+		b.arb.ObserveTransfer(b.linkFor(ld.blocks[0].entry), int64(ld.ok)*int64(ld.m.geo.PayloadSize())+snap, took)
 	case status.Of(ld.err) == status.Timeout:
 		missed := len(ld.blocks) - ld.ok
-		b.arb.ObserveTransfer(b.linkFor(ld.blocks[ld.ok].entry), int64(missed)*int64(ld.m.geo.PayloadSize()), max(took, ld.deadline))
+		b.arb.ObserveTransfer(b.linkFor(ld.blocks[ld.ok].entry), int64(missed)*int64(ld.m.geo.PayloadSize())+snap, max(took, ld.deadline))
 	}
 }
 
@@ -774,6 +801,7 @@ func (ld *Load) release() {
 	b := ld.m.b
 	ld.cancel(context.Canceled)
 	ld.releaseStore()
+	ld.releaseSnapshot()
 	for i := range ld.blocks {
 		if ld.blocks[i].local {
 			b.hold.Unpin(ld.blocks[i].entry.Key)

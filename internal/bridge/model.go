@@ -242,10 +242,11 @@ type Plan struct {
 	// holds already. 0 means the host computes from what it holds.
 	RestoreTokens int
 
-	m      *Model
-	root   key.Hash
-	chain  []key.BlockKey // the restore's blocks
-	tokens []int32        // the restore's tokens, the caller's
+	m        *Model
+	root     key.Hash
+	chain    []key.BlockKey   // the restore's blocks
+	tokens   []int32          // the restore's tokens, the caller's
+	snapshot *directory.Entry // the partial state they end at, for a model that keeps one
 }
 
 // Model is the model the plan belongs to.
@@ -292,23 +293,52 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32, cached int) (*Plan, erro
 		// its disk: ask (a notification, sent off this thread).
 		b.wantAfter(last, chain[matched:])
 	}
+	// A model that keeps a partial state restores only to a snapshot.
+	usable := matched
+	var snapAt []int
+	var snaps []directory.Entry
+	var snapBytes int64
+	if m.spec.Params.Partial != "" {
+		snapAt, snaps = m.snapshotBoundaries(chain[:matched])
+		usable = 0
+		if len(snapAt) > 0 {
+			usable = snapAt[len(snapAt)-1]
+			snapBytes = int64(snaps[len(snaps)-1].Loc.Length)
+		}
+	}
 	link := "none"
-	if matched > 0 {
+	if usable > 0 {
 		link = b.linkFor(first)
 	}
 	d := b.arb.Decide(arbiter.Input{
 		PromptTokens:    len(tokens),
 		BlockTokens:     B,
-		MatchedBlocks:   matched,
+		MatchedBlocks:   usable,
 		KVBytesPerToken: m.kvBytesPerToken,
+		FixedBytes:      snapBytes,
 		Link:            link,
 		CachedTokens:    cached,
 	})
+	var snapshot *directory.Entry
+	if snapAt != nil && d.RestoreBlocks > 0 {
+		// The arbiter may stop short of the last snapshot: the restore
+		// ends at the last one before where it stopped, or nowhere.
+		i := len(snapAt) - 1
+		for i >= 0 && snapAt[i] > d.RestoreBlocks {
+			i--
+		}
+		if i >= 0 && snapAt[i]*B > cached {
+			d.RestoreBlocks = snapAt[i]
+			snapshot = &snaps[i]
+		} else {
+			d.RestoreBlocks, d.Reason = 0, arbiter.RecomputeCheaper
+		}
+	}
 	b.stats.lookup(d, B)
 	// Answered from a mirror the directory no longer updates, or without
 	// the store's blocks: the log says so (rate-limited).
 	b.reach.Met("lookup", b.Health())
-	p := &Plan{MatchedBlocks: matched, Decision: d, RestoreTokens: d.RestoreBlocks * B, m: m, root: root}
+	p := &Plan{MatchedBlocks: matched, Decision: d, RestoreTokens: d.RestoreBlocks * B, m: m, root: root, snapshot: snapshot}
 	if p.RestoreTokens > 0 {
 		p.chain = chain[:d.RestoreBlocks]
 		p.tokens = tokens[:p.RestoreTokens:p.RestoreTokens]

@@ -23,6 +23,7 @@ type Stats struct {
 	RestoredBytes    int64
 	Saves            int64
 	SaveFailures     int64
+	SnapshotsSaved   int64 // partial states stored (snapshot.go)
 	SavedBlocks      int64 // published by this process
 	DedupedBlocks    int64 // written, but another process published first
 	PublishDropped   int64 // sealed blocks the full publish queue could not take
@@ -71,7 +72,7 @@ type counters struct {
 	lookups, hits, misses, decidedRestore, decidedRecompute, decidedLocal   atomic.Int64
 	matchedTokens, publishDropped, unpublishDropped                         atomic.Int64
 	loads, loadFailures, restoredTokens, restoredBytes                      atomic.Int64
-	saves, saveFailures, savedBlocks, dedupedBlocks                         atomic.Int64
+	saves, saveFailures, savedBlocks, dedupedBlocks, snapshotsSaved         atomic.Int64
 	evictions, directoryErrors, tornReads, parkedBatches                    atomic.Int64
 	takenOver, peersDown, sharedPoolBlocks                                  atomic.Int64
 	reportsSent, reportsFailed, reportsDropped, badReported                 atomic.Int64
@@ -118,7 +119,7 @@ func (b *Bridge) Stats() Stats {
 		MatchedTokens: c.matchedTokens.Load(),
 		Loads:         c.loads.Load(), LoadFailures: c.loadFailures.Load(),
 		RestoredTokens: c.restoredTokens.Load(), RestoredBytes: c.restoredBytes.Load(),
-		Saves: c.saves.Load(), SaveFailures: c.saveFailures.Load(),
+		Saves: c.saves.Load(), SaveFailures: c.saveFailures.Load(), SnapshotsSaved: c.snapshotsSaved.Load(),
 		SavedBlocks: c.savedBlocks.Load(), DedupedBlocks: c.dedupedBlocks.Load(),
 		PublishDropped: c.publishDropped.Load(), UnpublishDropped: c.unpublishDropped.Load(),
 		Evictions: c.evictions.Load(), DirectoryErrors: c.directoryErrors.Load(),

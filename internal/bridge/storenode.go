@@ -51,10 +51,15 @@ func (b *Bridge) SubscribeAll(fn func(directory.Event)) (cancel func(), err erro
 // the pool at off (allocated by the caller, e.Loc.Length bytes). A read
 // that timed out in flight wraps storenode.ErrParked.
 func (b *Bridge) ReadBlock(e directory.Entry, off int64) error {
-	ext := extent{off, int64(e.Loc.Length)}
-	dst := b.hold.Bytes(ext.off, ext.n)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(b.cfg.TransferTimeoutMS)*time.Millisecond)
 	defer cancel()
+	return b.readBlock(ctx, e, off)
+}
+
+// readBlock is ReadBlock within ctx.
+func (b *Bridge) readBlock(ctx context.Context, e directory.Entry, off int64) error {
+	ext := extent{off, int64(e.Loc.Length)}
+	dst := b.hold.Bytes(ext.off, ext.n)
 	if ok, err := b.copySameHost(ctx, &e, dst); ok {
 		return err
 	}

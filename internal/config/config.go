@@ -27,6 +27,10 @@ type Config struct {
 	PoolBytes int64 `json:"pool_bytes"`
 	// BlockTokens is the default block size for models that do not set one.
 	BlockTokens int `json:"block_tokens"`
+	// SnapshotBlocks is how many blocks apart a host whose models keep a
+	// partial state (sliding-window, hybrid, recurrent) snapshots it: the
+	// only places a restore of such a model can end (docs/design.md §5.9).
+	SnapshotBlocks int `json:"snapshot_blocks"`
 	// Eviction is "lru", "cost" (cost-aware) or "frequency" (cost-aware
 	// and weighted by uses: what a store node serving many readers wants).
 	Eviction string `json:"eviction"`
@@ -234,12 +238,13 @@ type Arbiter struct {
 // Default returns the configuration used when nothing is configured.
 func Default() Config {
 	return Config{
-		PoolBytes:   1 << 30,
-		BlockTokens: 256,
-		Eviction:    "lru",
-		Transport:   Transport{Kind: "loopback", Metadata: "P2PHANDSHAKE", Protocol: "tcp", LocalHostname: "127.0.0.1"},
-		Directory:   Directory{Kind: "memory", Name: "default", Prefix: "/mcbridge", LeaseTTLS: 10, OpTimeoutMS: 2000},
-		Arbiter:     Arbiter{Policy: "cost-model", DeadlineFactor: 4, DeadlineMarginMS: 50},
+		PoolBytes:      1 << 30,
+		BlockTokens:    256,
+		SnapshotBlocks: 4,
+		Eviction:       "lru",
+		Transport:      Transport{Kind: "loopback", Metadata: "P2PHANDSHAKE", Protocol: "tcp", LocalHostname: "127.0.0.1"},
+		Directory:      Directory{Kind: "memory", Name: "default", Prefix: "/mcbridge", LeaseTTLS: 10, OpTimeoutMS: 2000},
+		Arbiter:        Arbiter{Policy: "cost-model", DeadlineFactor: 4, DeadlineMarginMS: 50},
 		Store: Store{Kind: "none", Replicas: 1, Metadata: storeMetadataP2P, Protocol: "tcp", LocalHostname: "127.0.0.1",
 			OpTimeoutMS: 5000, SetupTimeoutMS: 30000, AuditIntervalMS: 5000},
 		TransferTimeoutMS: 5000,
@@ -304,6 +309,8 @@ func (c *Config) Validate() error {
 		return status.Errorf(status.Config, "pool_bytes %d: at least 1 MiB", c.PoolBytes)
 	case c.BlockTokens <= 0 || c.BlockTokens > 1<<16:
 		return status.Errorf(status.Config, "block_tokens %d: 1..65536", c.BlockTokens)
+	case c.SnapshotBlocks <= 0 || c.SnapshotBlocks > 1<<16:
+		return status.Errorf(status.Config, "snapshot_blocks %d: 1..65536", c.SnapshotBlocks)
 	case c.Eviction != "lru" && c.Eviction != "cost" && c.Eviction != "frequency":
 		return status.Errorf(status.Config, "eviction %q: lru, cost or frequency", c.Eviction)
 	case c.Transport.Kind != "loopback" && c.Transport.Kind != "mooncake":

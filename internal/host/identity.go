@@ -42,8 +42,11 @@ type Identity struct {
 	// Extra names what changes KV bytes that the probe cannot see. The
 	// hosts in this repository pass none: what they apply server-wide
 	// (adapters, control vectors, rope overrides) changes the probe's KV.
-	Extra  string
-	Format Format
+	Extra string
+	// Partial describes the host's partial state (key.Model.Partial);
+	// empty when its KV rows are its whole state.
+	Partial string
+	Format  Format
 }
 
 // Model is a registered model with the format its hosts exchange.
@@ -96,6 +99,7 @@ func Register(b *bridge.Bridge, id Identity, probe kvlayout.Layout, cells []uint
 		KVProbe:      digest,
 		BlockTokens:  uint32(max(id.BlockTokens, 0)),
 		Extra:        id.Extra,
+		Partial:      id.Partial,
 	}
 	if k := id.Format.SecondLayers; k > 0 {
 		// Which layers each cache holds changes no row, but a state of two

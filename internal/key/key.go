@@ -66,9 +66,19 @@ type Model struct {
 	KVProbe      Hash     // digest of the KV the probe tokens produce on this node
 	BlockTokens  uint32   // tokens per block; fixed per model
 	Extra        string   // what changes KV bytes that the probe cannot see
+	// Partial describes the host's partial state (llama.cpp's
+	// PARTIAL_ONLY: a sliding-window cache, a recurrent state), which a
+	// restore needs beside the blocks, as a snapshot; empty when the KV
+	// rows are the whole state. Encoded only when set, so that the
+	// fingerprints of models without one stay what they were.
+	Partial string
 }
 
-const fingerprintMagic = "MCBFP\x02"
+const (
+	fingerprintMagic = "MCBFP\x02"
+	partialMagic     = "MCBPS\x01"
+	snapshotMagic    = "MCBSN\x01"
+)
 
 // Encode returns the canonical byte encoding of m, the fingerprint's preimage.
 func (m *Model) Encode() []byte {
@@ -86,6 +96,10 @@ func (m *Model) Encode() []byte {
 	b = append(b, m.KVProbe[:]...)
 	b = binary.LittleEndian.AppendUint32(b, m.BlockTokens)
 	b = appendStr(b, m.Extra)
+	if m.Partial != "" {
+		b = append(b, partialMagic...)
+		b = appendStr(b, m.Partial)
+	}
 	return b
 }
 
@@ -164,6 +178,17 @@ func BlockHash(parent Hash, tokens []int32, scratch []byte) Hash {
 	copy(b, parent[:])
 	putTokens(b[16:], tokens)
 	return FromU128(xxh3.Hash128(b))
+}
+
+// Snapshot is the key of the snapshot of a host's partial state taken
+// where block k ends: derived from k in a domain of its own, so that no
+// chain of tokens ever hashes to it and a lookup never takes it for a
+// block.
+func Snapshot(k BlockKey) BlockKey {
+	var b [len(snapshotMagic) + 16]byte
+	copy(b[:], snapshotMagic)
+	copy(b[len(snapshotMagic):], k[:])
+	return FromU128(xxh3.Hash128(b[:]))
 }
 
 // TokenBytes returns tokens as little-endian int32 bytes.

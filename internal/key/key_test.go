@@ -50,6 +50,7 @@ var modelMutations = []struct {
 	{"KVProbe", func(m *Model) { m.KVProbe[0] ^= 0x80 }},
 	{"BlockTokens", func(m *Model) { m.BlockTokens = 128 }},
 	{"Extra", func(m *Model) { m.Extra = "x" }},
+	{"Partial", func(m *Model) { m.Partial = "window 4" }},
 }
 
 func TestFingerprintCoversEveryField(t *testing.T) {
