@@ -13,8 +13,12 @@
 
 namespace mcb_llama {
 
-// ctx's memory when it is a plain llama_kv_cache (not iSWA, hybrid or recurrent).
-llama_kv_cache * plain_kv(llama_context * ctx);
+// The KV cache of ctx's attention layers that blocks restore and save: the memory
+// itself when it is one plain llama_kv_cache, the full-attention cache of a
+// sliding-window memory (iSWA), the attention cache of a hybrid one; nullptr for any
+// other memory. What the memory holds besides it is its partial state
+// (partial_state_of).
+llama_kv_cache * attn_kv(llama_context * ctx);
 
 // A status with the bridge's last error message of this thread.
 std::string status_message(mcb_status st);

@@ -354,7 +354,7 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
                                  llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens, restore_op & op) {
     restore_result out;
     op = restore_op{};
-    llama_kv_cache * kv = plain_kv(ctx);
+    llama_kv_cache * kv = attn_kv(ctx);
     if (kv == nullptr || n_tokens <= 0 || tokens == nullptr) {
         mcb_plan_drop(plan);
         out.status = MCB_STATUS_INVALID_ARG;
@@ -364,8 +364,9 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
     // No compute may be writing the cache while the bridge does.
     llama_synchronize(ctx);
 
-    // llama.cpp's restore begins so; the cells it frees may take the load.
-    kv->seq_rm(seq_id, -1, -1);
+    // llama.cpp's restore begins so; the cells it frees may take the load. The partial
+    // state goes too: until the restore ends, the sequence holds only the load's cells.
+    llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1);
     out.seq_cleared = true;
     const llama_kv_cache::slot_info sinfo = place(kv, llama_get_model(ctx)->hparams, seq_id, n_tokens);
     if (sinfo.empty()) {
@@ -426,15 +427,14 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
         }
         out.status = MCB_STATUS_LAYOUT;
         out.error  = reader.error.empty() ? e.what() : reader.error;
-        if (kv->seq_pos_max(seq_id) >= 0) {
-            kv->seq_rm(seq_id, -1, -1);
-        }
+        llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1);
         return out;
     }
     op.ctx      = ctx;
     op.seq_id   = seq_id;
     op.n_tokens = n_tokens;
     op.n_layer  = att.n_layer;
+    op.partial  = att.snapshot_tokens > 0;
     op.load     = load;
     if (staging != nullptr) {
         // The restore stays in flight in its own staging: the polls upload each layer
@@ -525,6 +525,16 @@ restore_result seq_restore_end(restore_op & op) {
         }
         ok = std::min(ok, st == MCB_STATUS_OK ? ok_l : 0u);
     }
+    // A memory with a partial state goes on from the snapshot the blocks end at, which
+    // the load read and verified beside them; without it the blocks are no state.
+    uint8_t * snap   = nullptr;
+    size_t    n_snap = 0;
+    if (op.partial) {
+        const mcb_status st = mcb_load_snapshot(op.load, &snap, &n_snap);
+        if (st != MCB_STATUS_OK && out.status == MCB_STATUS_OK) {
+            out.status = st;
+        }
+    }
     mcb_load_result res = {};
     const mcb_status st_end = mcb_load_end(op.load, &res);
     op.load = 0;
@@ -532,14 +542,41 @@ restore_result seq_restore_end(restore_op & op) {
         out.status = st_end;
     }
     out.n_tokens = (int32_t) std::min(ok, res.n_tokens_ok);
-    out.n_bytes  = res.n_bytes;
+    out.n_bytes  = res.n_bytes + n_snap;
+    if (op.partial && (snap == nullptr || out.n_tokens < op.n_tokens)) {
+        out.n_tokens = 0;
+    }
 
-    llama_kv_cache * kv = plain_kv(op.ctx);
+    llama_kv_cache * kv = attn_kv(op.ctx);
+    llama_memory_t mem = llama_get_memory(op.ctx);
     // The loop may have a batch of other sequences in flight; the cells change owner now.
     llama_synchronize(op.ctx);
+    if (out.n_tokens > 0 && snap != nullptr) {
+        // llama.cpp's own read of a partial state, as llama-server loads its context
+        // checkpoints: the window cache or the recurrent state of the sequence, at the
+        // position the blocks end.
+        size_t read = 0;
+        try {
+            read = llama_state_seq_set_data_ext(op.ctx, snap, n_snap, op.seq_id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+        } catch (const std::exception & e) {
+            out.error = e.what();
+        }
+        if (read != n_snap) {
+            out.n_tokens = 0;
+            out.status   = MCB_STATUS_CORRUPT;
+            if (out.error.empty()) {
+                out.error = "llama.cpp read " + std::to_string(read) + " of the snapshot's " + std::to_string(n_snap) + " bytes";
+            }
+        } else {
+            out.partial.assign(snap, snap + n_snap);
+        }
+    }
+    mcb_state_free(snap);
     if (out.n_tokens == 0) {
-        out.error = "mcbridge: no block restored (" + status_message(out.status) + ")";
-        kv->seq_rm(op.seq_id, -1, -1);
+        if (out.error.empty()) {
+            out.error = "mcbridge: no block restored (" + status_message(out.status) + ")";
+        }
+        llama_memory_seq_rm(mem, op.seq_id, -1, -1);
         return out;
     }
     if (out.n_tokens < op.n_tokens) {
@@ -561,13 +598,35 @@ void seq_restore_cancel(restore_op & op) {
     op.load = 0;
     return_staging(op);
     // The cells hold whatever the load had written: they leave the sequence.
-    plain_kv(op.ctx)->seq_rm(op.seq_id, -1, -1);
+    llama_memory_seq_rm(llama_get_memory(op.ctx), op.seq_id, -1, -1);
+}
+
+mcb_status seq_snapshot(llama_context * ctx, const attachment & att, const mcb_scope * scope,
+                        llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens, std::string & error) {
+    if (att.snapshot_tokens == 0 || n_tokens <= 0 || tokens == nullptr) {
+        error = "no partial state or no tokens";
+        return MCB_STATUS_INVALID_ARG;
+    }
+    // llama.cpp's own writer of the partial state (as llama-server's checkpoints take
+    // it), which reads device tensors through the backend where the memory is there.
+    const size_t size = llama_state_seq_get_size_ext(ctx, seq_id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+    std::vector<uint8_t> buf(size);
+    const size_t n = size > 0 ? llama_state_seq_get_data_ext(ctx, buf.data(), size, seq_id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) : 0;
+    if (n == 0) {
+        error = "llama.cpp wrote no partial state of sequence " + std::to_string(seq_id);
+        return MCB_STATUS_STATE;
+    }
+    const mcb_status st = mcb_snapshot_save(att.model, scope, tokens, (size_t) n_tokens, buf.data(), n);
+    if (st != MCB_STATUS_OK) {
+        error = "mcb_snapshot_save: " + status_message(st);
+    }
+    return st;
 }
 
 save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scope * scope,
                      llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens) {
     save_result out;
-    llama_kv_cache * kv = plain_kv(ctx);
+    llama_kv_cache * kv = attn_kv(ctx);
     if (kv == nullptr || n_tokens <= 0 || tokens == nullptr) {
         out.status = MCB_STATUS_INVALID_ARG;
         out.error  = "no plain KV cache or no tokens";

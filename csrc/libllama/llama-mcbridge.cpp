@@ -10,6 +10,10 @@
 #include "llama-kv-cache-dsa.h"
 #include "llama-kv-cache-iswa.h"
 #include "llama-kv-cache.h"
+#include "llama-memory-hybrid-idx.h"
+#include "llama-memory-hybrid-iswa.h"
+#include "llama-memory-hybrid.h"
+#include "llama-memory-recurrent.h"
 #include "llama-model.h"
 
 #include <algorithm>
@@ -125,7 +129,8 @@ std::atomic<bool> g_tracking{false};
 mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const mcb_model_params & params,
                                const mcb_kv_format & format, bool v_trans, bool k_only, mcb_model & out,
                                kv_storage & storage, std::shared_ptr<kv_stage> & stage, std::string & why) {
-    if (kv->seq_pos_max(0) >= 0) {
+    llama_memory_t mem = llama_get_memory(ctx);
+    if (llama_memory_seq_pos_max(mem, 0) >= 0) {
         why = "sequence 0 is not empty";
         return MCB_STATUS_STATE;
     }
@@ -182,7 +187,8 @@ mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const m
             why = e.what();
         }
     }
-    kv->seq_rm(0, -1, -1);
+    // The partial state too (a window cache, a recurrent state).
+    llama_memory_seq_rm(mem, 0, -1, -1);
     return st;
 }
 
@@ -260,11 +266,76 @@ std::string status_message(mcb_status st) {
     return msg;
 }
 
-llama_kv_cache * plain_kv(llama_context * ctx) {
-    return dynamic_cast<llama_kv_cache *>(llama_get_memory(ctx));
+llama_kv_cache * attn_kv(llama_context * ctx) {
+    llama_memory_i * mem = llama_get_memory(ctx);
+    if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
+        return kv;
+    }
+    if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+        return iswa->get_base();
+    }
+    if (dynamic_cast<llama_memory_hybrid_idx *>(mem) != nullptr) {
+        return nullptr; // its indexer cache is a third part, in neither state
+    }
+    if (auto * hybrid = dynamic_cast<llama_memory_hybrid *>(mem)) {
+        return hybrid->get_mem_attn();
+    }
+    return nullptr;
+}
+
+namespace {
+
+// Which layers of n a predicate holds for, as a string of 0s and 1s.
+template <typename F>
+std::string layer_pattern(uint32_t n, F && is) {
+    std::string out(n, '0');
+    for (uint32_t il = 0; il < n; il++) {
+        if (is(il)) {
+            out[il] = '1';
+        }
+    }
+    return out;
+}
+
+} // namespace
+
+std::string partial_state_of(llama_context * ctx) {
+    const llama_hparams & hp = llama_get_model(ctx)->hparams;
+    llama_memory_i * mem = llama_get_memory(ctx);
+    std::ostringstream d;
+    if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+        // The window cache's state: which layers it holds, the window and its kind
+        // (chunked attention is one); its rows are in the types the blocks are keyed by.
+        d << "iswa window " << hp.n_swa << " type " << (int) hp.swa_type << " layers "
+          << layer_pattern(hp.n_layer(), [&](uint32_t il) { return hp.is_swa(il); })
+          << " K " << ggml_type_name(iswa->get_swa()->type_k()) << " V " << ggml_type_name(iswa->get_swa()->type_v());
+        return d.str();
+    }
+    if (auto * hybrid = dynamic_cast<llama_memory_hybrid *>(mem)) {
+        // The recurrent state: its layers and the widths and types of its two tensors.
+        const llama_memory_recurrent * recr = hybrid->get_mem_recr();
+        d << "recurrent layers " << layer_pattern(hp.n_layer(), [&](uint32_t il) { return hp.is_recr(il); })
+          << " r " << hp.n_embd_r() << " s " << hp.n_embd_s();
+        for (size_t il = 0; il < recr->r_l.size(); il++) {
+            if (recr->r_l[il] != nullptr && recr->s_l[il] != nullptr) {
+                d << " types " << ggml_type_name(recr->r_l[il]->type) << " " << ggml_type_name(recr->s_l[il]->type);
+                break;
+            }
+        }
+        return d.str();
+    }
+    return "";
 }
 
 std::string why_not_plain(llama_context * ctx) {
+    const std::string why = why_not_served(ctx);
+    if (!why.empty()) {
+        return why;
+    }
+    return partial_state_of(ctx).empty() ? "" : "its memory keeps a partial state (sliding-window or recurrent)";
+}
+
+std::string why_not_served(llama_context * ctx) {
     const llama_model & model = *llama_get_model(ctx);
     const llama_hparams & hp = model.hparams;
     const llama_cparams & cp = ctx->get_cparams();
@@ -274,24 +345,29 @@ std::string why_not_plain(llama_context * ctx) {
     if (cp.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
         return "not a target context (MTP/draft)";
     }
-    if (llama_model_is_recurrent(&model)) {
+    if (dynamic_cast<llama_memory_recurrent *>(mem) != nullptr) {
+        // No attention cache at all: a restore would be a snapshot alone (§5.9).
         return "recurrent model";
     }
-    if (llama_model_is_hybrid(&model)) {
-        return "hybrid model";
+    if (dynamic_cast<llama_memory_hybrid_iswa *>(mem) != nullptr) {
+        // Its partial state is the recurrent state alone: the attention's window cache
+        // is in neither the blocks nor a snapshot.
+        return "hybrid model with sliding-window attention";
     }
-    if (dynamic_cast<llama_kv_cache_iswa *>(mem) != nullptr || dynamic_cast<llama_kv_cache_dsa_iswa *>(mem) != nullptr) {
-        // Decided by the memory, not by llama_model_n_swa: a model may name a window
-        // and still run one plain cache (EXAONE 4 but its 32B).
-        return "sliding-window attention (iSWA)";
+    if (dynamic_cast<llama_memory_hybrid_idx *>(mem) != nullptr) {
+        return "hybrid model with an indexer cache";
+    }
+    if (dynamic_cast<llama_kv_cache_dsa_iswa *>(mem) != nullptr) {
+        return "sliding-window attention with an indexer cache (DSA)";
     }
     if (dynamic_cast<llama_kv_cache_dsa *>(mem) != nullptr) {
         return "MLA with an indexer cache (DSA): not a plain KV cache";
     }
-    if (plain_kv(ctx) == nullptr) {
-        return "the context's memory is not a plain KV cache";
+    llama_kv_cache * kv = attn_kv(ctx);
+    if (kv == nullptr) {
+        return "the context's memory is not a KV cache the bridge knows";
     }
-    if (hp.swa_type != LLAMA_SWA_TYPE_NONE) {
+    if (dynamic_cast<llama_kv_cache *>(mem) == kv && hp.swa_type != LLAMA_SWA_TYPE_NONE) {
         // A plain cache masks by the model's window whenever it has one (every plain
         // cache llama_model::create_memory makes gets hparams.swa_type): it reuses the
         // cells of positions left behind and its state leaves them out, so positions
@@ -309,9 +385,9 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     const llama_model & model = *llama_get_model(ctx);
     const llama_hparams & hp = model.hparams;
     const llama_cparams & cp = ctx->get_cparams();
-    llama_kv_cache * kv = plain_kv(ctx);
+    llama_kv_cache * kv = attn_kv(ctx);
 
-    why_off = configured() ? why_not_plain(ctx) : "not configured (--mcb-config or MCB_CONFIG)";
+    why_off = configured() ? why_not_served(ctx) : "not configured (--mcb-config or MCB_CONFIG)";
     if (!why_off.empty()) {
         return false;
     }
@@ -340,9 +416,11 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
         vr.push_back(k_only ? 0 : (uint32_t) ggml_row_size(tv, ev.back()));
     }
 
+    const std::string partial = partial_state_of(ctx);
     mcb_model_params p = {};
     p.llama_version = MCB_LLAMA_TAG;
     p.gguf_path     = gguf_path;
+    p.partial_state = partial.empty() ? nullptr : partial.c_str();
     mcb_kv_format f = {};
     f.n_layer      = (uint32_t) ids.size();
     f.n_embd_k_gqa = ek.data();
@@ -369,6 +447,7 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     a.k_only  = k_only;
     a.storage = storage;
     a.stage   = stage;
+    a.snapshot_tokens = mcb_model_snapshot_tokens(m);
     std::ostringstream d;
     d << model.arch_name() << ", " << f.n_layer << " KV layers, K " << ggml_type_name(tk);
     if (k_only) {
@@ -377,6 +456,9 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
         d << " V " << ggml_type_name(tv) << (v_trans ? " (V transposed)" : "");
     }
     d << ", " << kv->get_n_stream() << " stream(s) of " << kv->get_size() << " cells";
+    if (a.snapshot_tokens > 0) {
+        d << "; " << partial << ", snapshotted every " << a.snapshot_tokens << " tokens";
+    }
     if (stage) {
         d << ", KV on " << stage->where << " (" << stage->n_device << " of " << (k_only ? 1 : 2) * f.n_layer
           << " tensors, staged through host memory)";
@@ -406,7 +488,7 @@ void detach(llama_context * ctx) {
     }
     mcb_model_unregister(it->second.model);
     s.contexts.erase(it);
-    s.marks.erase(plain_kv(ctx));
+    s.marks.erase(attn_kv(ctx));
     g_tracking.store(!s.contexts.empty(), std::memory_order_release);
 }
 
@@ -414,7 +496,7 @@ seq_origin seq_get_origin(llama_context * ctx, llama_seq_id seq_id) {
     process_state & s = state();
     std::lock_guard<std::recursive_mutex> lk(s.mu);
     seq_origin o;
-    auto it = s.marks.find(plain_kv(ctx));
+    auto it = s.marks.find(attn_kv(ctx));
     if (it == s.marks.end()) {
         return o;
     }
@@ -430,7 +512,7 @@ seq_origin seq_get_origin(llama_context * ctx, llama_seq_id seq_id) {
 void seq_set_scope(llama_context * ctx, llama_seq_id seq_id, const uint8_t scope[16], bool known) {
     process_state & s = state();
     std::lock_guard<std::recursive_mutex> lk(s.mu);
-    auto it = s.marks.find(plain_kv(ctx));
+    auto it = s.marks.find(attn_kv(ctx));
     if (it == s.marks.end()) {
         return;
     }
@@ -642,7 +724,7 @@ template <typename K>
 void restore_scope(llama_context * ctx, llama_seq_id seq_id, const recent_scopes<K> process_state::*saved, const K & key) {
     process_state & s = state();
     std::lock_guard<std::recursive_mutex> lk(s.mu);
-    auto it = s.marks.find(plain_kv(ctx));
+    auto it = s.marks.find(attn_kv(ctx));
     const scope_id * scope = (s.*saved).get(key);
     if (it != s.marks.end() && scope != nullptr) {
         it->second.scope[seq_id] = *scope;

@@ -60,14 +60,23 @@ struct attachment {
     // Where some K or V tensor is not host memory (a GPU, an RPC server): the host
     // staging every load and save of the context goes through; nullptr otherwise.
     std::shared_ptr<kv_stage> stage;
+    // With a partial state: how many tokens apart it is snapshotted, where restores end.
+    uint32_t    snapshot_tokens = 0;
     std::string describe; // one line for the log: types, layers, layout
 };
 
-// Why the bridge cannot restore ctx's cache exactly (its memory is not one plain,
-// causal KV cache of a target context), or "" when it can. attach refuses such a
-// context; llama-server asks it of a draft context too, which a restore leaves to
-// recompute its prefix in the same plain cache.
+// Why the bridge cannot serve ctx (not a target context, non-causal, a memory it
+// cannot restore exactly), or "" when it can: a plain KV cache, or a sliding-window or
+// hybrid memory, whose attention cache blocks restore and whose partial state
+// snapshots do (docs/design.md §5.9). attach refuses such a context.
+std::string why_not_served(llama_context * ctx);
+// Why ctx's memory is not one plain, causal KV cache, or "". llama-server asks it of a
+// draft context, which a restore leaves to recompute its prefix in its own cache.
 std::string why_not_plain(llama_context * ctx);
+// What ctx's memory holds besides its attention cache, for a sequence (llama.cpp's
+// PARTIAL_ONLY state: the window cache of an iSWA memory, the recurrent state of a
+// hybrid one), described as the fingerprint needs it; "" for a plain cache.
+std::string partial_state_of(llama_context * ctx);
 
 // Registers ctx's KV format with the process's bridge (opening it on first use):
 // the probe prompt is decoded into sequence 0 of the empty cache and its KV handed
@@ -88,6 +97,9 @@ struct restore_result {
     mcb_status status   = MCB_STATUS_OK;
     bool       seq_cleared = false; // the sequence lost its previous cells (any attempt that got as far as llama.cpp's restore)
     std::string error;
+    // With a partial state: the snapshot the sequence was given (PARTIAL_ONLY), which
+    // the host may keep as its own checkpoint of position n_tokens.
+    std::vector<uint8_t> partial;
 };
 
 // A stage-2 restore in flight: seq_id holds positions [0, n_tokens) in cells the load
@@ -99,6 +111,7 @@ struct restore_op {
     llama_seq_id    seq_id   = -1;
     int32_t         n_tokens = 0;
     uint32_t        n_layer  = 0;
+    bool            partial  = false; // the memory keeps a partial state: the load brings its snapshot
     mcb_load        load     = 0;
     // KV on a device: the load lands in staging, lent to op until it ends, and each
     // verified layer is uploaded into the cells as the polls find it.
@@ -141,6 +154,12 @@ struct save_result {
 // full blocks. The rows are copied before this returns; publishing is the bridge's.
 save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scope * scope,
                      llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens);
+
+// Snapshots the partial state of seq_id, whose positions [0, n_tokens) hold tokens,
+// computed from position 0 under scope (n_tokens a multiple of att.snapshot_tokens),
+// into the bridge. Returns MCB_STATUS_OK or why not; the bridge publishes it.
+mcb_status seq_snapshot(llama_context * ctx, const attachment & att, const mcb_scope * scope,
+                        llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens, std::string & error);
 
 // What a sequence's cells were computed under: the clean mark (KV at positions below
 // it may be published) and the scope (mcb_scope_id) of the requests that computed

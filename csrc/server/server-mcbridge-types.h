@@ -28,6 +28,7 @@ struct mcb_request_stats {
     double      est_restore_ms   = 0.0;
     double      est_recompute_ms = 0.0;
     uint32_t    saved_blocks     = 0; // blocks this prompt copied into the pool
+    uint32_t    snapshots        = 0; // partial states it snapshotted (sliding-window, hybrid)
     uint32_t    published_blocks = 0;
     double      save_ms          = 0.0;
     // with a draft model: the prompt tokens its context computed during the restore

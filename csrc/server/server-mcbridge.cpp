@@ -34,6 +34,7 @@ struct server_state {
     llama_context *       dft = nullptr; // the draft model's context (-md, draft-simple), if any
     mcb_llama::attachment att;
     std::string           why_off; // with a configuration given: why the bridge does not serve ctx
+    int32_t               n_swa = 0; // the window llama-server checks a slot's cache against (0: none, or --swa-full)
     std::map<int32_t, slot_restore> restores; // by sequence (slot) id
 };
 
@@ -170,9 +171,10 @@ void attach(llama_context * ctx_tgt, bool has_draft, const common_params & param
         s.why_off = why_draft_off(params, dft);
     }
     if (s.why_off.empty() && mcb_llama::attach(ctx_tgt, params.model.path.c_str(), s.att, s.why_off)) {
-        s.on  = true;
-        s.ctx = ctx_tgt;
-        s.dft = dft;
+        s.on    = true;
+        s.ctx   = ctx_tgt;
+        s.dft   = dft;
+        s.n_swa = params.swa_full ? 0 : llama_model_n_swa(llama_get_model(ctx_tgt));
     }
     if (!s.on) {
         SRV_WRN("mcbridge: off: %s\n", s.why_off.c_str());
@@ -344,7 +346,8 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
 }
 
 bool restore_pending(llama_context * ctx, int32_t seq_id, const server_task & task,
-                     const server_tokens & input, server_tokens & cached, mcb_request_stats & st) {
+                     const server_tokens & input, server_tokens & cached,
+                     std::list<common_prompt_checkpoint> & checkpoints, mcb_request_stats & st) {
     server_state & s = state();
     auto it = s.restores.find(seq_id);
     if (!s.on || s.ctx != ctx || it == s.restores.end() || it->second.phase != slot_restore::LOADING) {
@@ -362,7 +365,7 @@ bool restore_pending(llama_context * ctx, int32_t seq_id, const server_task & ta
     if (!mcb_llama::seq_restore_poll(sr.op, 0)) {
         return true;
     }
-    const mcb_llama::restore_result r = mcb_llama::seq_restore_end(sr.op);
+    mcb_llama::restore_result r = mcb_llama::seq_restore_end(sr.op);
     sr.phase      = slot_restore::DONE;
     st.restore_ms = ms_between(sr.t_begin_us, now_us());
     cached.keep_first(0);
@@ -378,6 +381,22 @@ bool restore_pending(llama_context * ctx, int32_t seq_id, const server_task & ta
     const llama_tokens & tokens = input.get_tokens();
     for (int32_t i = 0; i < r.n_tokens; i++) {
         cached.push_back(tokens[i]);
+    }
+    if (!r.partial.empty()) {
+        // The state at P = r.n_tokens as a context checkpoint, for llama-server's check of
+        // a window that follows: a window state holds the last n_swa positions, and the
+        // check asks for a checkpoint unless the cache holds one more. It takes one whose
+        // pos_min is 0 (a restored prefix covers every position from 0) and goes on from
+        // max(pos_min + 1, pos_max). Stock, from its own cache at P, goes on from P, but
+        // from P - 1 where the window covers the whole prefix (the check's threshold is
+        // then 0, which no cache passes, and its own checkpoint of P resumes at P - 1):
+        // the restore goes on where stock would. Checkpoints past it were another prompt's.
+        const llama_pos resume = r.n_tokens > s.n_swa ? r.n_tokens : r.n_tokens - 1;
+        checkpoints.remove_if([&](const common_prompt_checkpoint & c) { return c.pos_max >= resume; });
+        common_prompt_checkpoint & c = checkpoints.emplace_back();
+        c.id_task  = task.id;
+        c.update_pos(r.n_tokens, 0, resume);
+        c.data_tgt = std::move(r.partial);
     }
     st.decision       = "restore";
     st.n_restored     = r.n_tokens;
@@ -409,6 +428,49 @@ void restores_wait() {
     }
 }
 
+namespace {
+
+// Whether the slot's memory holds the state after its first n tokens, computed by this
+// prompt from position 0 under its scope, at a snapshot point the prompt computed up to
+// (a restore's end is one the swarm has already).
+bool snapshot_due(const server_state & s, llama_context * ctx, int32_t n, const mcb_request_stats & st) {
+    const uint32_t every = s.att.snapshot_tokens;
+    return s.on && s.ctx == ctx && every > 0 && st.on && st.decision != "skip" && n > st.n_compute_start &&
+           n % (int32_t) every == 0;
+}
+
+// Snapshots the slot's partial state after its first n tokens.
+void snapshot(server_state & s, llama_context * ctx, int32_t seq_id, const server_task & task,
+              const std::vector<common_adapter_lora_info> & lora, const server_tokens & tokens, int32_t n,
+              mcb_request_stats & st) {
+    const request_scope rs(task.params, lora);
+    const mcb_llama::seq_origin origin = mcb_llama::seq_get_origin(ctx, seq_id);
+    if (rs.status != MCB_STATUS_OK || !rs.same(origin) || origin.clean_end < n || (int32_t) tokens.size() < n) {
+        return; // not this request's scope's clean KV: nothing to publish under it
+    }
+    std::string err;
+    if (mcb_llama::seq_snapshot(ctx, s.att, &rs.scope, seq_id, tokens.get_tokens().data(), n, err) != MCB_STATUS_OK) {
+        SRV_WRN("mcbridge: snapshot of seq %d after %d tokens failed: %s\n", seq_id, n, err.c_str());
+        return;
+    }
+    st.snapshots++;
+}
+
+} // namespace
+
+bool cut_batch(llama_context * ctx, int32_t n_cached, int32_t n_prompt, const mcb_request_stats & st) {
+    return n_cached < n_prompt && snapshot_due(state(), ctx, n_cached, st);
+}
+
+void prompt_batched(llama_context * ctx, int32_t seq_id, const server_task & task,
+                    const std::vector<common_adapter_lora_info> & lora, const server_tokens & tokens,
+                    int32_t n_start, mcb_request_stats & st) {
+    server_state & s = state();
+    if (snapshot_due(s, ctx, n_start, st)) {
+        snapshot(s, ctx, seq_id, task, lora, tokens, n_start, st);
+    }
+}
+
 void prompt_save(llama_context * ctx, int32_t seq_id, const server_task & task,
                  const std::vector<common_adapter_lora_info> & lora, const server_tokens & tokens,
                  mcb_request_stats & st) {
@@ -425,6 +487,9 @@ void prompt_save(llama_context * ctx, int32_t seq_id, const server_task & task,
     const request_scope rs(task.params, lora);
     if (rs.status != MCB_STATUS_OK || !rs.same(mcb_llama::seq_get_origin(ctx, seq_id))) {
         return; // the cells are not this request's scope's: nothing to publish under it
+    }
+    if (snapshot_due(s, ctx, n, st)) {
+        snapshot(s, ctx, seq_id, task, lora, tokens, n, st);
     }
     const mcb_llama::save_result r = mcb_llama::seq_save(ctx, s.att, &rs.scope, seq_id, tokens.get_tokens().data(), n);
     st.save_ms      = ms_between(t0, now_us());
@@ -454,6 +519,9 @@ void add_outcome(const mcb_request_stats & st, json & res) {
         {"saved_blocks",     st.saved_blocks},
         {"save_ms",          st.save_ms},
     };
+    if (st.snapshots > 0) {
+        o["snapshots"] = st.snapshots;
+    }
     if (st.n_draft_prefilled > 0) {
         o["draft_prefilled_n"] = st.n_draft_prefilled;
         o["draft_prefill_ms"]  = st.draft_prefill_ms;

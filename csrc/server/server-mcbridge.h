@@ -8,6 +8,7 @@
 #include "server-schema.h"
 #include "server-task.h"
 
+#include <list>
 #include <ostream>
 #include <vector>
 
@@ -41,8 +42,13 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
 // slot waits, nothing edits its sequence). Once the load is over (its layers verified,
 // or its deadline passed) it ends the restore, makes cached input[0, P) for the P
 // tokens restored (none after a failure), and returns false: the slot's prompt starts.
+// A restore of a memory with a partial state also leaves its snapshot in checkpoints,
+// as a context checkpoint of the restored position: llama-server's own check of a
+// sliding window asks for one there (a window state holds the last n_swa positions,
+// one fewer than the check wants without a checkpoint).
 bool restore_pending(llama_context * ctx, int32_t seq_id, const server_task & task,
-                     const server_tokens & input, server_tokens & cached, mcb_request_stats & st);
+                     const server_tokens & input, server_tokens & cached,
+                     std::list<common_prompt_checkpoint> & checkpoints, mcb_request_stats & st);
 
 // The slot is released (done, cancelled, failed): a restore still in flight into its
 // sequence is abandoned and its cells removed, before anything else uses the slot.
@@ -52,8 +58,22 @@ void slot_released(int32_t seq_id);
 // spinning through empty iterations until it is over.
 void restores_wait();
 
+// In the prompt's batch loop, once the token that makes n_cached tokens of the slot's
+// prompt is in the batch: true when the batch must end there, so that the decode ends
+// where the bridge snapshots the model's partial state (docs/design.md §5.9), as
+// llama-server cuts its batches for its own context checkpoints.
+bool cut_batch(llama_context * ctx, int32_t n_cached, int32_t n_prompt, const mcb_request_stats & st);
+
+// After the slot's prompt batch is built, before it is decoded: the slot's memory holds
+// the state after its first n_start tokens. When n_start is a snapshot point that this
+// prompt computed up to, the partial state is snapshotted there.
+void prompt_batched(llama_context * ctx, int32_t seq_id, const server_task & task,
+                    const std::vector<common_adapter_lora_info> & lora, const server_tokens & tokens,
+                    int32_t n_start, mcb_request_stats & st);
+
 // post_decode at SLOT_STATE_DONE_PROMPT: the prompt's KV is computed and synchronized;
-// hands its new full blocks to the bridge and feeds the arbiter the prefill time.
+// hands its new full blocks to the bridge (and the partial state, when the prompt ends
+// at a snapshot point) and feeds the arbiter the prefill time.
 void prompt_save(llama_context * ctx, int32_t seq_id, const server_task & task,
                  const std::vector<common_adapter_lora_info> & lora, const server_tokens & tokens,
                  mcb_request_stats & st);

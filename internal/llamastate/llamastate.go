@@ -256,6 +256,33 @@ func ParseTwoCaches(b []byte) (*State, error) {
 	return nil, first
 }
 
+// ParseLeading reads the state of a memory's first KV cache and says how
+// many bytes the memory wrote after it: another cache's state (the window
+// cache of a sliding-window memory), a recurrent state (a hybrid memory),
+// or none. Of the variants that read a whole first cache, the one that
+// reads the most is taken.
+func ParseLeading(b []byte) (*State, int, error) {
+	var best *State
+	rest, first := 0, error(nil)
+	for _, v := range variants {
+		st, err := parse(b, v.ext, v.kOnly)
+		if err == nil {
+			return st, 0, nil
+		}
+		var ce *CachesError
+		if st != nil && errors.As(err, &ce) && (best == nil || ce.Bytes < rest) {
+			best, rest = st, ce.Bytes
+		}
+		if first == nil {
+			first = err
+		}
+	}
+	if best == nil {
+		return nil, 0, first
+	}
+	return best, rest, nil
+}
+
 // parse reads b as one variant. A whole state followed by more bytes is an
 // error that comes with the state read: a *CachesError, which Parse keeps
 // only when those bytes read as caches' states.

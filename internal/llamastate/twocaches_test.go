@@ -51,6 +51,20 @@ func TestTwoCacheStates(t *testing.T) {
 			require.Equal(t, len(b), sw.Size())
 			require.Len(t, sw.Second, len(sw.Streams))
 
+			// The first cache alone, and the bytes after it.
+			lead, rest, err := ParseLeading(b)
+			require.NoError(t, err, "%s", file)
+			whole, err := st.Build()
+			require.NoError(t, err)
+			leadB, err := lead.Build()
+			require.NoError(t, err)
+			require.True(t, bytes.Equal(whole, leadB), "%s: ParseLeading's first cache", file)
+			require.Equal(t, len(b)-len(whole), rest, "%s: the bytes after the first cache", file)
+			lead, rest, err = ParseLeading(whole)
+			require.NoError(t, err, "%s: one cache", file)
+			require.Zero(t, rest)
+			require.Nil(t, lead.Second)
+
 			_, err = sw.Slice(n)
 			require.Error(t, err, "%s: Slice of two caches", file)
 			m, err := sw.Merge(n)

@@ -199,10 +199,20 @@ func LlamaTemplate(tb testing.TB, name string) string {
 // (docs/design.md §10.1): the rest, computed in ubatches starting at k,
 // can give other bits than the same tokens computed from 0, without any
 // restore being wrong. On slot 0, the first k tokens are computed fresh,
-// followed by a token the prompt does not continue with, so that the
-// prompt then reuses exactly k; k 0 is the prompt computed fresh. Each
+// followed by tokens the prompt does not continue with (Primer), so that
+// the prompt then reuses exactly k; k 0 is the prompt computed fresh. Each
 // request is alone on the server, as the answers compared with it are.
 func StockFrom(tb testing.TB, url string, r Request, k int) Completion {
+	tb.Helper()
+	return StockHolding(tb, url, r, k, k)
+}
+
+// StockHolding is StockFrom for a slot given k tokens that keeps cacheN of
+// them. Where a model's sliding window covers the whole prefix, llama-server
+// computes the last of k again (its check of the window asks for a context
+// checkpoint, and its checkpoint of k resumes at k - 1), as a server that
+// restored k does.
+func StockHolding(tb testing.TB, url string, r Request, k, cacheN int) Completion {
 	tb.Helper()
 	fresh := map[string]any{"cache_prompt": false}
 	for key, v := range r.Extra {
@@ -217,7 +227,7 @@ func StockFrom(tb testing.TB, url string, r Request, k int) Completion {
 	}
 	Prime(tb, url, r.Prompt, k, fresh)
 	c := Complete(tb, url, r)
-	require.Equal(tb, k, c.Timings.CacheN, "the stock slot held the prompt's first %d tokens", k)
+	require.Equal(tb, cacheN, c.Timings.CacheN, "the stock slot given the prompt's first %d tokens kept %d", k, cacheN)
 	return c
 }
 
@@ -229,13 +239,24 @@ func Prime(tb testing.TB, url string, prompt []int32, k int, extra map[string]an
 	Complete(tb, url, Request{Prompt: Primer(tb, prompt, k), Slot: 0, NPredict: 1, Extra: extra})
 }
 
-// Primer is the first k tokens of prompt and then one of them that the
-// prompt does not continue with: a slot that computed it shares exactly
-// k tokens with the prompt.
+// Primer is the first k tokens of prompt and then primerTail times one of
+// them that the prompt does not continue with: a slot that computed it
+// shares exactly k tokens with the prompt.
 func Primer(tb testing.TB, prompt []int32, k int) []int32 {
 	tb.Helper()
 	require.Less(tb, k, len(prompt))
 	other := slices.IndexFunc(prompt[:k], func(x int32) bool { return x != prompt[k] })
 	require.GreaterOrEqual(tb, other, 0, "a token of the prefix that the prompt does not continue with")
-	return append(slices.Clip(prompt[:k]), prompt[other])
+	out := slices.Clip(prompt[:k])
+	for range primerTail {
+		out = append(out, prompt[other])
+	}
+	return out
 }
+
+// primerTail is how many tokens a primer adds after the shared ones. A
+// memory that cannot roll back (a sliding window, a recurrent state) goes
+// back to k only through a context checkpoint, and llama-server takes one 4
+// tokens before a prompt's end (checkpoint_offsets in server-context.cpp):
+// with 4 tokens after the shared k, stock holds its own state at k.
+const primerTail = 4
