@@ -332,13 +332,5 @@ func BenchmarkAgentAPI(b *testing.B) {
 		}
 	}
 	rep.Seconds, rep.LoadEnd = time.Since(t0).Seconds(), testenv.LoadAverage()
-	dir := os.Getenv("MCB_BENCH_OUT")
-	if dir == "" {
-		dir = filepath.Join(testenv.Root(), "bench", "out")
-	}
-	require.NoError(b, os.MkdirAll(dir, 0o755))
-	out, err := json.MarshalIndent(rep, "", "  ")
-	require.NoError(b, err)
-	require.NoError(b, os.WriteFile(filepath.Join(dir, "agentapi.json"), append(out, '\n'), 0o644))
-	b.Logf("wrote %s (%.0f s)", filepath.Join(dir, "agentapi.json"), rep.Seconds)
+	b.Logf("wrote %s (%.0f s)", testenv.WriteBenchOut(b, "agentapi.json", rep), rep.Seconds)
 }

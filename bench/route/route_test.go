@@ -77,15 +77,7 @@ func BenchmarkRoute(b *testing.B) {
 		b.ReportMetric(r.TTFT.Mean, r.Policy+"-ttft-mean-ms")
 		b.ReportMetric(r.PrefixHitRatio, r.Policy+"-hit-ratio")
 	}
-	dir := os.Getenv("MCB_BENCH_OUT")
-	if dir == "" {
-		dir = filepath.Join(testenv.Root(), "bench", "out")
-	}
-	require.NoError(b, os.MkdirAll(dir, 0o755))
-	out, err := json.MarshalIndent(rep, "", "  ")
-	require.NoError(b, err)
-	require.NoError(b, os.WriteFile(filepath.Join(dir, "route.json"), append(out, '\n'), 0o644))
-	b.Logf("wrote %s (%.0f s)", filepath.Join(dir, "route.json"), rep.Seconds)
+	b.Logf("wrote %s (%.0f s)", testenv.WriteBenchOut(b, "route.json", rep), rep.Seconds)
 }
 
 // replay runs the swarm through fresh servers and a fresh proxy routing by

@@ -8,7 +8,9 @@
 #include "llama-io.h"
 #include "llama-kv-cache-dsa-iswa.h"
 #include "llama-kv-cache-dsa.h"
+#include "llama-kv-cache-dsv4.h"
 #include "llama-kv-cache-iswa.h"
+#include "llama-kv-cache-msa.h"
 #include "llama-kv-cache.h"
 #include "llama-memory-hybrid-idx.h"
 #include "llama-memory-hybrid-iswa.h"
@@ -362,6 +364,12 @@ std::string why_not_served(llama_context * ctx) {
     }
     if (dynamic_cast<llama_kv_cache_dsa *>(mem) != nullptr) {
         return "MLA with an indexer cache (DSA): not a plain KV cache";
+    }
+    if (dynamic_cast<llama_kv_cache_msa *>(mem) != nullptr) {
+        return "attention with an indexer cache (MSA)";
+    }
+    if (dynamic_cast<llama_kv_cache_dsv4 *>(mem) != nullptr) {
+        return "DeepSeek V4's token cache with compressed block caches";
     }
     llama_kv_cache * kv = attn_kv(ctx);
     if (kv == nullptr) {

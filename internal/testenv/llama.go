@@ -65,6 +65,7 @@ type Outcome struct {
 	RestoreMS     float64 `json:"restore_ms"`
 	LookupMS      float64 `json:"lookup_ms"`
 	SavedBlocks   int     `json:"saved_blocks"`
+	Snapshots     int     `json:"snapshots"` // partial states snapshotted (sliding-window, hybrid)
 	SaveMS        float64 `json:"save_ms"`
 	// DraftPrefilledN is what a draft model's context computed of the
 	// restored prefix while the target's restore ran.

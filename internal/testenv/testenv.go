@@ -509,3 +509,20 @@ func ReadOnly(tb testing.TB, dir string) {
 	tb.Helper()
 	require.NoError(tb, syscall.Mount("", dir, "", syscall.MS_REMOUNT|syscall.MS_RDONLY, ""), "remounting %s read-only", dir)
 }
+
+// WriteBenchOut writes v as indented JSON to name in $MCB_BENCH_OUT
+// (bench/out by default), where `make bench-report` reads the end-to-end
+// benchmarks' results, and returns the path.
+func WriteBenchOut(tb testing.TB, name string, v any) string {
+	tb.Helper()
+	dir := os.Getenv("MCB_BENCH_OUT")
+	if dir == "" {
+		dir = filepath.Join(Root(), "bench", "out")
+	}
+	require.NoError(tb, os.MkdirAll(dir, 0o755))
+	out, err := json.MarshalIndent(v, "", "  ")
+	require.NoError(tb, err)
+	path := filepath.Join(dir, name)
+	require.NoError(tb, os.WriteFile(path, append(out, '\n'), 0o644))
+	return path
+}

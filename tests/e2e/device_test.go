@@ -121,12 +121,26 @@ func TestDeviceKV(t *testing.T) {
 	})
 }
 
-// An MLA cache (K alone, no V tensors) on a device is staged through host
-// memory as K rows only: a device-KV server restores what another computed,
+// The cache shapes beyond plain attention with their KV on a device: an MLA
+// cache (K alone, no V tensors) is staged through host memory as K rows
+// only; a sliding-window and a hybrid memory stage their attention cache so,
+// and their partial state (the window cache, the recurrent state) travels in
+// a snapshot that llama.cpp's own state reader and writer move to and from
+// the device. For each, a device-KV server restores what another computed,
 // a host-KV server what a device-KV server computed, and both answer as
 // stock.
-func TestDeviceKVMLA(t *testing.T) {
-	model := filepath.Join(testenv.ArchModels(t), "deepseek2-moe.gguf")
+func TestDeviceKVMemoryKinds(t *testing.T) {
+	for _, c := range []struct{ model, log string }{
+		{"deepseek2-moe", "no V (MLA), 2 stream(s) of 2048 cells"},
+		{"gemma3-dense", "iswa window 32"},
+		{"qwen35-dense", "recurrent layers"},
+	} {
+		t.Run(c.model, func(t *testing.T) { deviceKVModel(t, c.model, c.log) })
+	}
+}
+
+func deviceKVModel(t *testing.T, name, log string) {
+	model := filepath.Join(testenv.ArchModels(t), name+".gguf")
 	su := setupArch(t, model, nil)
 	cfg := deviceSwarm(t)
 	onRPC := func(endpoint string) []string { return append(slices.Clone(su.args), "--rpc", endpoint, "-ngl", "99") }
@@ -135,8 +149,11 @@ func TestDeviceKVMLA(t *testing.T) {
 
 	holder := testenv.StartRPC(t, "rpc-holder")
 	dev := testenv.StartLlama(t, "dev", testenv.PatchedServer(t), append(onRPC(holder.Endpoint), "--mcb-config", cfg))
+	defer dev.Stop()
 	require.Equal(t, "on", dev.BridgeState())
-	assert.Contains(t, dev.LogLine("mcbridge: on:"), "no V (MLA), 2 stream(s) of 2048 cells, KV on RPC", "the log names the device")
+	on := dev.LogLine("mcbridge: on:")
+	assert.Contains(t, on, log, "the log names the cache")
+	assert.Contains(t, on, "KV on RPC", "the log names the device")
 	first := dev.Complete(t, reqA)
 	assert.Equal(t, len(su.promptA)/block, first.MCB.SavedBlocks, "the device-KV server saves the prompt's full blocks")
 

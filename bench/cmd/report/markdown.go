@@ -257,6 +257,15 @@ func (r *report) writeTargets(m *md) {
 		add("etcd stopped (SIGSTOP), patched llama-server", "TTFT within 5% of etcd running", "BenchmarkEtcdStopped did not run", notMeasured)
 	}
 
+	kindsWhat := "TTFT cut of sliding-window and hybrid memories (BenchmarkMemoryKinds, test-llama-archs' models)"
+	kindsTarget := ">= 0.75x the cut of a plain model of the same size, at every shared prefix"
+	if b, ok := r.bench("MemoryKinds"); ok {
+		measured, ok := memoryKindCuts(b.Metrics)
+		add(kindsWhat, kindsTarget, measured, judge(ok))
+	} else {
+		add(kindsWhat, kindsTarget, "BenchmarkMemoryKinds did not run", notMeasured)
+	}
+
 	var e2eRows [][4]string
 	if r.E2E != nil {
 		if v, err := decodeOrdered(r.E2E); err == nil {
@@ -594,4 +603,35 @@ func writeNotes(m *md) {
 	m.p("- The Loopback transport stands in for RDMA: it copies with the CPU in the thread that polls, where a NIC would copy by DMA while the CPU does something else. Restores from peers therefore pay one more CPU copy than RDMA would.")
 	m.p("- The replay's times are modelled, not measured (the bytes moved are a tiny stand-in geometry); its hit ratios, evictions and decisions are the real code's. Requests run one at a time: no queueing.")
 	m.p("- llama3-8b-gpu's prefill cost is arithmetic from FLOP counts, not a measurement; bench-cpu's is docs/design.md §15's measurement.")
+}
+
+// memoryKindCuts reads BenchmarkMemoryKinds' metrics, cut-<kind>-<shared
+// tokens>: each shared prefix's cuts, and whether every kind's is at least
+// 0.75 of the plain model's there.
+func memoryKindCuts(metrics map[string]float64) (string, bool) {
+	var sizes []string
+	for k := range metrics {
+		if size, ok := strings.CutPrefix(k, "cut-plain-"); ok {
+			sizes = append(sizes, size)
+		}
+	}
+	sort.Slice(sizes, func(i, j int) bool {
+		return len(sizes[i]) < len(sizes[j]) || len(sizes[i]) == len(sizes[j]) && sizes[i] < sizes[j]
+	})
+	ok := len(sizes) > 0
+	var parts []string
+	for _, size := range sizes {
+		plain := metrics["cut-plain-"+size]
+		part := size + " shared: plain " + num(plain, 2) + "x"
+		for _, kind := range []string{"sliding-window", "hybrid"} {
+			c, found := metrics["cut-"+kind+"-"+size]
+			ok = ok && found && c >= 0.75*plain
+			part += ", " + kind + " " + num(c, 2) + "x"
+		}
+		parts = append(parts, part)
+	}
+	if len(parts) == 0 {
+		return "no cuts reported", false
+	}
+	return strings.Join(parts, "; "), ok
 }

@@ -1,0 +1,132 @@
+package e2e
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
+	"github.com/mcbridge/mcbridge/internal/testenv"
+)
+
+// BenchmarkMemoryKinds is restore against recompute for the memory kinds
+// beyond plain attention (docs/design.md §5.9), at shared prefixes of 4k
+// and 8k tokens plus 64 of the request's own, each kind beside a plain
+// model of the same size in the same run: test-llama-archs' random models
+// (n_embd 256, 2 to 4 layers), whose training context is raised to 16k.
+//
+//   - stock: a stock llama-server computes the whole prompt
+//     (cache_prompt false, so every round computes it);
+//   - restore: a patched server restores what another patched process
+//     computed (etcd, the mock Transfer Engine): the blocks of the attention
+//     layers, and for a sliding-window or hybrid memory the snapshot of its
+//     partial state at the prefix's end.
+//
+// TTFT medians of interleaved rounds, the asker's slot erased between
+// them. Results go to $MCB_BENCH_OUT/kinds.json (bench/out).
+func BenchmarkMemoryKinds(b *testing.B) {
+	prefixes, rounds := []int{4096, 8192}, 5
+	if os.Getenv("MCB_BENCH_QUICK") != "" {
+		prefixes, rounds = []int{1024}, 2
+	}
+	kinds := []struct{ kind, model, arch string }{
+		{"plain", "llama-dense", "llama"},
+		{"sliding-window", "gemma3-dense", "gemma3"},
+		{"hybrid", "qwen35-dense", "qwen35"},
+	}
+	for i := 0; i < b.N; i++ {
+		res := kindsResult{Date: time.Now().UTC().Format(time.RFC3339), Suffix: ttftSuffix}
+		etcd := etcdtest.Start(b)
+		for _, k := range kinds {
+			for _, p := range prefixes {
+				row := memoryKindRow(b, etcd.Endpoint(), k.model, k.arch, p, rounds)
+				row.Kind = k.kind
+				res.Rows = append(res.Rows, row)
+				b.ReportMetric(row.Cut, fmt.Sprintf("cut-%s-%d", k.kind, p))
+				b.Logf("%s (%s), %d shared: stock %.1f ms, restore %.1f ms (%d tokens, %s): cut %.2fx, first token as stock: %v",
+					k.kind, k.model, p, row.StockMS, row.RestoreTTFTms, row.RestoredN, row.Decision, row.Cut, row.SameAsStock)
+			}
+		}
+		b.Logf("wrote %s", testenv.WriteBenchOut(b, "kinds.json", res))
+	}
+}
+
+type kindsResult struct {
+	Date   string    `json:"date"`
+	Suffix int       `json:"own_tokens"`
+	Rows   []kindRow `json:"rows"`
+}
+
+type kindRow struct {
+	Kind          string    `json:"kind"`
+	Model         string    `json:"model"`
+	SharedTokens  int       `json:"shared_tokens"`
+	StockMS       float64   `json:"stock_ttft_ms"`
+	StockRounds   []float64 `json:"stock_ttft_ms_rounds"`
+	RestoreTTFTms float64   `json:"restore_ttft_ms"`
+	RestoreRounds []float64 `json:"restore_ttft_ms_rounds"`
+	RestoreMS     float64   `json:"restore_ms"` // the restore's own time, median round
+	RestoredN     int       `json:"restored_tokens"`
+	RestoredBytes int64     `json:"restored_bytes"`
+	Snapshots     int       `json:"holder_snapshots"`
+	Decision      string    `json:"decision"`
+	Cut           float64   `json:"cut"` // stock TTFT over the restore's
+	SameAsStock   bool      `json:"first_token_as_stock"`
+}
+
+// kindTokens is n ids of the random models' 128-token vocabulary.
+func kindTokens(n, mul, off int) []int32 {
+	t := make([]int32, n)
+	for i := range t {
+		t[i] = int32((i*mul + off) % 128)
+	}
+	return t
+}
+
+func memoryKindRow(b *testing.B, etcd, name, arch string, p, rounds int) kindRow {
+	model := filepath.Join(testenv.ArchModels(b), name+".gguf")
+	ctx := p + ttftSuffix + 256
+	args := append(testenv.ServerArgs(model, 2*ctx, 2, "on"), "--override-kv", arch+".context_length=int:16384")
+	cfg := fmt.Sprintf(`{"block_tokens": 256, "pool_bytes": %d, "arbiter": {"policy": "always-restore"}, "directory": {"kind": "etcd", "endpoints": [%q], "prefix": "/kinds/%s/%d"}, "transport": {"kind": "mooncake", "lib": %q}}`,
+		int64(1)<<30, etcd, name, p, mockTE)
+	stock := testenv.StartLlama(b, "stock", testenv.StockServer(b), args)
+	patched := func(n string) *testenv.Llama {
+		return testenv.StartLlama(b, n, testenv.PatchedServer(b), append(slices.Clone(args), "--mcb-config", cfg, "--slot-save-path", testenv.SlotDir(b, n)+"/"))
+	}
+	x, y := patched("x"), patched("y")
+	defer func() {
+		for _, s := range []*testenv.Llama{stock, x, y} {
+			s.Stop()
+		}
+	}()
+	prefix := kindTokens(p, 7, 3)
+	computing := testenv.Cat(prefix, kindTokens(ttftSuffix, 11, 5))
+	measured := testenv.Cat(prefix, kindTokens(ttftSuffix, 13, 9))
+	held := testenv.Complete(b, x.URL, testenv.Request{Prompt: computing, Slot: 0, NPredict: 1})
+	waitMirroredBlocks(b, y.URL, p/256)
+
+	row := kindRow{Model: name, SharedTokens: p, Snapshots: held.MCB.Snapshots}
+	var restoreMS []float64
+	var want testenv.Completion
+	for r := range rounds {
+		if r > 0 {
+			testenv.Post(b, y.URL+"/slots/1?action=erase", map[string]any{}, nil)
+		}
+		settle()
+		d, c := ttft(b, stock.URL, measured, 1, map[string]any{"cache_prompt": false})
+		row.StockRounds = append(row.StockRounds, ms(d))
+		want = c
+		settle()
+		d, c = ttft(b, y.URL, measured, 1, nil)
+		row.RestoreRounds = append(row.RestoreRounds, ms(d))
+		restoreMS = append(restoreMS, c.MCB.RestoreMS)
+		row.RestoredN, row.RestoredBytes, row.Decision = c.MCB.RestoredN, c.MCB.RestoredBytes, c.MCB.Decision
+		row.SameAsStock = slices.Equal(c.Tokens, want.Tokens)
+	}
+	row.StockMS, row.RestoreTTFTms, row.RestoreMS = medianF(row.StockRounds), medianF(row.RestoreRounds), medianF(restoreMS)
+	row.Cut = row.StockMS / row.RestoreTTFTms
+	return row
+}
