@@ -98,6 +98,7 @@ var Vocabulary = []Series{
 	{Name: "save_failures_total", Kind: "counter", Help: "Saves that sealed nothing.", value: stat(func(s *bridge.Stats) int64 { return s.SaveFailures })},
 	{Name: "saved_blocks_total", Kind: "counter", Help: "Blocks this process published.", value: stat(func(s *bridge.Stats) int64 { return s.SavedBlocks })},
 	{Name: "deduped_blocks_total", Kind: "counter", Help: "Blocks sealed here but published first by another process.", value: stat(func(s *bridge.Stats) int64 { return s.DedupedBlocks })},
+	{Name: "snapshots_saved_total", Kind: "counter", Help: "Snapshots of a sliding-window or hybrid memory's partial state stored here (published as blocks of their own).", value: stat(func(s *bridge.Stats) int64 { return s.SnapshotsSaved })},
 	{Name: "publish_dropped_total", Kind: "counter", Help: "Sealed blocks the full publish queue could not take (still restorable here).", value: stat(func(s *bridge.Stats) int64 { return s.PublishDropped })},
 	{Name: "unpublish_dropped_total", Kind: "counter", Help: "Evicted blocks whose unpublish the full queue could not take (readers refuse them on the generation).", value: stat(func(s *bridge.Stats) int64 { return s.UnpublishDropped })},
 	{Name: "publish_queue_blocks", Kind: "gauge", Help: "Blocks waiting for the directory.",
