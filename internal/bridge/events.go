@@ -98,6 +98,9 @@ func (b *Bridge) announce(k key.BlockKey, s *holdings.Block, r holdings.Reader) 
 	}
 	c, i := s.Chain, s.Index
 	s.Chain = nil
+	if isSnapshot(s.Entry) {
+		return // no block of tokens: routers hash blocks only
+	}
 	if c == nil {
 		if s.State.Ours() && !s.State.Takeover() {
 			return // saved outside the base scope

@@ -201,3 +201,29 @@ func TestEventsOfAStoreNode(t *testing.T) {
 	}
 	require.Len(t, got, 5)
 }
+
+// A snapshot of a partial state is no block of tokens: neither its owner
+// nor a store node that takes it over announces it to routers.
+func TestEventsSkipSnapshots(t *testing.T) {
+	cfg := bridgetest.Config(t)
+	store, ss := openWithSink(t, cfg, "store")
+	node, err := storenode.New(store, storenode.Config{})
+	require.NoError(t, err)
+	require.NoError(t, node.Replicate())
+	a, as := openWithSink(t, cfg, "a")
+	src := kvtest.New(t, 3, 64, 32, 48, false)
+	ma := registerPartial(t, a, src)
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(11)), 20)
+	src.Fill(tokens, kvtest.SeqCells(20))
+	before := a.Stats()
+	bridgetest.SaveAll(t, ma, src, key.Scope{}, tokens, kvtest.SeqCells(20))
+	require.NoError(t, ma.SaveSnapshot(key.Scope{}, tokens[:16], partialState(tokens[:16], 500)))
+	require.Equal(t, int64(6), bridgetest.Published(t, a, before), "5 blocks and the snapshot published")
+	chain := key.Chain(key.Root(ma.Fingerprint(), key.Scope{}), tokens, 4)
+	require.ElementsMatch(t, chain, storedKeys(as.take()), "the owner announces its blocks only")
+
+	bridgetest.WaitFor(t, "the store to copy 6 blocks", func() bool { return store.Stats().Replicated == 6 })
+	require.NoError(t, a.Close())
+	bridgetest.WaitFor(t, "the store to take them over", func() bool { return store.Stats().TakenOver == 6 })
+	require.ElementsMatch(t, chain, storedKeys(ss.take()), "the store announces the blocks it took over only")
+}

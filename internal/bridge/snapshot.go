@@ -127,6 +127,10 @@ func (m *Model) SaveSnapshot(scope key.Scope, tokens []int32, state []byte) erro
 	return nil
 }
 
+// isSnapshot says whether an entry names a snapshot, not a block: its key
+// is the snapshot key of its parent's.
+func isSnapshot(e directory.Entry) bool { return e.Key == key.Snapshot(e.Parent) }
+
 // snapshotAfter finds a readable snapshot taken where block k ends: one
 // this process holds, else one the mirror names on a peer that is not
 // down. Snapshots are read whole, by the transport or from a same-host
