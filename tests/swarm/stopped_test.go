@@ -118,7 +118,8 @@ func TestPeerStoppedMidPayload(t *testing.T) {
 		var base, got uint64
 		// The stop is sent at the first byte, but this process may not
 		// run again before the holder has sent everything: then the
-		// attempt shows nothing and is made again.
+		// attempt shows nothing and is made again (5 times was too few once
+		// under -race beside the end-to-end suite).
 		for attempt := 1; ; attempt++ {
 			h.Scribble()
 			base = received(t, ports)
@@ -133,7 +134,7 @@ func TestPeerStoppedMidPayload(t *testing.T) {
 			require.NoError(t, holder.cmd.Process.Signal(syscall.SIGCONT))
 			_, err = ld.End()
 			require.NoError(t, err, "a load the holder served in full")
-			require.Less(t, attempt, 5, "the holder was stopped after the whole payload, 5 times")
+			require.Less(t, attempt, 20, "the holder was stopped after the whole payload, 20 times")
 		}
 		t.Logf("%s: the holder stopped with %d of %d payload bytes of the load received", im.name, got, payload)
 
