@@ -75,6 +75,8 @@ static int configure(struct engine *e) {
     if (!rc) atomic_store(&e->fail_after, v);
     if ((rc = env_int("MOCK_TE_DELAY_US", 0, 60000000, &v)) < 0) return -1;
     if (!rc) atomic_store(&e->delay_us, v);
+    if ((rc = env_int("MOCK_TE_LINK_MBPS", 1, 100000000, &v)) < 0) return -1;
+    if (!rc) e->link_mbps = v;
     if ((rc = env_int("MOCK_TE_CORRUPT", 0, INT64_MAX, &v)) < 0) return -1;
     if (!rc) atomic_store(&e->corrupt, v);
     if ((rc = env_int("MOCK_TE_DROP", 0, 1, &v)) < 0) return -1;
@@ -179,6 +181,7 @@ API transfer_engine_t createTransferEngine(const char *metadata_conn_string,
     e->listen_fd = e->wake_fd = -1;
     atomic_init(&e->fail_after, -1);
     atomic_init(&e->stall_after, -1);
+    atomic_init(&e->link_free_us, 0);
     pthread_mutex_init(&e->mu, NULL);
     pthread_mutex_init(&e->conns_mu, NULL);
     pthread_mutex_init(&e->qmu, NULL);

@@ -251,6 +251,12 @@ struct engine {
     atomic_uint_fast64_t moved; /* bytes counted against fail/stall */
     atomic_int path;
 
+    /* One link shared by every transfer the engine initiates, at link_mbps
+     * bytes per microsecond (0: unshaped); link_free_us is when it has sent
+     * every slice reserved so far. */
+    int64_t link_mbps;
+    atomic_int_fast64_t link_free_us;
+
     int task_timeout_ms;
     int io_timeout_ms;
     bool verbose;

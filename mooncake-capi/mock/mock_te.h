@@ -14,6 +14,9 @@
  *   MOCK_TE_FAIL_AFTER=N         as MOCK_TE_FAULT_FAIL_AFTER
  *   MOCK_TE_DELAY_US=N           as MOCK_TE_FAULT_DELAY_US
  *   MOCK_TE_CORRUPT=N            as MOCK_TE_FAULT_CORRUPT
+ *   MOCK_TE_LINK_MBPS=N          shape the engine's transfers as one link of
+ *                                N MB/s (10^6 bytes): benchmarks at a line
+ *                                rate on one host (default: unshaped)
  *   MOCK_TE_DROP=0|1             as MOCK_TE_FAULT_DROP
  *   MOCK_TE_VM_EPERM=0|1         as MOCK_TE_FAULT_VM_EPERM
  *   MOCK_TE_VERBOSE=1            log refused calls on stderr

@@ -15,9 +15,9 @@ static int64_t mono_us(void) {
     return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
-/* Sleeps us microseconds unless the engine stops or the task is aborted. */
-static void pause_us(struct engine *e, struct task *t, int64_t us) {
-    int64_t until = mono_us() + us;
+/* Sleeps until the monotonic time until unless the engine stops or the task
+ * is aborted. */
+static void pause_until(struct engine *e, struct task *t, int64_t until) {
     struct timespec ts = {.tv_sec = until / 1000000,
                           .tv_nsec = (until % 1000000) * 1000};
     pthread_mutex_lock(&e->qmu);
@@ -25,6 +25,28 @@ static void pause_us(struct engine *e, struct task *t, int64_t us) {
            mono_us() < until)
         if (pthread_cond_timedwait(&e->qcv, &e->qmu, &ts) == ETIMEDOUT) break;
     pthread_mutex_unlock(&e->qmu);
+}
+
+static void pause_us(struct engine *e, struct task *t, int64_t us) {
+    pause_until(e, t, mono_us() + us);
+}
+
+/*
+ * Reserves the engine's link for n bytes and returns when the link will have
+ * sent them: after every slice reserved before, at link_mbps. The caller moves
+ * the bytes and then waits for that time, so a copy faster than the link
+ * takes the link's time, as it would on a wire; 0 when unshaped.
+ */
+static int64_t link_reserve(struct engine *e, uint64_t n) {
+    if (e->link_mbps <= 0) return 0;
+    int64_t cost = (int64_t)((n + (uint64_t)e->link_mbps - 1) /
+                             (uint64_t)e->link_mbps);
+    int64_t now = mono_us();
+    int64_t free_at = atomic_load(&e->link_free_us), end;
+    do {
+        end = (free_at > now ? free_at : now) + cost;
+    } while (!atomic_compare_exchange_weak(&e->link_free_us, &free_at, end));
+    return end;
 }
 
 static bool stalled(struct engine *e) {
@@ -127,9 +149,11 @@ static void run_task(struct engine *e, struct task *t) {
             state = STATUS_FAILED;
             break;
         }
+        int64_t sent_at = link_reserve(e, n);
         int rc = peer_transfer(e, t, t->peer, r->opcode,
                                (uintptr_t)r->source + done,
                                r->target_offset + done, n);
+        if (!rc && sent_at) pause_until(e, t, sent_at);
         if (rc) {
             state = rc == -TE_CLOCK     ? STATUS_TIMEOUT
                     : rc == -ECANCELED ? STATUS_CANCELED

@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/ebitengine/purego"
@@ -227,7 +228,7 @@ func TestCodeError(t *testing.T) {
 // TestMockEnvironment checks that the mock reads its faults from the
 // environment at engine creation, and refuses malformed values.
 func TestMockEnvironment(t *testing.T) {
-	for _, bad := range [][2]string{{"MOCK_TE_PATH", "carrier"}, {"MOCK_TE_WORKERS", "0"}, {"MOCK_TE_DELAY_US", "12x"}} {
+	for _, bad := range [][2]string{{"MOCK_TE_PATH", "carrier"}, {"MOCK_TE_WORKERS", "0"}, {"MOCK_TE_DELAY_US", "12x"}, {"MOCK_TE_LINK_MBPS", "0"}} {
 		t.Run(bad[0], func(t *testing.T) {
 			t.Setenv(bad[0], bad[1])
 			e, err := Open(Config{Library: mockLib})
@@ -247,6 +248,29 @@ func TestMockEnvironment(t *testing.T) {
 	assert.Equal(t, 1, countMismatches(p.local, 1), why...)
 	assert.EqualValues(t, 4096, stats.TCPBytes, why...)
 	assert.Zero(t, stats.VMBytes, why...)
+}
+
+// TestMockLinkShaping: with MOCK_TE_LINK_MBPS the mock's transfers share
+// one link of that rate, so two reads of 4 MiB in one batch at 100 MB/s
+// cannot complete before the link has carried their 8 MiB: 83.9 ms. (A
+// lower bound: the pacing sleeps, so only a missing or broken shaping
+// fails it.)
+func TestMockLinkShaping(t *testing.T) {
+	t.Setenv("MOCK_TE_LINK_MBPS", "100")
+	const half = 4 << 20
+	p := newPair(t, mockLib, 2*half)
+	first := transport.Request{Op: transport.Read, Local: p.local.addr(), Segment: p.seg, Remote: uint64(p.peer.addr()), Length: half}
+	second := first
+	second.Local += half
+	second.Remote += half
+	start := time.Now()
+	st := transfer(t, p.a, first, second)
+	took := time.Since(start)
+	for _, s := range st {
+		require.Equal(t, transport.Completed, s.State, "%+v", st)
+	}
+	assert.Zero(t, countMismatches(p.local, 1), "the shaped reads deliver the bytes")
+	assert.GreaterOrEqual(t, took, time.Duration(2*half)*time.Second/100e6, "8 MiB over a 100 MB/s link")
 }
 
 // TestOpenProtocols: without an RDMA NIC installTransport("rdma") fails,
