@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"fmt"
+	"os"
 	"slices"
 	"testing"
 	"time"
@@ -9,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/directory/etcd/etcdtest"
+	"github.com/mcbridge/mcbridge/internal/gguf"
 	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
@@ -101,4 +103,112 @@ func BenchmarkDeviceRestore(b *testing.B) {
 	b.ReportMetric(medianF(slotGBs), "slot_restore_GB/s")
 	b.ReportMetric(medianF(restoreGBs)/medianF(slotGBs), "restore_vs_tensor_set_x")
 	b.ReportMetric(medianF(hostGBs), "host_kv_restore_GB/s")
+}
+
+// BenchmarkDeviceStall measures the layer-wise pipeline of a restore into
+// device KV at link speeds. The readers' mock engines carry every transfer
+// as one link of 1, 10 or 25 GB/s (MOCK_TE_LINK_MBPS; "unshaped": the
+// mock's same-host copy), and at each speed two readers restore the same
+// 4096-token prefix from one holder: one into KV on the device, one into
+// host KV, where the rows land in the cells in place. Both move the same
+// bytes over the same link and verify them; the device restore also
+// uploads each layer once it is verified, overlapping the later layers'
+// transfer. What it takes beyond the host restore is the upload the
+// pipeline did not hide: the stall, reported in layers of the link's time
+// for one layer (the design's target: at most one). Where the device's
+// upload is slower than the link (the RPC device is a TCP socket), the
+// upload bounds the restore and the stall grows with the link's speed; the
+// unshaped row shows the device restore with the link out of the way.
+// Medians of interleaved rounds.
+//
+//	go test -run '^$' -bench DeviceStall -benchtime 1x ./bench/e2e
+func BenchmarkDeviceStall(b *testing.B) {
+	shared, rounds, links := 4096, 3, []int{0, 1, 10, 25}
+	if os.Getenv("MCB_BENCH_QUICK") != "" {
+		shared, rounds, links = 1024, 1, []int{0, 10}
+	}
+	const own = 64
+	preset := gguf.Presets["bench"]
+	model := testenv.Model(b, "bench", 0)
+	etcd := etcdtest.Start(b)
+	cfg := fmt.Sprintf(`{"block_tokens": 256, "arbiter": {"policy": "always-restore"}, "directory": {"kind": "etcd", "endpoints": [%q]}, "transport": {"kind": "mooncake", "lib": %q}}`,
+		etcd.Endpoint(), mockTE)
+	hostArgs := append(testenv.ServerArgs(model, 8192, 1, "on"), "--mcb-config", cfg)
+	holder := testenv.StartLlama(b, "holder", testenv.PatchedServer(b), hostArgs)
+	type reader struct {
+		link       int
+		device     *testenv.Llama
+		host       *testenv.Llama
+		devMS, hMS []float64
+		bytes      int64
+	}
+	var readers []*reader
+	for _, gbps := range links {
+		var env []string
+		if gbps > 0 {
+			env = []string{fmt.Sprintf("MOCK_TE_LINK_MBPS=%d", gbps*1000)}
+		}
+		name := fmt.Sprintf("link%d", gbps)
+		readers = append(readers, &reader{
+			link:   gbps,
+			device: testenv.StartLlama(b, name+"-device", testenv.PatchedServer(b), append(slices.Clone(hostArgs), onDevice(b, name)...), env...),
+			host:   testenv.StartLlama(b, name+"-host", testenv.PatchedServer(b), hostArgs, env...),
+		})
+	}
+	mirrored := func(url string) int { return int(testenv.Metrics(b, url+"/metrics")["mcbridge_mirrored_blocks"]) }
+	restore := func(l *testenv.Llama, prompt []int32, into *[]float64) (int64, []int32) {
+		_, c := ttft(b, l.URL, prompt, 0, nil)
+		require.Equal(b, shared, c.MCB.RestoredN, "%s restores the prefix: %+v", l.Name, c.Timings)
+		*into = append(*into, c.MCB.RestoreMS)
+		return c.MCB.RestoredBytes, c.Tokens
+	}
+	for r := 0; r < rounds; r++ {
+		prefix := testenv.Tokens(shared, 3+2*r, 17*r+5)
+		had := make([][2]int, len(readers))
+		for i, rd := range readers {
+			had[i] = [2]int{mirrored(rd.device.URL), mirrored(rd.host.URL)}
+		}
+		saved := holder.Complete(b, testenv.Request{Prompt: testenv.Cat(prefix, testenv.Tokens(own, 5, r)), NPredict: 1}).MCB.SavedBlocks
+		prompt := testenv.Cat(prefix, testenv.Tokens(own, 13, r+1))
+		var answer []int32
+		for i, rd := range readers {
+			waitMirroredBlocks(b, rd.device.URL, had[i][0]+saved)
+			waitMirroredBlocks(b, rd.host.URL, had[i][1]+saved)
+			// Interleaved, the order turned each round: load drifts
+			// onto neither side.
+			first, second, firstMS, secondMS := rd.device, rd.host, &rd.devMS, &rd.hMS
+			if r%2 == 1 {
+				first, second, firstMS, secondMS = rd.host, rd.device, &rd.hMS, &rd.devMS
+			}
+			n1, t1 := restore(first, prompt, firstMS)
+			n2, t2 := restore(second, prompt, secondMS)
+			require.Equal(b, n1, n2, "the same prefix's KV has the same size on the device and the host")
+			require.Equal(b, t1, t2, "the device and the host reader answer alike")
+			if answer == nil {
+				answer = t1
+			}
+			require.Equal(b, answer, t1, "every reader answers alike")
+			rd.bytes = n1
+		}
+		// The slots are erased so that the next round restores again.
+		for _, rd := range readers {
+			for _, l := range []*testenv.Llama{rd.device, rd.host} {
+				testenv.Post(b, l.URL+"/slots/0?action=erase", map[string]any{}, nil)
+			}
+		}
+	}
+	for _, rd := range readers {
+		dev, host := medianF(rd.devMS), medianF(rd.hMS)
+		label := "unshaped"
+		if rd.link > 0 {
+			label = fmt.Sprintf("%dGBps", rd.link)
+			layerMS := float64(rd.bytes) / float64(preset.BlockCount) / (float64(rd.link) * 1e9) * 1e3
+			b.ReportMetric(layerMS, "layer_ms-"+label)
+			b.ReportMetric((dev-host)/layerMS, "stall_layers-"+label)
+		}
+		b.ReportMetric(dev, "device_restore_ms-"+label)
+		b.ReportMetric(host, "host_restore_ms-"+label)
+		b.ReportMetric(float64(rd.bytes)/dev/1e6, "device_GB/s-"+label)
+	}
+	b.ReportMetric(float64(preset.BlockCount), "layers")
 }

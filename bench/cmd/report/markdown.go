@@ -112,6 +112,7 @@ func writeMarkdown(w io.Writer, r *report) {
 	r.writeReplay(m)
 	r.writeArbiter(m)
 	r.writeE2E(m)
+	r.writeDevice(m)
 	r.writeRoute(m)
 	r.writeAgentAPI(m)
 	r.writeDisk(m)
@@ -264,6 +265,10 @@ func (r *report) writeTargets(m *md) {
 		add(kindsWhat, kindsTarget, measured, judge(ok))
 	} else {
 		add(kindsWhat, kindsTarget, "BenchmarkMemoryKinds did not run", notMeasured)
+	}
+
+	for _, t := range r.deviceTargets() {
+		add(t[0], t[1], t[2], t[3])
 	}
 
 	var e2eRows [][4]string
