@@ -46,6 +46,7 @@ func BenchmarkDeviceRestore(b *testing.B) {
 	mirrored := func(url string) int { return int(testenv.Metrics(b, url+"/metrics")["mcbridge_mirrored_blocks"]) }
 
 	var stockMS, restoredMS, slotMS, restoreGBs, slotGBs, hostGBs []float64
+	var devSaveMS, hostSaveMS, devPromptMS []float64
 	same := true
 	for r := 0; r < rounds; r++ {
 		prefix := testenv.Tokens(shared, 7+2*r, 11*r+3)
@@ -58,8 +59,11 @@ func BenchmarkDeviceRestore(b *testing.B) {
 
 		// The holder computes the prefix; the reader restores it.
 		readerHad, hostHad := mirrored(reader.URL), mirrored(host.URL)
-		savedDev := holder.Complete(b, testenv.Request{Prompt: first, Slot: 0, NPredict: 1}).MCB.SavedBlocks
-		savedHost := hostHolder.Complete(b, testenv.Request{Prompt: first, Slot: 0, NPredict: 1}).MCB.SavedBlocks
+		dev := holder.Complete(b, testenv.Request{Prompt: first, Slot: 0, NPredict: 1})
+		hostSaved := hostHolder.Complete(b, testenv.Request{Prompt: first, Slot: 0, NPredict: 1})
+		savedDev, savedHost := dev.MCB.SavedBlocks, hostSaved.MCB.SavedBlocks
+		devSaveMS, hostSaveMS = append(devSaveMS, dev.MCB.SaveMS), append(hostSaveMS, hostSaved.MCB.SaveMS)
+		devPromptMS = append(devPromptMS, dev.Timings.PromptMS)
 		waitMirroredBlocks(b, reader.URL, readerHad+savedDev)
 		waitMirroredBlocks(b, host.URL, hostHad+savedDev+savedHost)
 		d, got := ttft(b, reader.URL, prompt, r%2, nil)
@@ -103,6 +107,11 @@ func BenchmarkDeviceRestore(b *testing.B) {
 	b.ReportMetric(medianF(slotGBs), "slot_restore_GB/s")
 	b.ReportMetric(medianF(restoreGBs)/medianF(slotGBs), "restore_vs_tensor_set_x")
 	b.ReportMetric(medianF(hostGBs), "host_kv_restore_GB/s")
+	// What a save costs the loop (it runs before the next batch): from
+	// device KV, the downloads too.
+	b.ReportMetric(medianF(devSaveMS), "device_save_ms")
+	b.ReportMetric(medianF(hostSaveMS), "host_save_ms")
+	b.ReportMetric(medianF(devPromptMS), "device_prompt_ms")
 }
 
 // BenchmarkDeviceStall measures the layer-wise pipeline of a restore into

@@ -92,6 +92,8 @@ func (r *report) writeDevice(m *md) {
 		m.table([]string{"stock TTFT ms", "slot restore + TTFT ms", "restored TTFT ms", "cut", "x slot path", "restore GB/s", "slot restore GB/s", "x tensor_set", "same restore into host KV GB/s"},
 			[][]string{{num(x["stock_ttft_ms"], 1), num(x["slot_ttft_ms"], 1), num(x["restored_ttft_ms"], 1), num(x["ttft_cut_x"], 2),
 				num(x["vs_slot_ttft_x"], 2), num(x["restore_GB/s"], 2), num(x["slot_restore_GB/s"], 2), num(x["restore_vs_tensor_set_x"], 2), num(x["host_kv_restore_GB/s"], 2)}})
+		m.p("The holder's save of the prompt's blocks (it runs on the server's loop before the next batch; from device KV it includes the downloads): %s ms from device KV against %s ms from host KV, where the prompt took %s ms to compute on the device.\n",
+			num(x["device_save_ms"], 1), num(x["host_save_ms"], 1), num(x["device_prompt_ms"], 1))
 	} else {
 		m.p("BenchmarkDeviceRestore did not run.\n")
 	}
