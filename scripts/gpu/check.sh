@@ -2,8 +2,8 @@
 # check.sh INPUTS: issue 25's device checks on a CUDA GPU, on a machine with the CUDA
 # toolkit, CMake and ninja but no Go or network. INPUTS is prepare.sh's
 # gpu-inputs.tar.xz. It builds ggml with CUDA once (shared libraries), stock and patched
-# llama-server against that ggml (-DLLAMA_USE_SYSTEM_GGML=ON), and runs TestGPUKV and
-# BenchmarkDeviceRestore with llama-server on CUDA0. Logs go to $OUT (default
+# llama-server against that ggml (-DLLAMA_USE_SYSTEM_GGML=ON), and runs TestGPUKV,
+# BenchmarkDeviceRestore and BenchmarkDeviceStall with llama-server on CUDA0. Logs go to $OUT (default
 # /tmp/gpu-out). MCB_GPU_CMAKE replaces the CUDA options (an empty value builds for the
 # CPU: a dry run of the flow on a machine without a GPU).
 set -uo pipefail
@@ -64,5 +64,6 @@ export MCB_LLAMA_SERVER_STOCK=$work/stock/bin/llama-server MCB_LLAMA_SERVER_PATC
 export MCB_BIN=$in/mcbridge MCB_ETCD_BIN=$in/etcd MCB_TE_MOCK_LIB=$in/libmooncake_te_mock.so
 (cd "$repo/tests/e2e" && step TestGPUKV "$in/e2e.test" -test.run '^TestGPUKV$' -test.v -test.timeout 5m)
 (cd "$repo/bench/e2e" && step BenchmarkDeviceRestore "$in/bench.test" -test.run '^$' -test.bench '^BenchmarkDeviceRestore$' -test.benchtime 1x -test.timeout 5m)
-grep -h -E '^(=== RUN|--- |    --- |PASS|FAIL|ok|Benchmark)' "$out/TestGPUKV.log" "$out/BenchmarkDeviceRestore.log" | tee -a "$out/summary.txt"
+(cd "$repo/bench/e2e" && step BenchmarkDeviceStall "$in/bench.test" -test.run '^$' -test.bench '^BenchmarkDeviceStall$' -test.benchtime 1x -test.timeout 5m)
+grep -h -E '^(=== RUN|--- |    --- |PASS|FAIL|ok|Benchmark)' "$out/TestGPUKV.log" "$out/BenchmarkDeviceRestore.log" "$out/BenchmarkDeviceStall.log" | tee -a "$out/summary.txt"
 log done
