@@ -179,12 +179,19 @@ func TestEventsOnEviction(t *testing.T) {
 	require.Positive(t, a.Stats().Evictions)
 }
 
-func TestEventsOfAStoreNode(t *testing.T) {
-	cfg := bridgetest.Config(t)
+// openStoreNode opens a bridge with an event sink as a replicating store
+// node.
+func openStoreNode(t *testing.T, cfg config.Config) (*bridge.Bridge, *recordingSink) {
 	store, ss := openWithSink(t, cfg, "store")
 	node, err := storenode.New(store, storenode.Config{})
 	require.NoError(t, err)
 	require.NoError(t, node.Replicate())
+	return store, ss
+}
+
+func TestEventsOfAStoreNode(t *testing.T) {
+	cfg := bridgetest.Config(t)
+	store, ss := openStoreNode(t, cfg)
 	a, ma, tokens := bridgetest.OwnerCopiedBy(t, cfg, store)
 	require.Empty(t, ss.take(), "copies the owner still holds are not the store's to announce")
 
@@ -206,10 +213,7 @@ func TestEventsOfAStoreNode(t *testing.T) {
 // nor a store node that takes it over announces it to routers.
 func TestEventsSkipSnapshots(t *testing.T) {
 	cfg := bridgetest.Config(t)
-	store, ss := openWithSink(t, cfg, "store")
-	node, err := storenode.New(store, storenode.Config{})
-	require.NoError(t, err)
-	require.NoError(t, node.Replicate())
+	store, ss := openStoreNode(t, cfg)
 	a, as := openWithSink(t, cfg, "a")
 	src := kvtest.New(t, 3, 64, 32, 48, false)
 	ma := registerPartial(t, a, src)
