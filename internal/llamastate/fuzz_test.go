@@ -66,6 +66,7 @@ func FuzzParse(f *testing.F) {
 		// read four times (plain, extended cells, no V, both).
 		require.LessOrEqual(t, after.TotalAlloc-before.TotalAlloc, 64*uint64(len(b))+64<<10, "bytes Parse of %d bytes allocated", len(b))
 		fuzzTwoCaches(t, b)
+		fuzzWindowCache(t, b)
 		if err != nil {
 			return
 		}
@@ -125,4 +126,27 @@ func fuzzTwoCaches(t *testing.T, b []byte) {
 	require.NoError(t, err, "Split of a merged state")
 	require.Len(t, sp.Second[si].Cells, 1)
 	require.Len(t, sp.Streams[si].Layers, nb)
+}
+
+// fuzzWindowCache: the bytes after a state's first cache that ParseCache
+// accepts build back to themselves, and CacheWithLead frames them with one
+// cell more that reads back.
+func fuzzWindowCache(t *testing.T, b []byte) {
+	lead, rest, err := ParseLeading(b)
+	if err != nil || rest == 0 {
+		return
+	}
+	window := b[len(b)-rest:]
+	ss, err := ParseCache(window, lead.CellExt, lead.KOnly)
+	if err != nil {
+		return
+	}
+	require.True(t, bytes.Equal(appendCache(nil, ss, lead.CellExt, lead.KOnly, true), window), "ParseCache accepted %d bytes that do not build back", rest)
+	out, err := CacheWithLead(window, lead.CellExt, lead.KOnly, 2, Cell{Pos: -1, SeqIDs: []int32{0}})
+	if err != nil {
+		return
+	}
+	got, err := ParseCache(out, lead.CellExt, lead.KOnly)
+	require.NoError(t, err, "CacheWithLead's output does not read")
+	require.Equal(t, int32(-1), got[0].Cells[0].Pos)
 }

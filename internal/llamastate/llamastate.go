@@ -527,12 +527,6 @@ func (st *State) FrameInto(b []byte) error {
 // only room for them, which w's capacity must hold.
 func (st *State) encode(w []byte, rows bool) []byte {
 	le := binary.LittleEndian
-	put := func(b []byte) []byte {
-		if rows {
-			return append(w, b...)
-		}
-		return w[:len(w)+len(b)]
-	}
 	if st.Kind == SlotFile {
 		w = le.AppendUint32(w, SlotMagic)
 		w = le.AppendUint32(w, SlotVersion)
@@ -544,11 +538,25 @@ func (st *State) encode(w []byte, rows bool) []byte {
 		w = le.AppendUint32(w, SeqMagic)
 		w = le.AppendUint32(w, uint32(st.SeqID))
 	}
-	w = le.AppendUint32(w, uint32(len(st.Streams)))
-	for i, s := range st.streams() {
-		if i == len(st.Streams) {
-			w = le.AppendUint32(w, uint32(len(st.Second)))
+	w = appendCache(w, st.Streams, st.CellExt, st.KOnly, rows)
+	if st.Second != nil {
+		w = appendCache(w, st.Second, st.CellExt, st.KOnly, rows)
+	}
+	return w
+}
+
+// appendCache appends one KV cache's state, its stream count and streams,
+// as encode does.
+func appendCache(w []byte, ss []Stream, cellExt, kOnly, rows bool) []byte {
+	le := binary.LittleEndian
+	put := func(b []byte) []byte {
+		if rows {
+			return append(w, b...)
 		}
+		return w[:len(w)+len(b)]
+	}
+	w = le.AppendUint32(w, uint32(len(ss)))
+	for _, s := range ss {
 		w = le.AppendUint32(w, uint32(len(s.Cells)))
 		if len(s.Cells) == 0 {
 			continue
@@ -556,7 +564,7 @@ func (st *State) encode(w []byte, rows bool) []byte {
 		for _, c := range s.Cells {
 			w = le.AppendUint32(w, uint32(c.Pos))
 			w = le.AppendUint32(w, uint32(len(c.SeqIDs)))
-			if st.CellExt {
+			if cellExt {
 				w = le.AppendUint32(w, uint32(c.Ext.X))
 				w = le.AppendUint32(w, uint32(c.Ext.Y))
 				w = le.AppendUint32(w, uint32(c.Ext.Tok))
@@ -576,7 +584,7 @@ func (st *State) encode(w []byte, rows bool) []byte {
 			w = le.AppendUint64(w, l.KRowSize)
 			w = put(l.K)
 		}
-		if st.KOnly {
+		if kOnly {
 			continue
 		}
 		for _, l := range s.Layers {
