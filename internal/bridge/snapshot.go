@@ -74,13 +74,7 @@ func (m *Model) SaveSnapshot(scope key.Scope, tokens []int32, state []byte) erro
 	index := len(chain) - 1
 	last := chain[index]
 	sk := key.Snapshot(last)
-	if _, ok := b.hold.Get(sk); ok {
-		return nil
-	}
-	m.mu.RLock()
-	_, known := m.mirror.get(sk)
-	m.mu.RUnlock()
-	if known {
+	if m.snapshotKnown(last) {
 		return nil
 	}
 	g := snapshotGeometry(B, len(state))
@@ -125,6 +119,39 @@ func (m *Model) SaveSnapshot(scope key.Scope, tokens []int32, state []byte) erro
 	b.stats.add(&b.stats.publishDropped, int64(refused))
 	b.stats.add(&b.stats.snapshotsSaved, 1)
 	return nil
+}
+
+// MissingSnapshots lists the snapshot boundaries n, multiples of
+// SnapshotTokens with from < n < len(tokens), after which no snapshot of
+// tokens under scope is held here or known to the directory: where a host
+// that snapshots from outside the server (the proxy) has to stop a prompt.
+func (m *Model) MissingSnapshots(scope key.Scope, tokens []int32, from int) []int {
+	every := m.SnapshotTokens()
+	if every == 0 || len(tokens) <= every {
+		return nil
+	}
+	last := (len(tokens) - 1) / every * every
+	chain := key.Chain(key.Root(m.fp, scope), tokens[:last], m.geo.BlockTokens)
+	var missing []int
+	for n := (from/every + 1) * every; n <= last; n += every {
+		if !m.snapshotKnown(chain[n/m.geo.BlockTokens-1]) {
+			missing = append(missing, n)
+		}
+	}
+	return missing
+}
+
+// snapshotKnown says whether the snapshot after block k is held here or
+// known to the directory.
+func (m *Model) snapshotKnown(k key.BlockKey) bool {
+	sk := key.Snapshot(k)
+	if _, ok := m.b.hold.Get(sk); ok {
+		return true
+	}
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	_, ok := m.mirror.get(sk)
+	return ok
 }
 
 // isSnapshot says whether an entry names a snapshot, not a block: its key
