@@ -1,6 +1,7 @@
 package host
 
 import (
+	"bytes"
 	"encoding/binary"
 	"fmt"
 	"math/rand"
@@ -594,4 +595,143 @@ func TestRegisterStateRefusesOtherMemories(t *testing.T) {
 	assert.Zero(t, m.Format.SecondLayers)
 	_, _, err = RegisterState(b, Identity{GGUFPath: headerOnlyGGUF(t, "llama", 0)}, tail)
 	assert.Equal(t, status.InvalidArg, status.Of(err), "bytes after the state of a model of one KV cache: %v", err)
+}
+
+// snapshotBridges opens two bridges sharing an in-process directory, with
+// blocks of 4 tokens and a snapshot after every block.
+func snapshotBridges(t *testing.T) (*bridge.Bridge, *bridge.Bridge) {
+	c := config.Default()
+	c.PoolBytes, c.BlockTokens, c.SnapshotBlocks, c.Directory.Name = 16<<20, 4, 1, t.Name()
+	c.Arbiter.Policy = "always-restore"
+	var out [2]*bridge.Bridge
+	for i := range out {
+		b, err := bridge.Open(c, bridge.Deps{})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = b.Close() })
+		out[i] = b
+	}
+	return out[0], out[1]
+}
+
+// planOf waits until mb's lookup of tokens restores n of them.
+func planOf(t *testing.T, mb *Model, tokens []int32, n int) *bridge.Plan {
+	var plan *bridge.Plan
+	var err error
+	require.Eventually(t, func() bool {
+		plan, err = mb.Lookup(key0(), tokens, 0)
+		return err == nil && plan.RestoreTokens == n
+	}, 10*time.Second, time.Millisecond, "a lookup that restores %d tokens", n)
+	return plan
+}
+
+// A state host with snapshots (the proxy) serves a sliding-window memory:
+// its states' attention cache goes into blocks, the window cache's state at
+// a boundary into a snapshot, and a restore ends at the last snapshot with
+// the window cache framed for llama-server's check (one more cell, at
+// position 0, of zero rows).
+func TestStateSnapshotsOfAWindow(t *testing.T) {
+	ba, bb := snapshotBridges(t)
+	model := headerOnlyGGUF(t, "gemma3", 4)
+	h := kvtest.New(t, 2, 32, 32, 48, false)
+	h.Fill(ProbeTokens(), kvtest.SeqCells(8))
+	probe := twoCaches(t, stateOf(t, h, kvtest.SeqCells(8)), 4)
+	ma, _, err := RegisterState(ba, Identity{GGUFPath: model, StateSnapshots: true}, probe)
+	require.NoError(t, err)
+	assert.Zero(t, ma.Format.SecondLayers, "the blocks hold the base cache's layers")
+	assert.Equal(t, 4, ma.SnapshotTokens(), "a model with a partial state, snapshotted after every block")
+	assert.Equal(t, 4, ma.SnapshotsRestoreAfter(), "the window")
+	_, _, named, err := partialProbe(memory{arch: "gemma3", window: 4}, probe)
+	require.NoError(t, err)
+	assert.Equal(t, "state window 4 layers 2 K 1 V 1 K 1 V 1", named, "the partial state's name in the fingerprint")
+	mb, nStream, err := RegisterState(bb, Identity{GGUFPath: model, StateSnapshots: true}, probe)
+	require.NoError(t, err)
+	require.Equal(t, ma.Fingerprint(), mb.Fingerprint())
+
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(3)), 13)
+	cells := kvtest.SeqCells(13)
+	h.Fill(tokens, cells)
+	at8 := twoCaches(t, stateOf(t, h, cells[:8]), 4)
+	require.Error(t, ma.SaveStateSnapshot(key0(), at8, tokens[:4]), "a state of 8 positions for 4 tokens")
+	require.Error(t, ma.SaveStateSnapshot(key0(), stateOf(t, h, cells[:8]), tokens[:8]), "a state without its window cache")
+	require.NoError(t, ma.SaveStateSnapshot(key0(), at8, tokens[:8]))
+	assert.Equal(t, []int{4, 12}, ma.MissingSnapshots(key0(), tokens, 0))
+	assert.Equal(t, []int{12}, ma.MissingSnapshots(key0(), tokens, 8))
+	saved, err := ma.SaveState(key0(), twoCaches(t, stateOf(t, h, cells), 9), tokens)
+	require.NoError(t, err)
+	require.Equal(t, 3, saved.Queued)
+
+	plan := planOf(t, mb, tokens, 8)
+	blob, res, err := mb.RestoreState(plan, Frame{Kind: llamastate.Memory, NStream: nStream, SeqID: 1}, func(n int) []byte { return make([]byte, n) })
+	require.NoError(t, err)
+	require.Equal(t, 8, res.OKTokens)
+	base, n, err := llamastate.ParseLeading(blob)
+	require.NoError(t, err)
+	got := stateRows(t, base)
+	require.Len(t, got, 8)
+	for p := 0; p < 8; p++ {
+		assert.Equal(t, hostRows(h, int(cells[p])), got[p], "base cache, position %d", p)
+	}
+	win, err := llamastate.ParseCache(blob[len(blob)-n:], false, false)
+	require.NoError(t, err)
+	require.Len(t, win, nStream)
+	wrows := stateRows(t, &llamastate.State{Streams: win})
+	require.Len(t, wrows, 5, "the window's positions 4..7 and the lead")
+	assert.Equal(t, make([]byte, len(wrows[0])), wrows[0], "the lead's rows are zero")
+	for p := 4; p < 8; p++ {
+		assert.Equal(t, hostRows(h, int(cells[p])), wrows[p], "window cache, position %d", p)
+	}
+
+	// A window that holds position 0 passes no llama-server check: no
+	// restore.
+	require.NoError(t, ma.SaveStateSnapshot(key0(), twoCaches(t, stateOf(t, h, cells[:4]), 0), tokens[:4]))
+	plan = planOf(t, mb, tokens[:5], 4)
+	_, res, err = mb.RestoreState(plan, Frame{Kind: llamastate.Memory, NStream: nStream, SeqID: 1}, func(n int) []byte { return make([]byte, n) })
+	assert.Equal(t, status.Unsupported, status.Of(err), "%v", err)
+	assert.ErrorIs(t, err, llamastate.ErrLeadHeld)
+	assert.Zero(t, res.OKTokens)
+}
+
+// A hybrid memory's recurrent state travels as it is: a restore is the
+// attention cache's blocks and the snapshot's bytes after them.
+func TestStateSnapshotsOfARecurrentState(t *testing.T) {
+	ba, bb := snapshotBridges(t)
+	model := headerOnlyGGUF(t, "qwen35", 0)
+	h := kvtest.New(t, 2, 32, 32, 48, true)
+	h.Fill(ProbeTokens(), kvtest.SeqCells(8))
+	recurrent := func(b byte) []byte { return bytes.Repeat([]byte{b}, 24) }
+	probe := append(stateOf(t, h, kvtest.SeqCells(8)), recurrent(1)...)
+	_, _, err := RegisterState(ba, Identity{GGUFPath: model}, probe)
+	assert.Equal(t, status.Unsupported, status.Of(err), "a host without snapshots: %v", err)
+	ma, _, err := RegisterState(ba, Identity{GGUFPath: model, StateSnapshots: true}, probe)
+	require.NoError(t, err)
+	assert.Equal(t, 4, ma.SnapshotTokens(), "a model with a partial state, snapshotted after every block")
+	_, _, named, err := partialProbe(memory{arch: "qwen35"}, probe)
+	require.NoError(t, err)
+	assert.Equal(t, "state recurrent qwen35 bytes 24", named, "the partial state's name in the fingerprint")
+	mb, nStream, err := RegisterState(bb, Identity{GGUFPath: model, StateSnapshots: true}, probe)
+	require.NoError(t, err)
+	_, _, err = RegisterState(ba, Identity{GGUFPath: headerOnlyGGUF(t, "mamba2", 0), StateSnapshots: true}, probe)
+	assert.ErrorContains(t, err, "a snapshot alone")
+
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(5)), 13)
+	cells := kvtest.ScatteredCells(rand.New(rand.NewSource(6)), 13, 32)
+	h.Fill(tokens, cells)
+	require.NoError(t, ma.SaveStateSnapshot(key0(), append(stateOf(t, h, cells[:8]), recurrent(8)...), tokens[:8]))
+	_, err = ma.SaveState(key0(), append(stateOf(t, h, cells), recurrent(13)...), tokens)
+	require.NoError(t, err)
+
+	plan := planOf(t, mb, tokens, 8)
+	blob, res, err := mb.RestoreState(plan, Frame{Kind: llamastate.SlotFile, NStream: nStream, SeqID: 0}, func(n int) []byte { return make([]byte, n) })
+	require.NoError(t, err)
+	require.Equal(t, 8, res.OKTokens)
+	base, n, err := llamastate.ParseLeading(blob)
+	require.NoError(t, err)
+	assert.Equal(t, recurrent(8), blob[len(blob)-n:], "the snapshot after 8 tokens, as it was saved")
+	words, err := base.PromptTokens()
+	require.NoError(t, err)
+	assert.Equal(t, tokens[:8], words)
+	got := stateRows(t, base)
+	for p := 0; p < 8; p++ {
+		assert.Equal(t, hostRows(h, int(cells[p])), got[p], "position %d", p)
+	}
 }

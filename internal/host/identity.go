@@ -46,7 +46,12 @@ type Identity struct {
 	// Partial describes the host's partial state (key.Model.Partial);
 	// empty when its KV rows are its whole state.
 	Partial string
-	Format  Format
+	// StateSnapshots says that a host registering with RegisterState takes
+	// snapshots of a partial state from its states (Model.SaveStateSnapshot)
+	// and restores them (Model.RestoreState): without it, the states of a
+	// sliding-window or hybrid memory are refused.
+	StateSnapshots bool
+	Format         Format
 }
 
 // Model is a registered model with the format its hosts exchange.
@@ -56,7 +61,22 @@ type Model struct {
 	// pos2D says that, in a format with cell extensions, a cell's 2-D
 	// position is its token's position (M-RoPE), not zero.
 	pos2D bool
+	// tail is what the model's states carry after the attention layers'
+	// KV, for a model registered from a state with snapshots; window is
+	// its sliding window, as the model file names it.
+	tail   stateTail
+	window int
 }
+
+// stateTail is what a memory's states carry after its attention layers'
+// KV cache: for a state host, the partial state of docs/design.md §5.9.
+type stateTail int
+
+const (
+	noTail        stateTail = iota
+	windowTail              // a sliding-window memory's window cache: a KV cache's state
+	recurrentTail           // a hybrid memory's recurrent state
+)
 
 // textExt is the extension llama.cpp gives the cell of position pos when it
 // computes text token tok there (llama_kv_cache::apply_ubatch): a text
@@ -123,19 +143,27 @@ func Register(b *bridge.Bridge, id Identity, probe kvlayout.Layout, cells []uint
 
 // RegisterState registers a model from a state of the probe sequence, for
 // hosts that see KV only as llama.cpp states: the format is the state's,
-// that of one KV cache or of two (Format.SecondLayers). It returns the
+// that of one KV cache or of two (Format.SecondLayers), or, for a
+// sliding-window or hybrid memory registered with id.StateSnapshots, that
+// of its attention layers' cache, which its partial state follows. It returns the
 // number of streams the state was written with, which states restored into
 // the same context must carry. The state of other memories (several caches
 // that are not two KV caches) fails with Parse's *llamastate.CachesError.
 func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, int, error) {
 	st, err := llamastate.Parse(probeState)
+	tail := noTail
 	if err != nil {
 		mem, merr := memoryOf(id.GGUFPath)
 		if merr != nil {
 			return nil, 0, merr
 		}
 		if why := mem.notKV(); why != "" {
-			return nil, 0, status.Wrap(status.Unsupported, err, why)
+			if !id.StateSnapshots {
+				return nil, 0, status.Wrap(status.Unsupported, err, why)
+			}
+			if st, tail, id.Partial, err = partialProbe(mem, probeState); err != nil {
+				return nil, 0, status.Wrap(status.Unsupported, err, why)
+			}
 		}
 		if ce := (*llamastate.CachesError)(nil); errors.As(err, &ce) {
 			if two, err2 := llamastate.ParseTwoCaches(probeState); err2 == nil {
@@ -191,7 +219,58 @@ func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, in
 		return nil, 0, err
 	}
 	m.pos2D = pos2D
+	m.tail = tail
+	if tail == windowTail {
+		mem, _ := memoryOf(id.GGUFPath)
+		m.window = int(mem.window)
+	}
 	return m, len(st.Streams), nil
+}
+
+// partialProbe reads the probe state of a memory with a partial state: its
+// attention layers' KV cache, then the partial state, a window cache's
+// state (a sliding-window memory) or a recurrent state (a hybrid one). It
+// returns the first, what follows it, and the partial state's name for the
+// fingerprint (key.Model.Partial): the window and the architecture from the
+// model file, the window cache's layers and types, or the recurrent
+// state's size (which its shapes and types fix), from the probe's state.
+// Recurrent-only memories have no KV cache, and a hybrid memory with a
+// sliding window carries both a window cache and a recurrent state: a
+// state host restores neither.
+func partialProbe(mem memory, probe []byte) (*llamastate.State, stateTail, string, error) {
+	tail := windowTail
+	switch {
+	case slices.Contains(recurrentArchs, mem.arch):
+		return nil, noTail, "", status.Errorf(status.Unsupported, "no attention KV beside the recurrent state: a restore would be a snapshot alone")
+	case slices.Contains(hybridArchs, mem.arch) && mem.window > 0:
+		return nil, noTail, "", status.Errorf(status.Unsupported, "a hybrid memory with a sliding window: its partial state is a window cache and a recurrent state")
+	case slices.Contains(hybridArchs, mem.arch):
+		tail = recurrentTail
+	}
+	st, n, err := llamastate.ParseLeading(probe)
+	if err != nil {
+		return nil, noTail, "", err
+	}
+	if n == 0 {
+		return nil, noTail, "", status.Errorf(status.InvalidArg, "the state carries nothing after its KV cache")
+	}
+	rest := probe[len(probe)-n:]
+	if tail == recurrentTail {
+		return st, tail, fmt.Sprintf("state recurrent %s bytes %d", mem.arch, n), nil
+	}
+	ss, err := llamastate.ParseCache(rest, st.CellExt, st.KOnly)
+	if err != nil {
+		return nil, noTail, "", status.Wrap(status.InvalidArg, err, "the window cache's state")
+	}
+	si, err := (&llamastate.State{Streams: ss}).Sequence()
+	if err != nil {
+		return nil, noTail, "", status.Wrap(status.InvalidArg, err, "the window cache's state")
+	}
+	d := fmt.Sprintf("state window %d layers %d", mem.window, len(ss[si].Layers))
+	for _, l := range ss[si].Layers {
+		d += fmt.Sprintf(" K %d V %d", l.KType, l.VType)
+	}
+	return st, tail, d, nil
 }
 
 // probeExt checks the probe's cell extensions, when its state has them,
@@ -279,8 +358,8 @@ var (
 // position for every position of the prompt, "" when they do not: a
 // recurrent state is one per sequence, for the position it is at, and
 // llama_kv_cache::state_write leaves out the window cells a window has moved
-// past, swa_full or not. Neither can restore a block until snapshots at block
-// boundaries are built (docs/design.md §5.9).
+// past, swa_full or not. Either restores only with a snapshot of that state
+// at a block boundary (docs/design.md §5.9).
 func (m memory) notKV() string {
 	switch {
 	case slices.Contains(recurrentArchs, m.arch):

@@ -1,6 +1,7 @@
 package host
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"runtime"
@@ -31,12 +32,73 @@ type Frame struct {
 var ErrSecondCacheLacks = errors.New("the second KV cache lacks positions of the blocks")
 
 // ParseState reads a state in the model's framing: of one KV cache, or of
-// two (Format.SecondLayers).
+// two (Format.SecondLayers), or, for a model with a partial state, of its
+// attention layers' cache, the partial state that follows left out.
 func (m *Model) ParseState(state []byte) (*llamastate.State, error) {
-	if m.Format.SecondLayers > 0 {
+	switch {
+	case m.tail != noTail:
+		st, _, err := m.parseWithTail(state)
+		return st, err
+	case m.Format.SecondLayers > 0:
 		return llamastate.ParseTwoCaches(state)
 	}
 	return llamastate.Parse(state)
+}
+
+// parseWithTail reads the state of a model with a partial state: its
+// attention layers' cache, and the partial state after it.
+func (m *Model) parseWithTail(state []byte) (*llamastate.State, []byte, error) {
+	st, n, err := llamastate.ParseLeading(state)
+	if err != nil {
+		return nil, nil, err
+	}
+	if n == 0 {
+		return nil, nil, status.Errorf(status.InvalidArg, "the state carries no partial state after its KV cache")
+	}
+	tail := state[len(state)-n:]
+	if m.tail == windowTail {
+		if _, err := llamastate.ParseCache(tail, st.CellExt, st.KOnly); err != nil {
+			return nil, nil, status.Wrap(status.InvalidArg, err, "the window cache's state")
+		}
+	}
+	return st, tail, nil
+}
+
+// SaveStateSnapshot stores the partial state a state ends with (a window
+// cache's state, a recurrent state) as the snapshot after tokens
+// (bridge.Model.SaveSnapshot): the state must hold exactly positions
+// [0, len(tokens)), computed over tokens from position 0 under scope, and
+// a slot file must list exactly tokens. A stock llama-server's slot file
+// holds the partial state at its end only, so a host snapshots a prompt by
+// saving one after each boundary (the proxy: docs/design.md §5.9).
+func (m *Model) SaveStateSnapshot(scope key.Scope, state []byte, tokens []int32) error {
+	if m.tail == noTail {
+		return status.Errorf(status.Unsupported, "the model's states carry no partial state")
+	}
+	st, tail, err := m.parseWithTail(state)
+	if err != nil {
+		return err
+	}
+	si, err := st.Sequence()
+	if err != nil {
+		return err
+	}
+	if n := len(st.Streams[si].Cells); n != len(tokens) {
+		return status.Errorf(status.InvalidArg, "a state of %d positions for a snapshot after %d tokens", n, len(tokens))
+	}
+	if _, err := st.PositionCells(len(tokens)); err != nil {
+		return err
+	}
+	if st.Kind == llamastate.SlotFile {
+		toks, err := st.PromptTokens()
+		if err != nil {
+			return err
+		}
+		if !equalTokens(toks, tokens) {
+			return status.Errorf(status.InvalidArg, "the slot file lists other tokens than the snapshot's")
+		}
+	}
+	return m.SaveSnapshot(scope, tokens, tail)
 }
 
 // SaveState saves the full blocks of a state: its positions [0, len(tokens))
@@ -135,10 +197,11 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 	}
 	empty := m.emptyState(fr, tokens)
 	// The rows are left for the load to fill: written here, they would
-	// be written twice.
+	// be written twice. A state of two caches is framed again, and a
+	// partial state goes after the KV: those load into a buffer first.
 	two := m.Format.SecondLayers > 0
 	var buf []byte
-	if two {
+	if two || m.tail != noTail {
 		buf = make([]byte, empty.Size())
 	} else {
 		buf = alloc(empty.Size())
@@ -167,6 +230,11 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 			break
 		}
 	}
+	var tail []byte
+	var tailErr error
+	if m.tail != noTail {
+		tail, tailErr = m.restoredTail(ld, fr, tokens)
+	}
 	res, loadErr := ld.End()
 	runtime.KeepAlive(buf)
 	if res.OKTokens == 0 {
@@ -175,7 +243,10 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 		}
 		return nil, res, loadErr
 	}
-	if res.OKTokens == n && !two {
+	if tailErr != nil {
+		return nil, bridge.LoadResult{}, tailErr
+	}
+	if res.OKTokens == n && !two && tail == nil {
 		return buf, res, nil
 	}
 	// Keep the verified leading blocks.
@@ -190,11 +261,52 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 			return nil, res, err
 		}
 	}
-	out, err := sl.AppendTo(alloc(sl.Size())[:0])
+	out, err := sl.AppendTo(alloc(sl.Size() + len(tail))[:0])
 	if err != nil {
 		return nil, res, err
 	}
-	return out, res, loadErr
+	return append(out, tail...), res, loadErr
+}
+
+// SnapshotsRestoreAfter is how many tokens a snapshot of the model's
+// partial state must come after to restore: a sliding-window memory's
+// window, whose states hold position 0 up to it (restoredTail refuses
+// them); 0 for the rest.
+func (m *Model) SnapshotsRestoreAfter() int { return m.window }
+
+// restoredTail is the partial state a load of a model with one ends at,
+// framed for the context the state is restored into: the snapshot's
+// recurrent state as it is, or its window cache's state in fr.NStream
+// streams with one more cell, at position 0, whose rows are zero.
+//
+// That cell is for llama-server v0.5.0, which reads a slot's memory before
+// it goes on from a prompt's first n_past tokens: a window that does not
+// reach back past n_past - n_swa (pos_min_thold, server-context.cpp) makes
+// it load a context checkpoint or, having none, as after any slot restore,
+// compute the whole prompt again. A window state at P holds exactly the
+// positions from P - n_swa, one short. Position 0 is masked for every
+// position the server computes from P on (P > n_swa: llama_hparams::
+// is_masked_swa, standard windows and chunks alike), so no attention
+// reads the cell's rows, and the next decode reuses its cell. A window that
+// holds position 0 already (P <= n_swa) passes no such check: the restore
+// is refused.
+func (m *Model) restoredTail(ld *bridge.Load, fr Frame, tokens []int32) ([]byte, error) {
+	snap, err := ld.Snapshot()
+	if err != nil {
+		return nil, err
+	}
+	if m.tail == recurrentTail {
+		return bytes.Clone(snap), nil
+	}
+	lead := llamastate.Cell{Pos: 0, SeqIDs: []int32{fr.SeqID}}
+	if m.Format.CellExt {
+		lead.Ext = m.textExt(0, tokens[0])
+	}
+	out, err := llamastate.CacheWithLead(snap, m.Format.CellExt, m.Format.KOnly(), fr.NStream, lead)
+	if errors.Is(err, llamastate.ErrLeadHeld) {
+		return nil, status.Wrap(status.Unsupported, err, fmt.Sprintf("the window state after %d tokens reaches back to position 0: llama-server computes such a prompt again after a slot restore", len(tokens)))
+	}
+	return out, err
 }
 
 // emptyState is a state of n cells at positions 0..n-1 whose rows the load
