@@ -36,6 +36,8 @@ var ProxyVocabulary = []Series{
 	{Name: "publish_failures_total", Kind: "counter", Help: "Saved slots that failed to publish."},
 	{Name: "publish_dropped_total", Kind: "counter", Help: "Saved slots dropped with the publish queue full."},
 	{Name: "publishing", Kind: "gauge", Help: "1 while saved slots are published."},
+	{Name: "snapshot_prompts_total", Kind: "counter", Help: "Prompts sent up to a snapshot boundary of a sliding-window or hybrid memory, each saved for its partial state."},
+	{Name: "snapshot_failures_total", Kind: "counter", Help: "Snapshots not taken: the prompt, the slot save or the store failed."},
 	{Name: "restore_fallbacks_total", Kind: "counter", Label: "reason", Help: "Restores that fell back to computing, by reason."},
 	{Name: "slots_unconfirmed_total", Kind: "counter", Label: "why", Help: "Slots whose remembered contents the server did not confirm: treated as unknown."},
 	{Name: "answer_mismatches_total", Kind: "counter", Help: "Answers whose prompt the server counted other than the proxy tokenized it."},

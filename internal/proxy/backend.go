@@ -228,6 +228,7 @@ type exchange struct {
 	upstream  int
 	restored  int
 	restoreMS float64
+	fallback  string // why a restore fell back: its reason and error
 	// path: where the request goes upstream when not where it came
 	// (a converted /v1/messages); toMessages: its answer is a chat
 	// answer, written back in Anthropic's shape.
@@ -330,6 +331,9 @@ func (be *backend) modifyResponse(resp *http.Response) error {
 	resp.Header.Set("Mcb-Upstream", strconv.Itoa(be.i))
 	resp.Header.Set("Mcb-Restored-N", strconv.Itoa(x.restored))
 	resp.Header.Set("Mcb-Restore-Ms", strconv.FormatFloat(x.restoreMS, 'f', 3, 64))
+	if x.fallback != "" {
+		resp.Header.Set("Mcb-Fallback", x.fallback)
+	}
 	if resp.StatusCode/100 != 2 {
 		return nil
 	}

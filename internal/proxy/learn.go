@@ -63,7 +63,8 @@ func (be *backend) learn(ctx context.Context) (*learned, error) {
 	}
 	// The same registration as every other host's: the library reads the
 	// KV format and the probe's KV from the slot file.
-	m, nStream, err := host.RegisterState(be.p.b, host.Identity{GGUFPath: path}, data)
+	// A memory with a partial state is snapshotted by the proxy (snapshots).
+	m, nStream, err := host.RegisterState(be.p.b, host.Identity{GGUFPath: path, StateSnapshots: true}, data)
 	if err != nil {
 		return nil, err
 	}

@@ -28,6 +28,7 @@ type counters struct {
 	saveMismatch, answerMismatches                   atomic.Int64
 	publishedBlocks, publishFailures, publishDropped atomic.Int64
 	retries                                          atomic.Int64
+	snapshotPrompts, snapshotFailures                atomic.Int64
 	fallbacks                                        [len(fallbackReasons)]atomic.Int64
 	unconfirmedBy                                    [len(unconfirmedReasons)]atomic.Int64
 	routeMu                                          sync.Mutex
@@ -88,6 +89,8 @@ type Stats struct {
 	PublishDropped   int64            // files dropped with the publish queue full
 	Routes           map[string]int64 // routing choices by reason
 	Retries          int64            // requests sent to another upstream after theirs did not answer
+	SnapshotPrompts  int64            // prompts sent up to a snapshot boundary
+	SnapshotFailures int64            // snapshots not taken: the prompt, the save or the store failed
 }
 
 // Stats returns a snapshot of the counters.
@@ -99,6 +102,7 @@ func (p *Proxy) Stats() Stats {
 		Saves: c.saves.Load(), SavedBytes: c.savedBytes.Load(), SavesSkipped: c.savesSkipped.Load(), SaveFailures: c.saveFailures.Load(),
 		SaveMismatch: c.saveMismatch.Load(), AnswerMismatches: c.answerMismatches.Load(), PublishedBlocks: c.publishedBlocks.Load(),
 		PublishFailures: c.publishFailures.Load(), PublishDropped: c.publishDropped.Load(), Retries: c.retries.Load(),
+		SnapshotPrompts: c.snapshotPrompts.Load(), SnapshotFailures: c.snapshotFailures.Load(),
 		Fallbacks: map[string]int64{}, Unconfirmed: map[string]int64{}, Routes: map[string]int64{},
 	}
 	for i, r := range fallbackReasons {
@@ -129,21 +133,28 @@ type UpstreamState struct {
 	Publishing  bool   `json:"publishing"`
 	PublishOff  string `json:"publish_off,omitempty"`
 	Fingerprint string `json:"fingerprint,omitempty"`
-	Slots       int    `json:"slots"`
-	Routed      int64  `json:"routed"`
-	Restarts    int64  `json:"restarts"`
+	// SnapshotTokens is how many tokens apart the proxy snapshots a model
+	// with a partial state (sliding-window, hybrid), and SnapshotsAfter how
+	// many tokens a snapshot must come after to restore (the window).
+	SnapshotTokens int   `json:"snapshot_tokens,omitempty"`
+	SnapshotsAfter int   `json:"snapshots_after,omitempty"`
+	Slots          int   `json:"slots"`
+	Routed         int64 `json:"routed"`
+	Restarts       int64 `json:"restarts"`
 }
 
 // State says whether the bridge and publishing are on, and why not: for
 // the first upstream with the bridge on (else the first), with every
 // upstream's own in Upstreams.
 type State struct {
-	Bridge      bool   `json:"bridge"`
-	BridgeOff   string `json:"bridge_off,omitempty"`
-	Publishing  bool   `json:"publishing"`
-	PublishOff  string `json:"publish_off,omitempty"`
-	Fingerprint string `json:"fingerprint,omitempty"`
-	Slots       int    `json:"slots"` // over every upstream
+	Bridge         bool   `json:"bridge"`
+	BridgeOff      string `json:"bridge_off,omitempty"`
+	Publishing     bool   `json:"publishing"`
+	PublishOff     string `json:"publish_off,omitempty"`
+	Fingerprint    string `json:"fingerprint,omitempty"`
+	SnapshotTokens int    `json:"snapshot_tokens,omitempty"`
+	SnapshotsAfter int    `json:"snapshots_after,omitempty"`
+	Slots          int    `json:"slots"` // over every upstream
 	// Mirrored is how many blocks of the model the directory holds, as
 	// this proxy's mirror of it knows.
 	Mirrored int `json:"mirrored_blocks"`
@@ -165,6 +176,7 @@ func (p *Proxy) State() State {
 			Routed: be.routed.Load(), Restarts: be.restarts.Load()}
 		if be.model != nil {
 			u.Fingerprint = be.model.m.Fingerprint().String()
+			u.SnapshotTokens, u.SnapshotsAfter = be.model.m.SnapshotTokens(), be.model.m.SnapshotsRestoreAfter()
 			if lead < 0 {
 				lead = i
 				s.Mirrored = be.model.m.Mirrored()
@@ -182,6 +194,7 @@ func (p *Proxy) State() State {
 	}
 	u := s.Upstreams[lead]
 	s.Bridge, s.BridgeOff, s.Fingerprint = u.Bridge, u.BridgeOff, u.Fingerprint
+	s.SnapshotTokens, s.SnapshotsAfter = u.SnapshotTokens, u.SnapshotsAfter
 	s.Publishing, s.PublishOff = u.Publishing, u.PublishOff
 	if p.isClosed() && s.PublishOff == "" {
 		s.PublishOff = "the proxy is closed"
@@ -262,7 +275,8 @@ func (p *Proxy) metrics(w http.ResponseWriter, r *http.Request) {
 		"saves_skipped_total": one(s.SavesSkipped), "save_failures_total": one(s.SaveFailures),
 		"save_mismatches_total": one(s.SaveMismatch), "queued_blocks_total": one(s.PublishedBlocks),
 		"publish_failures_total": one(s.PublishFailures), "publish_dropped_total": one(s.PublishDropped),
-		"publishing":              one(flag(st.Publishing)),
+		"publishing":             one(flag(st.Publishing)),
+		"snapshot_prompts_total": one(s.SnapshotPrompts), "snapshot_failures_total": one(s.SnapshotFailures),
 		"restore_fallbacks_total": byName(fallbackReasons[:], s.Fallbacks),
 		"slots_unconfirmed_total": byName(unconfirmedReasons[:], s.Unconfirmed),
 		"answer_mismatches_total": one(s.AnswerMismatches),

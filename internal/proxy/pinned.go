@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"strings"
 
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/proxy/route"
@@ -131,6 +132,7 @@ func (ru *run) serve(w http.ResponseWriter, r *http.Request, body []byte) served
 		}
 	}()
 	ru.restore(ctx)
+	ru.snapshots(ctx)
 	out, err := ru.req.pinned(ru.slot)
 	switch {
 	case err != nil:
@@ -173,14 +175,67 @@ func (ru *run) restore(ctx context.Context) {
 		p.stats.restores.Add(1)
 		p.stats.restoredTokens.Add(int64(n))
 	case errors.As(err, new(*slotTouched)):
+		x.fallback = fallbackHeader(err)
 		// The server may have cleared the slot or restored part of it:
 		// what it holds is unknown, but no dirtier than before.
 		ru.before.tokens, ru.before.sig = nil, nil
 		p.stats.fallback(err)
 		p.log.Info("mcbridge proxy: restore fell back", "upstream", be.name, "slot", ru.slot, "err", err)
 	default:
+		x.fallback = fallbackHeader(err)
 		p.stats.fallback(err)
 		p.log.Debug("mcbridge proxy: restore fell back", "upstream", be.name, "slot", ru.slot, "err", err)
+	}
+}
+
+// fallbackHeader is a fallback's reason and error as the Mcb-Fallback
+// header carries it: one line, at most 512 bytes.
+func fallbackHeader(err error) string {
+	s := strings.Join(strings.Fields(err.Error()), " ")
+	if len(s) > 512 {
+		s = s[:512]
+	}
+	return s
+}
+
+// snapshots takes the snapshots a model with a partial state (a window
+// cache, a recurrent state: docs/design.md §5.9) restores from, which a
+// stock server's slot files hold at their end only: before the request, it
+// has the server compute the prompt up to each snapshot boundary the
+// directory lacks, as a request of its own in the run's slot (one token
+// generated, the slot kept), saves the slot after each, and stores the
+// partial state the file ends with. The request then computes only the
+// rest. Only clean KV is snapshotted: a request that adapts its cells, or a
+// slot whose start is unknown, takes none.
+func (ru *run) snapshots(ctx context.Context) {
+	be, p, lm := ru.be, ru.be.p, ru.lm
+	if lm == nil || ru.tokens == nil || ru.req.dirty || !ru.req.cachePrompt || be.spec.SlotDir == "" ||
+		ru.before.dirty || !be.publishingFor(lm) || lm.m.SnapshotTokens() == 0 {
+		return
+	}
+	from := max(lcp(ru.before.tokens, ru.tokens), lm.m.SnapshotsRestoreAfter())
+	for _, n := range lm.m.MissingSnapshots(p.opts.Scope, ru.tokens, from) {
+		prefix := ru.tokens[:n]
+		req := map[string]any{"prompt": prefix, "n_predict": 1, "temperature": 0, "cache_prompt": true, "id_slot": ru.slot}
+		if err := be.up.complete(ctx, req); err != nil {
+			// The slot holds some of the prompt's computed KV now, how much
+			// is not known.
+			ru.before = contents{}
+			p.stats.snapshotFailures.Add(1)
+			p.log.Info("mcbridge proxy: a snapshot's prompt failed", "upstream", be.name, "slot", ru.slot, "tokens", n, "err", err)
+			return
+		}
+		ru.before = contents{tokens: prefix}
+		p.stats.snapshotPrompts.Add(1)
+		data, err := be.save(ctx, ru.slot)
+		if err == nil {
+			err = lm.m.SaveStateSnapshot(p.opts.Scope, data, prefix)
+		}
+		if err != nil {
+			p.stats.snapshotFailures.Add(1)
+			p.log.Info("mcbridge proxy: snapshot failed", "upstream", be.name, "slot", ru.slot, "tokens", n, "err", err)
+			return
+		}
 	}
 }
 

@@ -366,7 +366,7 @@ func TestNonStreamingAnswerIsTheUpstreams(t *testing.T) {
 	require.Zero(t, restoredOf(t, h), "the proxy's headers")
 	for k := range h {
 		if hWant.Get(k) == "" {
-			assert.Contains(t, []string{"Mcb-Upstream", "Mcb-Restored-N", "Mcb-Restore-Ms"}, k, "a header the upstream did not send")
+			assert.Contains(t, []string{"Mcb-Upstream", "Mcb-Restored-N", "Mcb-Restore-Ms", "Mcb-Fallback"}, k, "a header the upstream did not send")
 		}
 	}
 }

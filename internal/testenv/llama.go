@@ -55,7 +55,7 @@ type Timings struct {
 
 // Outcome is what the bridge did for a prompt: the patched server's
 // "mcbridge" object, or, for an answer through the proxy, its
-// Mcb-Restored-N and Mcb-Restore-Ms headers (docs/proxy.md).
+// Mcb-Restored-N, Mcb-Restore-Ms and Mcb-Fallback headers (docs/proxy.md).
 type Outcome struct {
 	Decision      string  `json:"decision"`
 	Reason        string  `json:"reason"`
@@ -122,6 +122,7 @@ func (o *Outcome) fromProxy(tb testing.TB, h http.Header) {
 	require.NoError(tb, err, "Mcb-Restored-N: %q", n)
 	o.RestoreMS, err = strconv.ParseFloat(h.Get("Mcb-Restore-Ms"), 64)
 	require.NoError(tb, err, "Mcb-Restore-Ms: %q", h.Get("Mcb-Restore-Ms"))
+	o.Error = h.Get("Mcb-Fallback")
 }
 
 // ProxyOutcome is what the proxy's headers say it restored for an answer.
