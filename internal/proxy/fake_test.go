@@ -55,6 +55,9 @@ type fakeServer struct {
 	requests       []map[string]any // completion bodies as received
 	apiKey         string           // when set, every call but /health must carry it
 	tokenShift     int              // /tokenize adds this many tokens completions do not compute
+	// recurrent: a hybrid memory, whose slot files carry the recurrent
+	// state of their end after the KV cache (newHybridFake).
+	recurrent bool
 }
 
 type fakeSlot struct {
@@ -87,6 +90,27 @@ func newFake(t testing.TB, file string, slots, streams int, seed uint64) *fakeSe
 	fs.srv = httptest.NewServer(fs.handler())
 	t.Cleanup(fs.srv.Close)
 	return fs
+}
+
+// newHybridFake is newFake of a hybrid memory (a Qwen3.5's): its model file
+// names a hybrid architecture, and its slot files end with a recurrent
+// state that depends on every token the slot holds.
+func newHybridFake(t testing.TB, file string, slots int, seed uint64) *fakeServer {
+	t.Helper()
+	fs := newFake(t, file, slots, 1, seed)
+	kvs := []gguf.KV{{Key: "general.architecture", Value: gguf.String("qwen35")}}
+	require.NoError(t, gguf.WriteModelFile(fs.model, kvs, []gguf.TensorSpec{{Name: "output_norm.weight", Shape: []uint64{8}, Init: gguf.Ones}}, seed))
+	fs.recurrent = true
+	return fs
+}
+
+// recurrentState is the recurrent state after tokens.
+func (fs *fakeServer) recurrentState(tokens []int32) []byte {
+	h := fs.seed
+	if hs := fs.prefixHashes(tokens); len(hs) > 0 {
+		h = hs[len(hs)-1]
+	}
+	return fs.row(h, 0, 'r', 40)
 }
 
 func (fs *fakeServer) url() string { return fs.srv.URL }
@@ -177,6 +201,9 @@ func (fs *fakeServer) slotFile(id int, tokens []int32) []byte {
 	}
 	b, err := st.Build()
 	assert.NoError(fs.t, err)
+	if fs.recurrent {
+		b = append(b, fs.recurrentState(tokens)...)
+	}
 	if fs.saveVersion != 0 {
 		binary.LittleEndian.PutUint32(b[4:], fs.saveVersion)
 	}
@@ -187,8 +214,21 @@ func (fs *fakeServer) slotFile(id int, tokens []int32) []byte {
 // for its tokens, as llama.cpp's restore checks the format (the content
 // check is the test's own: wrong KV must never reach a slot).
 func (fs *fakeServer) load(b []byte) ([]int32, error) {
-	st, err := llamastate.Parse(b)
-	if err != nil {
+	var st *llamastate.State
+	var err error
+	if fs.recurrent {
+		var rest int
+		if st, rest, err = llamastate.ParseLeading(b); err != nil {
+			return nil, err
+		}
+		toks, err := st.PromptTokens()
+		if err != nil {
+			return nil, err
+		}
+		if !assert.Equal(fs.t, fs.recurrentState(toks), b[len(b)-rest:], "restore: the recurrent state is not the one after the restored tokens") {
+			return nil, fmt.Errorf("wrong recurrent state")
+		}
+	} else if st, err = llamastate.Parse(b); err != nil {
 		return nil, err
 	}
 	toks, err := st.PromptTokens()

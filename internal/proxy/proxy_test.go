@@ -502,3 +502,50 @@ func TestAPIKey(t *testing.T) {
 	require.Equal(t, int64(2), st.PublishedBlocks, "stats %+v, state %+v", st, n.p.State())
 	require.True(t, n.p.State().Bridge, "stats %+v, state %+v", st, n.p.State())
 }
+
+// A hybrid memory's slot files hold its recurrent state at their end only:
+// the proxy stops the first prompt at each snapshot boundary as a request
+// of its own and stores the state after it; the second server restores
+// the blocks and the snapshot the shared prefix ends at, and computes only
+// the rest.
+func TestHybridSnapshots(t *testing.T) {
+	dir := directoryName(t)
+	n1 := startNode(t, newHybridFake(t, "slot-fa-on.bin", 1, 1), dir, "one", Options{})
+	n2 := startNode(t, newHybridFake(t, "slot-fa-on.bin", 1, 1), dir, "two", Options{})
+	ref := newHybridFake(t, "slot-fa-on.bin", 1, 1)
+	every := 4 * blockTokens // config.Default's snapshot_blocks
+	prefix := seqTokens(2*every+3, 7, 3)
+	req := func(suffix []int32) map[string]any {
+		return map[string]any{"prompt": concat(prefix, suffix), "n_predict": 4, "temperature": 0}
+	}
+
+	code, b1, h1 := postH(t, n1.url, "/completion", req(seqTokens(5, 5, 11)))
+	require.Equal(t, 200, code, "request 1: %s", b1)
+	require.Zero(t, restoredOf(t, h1))
+	n1.flush(t)
+	var prompts []int
+	for _, r := range n1.fs.requests[1:] { // after the probe
+		prompts = append(prompts, len(r["prompt"].([]any)))
+		if len(prompts) < 3 {
+			assert.Equal(t, float64(1), r["n_predict"], "a snapshot's prompt generates one token")
+			assert.Equal(t, float64(0), r["id_slot"], "a snapshot's prompt runs in the request's slot")
+		}
+	}
+	assert.Equal(t, []int{every, 2 * every, len(prefix) + 5}, prompts, "the prompt stops at each boundary, then the request")
+	st := n1.p.Stats()
+	assert.Equal(t, int64(2), st.SnapshotPrompts)
+	assert.Zero(t, st.SnapshotFailures)
+	assert.Equal(t, every, n1.p.State().SnapshotTokens)
+
+	code, b2, h2 := postH(t, n2.url, "/completion", req(seqTokens(5, 3, 17)))
+	require.Equal(t, 200, code, "request 2: %s", b2)
+	require.Equal(t, 2*every, restoredOf(t, h2), "restored to the last snapshot of the shared prefix: %+v", n2.p.Stats())
+	require.Len(t, n2.fs.restores, 1, "restores")
+	var rest map[string]any
+	require.NoError(t, json.Unmarshal(b2, &rest), "answer %q", b2)
+	assert.Equal(t, 2*every, int(rest["timings"].(map[string]any)["cache_n"].(float64)), "the server reused the restored tokens")
+	_, direct := post(t, ref.url(), "/completion", req(seqTokens(5, 3, 17)))
+	assert.Equal(t, cacheFree(t, direct), cacheFree(t, b2), "answer through the proxy, without")
+	assert.Zero(t, n2.p.Stats().SnapshotPrompts, "the directory has every boundary's snapshot")
+	n2.flush(t)
+}
