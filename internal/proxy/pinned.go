@@ -217,12 +217,23 @@ func (ru *run) snapshots(ctx context.Context) {
 	for _, n := range lm.m.MissingSnapshots(p.opts.Scope, ru.tokens, from) {
 		prefix := ru.tokens[:n]
 		req := map[string]any{"prompt": prefix, "n_predict": 1, "temperature": 0, "cache_prompt": true, "id_slot": ru.slot}
-		if err := be.up.complete(ctx, req); err != nil {
+		var ans answer
+		if err := be.up.call(ctx, http.MethodPost, "/completion", nil, req, &ans); err != nil || ans.Timings == nil {
 			// The slot holds some of the prompt's computed KV now, how much
 			// is not known.
 			ru.before = contents{}
 			p.stats.snapshotFailures.Add(1)
 			p.log.Info("mcbridge proxy: a snapshot's prompt failed", "upstream", be.name, "slot", ru.slot, "tokens", n, "err", err)
+			return
+		}
+		if known := lcp(ru.before.tokens, prefix); ans.Timings.CacheN > known || ans.Timings.CacheN+ans.Timings.PromptN != n {
+			// The server reused cells the proxy does not know the origin
+			// of, or computed another prompt: no clean state to snapshot.
+			// What the slot started with stays as it was, so that the
+			// request's own answer is judged by it too (nextDirty).
+			p.stats.snapshotFailures.Add(1)
+			p.log.Debug("mcbridge proxy: no snapshot: the slot's start is not known clean", "upstream", be.name, "slot", ru.slot,
+				"cache_n", ans.Timings.CacheN, "known", known)
 			return
 		}
 		ru.before = contents{tokens: prefix}

@@ -548,4 +548,18 @@ func TestHybridSnapshots(t *testing.T) {
 	assert.Equal(t, cacheFree(t, direct), cacheFree(t, b2), "answer through the proxy, without")
 	assert.Zero(t, n2.p.Stats().SnapshotPrompts, "the directory has every boundary's snapshot")
 	n2.flush(t)
+
+	// A slot another client filled: the server reuses cells the proxy does
+	// not know the origin of, so nothing is snapshotted or published.
+	n3 := startNode(t, newHybridFake(t, "slot-fa-on.bin", 1, 1), directoryName(t), "three", Options{})
+	require.NoError(t, n3.p.Learn(context.Background()), "the probe first, so that the other client's prompt stays in the slot")
+	warmUp := map[string]any{"prompt": prefix[:every+3], "n_predict": 1, "id_slot": 0}
+	code, b3 := post(t, n3.fs.url(), "/completion", warmUp)
+	require.Equal(t, 200, code, "%s", b3)
+	code, b3 = post(t, n3.url, "/completion", req(seqTokens(5, 5, 11)))
+	require.Equal(t, 200, code, "%s", b3)
+	n3.flush(t)
+	st = n3.p.Stats()
+	assert.Equal(t, int64(1), st.SnapshotFailures, "the first boundary's prompt reused unknown cells: %+v", st)
+	assert.Zero(t, st.PublishedBlocks, "a slot of unknown start publishes nothing: %+v", st)
 }
