@@ -710,8 +710,15 @@ func TestStateSnapshotsOfARecurrentState(t *testing.T) {
 	assert.Equal(t, "state recurrent qwen35 bytes 24", named, "the partial state's name in the fingerprint")
 	mb, nStream, err := RegisterState(bb, Identity{GGUFPath: model, StateSnapshots: true}, probe)
 	require.NoError(t, err)
-	_, _, err = RegisterState(ba, Identity{GGUFPath: headerOnlyGGUF(t, "mamba2", 0), StateSnapshots: true}, probe)
-	assert.ErrorContains(t, err, "a snapshot alone")
+	for arch, says := range map[string]string{"mamba2": "a snapshot alone", "qwen4exp": "an indexer cache", "lfm2": "a sliding window"} {
+		window := uint32(0)
+		if arch == "lfm2" {
+			window = 16
+		}
+		_, _, err = RegisterState(ba, Identity{GGUFPath: headerOnlyGGUF(t, arch, window), StateSnapshots: true}, probe)
+		assert.Equal(t, status.Unsupported, status.Of(err), "%s: %v", arch, err)
+		assert.ErrorContains(t, err, says, arch)
+	}
 
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(5)), 13)
 	cells := kvtest.ScatteredCells(rand.New(rand.NewSource(6)), 13, 32)

@@ -234,9 +234,10 @@ func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, in
 // fingerprint (key.Model.Partial): the window and the architecture from the
 // model file, the window cache's layers and types, or the recurrent
 // state's size (which its shapes and types fix), from the probe's state.
-// Recurrent-only memories have no KV cache, and a hybrid memory with a
-// sliding window carries both a window cache and a recurrent state: a
-// state host restores neither.
+// Recurrent-only memories have no KV cache, a hybrid memory with a
+// sliding window carries both a window cache and a recurrent state, and
+// one with an indexer cache (llama_memory_hybrid_idx) carries that cache
+// too: a state host restores none of them.
 func partialProbe(mem memory, probe []byte) (*llamastate.State, stateTail, string, error) {
 	tail := windowTail
 	switch {
@@ -244,6 +245,8 @@ func partialProbe(mem memory, probe []byte) (*llamastate.State, stateTail, strin
 		return nil, noTail, "", status.Errorf(status.Unsupported, "no attention KV beside the recurrent state: a restore would be a snapshot alone")
 	case slices.Contains(hybridArchs, mem.arch) && mem.window > 0:
 		return nil, noTail, "", status.Errorf(status.Unsupported, "a hybrid memory with a sliding window: its partial state is a window cache and a recurrent state")
+	case slices.Contains(indexedHybridArchs, mem.arch):
+		return nil, noTail, "", status.Errorf(status.Unsupported, "a hybrid memory with an indexer cache: a third cache beside the recurrent state")
 	case slices.Contains(hybridArchs, mem.arch):
 		tail = recurrentTail
 	}
@@ -352,6 +355,9 @@ var (
 	hybridArchs    = []string{"jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
 		"nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "qwen35", "qwen35moe", "qwen4exp",
 		"deepseek4", "minimax-01"}
+	// The hybrid architectures whose memory has an indexer cache besides
+	// (llama_memory_hybrid_idx: llama_model::create_memory's needs_mem_idx).
+	indexedHybridArchs = []string{"qwen4exp"}
 )
 
 // notKV says why the model's states hold something other than rows by
