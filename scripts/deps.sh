@@ -8,6 +8,8 @@
 #   MCB_LLAMA_ARCHS                                    scripts/llama/archs.sh: the folder of
 #                                                      test-llama-archs' model of every
 #                                                      architecture
+#   MCB_LLAMA_ARCHS_BENCH                              scripts/llama/archs.sh bench: its
+#                                                      bench-sized Llama, Gemma 3, Qwen3.5
 #   MCB_GGML_RPC_SERVER                                ggml's RPC server, next to the stock
 #                                                      llama-server: the device-KV tests' device
 #   MCB_TE_REAL_LIB                                    scripts/mooncake/build.sh te
@@ -46,7 +48,11 @@ llama_patched() {
 	cmake --build "$(dirname "$(dirname "$patched")")" --target llama-mcbridge-test -j "$(nproc)" >/dev/null
 }
 archs=
-llama_archs() { archs=$(last "$repo/scripts/llama/archs.sh"); }
+archs_bench=
+llama_archs() {
+	archs=$(last "$repo/scripts/llama/archs.sh")
+	archs_bench=$(last "$repo/scripts/llama/archs.sh" bench)
+}
 mooncake_te() { te=$(last "$repo/scripts/mooncake/build.sh" te)/install/lib/libtransfer_engine.so; }
 store=
 mooncake_store() { store=$(JOBS=2 last "$repo/scripts/mooncake/build.sh" store)/out; }
@@ -72,6 +78,7 @@ export MCB_LLAMA_SRC=$("$repo/scripts/llama/fetch.sh" | tail -n 1)
 export MCB_LLAMA_SERVER_STOCK=$stock
 export MCB_LLAMA_SERVER_PATCHED=$patched
 export MCB_LLAMA_ARCHS=$archs
+export MCB_LLAMA_ARCHS_BENCH=$archs_bench
 export MCB_GGML_RPC_SERVER=$(dirname "$stock")/ggml-rpc-server
 export MCB_TE_REAL_LIB=$te
 export MCB_MOONCAKE_STORE_DIR=$store

@@ -32,15 +32,16 @@ import (
 
 // The environment `make test` sets for the end-to-end suites.
 const (
-	EnvStockServer   = "MCB_LLAMA_SERVER_STOCK"   // scripts/llama/build.sh stock
-	EnvPatchedServer = "MCB_LLAMA_SERVER_PATCHED" // scripts/llama/build.sh patched
-	EnvRealTE        = "MCB_TE_REAL_LIB"          // scripts/mooncake/build.sh te: <dir>/install/lib/libtransfer_engine.so
-	EnvStoreDir      = "MCB_MOONCAKE_STORE_DIR"   // scripts/mooncake/build.sh store: <dir>/out
-	EnvBin           = "MCB_BIN"                  // mcbridge, else built from this tree
-	EnvLibllama      = "MCB_LIBLLAMA_BUILD"       // the build of csrc/embed: libllama_test, libllama_test_asan
-	EnvRPCServer     = "MCB_GGML_RPC_SERVER"      // scripts/llama/build.sh stock: ggml-rpc-server, next to llama-server
-	EnvOllama        = "MCB_OLLAMA"               // scripts/ollama/build.sh: the pinned Ollama
-	EnvArchModels    = "MCB_LLAMA_ARCHS"          // scripts/llama/archs.sh: test-llama-archs' models
+	EnvStockServer     = "MCB_LLAMA_SERVER_STOCK"   // scripts/llama/build.sh stock
+	EnvPatchedServer   = "MCB_LLAMA_SERVER_PATCHED" // scripts/llama/build.sh patched
+	EnvRealTE          = "MCB_TE_REAL_LIB"          // scripts/mooncake/build.sh te: <dir>/install/lib/libtransfer_engine.so
+	EnvStoreDir        = "MCB_MOONCAKE_STORE_DIR"   // scripts/mooncake/build.sh store: <dir>/out
+	EnvBin             = "MCB_BIN"                  // mcbridge, else built from this tree
+	EnvLibllama        = "MCB_LIBLLAMA_BUILD"       // the build of csrc/embed: libllama_test, libllama_test_asan
+	EnvRPCServer       = "MCB_GGML_RPC_SERVER"      // scripts/llama/build.sh stock: ggml-rpc-server, next to llama-server
+	EnvOllama          = "MCB_OLLAMA"               // scripts/ollama/build.sh: the pinned Ollama
+	EnvArchModels      = "MCB_LLAMA_ARCHS"          // scripts/llama/archs.sh: test-llama-archs' models
+	EnvArchBenchModels = "MCB_LLAMA_ARCHS_BENCH"    // scripts/llama/archs.sh bench: the memory kinds' benchmark models
 )
 
 // Binary returns the file an environment variable names, failing the test
@@ -60,11 +61,24 @@ func Binary(tb testing.TB, env, what string) string {
 // (<arch>-dense.gguf, <arch>-moe.gguf).
 func ArchModels(tb testing.TB) string {
 	tb.Helper()
-	p := os.Getenv(EnvArchModels)
-	require.NotEmpty(tb, p, "%s is not set: it names test-llama-archs' models (scripts/llama/archs.sh; make test sets it)", EnvArchModels)
+	return modelsDir(tb, EnvArchModels, "test-llama-archs' models (scripts/llama/archs.sh)")
+}
+
+// ArchBenchModels is the folder of test-llama-archs' models of the
+// benchmarks of memory kinds: Llama, Gemma 3 and Qwen3.5 at the bench
+// model's size (scripts/llama/archs.sh bench).
+func ArchBenchModels(tb testing.TB) string {
+	tb.Helper()
+	return modelsDir(tb, EnvArchBenchModels, "test-llama-archs' bench-sized models (scripts/llama/archs.sh bench)")
+}
+
+func modelsDir(tb testing.TB, env, what string) string {
+	tb.Helper()
+	p := os.Getenv(env)
+	require.NotEmpty(tb, p, "%s is not set: it names %s; make test sets it", env, what)
 	st, err := os.Stat(p)
-	require.NoError(tb, err, "%s=%s", EnvArchModels, p)
-	require.True(tb, st.IsDir(), "%s=%s is not a directory", EnvArchModels, p)
+	require.NoError(tb, err, "%s=%s", env, p)
+	require.True(tb, st.IsDir(), "%s=%s is not a directory", env, p)
 	return p
 }
 

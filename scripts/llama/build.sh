@@ -7,9 +7,10 @@
 #   patched  a copy of that tree with llama-patches/apply.sh applied, configured with
 #            -DMCBRIDGE_ROOT=<a mirror of this repository> so that the patches' CMake
 #            hook finds csrc/, include/ and the Go module there
-#   archs    the pristine tree with llama.cpp's tests on, building only test-llama-archs
-#            (the random-weight model of every architecture, scripts/llama/archs.sh) and
-#            printing its path instead
+#   archs    a copy of the tree with scripts/llama/patches/archs/ applied (model sizes
+#            from the environment) and llama.cpp's tests on, building only
+#            test-llama-archs (the random-weight model of every architecture,
+#            scripts/llama/archs.sh) and printing its path instead
 #
 # The hash in the directory names covers everything that needs a fresh configure: the
 # source tree, the CMake options below, LLAMA_EXTRA_CMAKE_ARGS (word-split) and, for
@@ -34,6 +35,7 @@
 #   src/  build-stock-<hash>/              the pristine tree and its build
 #   patched-<hash>/src/  patched-<hash>/build/  patched-<hash>/mcbridge/
 #   stock-vulkan-<hash>/src/  stock-vulkan-<hash>/build/
+#   archs-cpu-<hash>/src/  archs-cpu-<hash>/build/
 #
 # Both builds reach their sources as ../src: with ccache's base_dir that makes the
 # compile commands identical, so a patched build recompiles only what the patches
@@ -86,7 +88,11 @@ if [[ $variant == patched ]]; then
 	extra_args+=("-DMCBRIDGE_ROOT=<mirror>") # named once the hash is known
 fi
 backend=${LLAMA_BACKEND:-cpu}
-backend_patches=()
+# The build patches of the private tree: the backend's, or test-llama-archs'.
+tree_patches=()
+if [[ $variant == archs ]]; then
+	tree_patches=("$mcb_repo/scripts/llama/patches/archs"/[0-9]*.patch)
+fi
 # A release of Khronos' Vulkan headers new enough for ggml-vulkan.cpp that the Go module
 # proxy serves (it does not serve every tag).
 vulkan_headers=github.com/KhronosGroup/Vulkan-Headers@v1.3.280
@@ -103,7 +109,7 @@ vulkan)
 	[[ -f $headers/include/vulkan/vulkan.hpp ]] || die "no Vulkan headers from $vulkan_headers"
 	cmake_args+=(-DGGML_VULKAN=ON "-DVulkan_INCLUDE_DIR=$headers/include")
 	for p in "$mcb_repo/scripts/llama/patches/vulkan"/[0-9]*.patch; do
-		[[ -f $p ]] && backend_patches+=("$p")
+		[[ -f $p ]] && tree_patches+=("$p")
 	done
 	;;
 *) die "LLAMA_BACKEND=$backend: cpu or vulkan" ;;
@@ -128,7 +134,10 @@ cmake=${cmake_args[*]}
 extra=${extra_args[*]}"
 if [[ $backend != cpu ]]; then
 	key+="
-backend=$backend $(cat "${backend_patches[@]}" | sha256sum | cut -c1-64)"
+backend=$backend $(cat "${tree_patches[@]}" | sha256sum | cut -c1-64)"
+elif [[ $variant == archs ]]; then
+	key+="
+patches=$(cat "${tree_patches[@]}" | sha256sum | cut -c1-64)"
 fi
 if [[ $variant == patched ]]; then
 	key+="
@@ -137,7 +146,7 @@ series=$(series_digest)"
 mirror=$MCB_LLAMA_MIRROR"
 fi
 hash=$(printf '%s' "$key" | sha256sum | cut -c1-12)
-if [[ $variant != patched && $backend == cpu ]]; then
+if [[ $variant == stock && $backend == cpu ]]; then
 	build=$llama_root/build-$variant-$hash
 elif [[ $variant != patched ]]; then
 	build=$llama_root/$variant-$backend-$hash/build
@@ -170,17 +179,17 @@ sync_mirror() {
 		done
 }
 
-# backend_patch TREE: applies the backend's build patches not already in TREE.
-backend_patch() {
+# tree_patch TREE: applies the build patches not already in TREE.
+tree_patch() {
 	local p
-	for p in "${backend_patches[@]}"; do
+	for p in "${tree_patches[@]}"; do
 		patch -d "$1" -p1 -R -s -f --dry-run <"$p" >/dev/null 2>&1 && continue
 		patch -d "$1" -p1 -s -f --no-backup-if-mismatch <"$p" >&2 || die "$(basename "$p") does not apply"
 	done
 }
 
 # private_tree: a private copy of the pristine tree with the series (patched) and the
-# backend's patches applied, keyed like the build directory, beside it, so the stock
+# build patches applied, keyed like the build directory, beside it, so the stock
 # tree (and a user's LLAMA_SRC) is never modified.
 private_tree() {
 	local top dest tmp
@@ -200,18 +209,18 @@ private_tree() {
 			git -C "$tmp/src" -c user.name=mcbridge -c user.email=mcbridge@localhost commit --quiet -m "$LLAMA_TAG as found in $src"
 		fi
 		[[ $variant != patched ]] || "$mcb_repo/llama-patches/apply.sh" "$tmp/src"
-		backend_patch "$tmp/src"
+		tree_patch "$tmp/src"
 		mv "$tmp/src" "$dest"
 	else
 		[[ $variant != patched ]] || "$mcb_repo/llama-patches/apply.sh" "$dest"
-		backend_patch "$dest"
+		tree_patch "$dest"
 	fi
 	echo "$dest"
 }
 
 build_server() {
 	local tree=$src launcher=() generator=()
-	if [[ $variant == patched || $backend != cpu ]]; then
+	if [[ $variant != stock || $backend != cpu ]]; then
 		tree=$(private_tree)
 	fi
 	if [[ $variant == patched ]]; then
