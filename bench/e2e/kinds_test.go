@@ -16,21 +16,27 @@ import (
 // beyond plain attention (docs/design.md §5.9), at shared prefixes of 4k
 // and 8k tokens plus 64 of the request's own, each kind beside a plain
 // model of the same size in the same run: test-llama-archs' random models
-// (n_embd 256, 2 to 4 layers), whose training context is raised to 16k.
+// of Llama, Gemma 3 and Qwen3.5 at the bench model's size (12 layers of
+// n_embd 768 in 2 heads; scripts/llama/archs.sh bench): Gemma 3 windows 5
+// of every 6 layers by 1024 tokens, Qwen3.5 alternates gated delta-net and
+// attention layers. Their training context is raised to 16k.
 //
 //   - stock: a stock llama-server computes the whole prompt
 //     (cache_prompt false, so every round computes it);
 //   - restore: a patched server restores what another patched process
 //     computed (etcd, the mock Transfer Engine): the blocks of the attention
 //     layers, and for a sliding-window or hybrid memory the snapshot of its
-//     partial state at the prefix's end.
+//     partial state at the prefix's end;
+//   - proxy: mcbridge proxy before a stock server restores what another
+//     proxy's stock server computed, snapshots taken by the prompt's stops
+//     at each boundary (docs/proxy.md).
 //
-// TTFT medians of interleaved rounds, the asker's slot erased between
+// TTFT medians of interleaved rounds, the askers' slots erased between
 // them. Results go to $MCB_BENCH_OUT/kinds.json (bench/out).
 func BenchmarkMemoryKinds(b *testing.B) {
-	prefixes, rounds := []int{4096, 8192}, 5
+	prefixes, rounds := []int{4096, 8192}, 3
 	if os.Getenv("MCB_BENCH_QUICK") != "" {
-		prefixes, rounds = []int{1024}, 2
+		prefixes, rounds = []int{2048}, 2
 	}
 	kinds := []struct{ kind, model, arch string }{
 		{"plain", "llama-dense", "llama"},
@@ -46,8 +52,10 @@ func BenchmarkMemoryKinds(b *testing.B) {
 				row.Kind = k.kind
 				res.Rows = append(res.Rows, row)
 				b.ReportMetric(row.Cut, fmt.Sprintf("cut-%s-%d", k.kind, p))
-				b.Logf("%s (%s), %d shared: stock %.1f ms, restore %.1f ms (%d tokens, %s): cut %.2fx, first token as stock: %v",
-					k.kind, k.model, p, row.StockMS, row.RestoreTTFTms, row.RestoredN, row.Decision, row.Cut, row.SameAsStock)
+				b.ReportMetric(row.ProxyCut, fmt.Sprintf("proxycut-%s-%d", k.kind, p))
+				b.Logf("%s (%s), %d shared: stock %.1f ms, restore %.1f ms (%d tokens, %s): cut %.2fx, proxy %.1f ms (%d tokens): cut %.2fx, first token as stock: %v",
+					k.kind, k.model, p, row.StockMS, row.RestoreTTFTms, row.RestoredN, row.Decision, row.Cut,
+					row.ProxyTTFTms, row.ProxyRestoredN, row.ProxyCut, row.SameAsStock)
 			}
 		}
 		b.Logf("wrote %s", testenv.WriteBenchOut(b, "kinds.json", res))
@@ -74,7 +82,14 @@ type kindRow struct {
 	Snapshots     int       `json:"holder_snapshots"`
 	Decision      string    `json:"decision"`
 	Cut           float64   `json:"cut"` // stock TTFT over the restore's
-	SameAsStock   bool      `json:"first_token_as_stock"`
+	// The proxy's: TTFT, the tokens it restored, and the holder proxy's
+	// prompts stopped at a snapshot boundary.
+	ProxyTTFTms    float64   `json:"proxy_ttft_ms"`
+	ProxyRounds    []float64 `json:"proxy_ttft_ms_rounds"`
+	ProxyRestoredN int       `json:"proxy_restored_tokens"`
+	ProxyCut       float64   `json:"proxy_cut"`
+	ProxySnapshots float64   `json:"proxy_snapshot_prompts"`
+	SameAsStock    bool      `json:"first_token_as_stock"` // every round, both hosts
 }
 
 // kindTokens is n ids of the random models' 128-token vocabulary.
@@ -87,18 +102,31 @@ func kindTokens(n, mul, off int) []int32 {
 }
 
 func memoryKindRow(b *testing.B, etcd, name, arch string, p, rounds int) kindRow {
-	model := filepath.Join(testenv.ArchModels(b), name+".gguf")
+	model := filepath.Join(testenv.ArchBenchModels(b), name+".gguf")
 	ctx := p + ttftSuffix + 256
 	args := append(testenv.ServerArgs(model, 2*ctx, 2, "on"), "--override-kv", arch+".context_length=int:16384")
-	cfg := fmt.Sprintf(`{"block_tokens": 256, "pool_bytes": %d, "arbiter": {"policy": "always-restore"}, "directory": {"kind": "etcd", "endpoints": [%q], "prefix": "/kinds/%s/%d"}, "transport": {"kind": "mooncake", "lib": %q}}`,
-		int64(1)<<30, etcd, name, p, mockTE)
+	cfg := func(host string) string {
+		return fmt.Sprintf(`{"block_tokens": 256, "pool_bytes": %d, "arbiter": {"policy": "always-restore"}, "directory": {"kind": "etcd", "endpoints": [%q], "prefix": "/kinds/%s/%s/%d"}, "transport": {"kind": "mooncake", "lib": %q}}`,
+			int64(1)<<30, etcd, host, name, p, mockTE)
+	}
 	stock := testenv.StartLlama(b, "stock", testenv.StockServer(b), args)
 	patched := func(n string) *testenv.Llama {
-		return testenv.StartLlama(b, n, testenv.PatchedServer(b), append(slices.Clone(args), "--mcb-config", cfg, "--slot-save-path", testenv.SlotDir(b, n)+"/"))
+		return testenv.StartLlama(b, n, testenv.PatchedServer(b), append(slices.Clone(args), "--mcb-config", cfg("patched"), "--slot-save-path", testenv.SlotDir(b, n)+"/"))
 	}
 	x, y := patched("x"), patched("y")
+	var proxies [2]*testenv.Proxy
+	servers := []*testenv.Llama{stock, x, y}
+	for i := range proxies {
+		dir := testenv.SlotDir(b, fmt.Sprint("s", i))
+		s := testenv.StartLlama(b, fmt.Sprint("s", i), testenv.StockServer(b), append(slices.Clone(args), "--slot-save-path", dir+"/"))
+		proxies[i] = testenv.StartProxy(b, fmt.Sprint("p", i), s.URL, dir, cfg("proxy"))
+		servers = append(servers, s)
+	}
 	defer func() {
-		for _, s := range []*testenv.Llama{stock, x, y} {
+		for _, p := range proxies {
+			p.Stop()
+		}
+		for _, s := range servers {
 			s.Stop()
 		}
 	}()
@@ -106,27 +134,38 @@ func memoryKindRow(b *testing.B, etcd, name, arch string, p, rounds int) kindRow
 	computing := testenv.Cat(prefix, kindTokens(ttftSuffix, 11, 5))
 	measured := testenv.Cat(prefix, kindTokens(ttftSuffix, 13, 9))
 	held := testenv.Complete(b, x.URL, testenv.Request{Prompt: computing, Slot: 0, NPredict: 1})
+	testenv.Complete(b, proxies[0].URL, testenv.Request{Prompt: computing, Slot: -1, NPredict: 1})
 	waitMirroredBlocks(b, y.URL, p/256)
+	waitMirroredBlocks(b, proxies[1].URL, p/256)
 
-	row := kindRow{Model: name, SharedTokens: p, Snapshots: held.MCB.Snapshots}
+	row := kindRow{Model: name, SharedTokens: p, Snapshots: held.MCB.Snapshots,
+		ProxySnapshots: testenv.Metrics(b, proxies[0].URL+"/metrics")["mcproxy_snapshot_prompts_total"]}
 	var restoreMS []float64
-	var want testenv.Completion
+	row.SameAsStock = true
 	for r := range rounds {
 		if r > 0 {
 			testenv.Post(b, y.URL+"/slots/1?action=erase", map[string]any{}, nil)
+			for slot := range 2 {
+				testenv.Post(b, fmt.Sprintf("%s/slots/%d?action=erase", proxies[1].URL, slot), map[string]any{}, nil)
+			}
 		}
 		settle()
-		d, c := ttft(b, stock.URL, measured, 1, map[string]any{"cache_prompt": false})
+		d, want := ttft(b, stock.URL, measured, 1, map[string]any{"cache_prompt": false})
 		row.StockRounds = append(row.StockRounds, ms(d))
-		want = c
 		settle()
-		d, c = ttft(b, y.URL, measured, 1, nil)
+		d, c := ttft(b, y.URL, measured, 1, nil)
 		row.RestoreRounds = append(row.RestoreRounds, ms(d))
 		restoreMS = append(restoreMS, c.MCB.RestoreMS)
 		row.RestoredN, row.RestoredBytes, row.Decision = c.MCB.RestoredN, c.MCB.RestoredBytes, c.MCB.Decision
-		row.SameAsStock = slices.Equal(c.Tokens, want.Tokens)
+		row.SameAsStock = row.SameAsStock && slices.Equal(c.Tokens, want.Tokens)
+		settle()
+		d, c = ttft(b, proxies[1].URL, measured, -1, nil)
+		row.ProxyRounds = append(row.ProxyRounds, ms(d))
+		row.ProxyRestoredN = c.MCB.RestoredN
+		row.SameAsStock = row.SameAsStock && slices.Equal(c.Tokens, want.Tokens)
 	}
 	row.StockMS, row.RestoreTTFTms, row.RestoreMS = medianF(row.StockRounds), medianF(row.RestoreRounds), medianF(restoreMS)
-	row.Cut = row.StockMS / row.RestoreTTFTms
+	row.ProxyTTFTms = medianF(row.ProxyRounds)
+	row.Cut, row.ProxyCut = row.StockMS/row.RestoreTTFTms, row.StockMS/row.ProxyTTFTms
 	return row
 }

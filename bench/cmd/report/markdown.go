@@ -258,13 +258,15 @@ func (r *report) writeTargets(m *md) {
 		add("etcd stopped (SIGSTOP), patched llama-server", "TTFT within 5% of etcd running", "BenchmarkEtcdStopped did not run", notMeasured)
 	}
 
-	kindsWhat := "TTFT cut of sliding-window and hybrid memories (BenchmarkMemoryKinds, test-llama-archs' models)"
 	kindsTarget := ">= 0.75x the cut of a plain model of the same size, at every shared prefix"
-	if b, ok := r.bench("MemoryKinds"); ok {
-		measured, ok := memoryKindCuts(b.Metrics)
-		add(kindsWhat, kindsTarget, measured, judge(ok))
-	} else {
-		add(kindsWhat, kindsTarget, "BenchmarkMemoryKinds did not run", notMeasured)
+	for _, host := range []struct{ name, metric string }{{"patched server", "cut"}, {"proxy", "proxycut"}} {
+		kindsWhat := "TTFT cut of sliding-window and hybrid memories, " + host.name + " (BenchmarkMemoryKinds, test-llama-archs' models of the bench model's size)"
+		if b, ok := r.bench("MemoryKinds"); ok {
+			measured, ok := memoryKindCuts(b.Metrics, host.metric)
+			add(kindsWhat, kindsTarget, measured, judge(ok))
+		} else {
+			add(kindsWhat, kindsTarget, "BenchmarkMemoryKinds did not run", notMeasured)
+		}
 	}
 
 	for _, t := range r.deviceTargets() {
@@ -610,13 +612,14 @@ func writeNotes(m *md) {
 	m.p("- llama3-8b-gpu's prefill cost is arithmetic from FLOP counts, not a measurement; bench-cpu's is docs/design.md §15's measurement.")
 }
 
-// memoryKindCuts reads BenchmarkMemoryKinds' metrics, cut-<kind>-<shared
-// tokens>: each shared prefix's cuts, and whether every kind's is at least
+// memoryKindCuts reads BenchmarkMemoryKinds' metrics of one host,
+// <metric>-<kind>-<shared tokens> (cut: the patched server's, proxycut: the
+// proxy's): each shared prefix's cuts, and whether every kind's is at least
 // 0.75 of the plain model's there.
-func memoryKindCuts(metrics map[string]float64) (string, bool) {
+func memoryKindCuts(metrics map[string]float64, metric string) (string, bool) {
 	var sizes []string
 	for k := range metrics {
-		if size, ok := strings.CutPrefix(k, "cut-plain-"); ok {
+		if size, ok := strings.CutPrefix(k, metric+"-plain-"); ok {
 			sizes = append(sizes, size)
 		}
 	}
@@ -626,10 +629,10 @@ func memoryKindCuts(metrics map[string]float64) (string, bool) {
 	ok := len(sizes) > 0
 	var parts []string
 	for _, size := range sizes {
-		plain := metrics["cut-plain-"+size]
+		plain := metrics[metric+"-plain-"+size]
 		part := size + " shared: plain " + num(plain, 2) + "x"
 		for _, kind := range []string{"sliding-window", "hybrid"} {
-			c, found := metrics["cut-"+kind+"-"+size]
+			c, found := metrics[metric+"-"+kind+"-"+size]
 			ok = ok && found && c >= 0.75*plain
 			part += ", " + kind + " " + num(c, 2) + "x"
 		}
