@@ -303,8 +303,19 @@ func (p *Proxy) fileName(kind string, slot int) string {
 	return fmt.Sprintf("mcb-%s-%s%d-%d.bin", p.inst, kind, slot, p.seq.Add(1))
 }
 
-// Flush waits until every answer's save and publish is done.
+// Flush waits until every answer's save and publish is done: its blocks
+// handed to the bridge, and the bridge's publisher done offering them to
+// the directory.
 func (p *Proxy) Flush(ctx context.Context) error {
+	if err := p.drain(ctx); err != nil {
+		return err
+	}
+	return p.b.Flush(ctx)
+}
+
+// drain waits until every answer's save is done and its blocks are handed
+// to the bridge.
+func (p *Proxy) drain(ctx context.Context) error {
 	t := time.NewTicker(time.Millisecond)
 	defer t.Stop()
 	for p.pending.Load() > 0 {
@@ -317,9 +328,9 @@ func (p *Proxy) Flush(ctx context.Context) error {
 	return nil
 }
 
-// Close waits for pending saves and publishes and stops the publisher and
-// the health checks. The HTTP server in front must be shut down first; the
-// bridge stays open.
+// Close waits for pending saves and their hand-off to the bridge and
+// stops the publisher and the health checks. The HTTP server in front must
+// be shut down first; the bridge stays open, its publisher with it.
 func (p *Proxy) Close() error {
 	p.mu.Lock()
 	if p.closed {
@@ -330,7 +341,7 @@ func (p *Proxy) Close() error {
 	p.mu.Unlock()
 	close(p.stop)
 	ctx, cancel := context.WithTimeout(context.Background(), controlTimeout)
-	err := p.Flush(ctx)
+	err := p.drain(ctx)
 	cancel()
 	// No send starts once closed is set (enqueue checks it under mu).
 	p.mu.Lock()
