@@ -17,9 +17,10 @@ import (
 // and 8k tokens plus 64 of the request's own, each kind beside a plain
 // model of the same size in the same run: test-llama-archs' random models
 // of Llama, Gemma 3 and Qwen3.5 at the bench model's size (12 layers of
-// n_embd 768 in 2 heads; scripts/llama/archs.sh bench): Gemma 3 windows 5
-// of every 6 layers by 1024 tokens, Qwen3.5 alternates gated delta-net and
-// attention layers. Their training context is raised to 16k.
+// n_embd 768 in 2 heads; scripts/llama/archs.sh bench): Gemma 3 windows
+// every other layer by 1024 tokens (the test's layer pattern), Qwen3.5
+// alternates gated delta-net and attention layers. Their training context
+// is raised to 16k.
 //
 //   - stock: a stock llama-server computes the whole prompt
 //     (cache_prompt false, so every round computes it);
