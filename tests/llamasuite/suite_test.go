@@ -213,6 +213,7 @@ func TestLlamaServerSuite(t *testing.T) {
 		t.Logf("llama.cpp server suite, stock, the whole suite: %s (cached, key %s)", stockRun, key)
 	} else {
 		stockRun = runSuite(t, src, ignore, files, models, timeout, shimConfig{Server: stock})
+		require.True(t, len(files) > 0 || len(stockRun.Passed) > 0, "stock passed no test of the suite")
 		t.Logf("llama.cpp server suite, stock, %s: %s", sel(files), stockRun)
 		if cached != "" {
 			b, err := json.Marshal(stockRun)
@@ -236,6 +237,7 @@ func TestLlamaServerSuite(t *testing.T) {
 	}
 	for _, r := range runs {
 		got := runSuite(t, src, ignore, r.files, models, timeout, r.shim)
+		require.True(t, len(r.files) > 0 || len(got.Passed) > 0, "%s passed no test of the suite", r.name)
 		t.Logf("llama.cpp server suite, %s, %s: %s", r.name, sel(r.files), got)
 		// Over the whole suite every test stock passes counts, one that did not run too;
 		// over some files, those of them that ran.
@@ -245,8 +247,44 @@ func TestLlamaServerSuite(t *testing.T) {
 				lost = append(lost, name)
 			}
 		}
+		if len(lost) > 0 {
+			// A test stock passed only by chance says nothing of the patched server: some
+			// read the server's log while it writes (test_kv_keep_only_active), and stock
+			// itself passes them in one run and fails them in the next. Stock runs each
+			// lost test again on its own; one it fails there too is not counted.
+			again := runSuite(t, src, ignore, nodeIDs(t, suite, lost), models, timeout, shimConfig{Server: stock})
+			lost = slices.DeleteFunc(lost, func(name string) bool {
+				if slices.Contains(again.Passed, name) {
+					return false
+				}
+				t.Logf("%s: stock's pass does not repeat (run alone: failed or not run); not counted", name)
+				return true
+			})
+		}
 		require.Empty(t, lost, "%s fails tests stock passes", r.name)
 	}
+}
+
+// nodeIDs turns reported test names (classname::name, the classname dotted) into
+// pytest's node ids under the suite directory: the file, then any classes and the test.
+func nodeIDs(t *testing.T, suite string, names []string) []string {
+	var ids []string
+	for _, name := range names {
+		class, test, ok := strings.Cut(name, "::")
+		require.True(t, ok, "test name %q", name)
+		parts := strings.Split(class, ".")
+		id := ""
+		for k := len(parts); k > 0; k-- {
+			file := filepath.Join(parts[:k]...) + ".py"
+			if _, err := os.Stat(filepath.Join(suite, file)); err == nil {
+				id = strings.Join(append([]string{filepath.ToSlash(file)}, append(parts[k:], test)...), "::")
+				break
+			}
+		}
+		require.NotEmpty(t, id, "no file of the suite holds %q", name)
+		ids = append(ids, id)
+	}
+	return ids
 }
 
 // stockKey hashes what stock's results depend on: the stock server binary (the pinned
@@ -436,7 +474,7 @@ func readReport(t *testing.T, path string) outcome {
 			}
 		}
 	}
-	require.NotEmpty(t, o.Passed, "no test passed: %s", path)
+	require.NotEmpty(t, o.ran(), "no test ran: %s", path)
 	return o
 }
 
@@ -475,4 +513,13 @@ func tail(path string, n int) string {
 		}
 	}
 	return strings.Join(lines, "\n")
+}
+
+// nodeIDs names what the report named, so that stock can run a lost test alone.
+func TestNodeIDs(t *testing.T) {
+	src := os.Getenv(EnvLlamaSrc)
+	require.NotEmpty(t, src, "%s is not set: it names the pinned llama.cpp tree (make test sets it)", EnvLlamaSrc)
+	suite := filepath.Join(src, "tools", "server", "tests")
+	got := nodeIDs(t, suite, []string{"unit.test_kv_keep_only_active::test_clear_and_restore", "unit.test_basic::test_load_split_model[a-b]"})
+	require.Equal(t, []string{"unit/test_kv_keep_only_active.py::test_clear_and_restore", "unit/test_basic.py::test_load_split_model[a-b]"}, got)
 }
