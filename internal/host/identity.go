@@ -151,12 +151,13 @@ func Register(b *bridge.Bridge, id Identity, probe kvlayout.Layout, cells []uint
 // that are not two KV caches) fails with Parse's *llamastate.CachesError.
 func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, int, error) {
 	st, err := llamastate.Parse(probeState)
-	tail := noTail
+	tail, window := noTail, 0
 	if err != nil {
 		mem, merr := memoryOf(id.GGUFPath)
 		if merr != nil {
 			return nil, 0, merr
 		}
+		window = int(mem.window)
 		if why := mem.notKV(); why != "" {
 			if !id.StateSnapshots {
 				return nil, 0, status.Wrap(status.Unsupported, err, why)
@@ -221,8 +222,7 @@ func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, in
 	m.pos2D = pos2D
 	m.tail = tail
 	if tail == windowTail {
-		mem, _ := memoryOf(id.GGUFPath)
-		m.window = int(mem.window)
+		m.window = window
 	}
 	return m, len(st.Streams), nil
 }
