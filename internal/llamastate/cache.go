@@ -1,6 +1,7 @@
 package llamastate
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 
@@ -86,4 +87,75 @@ func withLead(src *Stream, lead Cell) Stream {
 		dst.Layers[l] = d
 	}
 	return dst
+}
+
+// ReframeCache frames b, one sequence's KV cache state written by a context
+// of any stream count (llama_kv_cache::state_write of one seq_id: a stream
+// count, then each stream's cell count and cells, the count 0 for each
+// stream but the sequence's), for a context of nStream streams:
+// llama_kv_cache::state_read refuses a state of another count, and reads the
+// one stream with cells into the sequence's own, wherever it is framed. The
+// sequence's stream goes first and the rest are empty; its cells are not
+// read, so that a host that does not know the variant of its cells (their
+// extension, K only) reframes it too. b framed for nStream already comes
+// back as it is.
+func ReframeCache(b []byte, nStream int) ([]byte, error) {
+	if nStream < 1 || uint64(nStream) > maxStreams {
+		return nil, status.Errorf(status.InvalidArg, "a cache of %d streams", nStream)
+	}
+	if len(b) < 4 {
+		return nil, status.Errorf(status.InvalidArg, "cache state of %d bytes", len(b))
+	}
+	n := uint64(binary.LittleEndian.Uint32(b))
+	if n == 0 || n > uint64(len(b)-4)/4 {
+		return nil, status.Errorf(status.InvalidArg, "cache state: %d streams in %d bytes", n, len(b))
+	}
+	if n == uint64(nStream) {
+		return b, nil
+	}
+	// The empty streams before the sequence's are cell counts of 0, those
+	// after it the state's last bytes.
+	at := uint64(0)
+	for at < n && binary.LittleEndian.Uint32(b[4+4*at:]) == 0 {
+		at++
+	}
+	out := binary.LittleEndian.AppendUint32(make([]byte, 0, len(b)+4*nStream), uint32(nStream))
+	if at == n {
+		if uint64(len(b)) != 4+4*n {
+			return nil, status.Errorf(status.InvalidArg, "cache state: %d bytes after %d empty streams", uint64(len(b))-4-4*n, n)
+		}
+		return append(out, make([]byte, 4*nStream)...), nil
+	}
+	after := 4 * (n - 1 - at)
+	if uint64(len(b)) < 4+4*at+4+after {
+		return nil, status.Errorf(status.InvalidArg, "cache state: %d bytes for %d streams", len(b), n)
+	}
+	end := uint64(len(b)) - after
+	for _, c := range b[end:] {
+		if c != 0 {
+			return nil, status.Errorf(status.InvalidArg, "cache state: stream %d of %d holds cells after the sequence's (stream %d): not one sequence's state", end/4, n, at)
+		}
+	}
+	out = append(out, b[4+4*at:end]...)
+	return append(out, make([]byte, 4*(nStream-1))...), nil
+}
+
+// ReframeSeqState is ReframeCache for llama_state_seq_get_data's output of
+// a memory that writes one KV cache's state: the magic, the sequence id,
+// then the cache (a sliding-window memory's PARTIAL_ONLY state is its
+// window cache's). llama_state_seq_set_data reads the sequence id and
+// restores into the sequence it is given.
+func ReframeSeqState(b []byte, nStream int) ([]byte, error) {
+	const header = 8
+	if len(b) < header+4 || binary.LittleEndian.Uint32(b) != SeqMagic {
+		return nil, status.Errorf(status.InvalidArg, "sequence state of %d bytes without its magic", len(b))
+	}
+	if binary.LittleEndian.Uint32(b[header:]) == uint32(nStream) {
+		return b, nil
+	}
+	cache, err := ReframeCache(b[header:], nStream)
+	if err != nil {
+		return nil, err
+	}
+	return append(append(make([]byte, 0, header+len(cache)), b[:header]...), cache...), nil
 }

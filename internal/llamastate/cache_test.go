@@ -2,6 +2,7 @@ package llamastate
 
 import (
 	"bytes"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -57,5 +58,88 @@ func TestCacheWithLead(t *testing.T) {
 		require.Error(t, err, "%s: a lead at a position the cache holds", file)
 		_, err = CacheWithLead(window, st.CellExt, st.KOnly, 0, Cell{Pos: 0, SeqIDs: []int32{0}})
 		require.Error(t, err, "%s: no stream", file)
+	}
+}
+
+func TestReframeCache(t *testing.T) {
+	for _, file := range []string{"seq-fa-on.bin", "seq-fa-off.bin", "seq-two-streams-fa-off.bin", "seq-scattered-fa-off.bin", "slot-fa-on.bin"} {
+		st, err := Parse(readTestdata(t, file))
+		require.NoError(t, err)
+		si, _ := st.Sequence()
+		b, err := twoCachesOf(t, st, 8).Build()
+		require.NoError(t, err)
+		_, rest, err := ParseLeading(b)
+		require.NoError(t, err)
+		window := b[len(b)-rest:]
+		held, err := ParseCache(window, st.CellExt, st.KOnly)
+		require.NoError(t, err, "%s", file)
+
+		for _, nStream := range []int{1, 2, 3} {
+			out, err := ReframeCache(window, nStream)
+			require.NoError(t, err, "%s", file)
+			got, err := ParseCache(out, st.CellExt, st.KOnly)
+			require.NoError(t, err, "%s: %d streams", file, nStream)
+			require.Len(t, got, nStream)
+			if nStream == len(held) {
+				require.True(t, bytes.Equal(window, out), "%s: a state of the context's count comes back as it is", file)
+				continue
+			}
+			// The sequence's stream first, as it was, the rest empty.
+			require.Equal(t, rowsOf(held[si]), rowsOf(got[0]), "%s: %d streams", file, nStream)
+			for s := 1; s < nStream; s++ {
+				require.Empty(t, got[s].Cells, "%s: stream %d", file, s)
+			}
+		}
+	}
+	empty := []byte{2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+	out, err := ReframeCache(empty, 3)
+	require.NoError(t, err)
+	require.Equal(t, []byte{3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, out, "a state without cells")
+
+	for name, b := range map[string][]byte{
+		"nothing":                      nil,
+		"no stream":                    {0, 0, 0, 0},
+		"more streams than bytes":      {3, 0, 0, 0, 0, 0, 0, 0},
+		"bytes after empty streams":    {1, 0, 0, 0, 0, 0, 0, 0, 9},
+		"cells in two streams":         {2, 0, 0, 0, 1, 0, 0, 0, 7, 7, 7, 7, 1, 0, 0, 0},
+		"a stream too short to follow": {3, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0},
+	} {
+		_, err := ReframeCache(b, 3)
+		require.Error(t, err, name)
+	}
+	_, err = ReframeCache(empty, 0)
+	require.Error(t, err, "no stream to frame for")
+	_, err = ReframeCache(empty, maxStreams+1)
+	require.Error(t, err, "more streams than a context has")
+}
+
+// rowsOf is s without where its rows were in the state it was read from.
+func rowsOf(s Stream) Stream {
+	s.Layers = slices.Clone(s.Layers)
+	for l := range s.Layers {
+		s.Layers[l].KOff, s.Layers[l].VOff = 0, 0
+	}
+	return s
+}
+
+func TestReframeSeqState(t *testing.T) {
+	for _, file := range []string{"seq-fa-on.bin", "seq-two-streams-fa-off.bin"} {
+		b := readTestdata(t, file)
+		st, err := Parse(b)
+		require.NoError(t, err)
+		si, _ := st.Sequence()
+		for _, nStream := range []int{1, 2, 4} {
+			out, err := ReframeSeqState(b, nStream)
+			require.NoError(t, err, "%s", file)
+			got, err := Parse(out)
+			require.NoError(t, err, "%s: %d streams", file, nStream)
+			require.Len(t, got.Streams, nStream)
+			require.Equal(t, st.SeqID, got.SeqID)
+			gi, err := got.Sequence()
+			require.NoError(t, err)
+			require.Equal(t, rowsOf(st.Streams[si]), rowsOf(got.Streams[gi]), "%s: %d streams", file, nStream)
+		}
+		_, err = ReframeSeqState(b[4:], 2)
+		require.Error(t, err, "%s: no magic", file)
 	}
 }

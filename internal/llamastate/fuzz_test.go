@@ -67,8 +67,16 @@ func FuzzParse(f *testing.F) {
 		require.LessOrEqual(t, after.TotalAlloc-before.TotalAlloc, 64*uint64(len(b))+64<<10, "bytes Parse of %d bytes allocated", len(b))
 		fuzzTwoCaches(t, b)
 		fuzzWindowCache(t, b)
+		_, _ = ReframeCache(b, 2) // never panics on any input
 		if err != nil {
 			return
+		}
+		if st.Kind == Memory && oneStreamWithCells(st.Streams) && len(st.Second) == 0 {
+			out, err := ReframeSeqState(b, 3)
+			require.NoError(t, err, "ReframeSeqState refused one sequence's state")
+			got, err := Parse(out)
+			require.NoError(t, err, "ReframeSeqState's output does not read")
+			require.Len(t, got.Streams, 3)
 		}
 		out, err := st.Build()
 		require.NoError(t, err, "accepted %d bytes but does not build", len(b))
@@ -142,6 +150,21 @@ func fuzzWindowCache(t *testing.T, b []byte) {
 		return
 	}
 	require.True(t, bytes.Equal(appendCache(nil, ss, lead.CellExt, lead.KOnly, true), window), "ParseCache accepted %d bytes that do not build back", rest)
+	in := &State{Streams: ss}
+	if si, err := in.Sequence(); err == nil && oneStreamWithCells(ss) {
+		for _, n := range []int{1, 3} {
+			out, err := ReframeCache(window, n)
+			require.NoError(t, err, "ReframeCache refused one sequence's cache of %d streams", len(ss))
+			got, err := ParseCache(out, lead.CellExt, lead.KOnly)
+			require.NoError(t, err, "ReframeCache's output does not read")
+			require.Len(t, got, n)
+			at := 0
+			if n == len(ss) {
+				at = si
+			}
+			require.Equal(t, rowsOf(ss[si]), rowsOf(got[at]), "ReframeCache for %d streams", n)
+		}
+	}
 	out, err := CacheWithLead(window, lead.CellExt, lead.KOnly, 2, Cell{Pos: -1, SeqIDs: []int32{0}})
 	if err != nil {
 		return
@@ -149,4 +172,14 @@ func fuzzWindowCache(t *testing.T, b []byte) {
 	got, err := ParseCache(out, lead.CellExt, lead.KOnly)
 	require.NoError(t, err, "CacheWithLead's output does not read")
 	require.Equal(t, int32(-1), got[0].Cells[0].Pos)
+}
+
+func oneStreamWithCells(ss []Stream) bool {
+	n := 0
+	for _, s := range ss {
+		if len(s.Cells) > 0 {
+			n++
+		}
+	}
+	return n == 1
 }

@@ -36,6 +36,10 @@ const (
 	SlotVersion = 3          // LLAMA_STATE_SEQ_VERSION
 )
 
+// maxStreams is LLAMA_MAX_SEQ (llama-cparams.h): a context has at most one
+// KV stream a sequence.
+const maxStreams = 256
+
 // Kind says which of the two framings a state has.
 type Kind int
 
