@@ -497,6 +497,13 @@ func TestModelRegister(t *testing.T) {
 			r.params.GGUFPath = f.c.cstr(t, writeFile(t, "truncated.gguf", gguf[:64]))
 		}, status.InvalidArg},
 		{"block of 2^17 tokens", params(func(f *fixture, t *testing.T, p *cModelParams) { p.BlockTokens = 1 << 17 }), status.InvalidArg},
+		{"a window cache's streams", params(func(f *fixture, t *testing.T, p *cModelParams) {
+			p.PartialState, p.PartialKVStreams = f.c.cstr(t, "iswa window 8"), maxKVStreams
+		}), status.OK},
+		{"KV streams without a partial state", params(func(f *fixture, t *testing.T, p *cModelParams) { p.PartialKVStreams = 2 }), status.InvalidArg},
+		{"more KV streams than a context has", params(func(f *fixture, t *testing.T, p *cModelParams) {
+			p.PartialState, p.PartialKVStreams = f.c.cstr(t, "iswa window 8"), maxKVStreams+1
+		}), status.InvalidArg},
 		{"block bigger than half the pool", variant(model{block: 1024, kEmbd: []uint32{2048}, vEmbd: []uint32{2048}}), status.Config},
 
 		{"NULL format", func(f *fixture, t *testing.T, a *regArgs, r *registration) { a.format = nil }, status.InvalidArg},

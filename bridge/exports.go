@@ -45,6 +45,7 @@ const (
 	maxString    = 4096
 	maxConfig    = config.MaxSize
 	maxSaltBytes = 4096
+	maxKVStreams = 256 // LLAMA_MAX_SEQ: a context has a KV stream a sequence at most
 )
 
 type bridgeHandle struct {
@@ -66,7 +67,10 @@ type planHandle struct {
 	p      *bridge.Plan
 }
 
-type loadHandle struct{ ld *bridge.Load }
+type loadHandle struct {
+	ld *bridge.Load
+	m  *host.Model
+}
 
 type saveHandle struct{ sv *bridge.Save }
 
@@ -350,6 +354,13 @@ func identityArg(p unsafe.Pointer) (host.Identity, error) {
 	if id.Partial, err = cString(c.PartialState, maxString, "partial_state"); err != nil {
 		return id, err
 	}
+	switch n := c.PartialKVStreams; {
+	case n > 0 && id.Partial == "":
+		return id, status.Errorf(status.InvalidArg, "partial_kv_streams %d without a partial_state", n)
+	case n > maxKVStreams:
+		return id, status.Errorf(status.InvalidArg, "partial_kv_streams %d (a context has at most %d)", n, maxKVStreams)
+	}
+	id.PartialKVStreams = int(c.PartialKVStreams)
 	id.BlockTokens = int(c.BlockTokens)
 	return id, nil
 }
@@ -767,7 +778,7 @@ func mcbgo_load_begin(plan uint64, layout, cells unsafe.Pointer, out unsafe.Poin
 		if err != nil {
 			return err
 		}
-		*(*uint64)(out) = addHandle(&loadHandle{ld: ld})
+		*(*uint64)(out) = addHandle(&loadHandle{ld: ld, m: h.model.m})
 		return nil
 	})
 }
@@ -1017,7 +1028,7 @@ func mcbgo_load_snapshot(load uint64, state, n unsafe.Pointer, errbuf unsafe.Poi
 			return err
 		}
 		*(*unsafe.Pointer)(state), *(*uint64)(n) = nil, 0
-		snap, err := h.ld.Snapshot()
+		snap, err := h.m.Snapshot(h.ld)
 		if err != nil || snap == nil {
 			return err
 		}

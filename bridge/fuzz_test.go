@@ -638,6 +638,12 @@ func (w *world) register() {
 		probe, faults = unsafe.Pointer(lo), append(faults, status.Layout)
 	case 13:
 		p.GGUFPath = w.c.cstr(w.t, otherGGUF)
+	case 14:
+		// KV streams name a window cache's framing: none without a partial state.
+		p.PartialKVStreams, faults = uint32(1+detail%maxKVStreams), append(faults, status.InvalidArg)
+	case 15:
+		p.PartialState = w.c.cstr(w.t, "iswa window 8")
+		p.PartialKVStreams, faults = uint32(maxKVStreams+1+detail), append(faults, status.InvalidArg)
 	}
 	faults, success := w.registered(h, &g, faults)
 	probed := r.probe.snapshot()

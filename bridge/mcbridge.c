@@ -14,10 +14,11 @@
 
 /* The Go mirrors in bridge/mirror.go assume these layouts;
  * mirror_test.go asserts the same numbers on the Go side. */
-_Static_assert(sizeof(struct mcb_model_params) == 40, "mcb_model_params size");
+_Static_assert(sizeof(struct mcb_model_params) == 48, "mcb_model_params size");
 _Static_assert(offsetof(struct mcb_model_params, block_tokens) == 16, "mcb_model_params.block_tokens");
 _Static_assert(offsetof(struct mcb_model_params, extra) == 24, "mcb_model_params.extra");
 _Static_assert(offsetof(struct mcb_model_params, partial_state) == 32, "mcb_model_params.partial_state");
+_Static_assert(offsetof(struct mcb_model_params, partial_kv_streams) == 40, "mcb_model_params.partial_kv_streams");
 _Static_assert(sizeof(struct mcb_kv_format) == 56, "mcb_kv_format size");
 _Static_assert(offsetof(struct mcb_kv_format, n_embd_k_gqa) == 8, "mcb_kv_format.n_embd_k_gqa");
 _Static_assert(offsetof(struct mcb_kv_format, type_k) == 40, "mcb_kv_format.type_k");

@@ -6,12 +6,14 @@ package main
 // the same numbers in C (mcbridge.c) and in Go (mirror_test.go).
 
 type cModelParams struct {
-	LlamaVersion uintptr
-	GGUFPath     uintptr
-	BlockTokens  uint32
-	_            [4]byte
-	Extra        uintptr
-	PartialState uintptr
+	LlamaVersion     uintptr
+	GGUFPath         uintptr
+	BlockTokens      uint32
+	_                [4]byte
+	Extra            uintptr
+	PartialState     uintptr
+	PartialKVStreams uint32
+	_                [4]byte
 }
 
 type cKVFormat struct {

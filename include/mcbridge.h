@@ -83,7 +83,7 @@ extern "C" {
 #endif
 #endif
 
-#define MCB_ABI_VERSION 3
+#define MCB_ABI_VERSION 4
 
 /* Status codes. The values are stable. */
 typedef enum mcb_status {
@@ -140,6 +140,12 @@ struct mcb_model_params {
                                    (mcb_snapshot_save), restores end only where a snapshot was
                                    taken, and each load hands its snapshot back
                                    (mcb_load_snapshot). Only mcb_model_register takes one. */
+    uint32_t partial_kv_streams; /* 0 unless the partial state is a KV cache's (a sliding-window
+                                   memory's window cache). Then the KV streams of the host's context
+                                   (llama_kv_cache::get_n_stream: 1 when unified, else one per
+                                   sequence), which llama.cpp frames such a state by and refuses a
+                                   state of another count: mcb_load_snapshot frames a snapshot that a
+                                   context of another count took for this one. */
 };
 
 /* A KV cache's shape, for hosts that hand over tensors. Arrays hold n_layer

@@ -429,6 +429,12 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     p.llama_version = MCB_LLAMA_TAG;
     p.gguf_path     = gguf_path;
     p.partial_state = partial.empty() ? nullptr : partial.c_str();
+    if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(llama_get_memory(ctx))) {
+        // The window cache's state is framed by this context's streams (one a slot
+        // with -np N, one when unified): the bridge frames other contexts' snapshots
+        // for them.
+        p.partial_kv_streams = iswa->get_swa()->get_n_stream();
+    }
     mcb_kv_format f = {};
     f.n_layer      = (uint32_t) ids.size();
     f.n_embd_k_gqa = ek.data();

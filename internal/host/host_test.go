@@ -742,3 +742,65 @@ func TestStateSnapshotsOfARecurrentState(t *testing.T) {
 		assert.Equal(t, hostRows(h, int(cells[p])), got[p], "position %d", p)
 	}
 }
+
+// A tensor host's window cache snapshot comes back framed for the asking
+// context's KV streams, whatever the count of the context that took it:
+// llama.cpp refuses a state of another count, and the count is no part of
+// the fingerprint (servers of any slot count share a model).
+func TestWindowSnapshotForTheContextsStreams(t *testing.T) {
+	ba, bb := snapshotBridges(t)
+	model := headerOnlyGGUF(t, "gemma3", 4)
+	src := kvtest.New(t, 2, 32, 32, 48, false)
+	dst := kvtest.New(t, 2, 32, 32, 48, false)
+	src.Fill(ProbeTokens(), kvtest.SeqCells(8))
+	id := func(streams int) Identity {
+		return Identity{LlamaVersion: LlamaVersion, GGUFPath: model, Format: format(src),
+			Partial: "iswa window 4 type 1 layers 01 K f16 V f16", PartialKVStreams: streams}
+	}
+	ma, err := Register(ba, id(1), src.Layout(), kvtest.SeqCells(8))
+	require.NoError(t, err)
+	mb, err := Register(bb, id(3), src.Layout(), kvtest.SeqCells(8))
+	require.NoError(t, err)
+	require.Equal(t, ma.Fingerprint(), mb.Fingerprint(), "the stream count is no part of the model")
+
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(9)), 9)
+	cells := kvtest.SeqCells(len(tokens))
+	src.Fill(tokens, cells)
+	at8 := twoCaches(t, stateOf(t, src, cells[:8]), 4)
+	_, n, err := llamastate.ParseLeading(at8)
+	require.NoError(t, err)
+	window := at8[len(at8)-n:]
+	// As llama_state_seq_get_data writes a window cache's state: the magic,
+	// the sequence id, the cache.
+	partial := append(binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint32(nil, llamastate.SeqMagic), 0), window...)
+	require.NoError(t, ma.SaveSnapshot(key0(), tokens[:8], partial))
+	sv, err := ma.SaveBegin(key0(), src.Layout(), tokens, cells)
+	require.NoError(t, err)
+	for l := range src.K {
+		require.NoError(t, sv.SaveLayer(l))
+	}
+	_, err = sv.End()
+	require.NoError(t, err)
+
+	plan := planOf(t, mb, tokens, 8)
+	ld, err := plan.Load(dst.Layout(), kvtest.SeqCells(8))
+	require.NoError(t, err)
+	for l := range dst.K {
+		_, err := ld.WaitLayer(l)
+		require.NoError(t, err)
+	}
+	snap, err := mb.Snapshot(ld)
+	require.NoError(t, err)
+	require.Equal(t, partial[:8], snap[:8], "the state's magic and sequence id")
+	got, err := llamastate.ParseCache(snap[8:], false, false)
+	require.NoError(t, err)
+	require.Len(t, got, 3, "framed for the asker's three streams")
+	want, err := llamastate.ParseCache(window, false, false)
+	require.NoError(t, err)
+	require.Len(t, want, 1)
+	wrows, grows := stateRows(t, &llamastate.State{Streams: want}), stateRows(t, &llamastate.State{Streams: got})
+	assert.Equal(t, wrows, grows, "the window's positions 4..7, as taken")
+	res, err := ld.End()
+	require.NoError(t, err)
+	assert.Equal(t, 8, res.OKTokens)
+}

@@ -46,6 +46,12 @@ type Identity struct {
 	// Partial describes the host's partial state (key.Model.Partial);
 	// empty when its KV rows are its whole state.
 	Partial string
+	// PartialKVStreams is, for a partial state that is a KV cache's (a
+	// sliding-window memory's window cache), the KV streams of the host's
+	// context, which llama.cpp frames such a state by (Model.Snapshot); 0
+	// for another partial state. It is no part of the fingerprint: hosts of
+	// any stream count share the snapshots.
+	PartialKVStreams int
 	// StateSnapshots says that a host registering with RegisterState takes
 	// snapshots of a partial state from its states (Model.SaveStateSnapshot)
 	// and restores them (Model.RestoreState): without it, the states of a
@@ -66,6 +72,8 @@ type Model struct {
 	// its sliding window, as the model file names it.
 	tail   stateTail
 	window int
+	// partialKVStreams is Identity.PartialKVStreams of a host with tensors.
+	partialKVStreams int
 }
 
 // stateTail is what a memory's states carry after its attention layers'
@@ -138,7 +146,25 @@ func Register(b *bridge.Bridge, id Identity, probe kvlayout.Layout, cells []uint
 	if err != nil {
 		return nil, err
 	}
-	return &Model{Model: m, Format: id.Format}, nil
+	return &Model{Model: m, Format: id.Format, partialKVStreams: id.PartialKVStreams}, nil
+}
+
+// Snapshot is the snapshot of ld, a load of m, as the host's context reads
+// it: a window cache's state (llama_state_seq_get_data's, PARTIAL_ONLY)
+// framed for the context's KV streams,
+// whatever the stream count of the context that took it (llama.cpp's
+// state_read refuses a state of another count). nil for a model without a
+// partial state. The bytes are valid until the load ends.
+func (m *Model) Snapshot(ld *bridge.Load) ([]byte, error) {
+	snap, err := ld.Snapshot()
+	if err != nil || snap == nil || m.partialKVStreams == 0 {
+		return snap, err
+	}
+	out, err := llamastate.ReframeSeqState(snap, m.partialKVStreams)
+	if err != nil {
+		return nil, status.Wrap(status.Corrupt, err, "the snapshot is no window cache's state")
+	}
+	return out, nil
 }
 
 // RegisterState registers a model from a state of the probe sequence, for
