@@ -33,7 +33,14 @@ import (
 //     at each boundary (docs/proxy.md).
 //
 // TTFT medians of interleaved rounds, the askers' slots erased between
-// them. Results go to $MCB_BENCH_OUT/kinds.json (bench/out).
+// them. The holders' cost is measured too: each round both holders (a
+// patched server, a proxy) compute a prefix of their own from nothing, the
+// patched server saving its blocks and snapshots as it goes, the proxy
+// sending its snapshot prompts and saving the slot at each boundary, and
+// their TTFT is set against stock's of as many tokens (the 0%-hit overhead
+// of docs/design.md §15, for these memories); the last round's prefix is
+// the one the askers restore. Results go to $MCB_BENCH_OUT/kinds.json
+// (bench/out).
 func BenchmarkMemoryKinds(b *testing.B) {
 	prefixes, rounds := []int{4096, 8192}, 3
 	if os.Getenv("MCB_BENCH_QUICK") != "" {
@@ -54,9 +61,13 @@ func BenchmarkMemoryKinds(b *testing.B) {
 				res.Rows = append(res.Rows, row)
 				b.ReportMetric(row.Cut, fmt.Sprintf("cut-%s-%d", k.kind, p))
 				b.ReportMetric(row.ProxyCut, fmt.Sprintf("proxycut-%s-%d", k.kind, p))
+				b.ReportMetric(row.HolderCost, fmt.Sprintf("holdercost-%s-%d", k.kind, p))
+				b.ReportMetric(row.ProxyHolderCost, fmt.Sprintf("proxyholdercost-%s-%d", k.kind, p))
 				b.Logf("%s (%s), %d shared: stock %.1f ms, restore %.1f ms (%d tokens, %s): cut %.2fx, proxy %.1f ms (%d tokens): cut %.2fx, first token as stock: %v",
 					k.kind, k.model, p, row.StockMS, row.RestoreTTFTms, row.RestoredN, row.Decision, row.Cut,
 					row.ProxyTTFTms, row.ProxyRestoredN, row.ProxyCut, row.SameAsStock)
+				b.Logf("%s (%s), %d shared, holders computing and saving: patched %.1f ms (%.3fx stock, %d snapshots), proxy %.1f ms (%.3fx stock, %.0f snapshot prompts)",
+					k.kind, k.model, p, row.HolderTTFTms, row.HolderCost, row.Snapshots, row.ProxyHolderTTFTms, row.ProxyHolderCost, row.ProxySnapshots)
 			}
 		}
 		b.Logf("wrote %s", testenv.WriteBenchOut(b, "kinds.json", res))
@@ -80,17 +91,25 @@ type kindRow struct {
 	RestoreMS     float64   `json:"restore_ms"` // the restore's own time, median round
 	RestoredN     int       `json:"restored_tokens"`
 	RestoredBytes int64     `json:"restored_bytes"`
-	Snapshots     int       `json:"holder_snapshots"`
+	Snapshots     int       `json:"holder_snapshots"` // the patched holder's, of one prefix
 	Decision      string    `json:"decision"`
 	Cut           float64   `json:"cut"` // stock TTFT over the restore's
 	// The proxy's: TTFT, the tokens it restored, and the holder proxy's
-	// prompts stopped at a snapshot boundary.
+	// prompts stopped at a snapshot boundary, for one prefix.
 	ProxyTTFTms    float64   `json:"proxy_ttft_ms"`
 	ProxyRounds    []float64 `json:"proxy_ttft_ms_rounds"`
 	ProxyRestoredN int       `json:"proxy_restored_tokens"`
 	ProxyCut       float64   `json:"proxy_cut"`
 	ProxySnapshots float64   `json:"proxy_snapshot_prompts"`
 	SameAsStock    bool      `json:"first_token_as_stock"` // every round, both hosts
+	// The holders' TTFT computing and saving a prefix nobody holds, and
+	// its ratio to stock's TTFT of as many tokens (1: no cost).
+	HolderTTFTms      float64   `json:"holder_ttft_ms"`
+	HolderRounds      []float64 `json:"holder_ttft_ms_rounds"`
+	HolderCost        float64   `json:"holder_cost"`
+	ProxyHolderTTFTms float64   `json:"proxy_holder_ttft_ms"`
+	ProxyHolderRounds []float64 `json:"proxy_holder_ttft_ms_rounds"`
+	ProxyHolderCost   float64   `json:"proxy_holder_cost"`
 }
 
 // kindTokens is n ids of the random models' 128-token vocabulary.
@@ -108,7 +127,7 @@ func memoryKindRow(b *testing.B, etcd, name, arch string, p, rounds int) kindRow
 	args := append(testenv.ServerArgs(model, 2*ctx, 2, "on"), "--override-kv", arch+".context_length=int:16384")
 	cfg := func(host string) string {
 		return fmt.Sprintf(`{"block_tokens": 256, "pool_bytes": %d, "arbiter": {"policy": "always-restore"}, "directory": {"kind": "etcd", "endpoints": [%q], "prefix": "/kinds/%s/%s/%d"}, "transport": {"kind": "mooncake", "lib": %q}}`,
-			int64(1)<<30, etcd, host, name, p, mockTE)
+			int64(2)<<30, etcd, host, name, p, mockTE)
 	}
 	stock := testenv.StartLlama(b, "stock", testenv.StockServer(b), args)
 	patched := func(n string) *testenv.Llama {
@@ -131,16 +150,35 @@ func memoryKindRow(b *testing.B, etcd, name, arch string, p, rounds int) kindRow
 			s.Stop()
 		}
 	}()
-	prefix := kindTokens(p, 7, 3)
-	computing := testenv.Cat(prefix, kindTokens(ttftSuffix, 11, 5))
-	measured := testenv.Cat(prefix, kindTokens(ttftSuffix, 13, 9))
-	held := testenv.Complete(b, x.URL, testenv.Request{Prompt: computing, Slot: 0, NPredict: 1})
-	testenv.Complete(b, proxies[0].URL, testenv.Request{Prompt: computing, Slot: -1, NPredict: 1})
-	waitMirroredBlocks(b, y.URL, p/256)
-	waitMirroredBlocks(b, proxies[1].URL, p/256)
+	own := kindTokens(ttftSuffix, 11, 5)
+	row := kindRow{Model: name, SharedTokens: p}
+	// The holders' rounds, each on a prefix of its own (the pools hold all
+	// of them), the shared prefix last. Each round ends when the askers'
+	// mirrors know its blocks and snapshots: the holders' saves and
+	// publishing, which follow the answer, are over before the next
+	// measurement.
+	snapshotPrompts := func() float64 {
+		return testenv.Metrics(b, proxies[0].URL+"/metrics")["mcproxy_snapshot_prompts_total"]
+	}
+	patchedHeld, proxyHeld := 0, 0
+	for r := rounds - 1; r >= 0; r-- {
+		computing := testenv.Cat(kindTokens(p, 7, 3+r), own)
+		settle()
+		d, held := ttft(b, x.URL, computing, 0, nil)
+		row.HolderRounds = append(row.HolderRounds, ms(d))
+		row.Snapshots = held.MCB.Snapshots
+		patchedHeld += p/256 + held.MCB.Snapshots
+		waitMirroredBlocks(b, y.URL, patchedHeld)
+		before := snapshotPrompts()
+		settle()
+		d, _ = ttft(b, proxies[0].URL, computing, -1, nil)
+		row.ProxyHolderRounds = append(row.ProxyHolderRounds, ms(d))
+		row.ProxySnapshots = snapshotPrompts() - before
+		proxyHeld += p/256 + int(row.ProxySnapshots)
+		waitMirroredBlocks(b, proxies[1].URL, proxyHeld)
+	}
 
-	row := kindRow{Model: name, SharedTokens: p, Snapshots: held.MCB.Snapshots,
-		ProxySnapshots: testenv.Metrics(b, proxies[0].URL+"/metrics")["mcproxy_snapshot_prompts_total"]}
+	measured := testenv.Cat(kindTokens(p, 7, 3), kindTokens(ttftSuffix, 13, 9))
 	var restoreMS []float64
 	row.SameAsStock = true
 	for r := range rounds {
@@ -168,5 +206,7 @@ func memoryKindRow(b *testing.B, etcd, name, arch string, p, rounds int) kindRow
 	row.StockMS, row.RestoreTTFTms, row.RestoreMS = medianF(row.StockRounds), medianF(row.RestoreRounds), medianF(restoreMS)
 	row.ProxyTTFTms = medianF(row.ProxyRounds)
 	row.Cut, row.ProxyCut = row.StockMS/row.RestoreTTFTms, row.StockMS/row.ProxyTTFTms
+	row.HolderTTFTms, row.ProxyHolderTTFTms = medianF(row.HolderRounds), medianF(row.ProxyHolderRounds)
+	row.HolderCost, row.ProxyHolderCost = row.HolderTTFTms/row.StockMS, row.ProxyHolderTTFTms/row.StockMS
 	return row
 }
