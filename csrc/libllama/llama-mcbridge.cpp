@@ -352,8 +352,9 @@ std::string why_not_served(llama_context * ctx) {
         return "recurrent model";
     }
     if (dynamic_cast<llama_memory_hybrid_iswa *>(mem) != nullptr) {
-        // Its partial state is the recurrent state alone: the attention's window cache
-        // is in neither the blocks nor a snapshot.
+        // Its partial state is the window cache and the recurrent state; LFM2 with a
+        // window has every attention layer in it, so the cache blocks would carry has no
+        // layer: a restore would be a snapshot alone.
         return "hybrid model with sliding-window attention";
     }
     if (dynamic_cast<llama_memory_hybrid_idx *>(mem) != nullptr) {
