@@ -150,11 +150,11 @@ func Register(b *bridge.Bridge, id Identity, probe kvlayout.Layout, cells []uint
 }
 
 // Snapshot is the snapshot of ld, a load of m, as the host's context reads
-// it: a window cache's state (llama_state_seq_get_data's, PARTIAL_ONLY)
-// framed for the context's KV streams,
-// whatever the stream count of the context that took it (llama.cpp's
-// state_read refuses a state of another count). nil for a model without a
-// partial state. The bytes are valid until the load ends.
+// it: a window cache's state (llama_state_seq_get_data's, PARTIAL_ONLY) is
+// framed for the context's KV streams, whatever the stream count of the
+// context that took it (llama.cpp's state_read refuses a state of another
+// count); any other partial state comes as it was taken. nil for a model
+// without a partial state. The bytes are valid until the load ends.
 func (m *Model) Snapshot(ld *bridge.Load) ([]byte, error) {
 	snap, err := ld.Snapshot()
 	if err != nil || snap == nil || m.partialKVStreams == 0 {
