@@ -173,24 +173,23 @@ func memoryKindRow(b *testing.B, etcd, name, arch string, p, rounds int) kindRow
 	for r := rounds - 1; r >= 0; r-- {
 		computing := testenv.Cat(kindTokens(p, 7, 3+r), own)
 		settle()
-		d, _ := ttft(b, stock.URL, computing, 1, map[string]any{"cache_prompt": false})
-		row.HolderStockRounds = append(row.HolderStockRounds, ms(d))
+		stockTTFT, _ := ttft(b, stock.URL, computing, 1, map[string]any{"cache_prompt": false})
 		settle()
-		d, held := ttft(b, x.URL, computing, 0, nil)
-		row.HolderRounds = append(row.HolderRounds, ms(d))
+		patchedTTFT, held := ttft(b, x.URL, computing, 0, nil)
 		row.Snapshots = held.MCB.Snapshots
 		patchedHeld += p/256 + held.MCB.Snapshots
 		waitMirroredBlocks(b, y.URL, patchedHeld)
 		before := snapshotPrompts()
 		settle()
-		d, _ = ttft(b, proxies[0].URL, computing, -1, nil)
-		row.ProxyHolderRounds = append(row.ProxyHolderRounds, ms(d))
+		proxyTTFT, _ := ttft(b, proxies[0].URL, computing, -1, nil)
 		row.ProxySnapshots = snapshotPrompts() - before
 		proxyHeld += p/256 + int(row.ProxySnapshots)
 		waitMirroredBlocks(b, proxies[1].URL, proxyHeld)
-		stockMS := row.HolderStockRounds[len(row.HolderStockRounds)-1]
-		holderCost = append(holderCost, row.HolderRounds[len(row.HolderRounds)-1]/stockMS)
-		proxyHolderCost = append(proxyHolderCost, row.ProxyHolderRounds[len(row.ProxyHolderRounds)-1]/stockMS)
+		row.HolderStockRounds = append(row.HolderStockRounds, ms(stockTTFT))
+		row.HolderRounds = append(row.HolderRounds, ms(patchedTTFT))
+		row.ProxyHolderRounds = append(row.ProxyHolderRounds, ms(proxyTTFT))
+		holderCost = append(holderCost, ms(patchedTTFT)/ms(stockTTFT))
+		proxyHolderCost = append(proxyHolderCost, ms(proxyTTFT)/ms(stockTTFT))
 	}
 
 	measured := testenv.Cat(kindTokens(p, 7, 3), kindTokens(ttftSuffix, 13, 9))
