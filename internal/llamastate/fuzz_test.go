@@ -57,7 +57,10 @@ func FuzzParse(f *testing.F) {
 		}
 	}
 	f.Add([]byte{})
+	f.Add(recurrentState(f, SlotFile, 3, 40))
+	f.Add(recurrentState(f, Memory, 8, 7))
 	f.Fuzz(func(t *testing.T, b []byte) {
+		fuzzRecurrent(t, b)
 		var before, after runtime.MemStats
 		runtime.ReadMemStats(&before)
 		st, err := Parse(b)
@@ -182,4 +185,15 @@ func oneStreamWithCells(ss []Stream) bool {
 		}
 	}
 	return n == 1
+}
+
+// fuzzRecurrent: what ParseRecurrent accepts builds back to the same bytes.
+func fuzzRecurrent(t *testing.T, b []byte) {
+	st, rec, err := ParseRecurrent(b)
+	if err != nil {
+		return
+	}
+	out, err := st.AppendRecurrent(nil, rec)
+	require.NoError(t, err, "ParseRecurrent accepted %d bytes that do not build", len(b))
+	require.True(t, bytes.Equal(out, b), "ParseRecurrent accepted %d bytes but built %d", len(b), len(out))
 }

@@ -292,41 +292,11 @@ func ParseLeading(b []byte) (*State, int, error) {
 // only when those bytes read as caches' states.
 func parse(b []byte, cellExt, kOnly bool) (*State, error) {
 	r := &reader{b: b, ext: cellExt, kOnly: kOnly}
-	magic, err := r.u32("magic")
-	if err != nil {
+	st := &State{CellExt: cellExt, KOnly: kOnly}
+	if err := r.frame(st); err != nil {
 		return nil, err
 	}
-	st := &State{CellExt: cellExt, KOnly: kOnly}
-	switch magic {
-	case SeqMagic:
-		st.Kind = Memory
-		if st.SeqID, err = r.i32("sequence id"); err != nil {
-			return nil, err
-		}
-	case SlotMagic:
-		st.Kind = SlotFile
-		version, err := r.u32("slot version")
-		if err != nil {
-			return nil, err
-		}
-		if version != SlotVersion {
-			return nil, status.Errorf(status.Unsupported, "slot file version %d (llama.cpp v0.5.0 writes %d)", version, SlotVersion)
-		}
-		n, err := r.u32("token count")
-		if err != nil {
-			return nil, err
-		}
-		words, _, err := r.bytes(uint64(n), 4, "token words")
-		if err != nil {
-			return nil, err
-		}
-		st.Words = make([]int32, n)
-		for i := range st.Words {
-			st.Words[i] = int32(binary.LittleEndian.Uint32(words[4*i:]))
-		}
-	default:
-		return nil, status.Errorf(status.Unsupported, "magic %#x: not a llama.cpp v0.5.0 sequence state or slot file", magic)
-	}
+	var err error
 	if st.Streams, err = r.streams(); err != nil {
 		return nil, err
 	}
@@ -334,6 +304,46 @@ func parse(b []byte, cellExt, kOnly bool) (*State, error) {
 		return st, status.Wrap(status.InvalidArg, &CachesError{Bytes: r.left()}, "")
 	}
 	return st, nil
+}
+
+// frame reads a state's framing, what comes before its memory's state:
+// the kind, and the sequence id or the slot file's token words.
+func (r *reader) frame(st *State) error {
+	magic, err := r.u32("magic")
+	if err != nil {
+		return err
+	}
+	switch magic {
+	case SeqMagic:
+		st.Kind = Memory
+		if st.SeqID, err = r.i32("sequence id"); err != nil {
+			return err
+		}
+	case SlotMagic:
+		st.Kind = SlotFile
+		version, err := r.u32("slot version")
+		if err != nil {
+			return err
+		}
+		if version != SlotVersion {
+			return status.Errorf(status.Unsupported, "slot file version %d (llama.cpp v0.5.0 writes %d)", version, SlotVersion)
+		}
+		n, err := r.u32("token count")
+		if err != nil {
+			return err
+		}
+		words, _, err := r.bytes(uint64(n), 4, "token words")
+		if err != nil {
+			return err
+		}
+		st.Words = make([]int32, n)
+		for i := range st.Words {
+			st.Words[i] = int32(binary.LittleEndian.Uint32(words[4*i:]))
+		}
+	default:
+		return status.Errorf(status.Unsupported, "magic %#x: not a llama.cpp v0.5.0 sequence state or slot file", magic)
+	}
+	return nil
 }
 
 // streams reads a KV cache's state: the stream count and the streams.
@@ -530,6 +540,16 @@ func (st *State) FrameInto(b []byte) error {
 // encode appends the state to w, the rows' bytes too, or, without rows,
 // only room for them, which w's capacity must hold.
 func (st *State) encode(w []byte, rows bool) []byte {
+	w = st.appendFrame(w)
+	w = appendCache(w, st.Streams, st.CellExt, st.KOnly, rows)
+	if st.Second != nil {
+		w = appendCache(w, st.Second, st.CellExt, st.KOnly, rows)
+	}
+	return w
+}
+
+// appendFrame appends the state's framing, as frame reads it.
+func (st *State) appendFrame(w []byte) []byte {
 	le := binary.LittleEndian
 	if st.Kind == SlotFile {
 		w = le.AppendUint32(w, SlotMagic)
@@ -541,10 +561,6 @@ func (st *State) encode(w []byte, rows bool) []byte {
 	} else {
 		w = le.AppendUint32(w, SeqMagic)
 		w = le.AppendUint32(w, uint32(st.SeqID))
-	}
-	w = appendCache(w, st.Streams, st.CellExt, st.KOnly, rows)
-	if st.Second != nil {
-		w = appendCache(w, st.Second, st.CellExt, st.KOnly, rows)
 	}
 	return w
 }
