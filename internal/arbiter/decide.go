@@ -76,7 +76,7 @@ type Input struct {
 	PromptTokens    int    // P: tokens in the prompt
 	BlockTokens     int    // B: tokens per block
 	MatchedBlocks   int    // m: leading blocks found in the cache
-	KVBytesPerToken int64  // KV bytes one token occupies, all layers
+	KVBytesPerToken int64  // KV bytes one token occupies, all layers: 0 for a memory that is all FixedBytes
 	Link            string // the source the blocks come from, e.g. "local" or a peer segment
 	// CachedTokens is how many leading tokens the host already holds,
 	// computed under the same scope: a restore replaces them, so it must
@@ -145,7 +145,7 @@ func round3(d time.Duration) time.Duration {
 func (a *Arbiter) Decide(in Input) Decision {
 	d := Decision{MatchedBlocks: in.MatchedBlocks, Policy: a.cfg.Policy}
 	if in.PromptTokens < 1 || in.PromptTokens > MaxPromptTokens || in.BlockTokens < 1 ||
-		in.MatchedBlocks < 0 || in.KVBytesPerToken < 1 || in.FixedBytes < 0 || in.CachedTokens < 0 || in.CachedTokens > in.PromptTokens {
+		in.MatchedBlocks < 0 || in.KVBytesPerToken < 0 || in.FixedBytes < 0 || in.KVBytesPerToken+in.FixedBytes == 0 || in.CachedTokens < 0 || in.CachedTokens > in.PromptTokens {
 		d.Reason = InvalidInput
 		return d
 	}

@@ -148,21 +148,32 @@ func abandoned(ctx context.Context) bool { return context.Cause(ctx) == errAband
 func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, snap *directory.Entry, layout kvlayout.Layout, cells []uint32, deadline time.Duration) (*Load, error) {
 	b := m.b
 	B := m.geo.BlockTokens
-	if len(cells) != len(tokens) {
-		return nil, status.Errorf(status.InvalidArg, "load of %d tokens into %d cells", len(tokens), len(cells))
-	}
-	if err := layout.Validate(&m.shape); err != nil {
-		return nil, err
-	}
-	if err := layout.CheckCells(cells); err != nil {
-		return nil, err
-	}
-	found := m.match(root, chain)
-	if len(found) == 0 {
-		return nil, status.Errorf(status.NotFound, "no block of these tokens is published")
-	}
-	if snap != nil && len(found) < len(chain) {
-		return nil, status.Errorf(status.NotFound, "%d of the %d blocks before the snapshot are published", len(found), len(chain))
+	var found []directory.Entry
+	if m.SnapshotOnly() {
+		// Nothing goes into cells: the snapshot is the whole state.
+		switch {
+		case snap == nil:
+			return nil, status.Errorf(status.NotFound, "no snapshot of the state after %d tokens", len(tokens))
+		case len(layout.Layers) != 0 || len(cells) != 0:
+			return nil, status.Errorf(status.Layout, "a load of a model without KV layers into %d layers and %d cells", len(layout.Layers), len(cells))
+		}
+	} else {
+		if len(cells) != len(tokens) {
+			return nil, status.Errorf(status.InvalidArg, "load of %d tokens into %d cells", len(tokens), len(cells))
+		}
+		if err := layout.Validate(&m.shape); err != nil {
+			return nil, err
+		}
+		if err := layout.CheckCells(cells); err != nil {
+			return nil, err
+		}
+		found = m.match(root, chain)
+		if len(found) == 0 {
+			return nil, status.Errorf(status.NotFound, "no block of these tokens is published")
+		}
+		if snap != nil && len(found) < len(chain) {
+			return nil, status.Errorf(status.NotFound, "%d of the %d blocks before the snapshot are published", len(found), len(chain))
+		}
 	}
 	if err := b.begin(); err != nil {
 		return nil, err
@@ -188,8 +199,11 @@ func (m *Model) loadBegin(root key.Hash, chain []key.BlockKey, tokens []int32, s
 	}
 	ld.ok = len(ld.blocks)
 	ld.placed.L = &ld.mu
+	if m.SnapshotOnly() {
+		parent = chain[len(chain)-1]
+	}
 	if snap != nil {
-		ld.snap = &snapshotFetch{entry: *snap, done: make(chan struct{}),
+		ld.snap = &snapshotFetch{entry: *snap, tokens: len(tokens), done: make(chan struct{}),
 			expect: pool.Expect{Key: snap.Key, Parent: parent, Model: m.fp, Tokens: tokens[len(tokens)-B:], Generation: snap.Loc.Generation}}
 		go ld.fetchSnapshot()
 	}
@@ -706,13 +720,16 @@ func (ld *Load) End() (LoadResult, error) {
 		Bytes:    int64(ld.ok) * int64(ld.m.geo.PayloadSize()),
 		Err:      ld.err,
 	}
+	if ld.m.SnapshotOnly() && ld.err == nil {
+		res.OKTokens = ld.snap.tokens
+	}
 	ld.observe()
 	ld.touchLocal()
 	b.noteRestored(ld.blocks[:ld.ok])
 	b.stats.load(res)
 	b.stats.add(&b.stats.sharedPoolBlocks, int64(mapped))
 	b.end()
-	if ld.err != nil && len(ld.blocks) > 0 {
+	if ld.err != nil && (len(ld.blocks) > 0 || ld.m.SnapshotOnly()) {
 		return res, ld.err
 	}
 	return res, nil
@@ -733,6 +750,12 @@ func (ld *Load) observe() {
 		snap = int64(ld.snap.entry.Loc.Length)
 	}
 	switch {
+	case ld.m.SnapshotOnly() && ld.err == nil:
+		b.arb.ObserveTransfer(b.linkFor(ld.snap.entry), snap, took)
+	case ld.m.SnapshotOnly():
+		if status.Of(ld.err) == status.Timeout {
+			b.arb.ObserveTransfer(b.linkFor(ld.snap.entry), snap, max(took, ld.deadline))
+		}
 	case ld.ok == len(ld.blocks) && ld.ok > 0:
 		b.arb.ObserveTransfer(b.linkFor(ld.blocks[0].entry), int64(ld.ok)*int64(ld.m.geo.PayloadSize())+snap, took)
 	case status.Of(ld.err) == status.Timeout:

@@ -55,6 +55,13 @@ func (m *Model) BlockTokens() int { return m.geo.BlockTokens }
 // BlockBytes is the pool size of one block.
 func (m *Model) BlockBytes() int { return m.geo.Size() }
 
+// SnapshotOnly says that the model's KV has no layers: all of its state is
+// the partial state (a recurrent memory: Mamba), one per sequence, so its
+// restores are a snapshot alone and its saves snapshots only. Its lookups
+// search the prompt's block boundaries for snapshots directly: no block of
+// it is ever published for a walk to find.
+func (m *Model) SnapshotOnly() bool { return m.geo.Layers() == 0 }
+
 // RegisterModel registers spec, or returns the model already registered
 // under the same fingerprint. Block size 0 takes the configured default.
 func (b *Bridge) RegisterModel(spec ModelSpec) (*Model, error) {
@@ -63,15 +70,23 @@ func (b *Bridge) RegisterModel(spec ModelSpec) (*Model, error) {
 	}
 	n := int(spec.Params.NLayer)
 	switch {
-	case n == 0 || n > pool.MaxLayers:
-		return nil, status.Errorf(status.InvalidArg, "model of %d layers (1..%d)", n, pool.MaxLayers)
+	case n == 0 && spec.Params.Partial == "":
+		return nil, status.Errorf(status.InvalidArg, "model of 0 layers without a partial state: nothing to restore")
+	case n > pool.MaxLayers:
+		return nil, status.Errorf(status.InvalidArg, "model of %d layers (0..%d)", n, pool.MaxLayers)
 	case len(spec.KRow) != n || len(spec.VRow) != n || len(spec.VElem) != n:
 		return nil, status.Errorf(status.InvalidArg, "model of %d layers with %d/%d/%d row sizes", n, len(spec.KRow), len(spec.VRow), len(spec.VElem))
 	case len(spec.Params.NEmbdKGQA) != n || len(spec.Params.NEmbdVGQA) != n:
 		return nil, status.Errorf(status.InvalidArg, "model of %d layers with %d/%d embedding sizes", n, len(spec.Params.NEmbdKGQA), len(spec.Params.NEmbdVGQA))
 	}
 	geo := pool.Geometry{BlockTokens: int(spec.Params.BlockTokens), KRow: spec.KRow, VRow: spec.VRow}
-	if err := geo.Validate(); err != nil {
+	if n == 0 {
+		// A memory that is all partial state (a recurrent one) has blocks
+		// of no layers: it saves and restores snapshots only.
+		if err := (&pool.Geometry{BlockTokens: geo.BlockTokens, KRow: []int{1}, VRow: []int{1}}).Validate(); err != nil {
+			return nil, err
+		}
+	} else if err := geo.Validate(); err != nil {
 		return nil, err
 	}
 	if int64(geo.Size()) > b.hold.Size()/2 {
@@ -282,12 +297,15 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32, cached int) (*Plan, erro
 	// argument would move every visited entry to the heap.
 	var first directory.Entry
 	seen, last := false, ""
-	matched := m.walk(root, chain, func(e directory.Entry) {
-		if !seen {
-			first, seen = e, true
-		}
-		last = e.Loc.Segment
-	})
+	matched := len(chain)
+	if !m.SnapshotOnly() {
+		matched = m.walk(root, chain, func(e directory.Entry) {
+			if !seen {
+				first, seen = e, true
+			}
+			last = e.Loc.Segment
+		})
+	}
 	if matched > 0 && matched < len(chain) {
 		// The holder of the last block found may have the next ones on
 		// its disk: ask (a notification, sent off this thread).
@@ -304,6 +322,14 @@ func (m *Model) Lookup(scope key.Scope, tokens []int32, cached int) (*Plan, erro
 		if len(snapAt) > 0 {
 			usable = snapAt[len(snapAt)-1]
 			snapBytes = int64(snaps[len(snaps)-1].Loc.Length)
+		}
+		if m.SnapshotOnly() {
+			// Blocks of no layers are never published: what matched is
+			// what the last snapshot covers, and it is the link.
+			matched = usable
+			if usable > 0 {
+				first = snaps[len(snaps)-1]
+			}
 		}
 	}
 	link := "none"

@@ -59,6 +59,9 @@ type SaveResult struct {
 func (m *Model) SaveBegin(scope key.Scope, layout kvlayout.Layout, tokens []int32, cells []uint32) (*Save, error) {
 	b := m.b
 	B := m.geo.BlockTokens
+	if m.SnapshotOnly() {
+		return nil, status.Errorf(status.Unsupported, "model %s has no KV layers: it saves snapshots only", m.fp)
+	}
 	if len(cells) != len(tokens) {
 		return nil, status.Errorf(status.InvalidArg, "save of %d tokens from %d cells", len(tokens), len(cells))
 	}

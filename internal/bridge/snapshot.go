@@ -200,6 +200,7 @@ func (m *Model) snapshotBoundaries(chain []key.BlockKey) ([]int, []directory.Ent
 type snapshotFetch struct {
 	entry  directory.Entry
 	expect pool.Expect
+	tokens int // the tokens the state is after
 	done   chan struct{} // closed once state or err is set
 
 	state   []byte // the verified state: pinned pool memory or staging, valid until release
@@ -280,7 +281,7 @@ func (ld *Load) Snapshot() ([]byte, error) {
 // blocks alone are no state the host can go on from.
 func (ld *Load) settleSnapshot() {
 	f := ld.snap
-	if f == nil || ld.ok == 0 {
+	if f == nil || (ld.ok == 0 && !ld.m.SnapshotOnly()) {
 		return
 	}
 	switch {

@@ -11,6 +11,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/bridge/bridgetest"
 	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
 	"github.com/mcbridge/mcbridge/internal/status"
 	"github.com/mcbridge/mcbridge/internal/transport"
@@ -191,4 +192,91 @@ func TestSnapshotMisuse(t *testing.T) {
 	bridgetest.SaveAll(t, partial, h, key.Scope{}, tokens, kvtest.SeqCells(8))
 	_, err := partial.LoadBegin(key.Scope{}, h.Layout(), tokens, kvtest.SeqCells(8))
 	require.Equal(t, status.NotFound, status.Of(err), "%v", err)
+}
+
+// registerSnapshotOnly registers a model whose state is all partial (a
+// recurrent memory): no KV layers.
+func registerSnapshotOnly(t *testing.T, b *bridge.Bridge) *bridge.Model {
+	t.Helper()
+	m, err := b.RegisterModel(bridge.ModelSpec{Params: key.Model{BlockTokens: 4, Partial: "state recurrent mamba bytes 1000"}})
+	require.NoError(t, err)
+	require.True(t, m.SnapshotOnly())
+	return m
+}
+
+// A model without KV layers restores a snapshot alone: from this process
+// or a peer, the last one taken on the prompt's block boundaries, verified
+// as any block; it saves no blocks, and a snapshot that fails verification
+// or a hung holder restores nothing.
+func TestSnapshotOnlyModel(t *testing.T) {
+	cfg := bridgetest.Config(t)
+	cfg.TransferTimeoutMS = 300
+	cfg.Arbiter.Policy = "always-restore"
+	a, b := bridgetest.Open(t, cfg, "a"), bridgetest.Open(t, cfg, "b")
+	ma, mb := registerSnapshotOnly(t, a), registerSnapshotOnly(t, b)
+	require.Equal(t, ma.Fingerprint(), mb.Fingerprint())
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(9)), 22)
+	restore := func(m *bridge.Model, tokens []int32) (*bridge.Plan, bridge.LoadResult, []byte, error) {
+		t.Helper()
+		p, err := m.Lookup(key.Scope{}, tokens, 0)
+		require.NoError(t, err)
+		if p.RestoreTokens == 0 {
+			return p, bridge.LoadResult{}, nil, nil
+		}
+		ld, err := p.Load(kvlayout.Layout{}, nil)
+		require.NoError(t, err)
+		snap, snapErr := ld.Snapshot()
+		snap = bytes.Clone(snap)
+		res, err := ld.End()
+		if err == nil {
+			err = snapErr
+		}
+		return p, res, snap, err
+	}
+
+	p, _, _, err := restore(mb, tokens)
+	require.NoError(t, err)
+	require.Zero(t, p.RestoreTokens, "nothing saved: %+v", p.Decision)
+	_, err = ma.SaveBegin(key.Scope{}, kvlayout.Layout{}, tokens[:8], kvtest.SeqCells(8))
+	require.Equal(t, status.Unsupported, status.Of(err), "a block save of a model without layers: %v", err)
+
+	before := a.Stats()
+	for _, n := range []int{8, 16} {
+		require.NoError(t, ma.SaveSnapshot(key.Scope{}, tokens[:n], partialState(tokens[:n], 1000)))
+	}
+	bridgetest.Published(t, a, before)
+	bridgetest.WaitFor(t, "the snapshots in b's mirror", func() bool { return mb.Mirrored() == 2 })
+
+	for name, m := range map[string]*bridge.Model{"own pool": ma, "peer": mb} {
+		p, got, snap, err := restore(m, tokens)
+		require.NoError(t, err, name)
+		require.Equal(t, 16, p.RestoreTokens, "%s: the last snapshot on the prompt: %+v", name, p.Decision)
+		require.Equal(t, 4, p.MatchedBlocks, name)
+		require.Equal(t, 16, got.OKTokens, "%s: %+v", name, got)
+		require.Equal(t, partialState(tokens[:16], 1000), snap, name)
+	}
+	other := append(append([]int32(nil), tokens[:13]...), 7, 7, 7, 7, 7)
+	_, got, snap, err := restore(mb, other)
+	require.NoError(t, err)
+	require.Equal(t, 8, got.OKTokens, "a prompt that leaves the chain before 16 tokens")
+	require.Equal(t, partialState(tokens[:8], 1000), snap)
+
+	p, err = mb.Lookup(key.Scope{}, tokens, 0)
+	require.NoError(t, err)
+	_, err = p.Load(kvlayout.Layout{}, kvtest.SeqCells(16))
+	require.Equal(t, status.Layout, status.Of(err), "cells for a load with nothing to put in them: %v", err)
+
+	chain := key.Chain(key.Root(ma.Fingerprint(), key.Scope{}), tokens, 4)
+	held, ok := a.Holdings().Get(key.Snapshot(chain[3]))
+	require.True(t, ok)
+	a.Holdings().Bytes(held.Off, held.Size)[held.Size-100] ^= 0x5a
+	_, got, snap, err = restore(mb, tokens)
+	require.Equal(t, status.Corrupt, status.Of(err), "%v", err)
+	require.Zero(t, got.OKTokens)
+	require.Nil(t, snap)
+
+	a.Transport().(*transport.Loopback).SetFault(transport.Fault{Kind: transport.Delay, Arg: int64(time.Hour)})
+	_, got, _, err = restore(mb, other)
+	require.Equal(t, status.Timeout, status.Of(err), "%v", err)
+	require.Zero(t, got.OKTokens)
 }
