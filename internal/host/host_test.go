@@ -710,7 +710,7 @@ func TestStateSnapshotsOfARecurrentState(t *testing.T) {
 	assert.Equal(t, "state recurrent qwen35 bytes 24", named, "the partial state's name in the fingerprint")
 	mb, nStream, err := RegisterState(bb, Identity{GGUFPath: model, StateSnapshots: true}, probe)
 	require.NoError(t, err)
-	for arch, says := range map[string]string{"mamba2": "a snapshot alone", "qwen4exp": "an indexer cache", "lfm2": "a sliding window"} {
+	for arch, says := range map[string]string{"qwen4exp": "an indexer cache", "lfm2": "a sliding window"} {
 		window := uint32(0)
 		if arch == "lfm2" {
 			window = 16
@@ -741,6 +741,74 @@ func TestStateSnapshotsOfARecurrentState(t *testing.T) {
 	for p := 0; p < 8; p++ {
 		assert.Equal(t, hostRows(h, int(cells[p])), got[p], "position %d", p)
 	}
+}
+
+// recurrentSlot is a slot file of a memory that is one recurrent state
+// after tokens: the state's cell at the last position, then bytes standing
+// for its tensors, which depend on the tokens.
+func recurrentSlot(t *testing.T, tokens []int32) []byte {
+	t.Helper()
+	le := binary.LittleEndian
+	rec := le.AppendUint32(le.AppendUint32(le.AppendUint32(nil, 1), uint32(len(tokens)-1)), 0)
+	for i := range 40 {
+		rec = append(rec, byte(int(tokens[len(tokens)-1])+len(tokens)+i))
+	}
+	st := &llamastate.State{Kind: llamastate.SlotFile, Words: ServerWords(tokens)}
+	out, err := st.AppendRecurrent(nil, rec)
+	require.NoError(t, err)
+	return out
+}
+
+// A memory that is one recurrent state (Mamba) registers as a model
+// without KV layers, keyed by its probe's state: its snapshots are its
+// whole state, and a restore is the last one on the prompt, framed as the
+// asking host reads it.
+func TestStateSnapshotsOfARecurrentMemory(t *testing.T) {
+	ba, bb := snapshotBridges(t)
+	model := headerOnlyGGUF(t, "mamba2", 0)
+	probe := recurrentSlot(t, ProbeTokens())
+	_, _, err := RegisterState(ba, Identity{GGUFPath: model}, probe)
+	assert.Equal(t, status.Unsupported, status.Of(err), "a host without snapshots: %v", err)
+	_, _, err = RegisterState(ba, Identity{GGUFPath: model, StateSnapshots: true}, recurrentSlot(t, ProbeTokens()[:7]))
+	assert.Equal(t, status.InvalidArg, status.Of(err), "a probe state of other tokens: %v", err)
+	ma, _, err := RegisterState(ba, Identity{GGUFPath: model, StateSnapshots: true}, probe)
+	require.NoError(t, err)
+	assert.True(t, ma.SnapshotOnly())
+	assert.Equal(t, 4, ma.SnapshotTokens())
+	assert.Zero(t, ma.SnapshotsRestoreAfter())
+	mb, nStream, err := RegisterState(bb, Identity{GGUFPath: model, StateSnapshots: true}, probe)
+	require.NoError(t, err)
+	require.Equal(t, ma.Fingerprint(), mb.Fingerprint())
+	other := append(bytes.Clone(probe[:len(probe)-1]), probe[len(probe)-1]^1)
+	mc, _, err := RegisterState(bb, Identity{GGUFPath: model, StateSnapshots: true}, other)
+	require.NoError(t, err)
+	assert.NotEqual(t, ma.Fingerprint(), mc.Fingerprint(), "other numerics are another model")
+
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(5)), 13)
+	require.Error(t, ma.SaveStateSnapshot(key0(), recurrentSlot(t, tokens[:8]), tokens[:4]), "a state at 8 for a snapshot at 4")
+	require.Error(t, ma.SaveStateSnapshot(key0(), recurrentSlot(t, tokens[1:9]), tokens[:8]), "a file of other tokens")
+	require.NoError(t, ma.SaveStateSnapshot(key0(), recurrentSlot(t, tokens[:8]), tokens[:8]))
+	assert.Equal(t, []int{4, 12}, ma.MissingSnapshots(key0(), tokens, 0))
+	_, err = ma.SaveState(key0(), recurrentSlot(t, tokens), tokens)
+	assert.Equal(t, status.Unsupported, status.Of(err), "blocks of a memory without KV: %v", err)
+	st, err := ma.ParseState(recurrentSlot(t, tokens))
+	require.NoError(t, err)
+	words, err := st.PromptTokens()
+	require.NoError(t, err)
+	assert.Equal(t, tokens, words)
+
+	plan := planOf(t, mb, tokens, 8)
+	blob, res, err := mb.RestoreState(plan, Frame{Kind: llamastate.SlotFile, NStream: nStream}, func(n int) []byte { return make([]byte, n) })
+	require.NoError(t, err)
+	require.Equal(t, 8, res.OKTokens)
+	assert.Equal(t, recurrentSlot(t, tokens[:8]), blob, "the slot file llama-server wrote after 8 tokens")
+	blob, res, err = mb.RestoreState(plan, Frame{Kind: llamastate.Memory, NStream: nStream, SeqID: 2}, func(n int) []byte { return make([]byte, n) })
+	require.NoError(t, err)
+	require.Equal(t, 8, res.OKTokens)
+	got, rec, err := llamastate.ParseRecurrent(blob)
+	require.NoError(t, err)
+	assert.Equal(t, int32(2), got.SeqID)
+	assert.Equal(t, recurrentSlot(t, tokens[:8])[12+4*len(ServerWords(tokens[:8])):], rec)
 }
 
 // A tensor host's window cache snapshot comes back framed for the asking

@@ -188,6 +188,9 @@ func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, in
 			if !id.StateSnapshots {
 				return nil, 0, status.Wrap(status.Unsupported, err, why)
 			}
+			if slices.Contains(recurrentArchs, mem.arch) {
+				return registerRecurrent(b, id, probeState)
+			}
 			if st, tail, id.Partial, err = partialProbe(mem, probeState); err != nil {
 				return nil, 0, status.Wrap(status.Unsupported, err, why)
 			}
@@ -253,6 +256,53 @@ func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, in
 	return m, len(st.Streams), nil
 }
 
+// registerRecurrent registers, from the probe's state, a memory that is
+// one recurrent state (Mamba): a model without KV layers
+// (bridge.Model.SnapshotOnly), whose states are snapshots alone. Its probe
+// digest is of the probe's recurrent state, which the weights and numerics
+// fix as they fix a KV probe's rows; its partial state is named by the
+// architecture and the state's size, which its shapes and types fix.
+func registerRecurrent(b *bridge.Bridge, id Identity, probe []byte) (*Model, int, error) {
+	st, rec, err := llamastate.ParseRecurrent(probe)
+	if err != nil {
+		return nil, 0, status.Wrap(status.Unsupported, err, "a recurrent memory's probe state")
+	}
+	if pos, _ := llamastate.RecurrentPos(rec); int(pos) != len(probeTokens)-1 {
+		return nil, 0, status.Errorf(status.InvalidArg, "the probe state is at position %d, the probe ends at %d", pos, len(probeTokens)-1)
+	}
+	if st.Kind == llamastate.SlotFile {
+		toks, err := st.PromptTokens()
+		if err != nil {
+			return nil, 0, err
+		}
+		if !equalTokens(toks, probeTokens) {
+			return nil, 0, status.Errorf(status.InvalidArg, "the probe state holds other tokens")
+		}
+	}
+	arch, content, err := modelFile(id.GGUFPath)
+	if err != nil {
+		return nil, 0, err
+	}
+	h := xxh3.New()
+	_, _ = h.Write(probeDomain)
+	_, _ = h.Write(key.TokenBytes(probeTokens))
+	_, _ = h.Write(rec)
+	p := key.Model{
+		LlamaVersion: LlamaVersion,
+		Arch:         arch,
+		ContentHash:  content,
+		KVProbe:      key.FromU128(h.Sum128()),
+		BlockTokens:  uint32(max(id.BlockTokens, 0)),
+		Extra:        id.Extra,
+		Partial:      fmt.Sprintf("state recurrent %s bytes %d", arch, len(rec)),
+	}
+	m, err := b.RegisterModel(bridge.ModelSpec{Params: p, Name: strings.TrimSuffix(filepath.Base(id.GGUFPath), ".gguf")})
+	if err != nil {
+		return nil, 0, err
+	}
+	return &Model{Model: m, tail: recurrentTail}, 1, nil
+}
+
 // partialProbe reads the probe state of a memory with a partial state: its
 // attention layers' KV cache, then the partial state, a window cache's
 // state (a sliding-window memory) or a recurrent state (a hybrid one). It
@@ -260,15 +310,13 @@ func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, in
 // fingerprint (key.Model.Partial): the window and the architecture from the
 // model file, the window cache's layers and types, or the recurrent
 // state's size (which its shapes and types fix), from the probe's state.
-// Recurrent-only memories have no KV cache, a hybrid memory with a
-// sliding window carries both a window cache and a recurrent state, and
-// one with an indexer cache (llama_memory_hybrid_idx) carries that cache
-// too: a state host restores none of them.
+// (Recurrent-only memories, which have no KV cache, are registerRecurrent's.)
+// A hybrid memory with a sliding window carries both a window cache and a
+// recurrent state, and one with an indexer cache (llama_memory_hybrid_idx)
+// carries that cache too: a state host restores neither.
 func partialProbe(mem memory, probe []byte) (*llamastate.State, stateTail, string, error) {
 	tail := windowTail
 	switch {
-	case slices.Contains(recurrentArchs, mem.arch):
-		return nil, noTail, "", status.Errorf(status.Unsupported, "no attention KV beside the recurrent state: a restore would be a snapshot alone")
 	case slices.Contains(hybridArchs, mem.arch) && mem.window > 0:
 		return nil, noTail, "", status.Errorf(status.Unsupported, "a hybrid memory with a sliding window: its partial state is a window cache and a recurrent state")
 	case slices.Contains(indexedHybridArchs, mem.arch):

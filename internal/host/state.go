@@ -8,6 +8,7 @@ import (
 
 	"github.com/mcbridge/mcbridge/internal/bridge"
 	"github.com/mcbridge/mcbridge/internal/key"
+	"github.com/mcbridge/mcbridge/internal/kvlayout"
 	"github.com/mcbridge/mcbridge/internal/llamastate"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
@@ -36,6 +37,10 @@ var ErrSecondCacheLacks = errors.New("the second KV cache lacks positions of the
 // attention layers' cache, the partial state that follows left out.
 func (m *Model) ParseState(state []byte) (*llamastate.State, error) {
 	switch {
+	case m.SnapshotOnly():
+		// A recurrent memory's: its framing, without streams.
+		st, _, err := llamastate.ParseRecurrent(state)
+		return st, err
 	case m.tail != noTail:
 		st, _, err := m.parseWithTail(state)
 		return st, err
@@ -75,6 +80,9 @@ func (m *Model) SaveStateSnapshot(scope key.Scope, state []byte, tokens []int32)
 	if m.tail == noTail {
 		return status.Errorf(status.Unsupported, "the model's states carry no partial state")
 	}
+	if m.SnapshotOnly() {
+		return m.saveRecurrentSnapshot(scope, state, tokens)
+	}
 	st, tail, err := m.parseWithTail(state)
 	if err != nil {
 		return err
@@ -101,11 +109,37 @@ func (m *Model) SaveStateSnapshot(scope key.Scope, state []byte, tokens []int32)
 	return m.SaveSnapshot(scope, tokens, tail)
 }
 
+// saveRecurrentSnapshot is SaveStateSnapshot of a memory that is one
+// recurrent state: the whole state after its framing, which must be at the
+// snapshot's last position.
+func (m *Model) saveRecurrentSnapshot(scope key.Scope, state []byte, tokens []int32) error {
+	st, rec, err := llamastate.ParseRecurrent(state)
+	if err != nil {
+		return err
+	}
+	if pos, _ := llamastate.RecurrentPos(rec); int(pos) != len(tokens)-1 {
+		return status.Errorf(status.InvalidArg, "a recurrent state at position %d for a snapshot after %d tokens", pos, len(tokens))
+	}
+	if st.Kind == llamastate.SlotFile {
+		toks, err := st.PromptTokens()
+		if err != nil {
+			return err
+		}
+		if !equalTokens(toks, tokens) {
+			return status.Errorf(status.InvalidArg, "the slot file lists other tokens than the snapshot's")
+		}
+	}
+	return m.SaveSnapshot(scope, tokens, rec)
+}
+
 // SaveState saves the full blocks of a state: its positions [0, len(tokens))
 // must hold tokens, computed from position 0 under scope. A state of two
 // caches must hold the blocks' positions in both: Merge copies them into
 // one layout of every layer first.
 func (m *Model) SaveState(scope key.Scope, state []byte, tokens []int32) (bridge.SaveResult, error) {
+	if m.SnapshotOnly() {
+		return bridge.SaveResult{}, status.Errorf(status.Unsupported, "a recurrent memory's states have no blocks: SaveStateSnapshot saves them")
+	}
 	st, err := m.ParseState(state)
 	if err != nil {
 		return bridge.SaveResult{}, err
@@ -195,6 +229,9 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 	if fr.NStream < 1 {
 		return nil, bridge.LoadResult{}, status.Errorf(status.InvalidArg, "a state of %d streams", fr.NStream)
 	}
+	if m.SnapshotOnly() {
+		return m.restoreRecurrent(p, fr, alloc)
+	}
 	empty := m.emptyState(fr, tokens)
 	// The rows are left for the load to fill: written here, they would
 	// be written twice. A state of two caches is framed again, and a
@@ -266,6 +303,42 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 		return nil, res, err
 	}
 	return append(out, tail...), res, loadErr
+}
+
+// restoreRecurrent is RestoreState of a memory that is one recurrent
+// state: the plan's snapshot, which must be at its last position, framed.
+func (m *Model) restoreRecurrent(p *bridge.Plan, fr Frame, alloc func(n int) []byte) ([]byte, bridge.LoadResult, error) {
+	tokens := p.Tokens()
+	ld, err := p.Load(kvlayout.Layout{}, nil)
+	if err != nil {
+		return nil, bridge.LoadResult{}, err
+	}
+	var out []byte
+	rec, err := ld.Snapshot()
+	if err == nil {
+		var pos int32
+		if pos, err = llamastate.RecurrentPos(rec); err == nil && int(pos) != len(tokens)-1 {
+			err = status.Errorf(status.Corrupt, "the snapshot after %d tokens is a recurrent state at position %d", len(tokens), pos)
+		}
+	}
+	if err == nil {
+		frame := &llamastate.State{Kind: fr.Kind, SeqID: fr.SeqID}
+		if fr.Kind == llamastate.SlotFile {
+			frame.Words = ServerWords(tokens)
+		}
+		out, err = frame.AppendRecurrent(alloc(frame.RecurrentSize(rec))[:0], rec)
+	}
+	res, endErr := ld.End()
+	if err == nil {
+		err = endErr
+	}
+	if err != nil || res.OKTokens == 0 {
+		if err == nil {
+			err = status.Errorf(status.Internal, "the load verified no snapshot")
+		}
+		return nil, res, err
+	}
+	return out, res, nil
 }
 
 // SnapshotsRestoreAfter is how many tokens a snapshot of the model's

@@ -70,7 +70,9 @@ func (ru *run) after() {
 	// the directory had every full block of that before the request,
 	// there is nothing to publish.
 	B := ru.lm.m.BlockTokens()
-	if (len(prompt)+predicted)/B <= matched {
+	if (len(prompt)+predicted)/B <= matched || ru.lm.m.SnapshotOnly() {
+		// A recurrent memory's states have no blocks to publish: its
+		// snapshots were taken before the request (snapshots).
 		p.stats.savesSkipped.Add(1)
 		return
 	}
