@@ -97,14 +97,8 @@ func (m *Model) SaveStateSnapshot(scope key.Scope, state []byte, tokens []int32)
 	if _, err := st.PositionCells(len(tokens)); err != nil {
 		return err
 	}
-	if st.Kind == llamastate.SlotFile {
-		toks, err := st.PromptTokens()
-		if err != nil {
-			return err
-		}
-		if !equalTokens(toks, tokens) {
-			return status.Errorf(status.InvalidArg, "the slot file lists other tokens than the snapshot's")
-		}
+	if err := slotListsTokens(st, tokens); err != nil {
+		return err
 	}
 	return m.SaveSnapshot(scope, tokens, tail)
 }
@@ -120,16 +114,26 @@ func (m *Model) saveRecurrentSnapshot(scope key.Scope, state []byte, tokens []in
 	if pos, _ := llamastate.RecurrentPos(rec); int(pos) != len(tokens)-1 {
 		return status.Errorf(status.InvalidArg, "a recurrent state at position %d for a snapshot after %d tokens", pos, len(tokens))
 	}
-	if st.Kind == llamastate.SlotFile {
-		toks, err := st.PromptTokens()
-		if err != nil {
-			return err
-		}
-		if !equalTokens(toks, tokens) {
-			return status.Errorf(status.InvalidArg, "the slot file lists other tokens than the snapshot's")
-		}
+	if err := slotListsTokens(st, tokens); err != nil {
+		return err
 	}
 	return m.SaveSnapshot(scope, tokens, rec)
+}
+
+// slotListsTokens checks that a slot file lists exactly tokens; other
+// states list none.
+func slotListsTokens(st *llamastate.State, tokens []int32) error {
+	if st.Kind != llamastate.SlotFile {
+		return nil
+	}
+	toks, err := st.PromptTokens()
+	if err != nil {
+		return err
+	}
+	if !equalTokens(toks, tokens) {
+		return status.Errorf(status.InvalidArg, "the slot file lists other tokens than the snapshot's")
+	}
+	return nil
 }
 
 // SaveState saves the full blocks of a state: its positions [0, len(tokens))
