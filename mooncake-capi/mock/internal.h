@@ -87,6 +87,8 @@ HIDDEN int hello_decode(const uint8_t *p, size_t n, struct hello *out);
 
 /* Blocking socket helpers; timeout_ms < 0 waits forever. They return 0, or a
  * negative errno (-ETIMEDOUT on deadline, -ECONNRESET on EOF). */
+HIDDEN int io_connect(int fd, const struct sockaddr *addr, socklen_t len,
+                      int timeout_ms);
 HIDDEN int io_send_all(int fd, const void *buf, size_t n, int timeout_ms);
 HIDDEN int io_recv_all(int fd, void *buf, size_t n, int timeout_ms);
 

@@ -71,19 +71,16 @@ int resolve_addr(const char *host, const char *port,
     return 0;
 }
 
+static int io_error(int rc) { return rc == -ETIMEDOUT ? -TE_CLOCK : -TE_SOCKET; }
+
 static int dial(struct engine *e, struct peer *p) {
     int fd = socket(p->addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return -TE_SOCKET;
-    if (e->io_timeout_ms > 0) {
-        struct timeval tv = {.tv_sec = e->io_timeout_ms / 1000,
-                             .tv_usec = (e->io_timeout_ms % 1000) * 1000};
-        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-    }
-    if (connect(fd, (struct sockaddr *)&p->addr, p->addrlen)) {
-        /* SO_SNDTIMEO bounds connect: EINPROGRESS means it timed out. */
-        int timed_out = errno == EINPROGRESS || errno == ETIMEDOUT;
+    int rc = io_connect(fd, (struct sockaddr *)&p->addr, p->addrlen,
+                        e->io_timeout_ms);
+    if (rc) {
         close(fd);
-        return timed_out ? -TE_CLOCK : -TE_SOCKET;
+        return io_error(rc);
     }
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -114,8 +111,6 @@ void peer_drop_idle(struct peer *p) {
     while (p->nidle > 0) close(p->idle[--p->nidle]);
     pthread_mutex_unlock(&p->mu);
 }
-
-static int io_error(int rc) { return rc == -ETIMEDOUT ? -TE_CLOCK : -TE_SOCKET; }
 
 /* One request/reply exchange on fd. payload_in receives a READ reply. */
 static int exchange(struct engine *e, int fd, uint16_t type, uint64_t addr,

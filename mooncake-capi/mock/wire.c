@@ -1,5 +1,6 @@
 /* Frame encoding and socket I/O shared by the server and the client side. */
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
@@ -121,6 +122,32 @@ static int wait_fd(int fd, short events, int64_t deadline) {
         if (rc > 0) return 0;
         if (rc < 0 && errno != EINTR) return -errno;
     }
+}
+
+/*
+ * Connects fd within timeout_ms (< 0: no deadline). A blocking connect
+ * bounded by SO_SNDTIMEO fails with EINTR whenever a signal lands on the
+ * calling thread (signal(7): never restarted once a timeout is set), and a
+ * Go host's threads take signals at any time; so the connect runs
+ * non-blocking and the wait is a poll that resumes after a signal.
+ * 0, -ETIMEDOUT or -errno.
+ */
+int io_connect(int fd, const struct sockaddr *addr, socklen_t len,
+               int timeout_ms) {
+    int64_t deadline = timeout_ms < 0 ? -1 : mono_ms() + timeout_ms;
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK)) return -errno;
+    int rc = 0;
+    if (connect(fd, addr, len)) {
+        rc = errno == EINPROGRESS || errno == EINTR ? 0 : -errno;
+        if (rc == 0) rc = wait_fd(fd, POLLOUT, deadline);
+        int err = 0;
+        socklen_t n = sizeof(err);
+        if (rc == 0 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &n)) rc = -errno;
+        if (rc == 0 && err) rc = -err;
+    }
+    if (fcntl(fd, F_SETFL, flags) && rc == 0) rc = -errno;
+    return rc;
 }
 
 int io_send_all(int fd, const void *buf, size_t n, int timeout_ms) {

@@ -3,10 +3,14 @@ package mooncake
 import (
 	"io"
 	"net"
+	"os"
+	"runtime"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/transport"
@@ -27,10 +31,37 @@ type relay struct {
 func newRelay(t *testing.T, target string) *relay {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
+	r := relayOn(t, l, target)
+	go r.serve()
+	return r
+}
+
+// relayOn makes a relay on l that the caller starts (go r.serve()).
+func relayOn(t *testing.T, l net.Listener, target string) *relay {
 	r := &relay{l: l, target: target, budget: -1}
 	r.cond = sync.NewCond(&r.mu)
 	t.Cleanup(func() { _ = l.Close(); r.hold(-1) })
-	go r.serve()
+	return r
+}
+
+// newSlowDoor is a relay to target whose TCP handshakes stall: its accept
+// queue holds one connection (backlog 0) and already holds one, so the
+// kernel drops a dialer's SYN until the relay starts accepting, after
+// opening, and the dialer's retransmission (about 1 s later) gets in.
+func newSlowDoor(t *testing.T, target string, opening time.Duration) *relay {
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	require.NoError(t, err)
+	f := os.NewFile(uintptr(fd), "slow door")
+	defer f.Close()
+	require.NoError(t, syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}))
+	require.NoError(t, syscall.Listen(fd, 0))
+	l, err := net.FileListener(f)
+	require.NoError(t, err)
+	r := relayOn(t, l, target)
+	filler, err := net.Dial("tcp", l.Addr().String())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = filler.Close() })
+	time.AfterFunc(opening, r.serve)
 	return r
 }
 
@@ -132,4 +163,39 @@ func waitAll(t *testing.T, b *Batch) []transport.TaskStatus {
 	st, err := transport.Wait(t.Context(), b, 0, b.Tasks(), transport.DefaultBackoff)
 	require.NoError(t, err)
 	return st
+}
+
+// A signal landing on the thread that dials a peer must not fail the
+// dial. A Go host's threads take signals at any time (preemption, SIGCHLD,
+// SIGPROF), and a connect bounded by SO_SNDTIMEO returns EINTR on one
+// (signal(7)); the mock took that for an unreachable peer, a conformance
+// run's rare "unknown segment or unreachable peer" on loopback.
+func TestMockDialSurvivesSignals(t *testing.T) {
+	server, client := openEngine(t, mockLib), openEngine(t, mockLib)
+	door := newSlowDoor(t, server.LocalSegment(), 50*time.Millisecond)
+	name := cstr(t, door.l.Addr().String())
+
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	pid, tid := syscall.Getpid(), syscall.Gettid()
+	stop, stopped := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(stopped)
+		for sent := 0; ; sent++ {
+			select {
+			case <-stop:
+				assert.Positive(t, sent, "no signal reached the dialing thread")
+				return
+			case <-time.After(5 * time.Millisecond):
+				// SIGURG: the runtime's own preemption signal, which a
+				// thread in a C call ignores.
+				_ = syscall.Tgkill(pid, tid, syscall.SIGURG)
+			}
+		}
+	}()
+	start := time.Now()
+	id := raw(t, client, "openSegment", name)
+	close(stop)
+	<-stopped
+	assert.Positive(t, id, "openSegment through a stalled handshake, signalled every 5 ms for %v", time.Since(start))
 }
