@@ -15,10 +15,16 @@ namespace mcb_llama {
 
 // The KV cache of ctx's attention layers that blocks restore and save: the memory
 // itself when it is one plain llama_kv_cache, the full-attention cache of a
-// sliding-window memory (iSWA), the attention cache of a hybrid one; nullptr for any
-// other memory. What the memory holds besides it is its partial state
+// sliding-window memory (iSWA), the attention cache of a hybrid one or of an indexed
+// one (DSA, MSA); nullptr for any other memory. What the memory holds besides it is its partial state
 // (partial_state_of).
 llama_kv_cache * attn_kv(llama_context * ctx);
+
+// The cache an indexed memory keeps beside attn_kv (llama_kv_cache_dsa's indexer keys,
+// llama_kv_cache_msa's indexer cache), nullptr for any other memory. The memory edits
+// both alike and both hold a sequence in the same cells; blocks carry its layers after
+// the attention cache's.
+llama_kv_cache * companion_kv(llama_context * ctx);
 
 // A status with the bridge's last error message of this thread.
 std::string status_message(mcb_status st);

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -116,10 +117,16 @@ namespace {
 // the load writes the cells, and seq_restore_end waits for it.
 class bridge_reader : public llama_io_read_i {
 public:
-    bridge_reader(llama_kv_cache * kv, const llama_hparams & hp, const attachment & att, llama_seq_id seq_id,
-                  const llama_token * tokens, const std::vector<uint32_t> & cells, const std::vector<mcb_kv_layer> & layers) :
-        kv(kv), hp(hp), att(att), seq_id(seq_id), n_tokens((int32_t) cells.size()), cells(cells),
-        runs(runs_of(cells)), layers(layers), layer_ids(kv->get_layer_ids()) {
+    // The reader of cache kv, whose layers are storage layers [first, first + count)
+    // (an indexed memory's companion cache has layers of its own after the attention
+    // cache's), each read into layers[first + l].
+    bridge_reader(llama_kv_cache * kv, const llama_hparams & hp, const attachment & att, size_t first, size_t count,
+                  llama_seq_id seq_id, const llama_token * tokens, const std::vector<uint32_t> & cells,
+                  const std::vector<mcb_kv_layer> & layers) :
+        kv(kv), att(att), seq_id(seq_id), n_tokens((int32_t) cells.size()), cells(cells),
+        runs(runs_of(cells)), layers(layers.begin() + first, layers.begin() + first + count),
+        ks(att.storage.k.begin() + first, att.storage.k.begin() + first + count),
+        vs(att.storage.v.begin() + first, att.storage.v.begin() + first + count) {
         put<uint32_t>(kv->get_n_stream());
         // The cells go in the first stream section; state_read places a single-sequence
         // blob in the destination's own stream whichever section carries it.
@@ -136,32 +143,32 @@ public:
             put<int32_t>(seq_id);  // discarded: the destination is used
         }
         put<uint32_t>(att.v_trans ? 1 : 0);
-        put<uint32_t>((uint32_t) layer_ids.size());
-        const ggml_type tk = kv->type_k();
-        for (uint32_t il : layer_ids) {
-            put<int32_t>((int32_t) tk);
-            put<uint64_t>(ggml_row_size(tk, hp.n_embd_k_gqa(il)));
+        put<uint32_t>((uint32_t) ks.size());
+        // The widths are the tensors' (kv_format_rows), which the cache made from its
+        // own hyperparameters.
+        for (const ggml_tensor * k : ks) {
+            put<int32_t>((int32_t) k->type);
+            put<uint64_t>(k->nb[1]);
         }
         // state_read_data skips every layer whose V is null: a K-only cache's state
         // has no V section.
         if (!att.k_only) {
-            const ggml_type tv = kv->type_v(); // layer 0's V, which a K-only cache lacks
-            for (uint32_t il : layer_ids) {
-                put<int32_t>((int32_t) tv);
+            for (const ggml_tensor * v : vs) {
+                put<int32_t>((int32_t) v->type);
                 if (!att.v_trans) {
-                    put<uint64_t>(ggml_row_size(tv, hp.n_embd_v_gqa(il)));
+                    put<uint64_t>(v->nb[1]);
                 } else {
-                    put<uint32_t>((uint32_t) ggml_type_size(tv));
-                    put<uint32_t>(hp.n_embd_v_gqa(il));
+                    put<uint32_t>((uint32_t) ggml_type_size(v->type));
+                    put<uint32_t>((uint32_t) v->ne[0]);
                 }
             }
         }
         for (uint32_t s = 1; s < kv->get_n_stream(); s++) {
             put<uint32_t>(0);
         }
-        n_reads_total = layer_ids.size() * runs.size();
-        for (uint32_t il : layer_ids) {
-            n_reads_total += att.k_only ? 0 : runs.size() * (att.v_trans ? hp.n_embd_v_gqa(il) : 1);
+        n_reads_total = ks.size() * runs.size();
+        for (const ggml_tensor * v : vs) {
+            n_reads_total += att.k_only ? 0 : runs.size() * (att.v_trans ? (size_t) v->ne[0] : 1);
         }
     }
 
@@ -203,14 +210,14 @@ private:
     // of every layer (by row j when transposed; none in a K-only cache), one per run.
     void expect(ggml_tensor * t, size_t offset, size_t size) {
         const size_t R = runs.size();
-        const size_t L = layer_ids.size();
+        const size_t L = ks.size();
         size_t i = n_reads;
         size_t want_off, want_size;
         const void * want_data;
         if (i < L * R) {
             const size_t l = i / R;
             const cell_run & r = runs[i % R];
-            const size_t row = ggml_row_size(kv->type_k(), hp.n_embd_k_gqa(layer_ids[l]));
+            const size_t row = ks[l]->nb[1];
             want_off  = r.from * row;
             want_size = r.n * row;
             want_data = layers[l].k;
@@ -221,7 +228,7 @@ private:
             i -= L * R;
             size_t l = 0;
             for (; l < L; l++) {
-                const size_t per = R * (att.v_trans ? hp.n_embd_v_gqa(layer_ids[l]) : 1);
+                const size_t per = R * (att.v_trans ? (size_t) vs[l]->ne[0] : 1);
                 if (i < per) {
                     break;
                 }
@@ -232,11 +239,11 @@ private:
             }
             const cell_run & r = runs[i % R];
             if (!att.v_trans) {
-                const size_t row = ggml_row_size(kv->type_v(), hp.n_embd_v_gqa(layer_ids[l]));
+                const size_t row = vs[l]->nb[1];
                 want_off  = r.from * row;
                 want_size = r.n * row;
             } else {
-                const size_t el = ggml_type_size(kv->type_v());
+                const size_t el = ggml_type_size(vs[l]->type);
                 const size_t j  = i / R;
                 want_off  = (r.from + j * kv->get_size()) * el;
                 want_size = r.n * el;
@@ -252,14 +259,13 @@ private:
     }
 
     llama_kv_cache *      kv;
-    const llama_hparams & hp;
     const attachment &    att;
     const llama_seq_id    seq_id;
     const int32_t         n_tokens;
-    const std::vector<uint32_t>     cells;
-    const std::vector<cell_run>     runs;
-    const std::vector<mcb_kv_layer> layers;
-    const std::vector<uint32_t>     layer_ids;
+    const std::vector<uint32_t>      cells;
+    const std::vector<cell_run>      runs;
+    const std::vector<mcb_kv_layer>  layers; // the cache's, from the load's layout
+    const std::vector<ggml_tensor *> ks, vs; // the cache's K and V tensors (V null without V)
 
     std::vector<uint8_t> stream;
     size_t cur = 0;
@@ -368,12 +374,25 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
     // state goes too: until the restore ends, the sequence holds only the load's cells.
     llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1);
     out.seq_cleared = true;
-    const llama_kv_cache::slot_info sinfo = place(kv, llama_get_model(ctx)->hparams, seq_id, n_tokens);
+    const llama_hparams & hp = llama_get_model(ctx)->hparams;
+    const llama_kv_cache::slot_info sinfo = place(kv, hp, seq_id, n_tokens);
     if (sinfo.empty()) {
         mcb_plan_drop(plan);
         out.status = MCB_STATUS_LAYOUT;
         out.error  = "no room in the cache for " + std::to_string(n_tokens) + " cells";
         return out;
+    }
+    // An indexed memory's companion cache takes the same cells (register_with_probe):
+    // the load writes both caches' rows at them.
+    llama_kv_cache * kv2 = companion_kv(ctx);
+    if (kv2 != nullptr) {
+        const llama_kv_cache::slot_info sinfo2 = place(kv2, hp, seq_id, n_tokens);
+        if (sinfo2.idxs != sinfo.idxs || sinfo2.strm != sinfo.strm) {
+            mcb_plan_drop(plan);
+            out.status = MCB_STATUS_LAYOUT;
+            out.error  = "the indexer cache has other cells free than the attention cache";
+            return out;
+        }
     }
     // The load starts now, into cells that belong to no sequence yet (nothing reads
     // them), and runs while llama.cpp allocates them to seq_id, and after: until
@@ -407,13 +426,26 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
         return out;
     }
 
-    bridge_reader reader(kv, llama_get_model(ctx)->hparams, att, seq_id, tokens, cells, layers);
+    const size_t n_main = kv->get_layer_ids().size();
+    bridge_reader reader(kv, hp, att, 0, n_main, seq_id, tokens, cells, layers);
+    std::unique_ptr<bridge_reader> reader2;
+    if (kv2 != nullptr) {
+        reader2 = std::make_unique<bridge_reader>(kv2, hp, att, n_main, layers.size() - n_main, seq_id, tokens, cells,
+                                                  layers);
+    }
     llama_kv_cache::slot_info_vec_t placed(kv->get_n_stream());
     placed[0] = sinfo; // the blob's first section carries the cells
     try {
         kv->state_read_sinfo(reader, seq_id, 0, nullptr, &placed);
         if (!reader.complete()) {
             throw std::runtime_error("mcbridge: llama.cpp did not read the restore to its end");
+        }
+        if (reader2) {
+            llama_kv_cache::slot_info_vec_t placed2 = placed;
+            kv2->state_read_sinfo(*reader2, seq_id, 0, nullptr, &placed2);
+            if (!reader2->complete()) {
+                throw std::runtime_error("mcbridge: llama.cpp did not read the indexer cache's restore to its end");
+            }
         }
     } catch (const std::exception & e) {
         // A check failed: llama.cpp refused the cells (and removed the sequence), or
@@ -426,7 +458,9 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
             att.stage->release(staging); // nothing was uploaded from it
         }
         out.status = MCB_STATUS_LAYOUT;
-        out.error  = reader.error.empty() ? e.what() : reader.error;
+        out.error = !reader.error.empty()             ? reader.error
+                    : reader2 && !reader2->error.empty() ? reader2->error
+                                                         : e.what();
         llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1);
         return out;
     }
@@ -581,8 +615,12 @@ restore_result seq_restore_end(restore_op & op) {
     }
     if (out.n_tokens < op.n_tokens) {
         // A partial load: keep the verified prefix; the cells past it hold unverified
-        // bytes and leave the sequence.
+        // bytes and leave the sequence (of the companion cache too, which holds the
+        // same positions).
         kv->seq_rm(op.seq_id, out.n_tokens, -1);
+        if (llama_kv_cache * kv2 = companion_kv(op.ctx)) {
+            kv2->seq_rm(op.seq_id, out.n_tokens, -1);
+        }
     }
     mark_restored(kv, op.seq_id);
     return out;
@@ -649,6 +687,12 @@ save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scop
                 break;
             }
         }
+    }
+    if (llama_kv_cache * kv2 = companion_kv(ctx)) {
+        // The layout reads both caches' rows at the attention cache's cells: only the
+        // positions the companion holds in the same cells are published.
+        const std::vector<uint32_t> cells2 = seq_cells(kv2, seq_id, (int32_t) cells.size());
+        cells.resize(std::mismatch(cells.begin(), cells.end(), cells2.begin(), cells2.end()).first - cells.begin());
     }
     const int32_t n = (int32_t) cells.size();
     if (n == 0) {

@@ -125,12 +125,53 @@ process_state & state() {
 // so that a server with the bridge off pays one atomic load per cache edit.
 std::atomic<bool> g_tracking{false};
 
+// The format of the layers of a storage, read off its tensors (each [n_embd, kv_size,
+// n_stream], rows of nb[1] bytes), so that a companion cache's layers, whose widths
+// its own hyperparameters give, are described as the attention cache's are. Every
+// layer must have the types of the first.
+struct kv_format_rows {
+    std::vector<uint32_t> ek, ev, kr, vr;
+    ggml_type tk, tv;
+
+    kv_format_rows(const kv_storage & st, bool k_only) {
+        tk = st.k.at(0)->type;
+        // An MLA cache's format has V rows of 0 bytes and type_v the K type: no V type
+        // is written anywhere (include/mcbridge.h).
+        tv = k_only ? tk : st.v.at(0)->type;
+        for (size_t l = 0; l < st.k.size(); l++) {
+            const ggml_tensor * k = st.k[l];
+            const ggml_tensor * v = st.v[l];
+            if (k->type != tk || (v != nullptr && v->type != tv)) {
+                throw std::runtime_error("KV layer " + std::to_string(l) + " is of other types than layer 0");
+            }
+            ek.push_back((uint32_t) k->ne[0]);
+            kr.push_back((uint32_t) ggml_row_size(tk, k->ne[0]));
+            ev.push_back(v != nullptr ? (uint32_t) v->ne[0] : 0);
+            vr.push_back(v != nullptr ? (uint32_t) ggml_row_size(tv, v->ne[0]) : 0);
+        }
+    }
+
+    // Points into this.
+    mcb_kv_format format(bool v_trans) const {
+        mcb_kv_format f = {};
+        f.n_layer      = (uint32_t) ek.size();
+        f.n_embd_k_gqa = ek.data();
+        f.n_embd_v_gqa = ev.data();
+        f.k_row_bytes  = kr.data();
+        f.v_row_bytes  = vr.data();
+        f.type_k       = (int32_t) tk;
+        f.type_v       = (int32_t) tv;
+        f.v_trans      = v_trans;
+        return f;
+    }
+};
+
 // Decodes the probe prompt into sequence 0 of an empty cache and registers the model
 // with the KV it produced, learning where the cache's tensors are; the sequence is
 // emptied again either way.
 mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const mcb_model_params & params,
-                               const mcb_kv_format & format, bool v_trans, bool k_only, mcb_model & out,
-                               kv_storage & storage, std::shared_ptr<kv_stage> & stage, std::string & why) {
+                               bool v_trans, bool k_only, mcb_model & out, kv_storage & storage,
+                               std::shared_ptr<kv_stage> & stage, std::string & why) {
     llama_memory_t mem = llama_get_memory(ctx);
     if (llama_memory_seq_pos_max(mem, 0) >= 0) {
         why = "sequence 0 is not empty";
@@ -161,6 +202,18 @@ mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const m
                 throw std::runtime_error("the probe's positions are not all in the cache");
             }
             storage = capture_storage(kv, 0, k_only);
+            if (llama_kv_cache * kv2 = companion_kv(ctx)) {
+                // Its cells are the attention cache's: the memory edits both alike, and
+                // find_slot, given the same edits, picks the same cells in both.
+                if (seq_cells(kv2, 0, (int32_t) toks.size()) != cells) {
+                    throw std::runtime_error("the indexer cache holds the probe in other cells than the attention cache");
+                }
+                const kv_storage more = capture_storage(kv2, 0, k_only);
+                storage.k.insert(storage.k.end(), more.k.begin(), more.k.end());
+                storage.v.insert(storage.v.end(), more.v.begin(), more.v.end());
+            }
+            const kv_format_rows rows(storage, k_only);
+            const mcb_kv_format format = rows.format(v_trans);
             stage   = kv_stage::make(ctx, kv, storage, v_trans);
             const std::vector<mcb_kv_layer> layers = stream_layers(storage, kv->get_size(), v_trans, 0);
             mcb_kv_layout layout = layout_of(kv, v_trans, layers);
@@ -282,6 +335,23 @@ llama_kv_cache * attn_kv(llama_context * ctx) {
     if (auto * hybrid = dynamic_cast<llama_memory_hybrid *>(mem)) {
         return hybrid->get_mem_attn();
     }
+    if (auto * dsa = dynamic_cast<llama_kv_cache_dsa *>(mem)) {
+        return dsa->get_mla();
+    }
+    if (auto * msa = dynamic_cast<llama_kv_cache_msa *>(mem)) {
+        return msa->get_base();
+    }
+    return nullptr;
+}
+
+llama_kv_cache * companion_kv(llama_context * ctx) {
+    llama_memory_i * mem = llama_get_memory(ctx);
+    if (auto * dsa = dynamic_cast<llama_kv_cache_dsa *>(mem)) {
+        return dsa->get_lid();
+    }
+    if (auto * msa = dynamic_cast<llama_kv_cache_msa *>(mem)) {
+        return msa->get_idx();
+    }
     return nullptr;
 }
 
@@ -363,12 +433,6 @@ std::string why_not_served(llama_context * ctx) {
     if (dynamic_cast<llama_kv_cache_dsa_iswa *>(mem) != nullptr) {
         return "sliding-window attention with an indexer cache (DSA)";
     }
-    if (dynamic_cast<llama_kv_cache_dsa *>(mem) != nullptr) {
-        return "MLA with an indexer cache (DSA): not a plain KV cache";
-    }
-    if (dynamic_cast<llama_kv_cache_msa *>(mem) != nullptr) {
-        return "attention with an indexer cache (MSA)";
-    }
     if (dynamic_cast<llama_kv_cache_dsv4 *>(mem) != nullptr) {
         return "DeepSeek V4's token cache with compressed block caches";
     }
@@ -376,13 +440,15 @@ std::string why_not_served(llama_context * ctx) {
     if (kv == nullptr) {
         return "the context's memory is not a KV cache the bridge knows";
     }
-    if (dynamic_cast<llama_kv_cache *>(mem) == kv && hp.swa_type != LLAMA_SWA_TYPE_NONE) {
+    if ((dynamic_cast<llama_kv_cache *>(mem) == kv || companion_kv(ctx) != nullptr) &&
+        hp.swa_type != LLAMA_SWA_TYPE_NONE) {
         // A plain cache masks by the model's window whenever it has one (every plain
-        // cache llama_model::create_memory makes gets hparams.swa_type): it reuses the
-        // cells of positions left behind and its state leaves them out, so positions
-        // [0, P) are not what it holds. None of the pinned release's target contexts
-        // has one; an MTP draft's does, and it is refused above.
-        return "sliding-window attention in a single cache";
+        // cache llama_model::create_memory makes gets hparams.swa_type, and so do both
+        // caches of an indexed memory): it reuses the cells of positions left behind and
+        // its state leaves them out, so positions [0, P) are not what it holds. None of
+        // the pinned release's target contexts has one; an MTP draft's does, and it is
+        // refused above.
+        return "sliding-window attention in a cache without a window cache";
     }
     if (!cp.causal_attn) {
         return "non-causal attention";
@@ -401,29 +467,17 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
         return false;
     }
 
-    const std::vector<uint32_t> ids = kv->get_layer_ids();
-
     process_state & s = state();
     std::lock_guard<std::recursive_mutex> lk(s.mu);
     if (!ensure_bridge(s, why_off)) {
         return false;
     }
 
-    const ggml_type tk = kv->type_k();
     const bool v_trans = !cp.flash_attn;
     // An MLA cache allocates no V tensor in any layer (llama_kv_cache: has_v = !is_mla)
     // and its state has no V sections; hp.n_embd_v_gqa is the attention's V width, not
-    // the cache's. Its format has V rows of 0 bytes, and type_v the K type: no V type
-    // is written anywhere (include/mcbridge.h), and kv->type_v() reads layer 0's V.
+    // the cache's.
     const bool k_only = hp.is_mla();
-    const ggml_type tv = k_only ? tk : kv->type_v();
-    std::vector<uint32_t> ek, ev, kr, vr;
-    for (uint32_t il : ids) {
-        ek.push_back(hp.n_embd_k_gqa(il));
-        ev.push_back(k_only ? 0 : hp.n_embd_v_gqa(il));
-        kr.push_back((uint32_t) ggml_row_size(tk, ek.back()));
-        vr.push_back(k_only ? 0 : (uint32_t) ggml_row_size(tv, ev.back()));
-    }
 
     const std::string partial = partial_state_of(ctx);
     mcb_model_params p = {};
@@ -436,46 +490,43 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
         // for them.
         p.partial_kv_streams = iswa->get_swa()->get_n_stream();
     }
-    mcb_kv_format f = {};
-    f.n_layer      = (uint32_t) ids.size();
-    f.n_embd_k_gqa = ek.data();
-    f.n_embd_v_gqa = ev.data();
-    f.k_row_bytes  = kr.data();
-    f.v_row_bytes  = vr.data();
-    f.type_k       = (int32_t) tk;
-    f.type_v       = (int32_t) tv;
-    f.v_trans      = v_trans;
 
     mcb_model m = 0;
     kv_storage storage;
     std::shared_ptr<kv_stage> stage;
     std::string why_probe;
-    if (register_with_probe(ctx, kv, p, f, v_trans, k_only, m, storage, stage, why_probe) != MCB_STATUS_OK) {
+    if (register_with_probe(ctx, kv, p, v_trans, k_only, m, storage, stage, why_probe) != MCB_STATUS_OK) {
         why_off = "registering the model: " + why_probe;
         return false;
     }
+    const uint32_t n_layer   = (uint32_t) storage.k.size();
+    const uint32_t n_indexer = n_layer - (uint32_t) kv->get_layer_ids().size();
 
     attachment a;
     a.model   = m;
-    a.n_layer = f.n_layer;
+    a.n_layer = n_layer;
     a.v_trans = v_trans;
     a.k_only  = k_only;
     a.storage = storage;
     a.stage   = stage;
     a.snapshot_tokens = mcb_model_snapshot_tokens(m);
     std::ostringstream d;
-    d << model.arch_name() << ", " << f.n_layer << " KV layers, K " << ggml_type_name(tk);
+    d << model.arch_name() << ", " << n_layer << " KV layers";
+    if (n_indexer > 0) {
+        d << " (" << n_indexer << " of them an indexer cache's)";
+    }
+    d << ", K " << ggml_type_name(kv->type_k());
     if (k_only) {
         d << ", no V (MLA)";
     } else {
-        d << " V " << ggml_type_name(tv) << (v_trans ? " (V transposed)" : "");
+        d << " V " << ggml_type_name(kv->type_v()) << (v_trans ? " (V transposed)" : "");
     }
     d << ", " << kv->get_n_stream() << " stream(s) of " << kv->get_size() << " cells";
     if (a.snapshot_tokens > 0) {
         d << "; " << partial << ", snapshotted every " << a.snapshot_tokens << " tokens";
     }
     if (stage) {
-        d << ", KV on " << stage->where << " (" << stage->n_device << " of " << (k_only ? 1 : 2) * f.n_layer
+        d << ", KV on " << stage->where << " (" << stage->n_device << " of " << (k_only ? 1 : 2) * n_layer
           << " tensors, staged through host memory)";
     }
     a.describe = d.str();

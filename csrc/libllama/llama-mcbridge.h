@@ -45,6 +45,7 @@ const std::string & default_tenant();
 // The K and V tensors of every KV layer of a cache, each [n_embd, kv_size, n_stream]:
 // stream s of layer l starts s * nb[2] bytes into k[l] and v[l]. A K-only cache
 // (MLA: attention reads V out of K's latent) has no V tensors: every v[l] is null.
+// An indexed memory's layers are its attention cache's, then its indexer cache's.
 struct kv_storage {
     std::vector<ggml_tensor *> k;
     std::vector<ggml_tensor *> v;
