@@ -16,6 +16,7 @@
 #include "llama-mcbridge.h"
 #include "llama.h"
 
+#include <algorithm>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -43,6 +44,7 @@ struct kv_format {
     const char * name;
     bool         flash_attn;
     ggml_type    type_k;
+    ggml_type    type_v = GGML_TYPE_F16;
 };
 
 struct model_file {
@@ -65,6 +67,7 @@ struct context {
         cp.n_threads_batch = 2;
         cp.flash_attn_type = f.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
         cp.type_k          = f.type_k;
+        cp.type_v          = f.type_v;
         cp.no_perf         = true;
         ctx = llama_init_from_model(m.model, cp);
         if (ctx == nullptr) {
@@ -155,10 +158,13 @@ struct context {
     std::map<llama_pos, std::vector<uint8_t>> kv_by_pos(llama_seq_id seq) const { return mcb_test::kv_by_pos(blob(seq)); }
 };
 
+// The tokens every model of the run has (test-llama-archs' random models have 128).
+int g_vocab = 256;
+
 std::vector<llama_token> tokens(size_t n, int mul, int off) {
     std::vector<llama_token> t(n);
     for (size_t i = 0; i < n; i++) {
-        t[i] = (llama_token) ((i * mul + off) % 256);
+        t[i] = (llama_token) ((i * mul + off) % g_vocab);
     }
     return t;
 }
@@ -328,6 +334,18 @@ void clean_marks(const model_file & model, const kv_format & f) {
 
 } // namespace
 
+// Whether llama.cpp makes a context of f for m.
+bool takes(const model_file & m, const kv_format & f) {
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx           = 256;
+    cp.flash_attn_type = f.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cp.type_k          = f.type_k;
+    cp.type_v          = f.type_v;
+    llama_context * ctx = llama_init_from_model(m.model, cp);
+    llama_free(ctx);
+    return ctx != nullptr;
+}
+
 int main(int argc, char ** argv) {
     if (argc != 3) {
         fprintf(stderr, "usage: %s MODEL.gguf OTHER_MODEL.gguf\n", argv[0]);
@@ -349,9 +367,17 @@ int main(int argc, char ** argv) {
         return 2;
     }
 
+    for (const llama_model * m : {model.model, other.model}) {
+        g_vocab = std::min(g_vocab, llama_vocab_n_tokens(llama_model_get_vocab(m)));
+    }
+
     const kv_format fa_on  = {"fa-on-f16", true, GGML_TYPE_F16};
     const kv_format fa_off = {"fa-off-f16", false, GGML_TYPE_F16};
-    const kv_format bf16k  = {"fa-on-k-bf16", true, GGML_TYPE_BF16};
+    // Another K type; an MLA cache, whose V is a view of K, takes only K and V of one.
+    kv_format bf16k = {"fa-on-k-bf16", true, GGML_TYPE_BF16};
+    if (!takes(model, bf16k)) {
+        bf16k = {"fa-on-bf16", true, GGML_TYPE_BF16, GGML_TYPE_BF16};
+    }
 
     round_trip(model, fa_on);
     round_trip(model, fa_off);

@@ -105,12 +105,22 @@ func TestPatchesOnlyInsertHooks(t *testing.T) {
 // (csrc/testing/llama-mcbridge-test.cpp): byte-identical K and V
 // after a restore into scattered cells with flash attention on and off,
 // mismatches restoring nothing, rollback, clean marks.
+// The same over a memory of an MLA cache and its indexer's (DeepSeek 3.2,
+// llama_kv_cache_dsa), whose blocks carry both caches' layers.
 func TestStage2Contexts(t *testing.T) {
 	bin := filepath.Join(filepath.Dir(testenv.PatchedServer(t)), "llama-mcbridge-test")
-	out, err := exec.Command(bin, testenv.Model(t, "tiny", 0), testenv.Model(t, "tiny", 2)).CombinedOutput()
-	require.NoError(t, err, "%s", out)
-	assert.Contains(t, string(out), "all checks passed")
-	t.Logf("%d checks passed", strings.Count(string(out), "\nok "))
+	archs := testenv.ArchModels(t)
+	for _, run := range []struct{ name, model, other string }{
+		{"plain", testenv.Model(t, "tiny", 0), testenv.Model(t, "tiny", 2)},
+		{"dsa", filepath.Join(archs, "deepseek32-moe.gguf"), filepath.Join(archs, "deepseek2-moe.gguf")},
+	} {
+		t.Run(run.name, func(t *testing.T) {
+			out, err := exec.Command(bin, run.model, run.other).CombinedOutput()
+			require.NoError(t, err, "%s", out)
+			assert.Contains(t, string(out), "all checks passed")
+			t.Logf("%d checks passed", strings.Count(string(out), "\nok "))
+		})
+	}
 }
 
 // modes are the server settings a shared prefix must work under: flash
