@@ -89,6 +89,8 @@ var representatives = append([]archRun{
 	{model: "qwen3vl-dense"},                               // M-RoPE: cells carry a 2-D position and the token
 	{model: "deepseek2-moe"},                               // MLA: the cache holds K (the latent) and no V
 	{model: "deepseek2-moe", args: []string{"-fa", "off"}}, // MLA whose state says V transposed (of no V)
+	{model: "deepseek32-moe"},                              // MLA with an indexer cache (DSA): blocks carry both caches
+	{model: "minimax-m3-moe"},                              // attention with an indexer cache (MSA), on its later layers
 	// Memories with a partial state, restored from a snapshot beside the blocks
 	// (docs/design.md §5.9), which the proxy takes by stopping the prompt at each
 	// boundary.
@@ -104,6 +106,7 @@ var representatives = append([]archRun{
 	quantizedShape{model: "qwen3-dense"},
 	quantizedShape{model: "qwen3vl-dense"},
 	quantizedShape{model: "deepseek2-moe", mla: true},
+	quantizedShape{model: "deepseek32-moe", mla: true},
 	quantizedShape{model: "gemma3-dense"},
 	quantizedShape{model: "qwen35-dense"},
 )...)
@@ -403,16 +406,30 @@ func samePrefixKV(t *testing.T, slots string, x, y *testenv.Llama, n int) bool {
 		path := filepath.Join(slots, name)
 		b, err := os.ReadFile(path)
 		require.NoError(t, err)
-		// The attention cache's state; a window cache's or a recurrent state
-		// after it is the partial state, restored from a snapshot.
-		st, _, err := llamastate.ParseLeading(b)
-		require.NoError(t, err, "slot file %s", path)
-		sl, err := st.Slice(n)
-		require.NoError(t, err, "positions [0, %d) of %s", n, path)
-		prefixes[i], err = sl.Build()
-		require.NoError(t, err)
+		prefixes[i] = prefixKV(t, b, n, path)
 	}
 	return assert.True(t, slices.Equal(prefixes[0], prefixes[1]), "the restored prefix is the holder's KV, byte for byte")
+}
+
+// prefixKV is the state of positions [0, n) of a slot file's KV: of both
+// caches of an indexed memory (DSA, MSA: the attention cache and the
+// indexer's, which hold every position), else of the attention cache, which
+// a window cache's or a recurrent state follows as the partial state,
+// restored from a snapshot.
+func prefixKV(t *testing.T, b []byte, n int, path string) []byte {
+	var sl *llamastate.State
+	if two, err := llamastate.ParseTwoCaches(b); err == nil {
+		sl, _ = two.Merge(n) // a window cache lacks the positions it has moved past
+	}
+	if sl == nil {
+		st, _, err := llamastate.ParseLeading(b)
+		require.NoError(t, err, "slot file %s", path)
+		sl, err = st.Slice(n)
+		require.NoError(t, err, "positions [0, %d) of %s", n, path)
+	}
+	out, err := sl.Build()
+	require.NoError(t, err)
+	return out
 }
 
 var (
