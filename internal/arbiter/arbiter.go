@@ -239,6 +239,15 @@ func (a *Arbiter) liveLink(link string, now time.Time) *linkFit {
 	return nil
 }
 
+// Calibrated says whether link has a measurement of its own that has not
+// expired: until it has, its estimates are the configured prior's.
+func (a *Arbiter) Calibrated(link string) bool {
+	now := a.cfg.Now()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.liveLink(link, now) != nil
+}
+
 // linkVec is link's current coefficients [latency s, s per byte]. The
 // caller holds a.mu.
 func (a *Arbiter) linkVec(link string, now time.Time) vec {

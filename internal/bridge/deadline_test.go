@@ -1,12 +1,14 @@
 package bridge_test
 
 import (
+	"math/rand"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/bridge/bridgetest"
+	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -96,4 +98,47 @@ func TestLoadPollAndCancel(t *testing.T) {
 	require.True(t, ld.Poll(0), "an ended load stays over")
 	_, _, err = ld.Progress()
 	require.Equal(t, status.State, status.Of(err), "an ended load has no progress: %v", err)
+}
+
+// A first contact over a link slower than its prior, delivering layers when
+// the deadline passes, is not a hung peer: the miss calibrates the link and
+// leaves the peer in the plans. The next miss, judged against the
+// measurement, marks it down.
+func TestSlowFirstContactIsNotDown(t *testing.T) {
+	cfg := bridgetest.Config(t)
+	cfg.TransferTimeoutMS = 40
+	cfg.PeerDownMS = 10000
+	a := bridgetest.Open(t, cfg, "a")
+	// About 10 ms a layer for 16 tokens of 8 layers: a few layers arrive
+	// within the deadline, not all.
+	slow := cfg
+	slow.Transport.BandwidthGBps = 0.0002
+	b := bridgetest.Open(t, slow, "b")
+	src, dst := kvtest.New(t, 8, 32, 32, 32, false), kvtest.New(t, 8, 32, 32, 32, false)
+	ma, mb := bridgetest.Register(t, a, src, 4), bridgetest.Register(t, b, dst, 4)
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(23)), 16)
+	cells := kvtest.SeqCells(16)
+	src.Fill(tokens, cells)
+	bridgetest.SaveAll(t, ma, src, key.Scope{}, tokens, cells)
+
+	miss := func() {
+		t.Helper()
+		dst.Scribble()
+		ld, err := mb.LoadBegin(key.Scope{}, dst.Layout(), tokens, cells)
+		require.NoError(t, err)
+		res, err := ld.End()
+		require.Equal(t, status.Timeout, status.Of(err), "%v", err)
+		require.Less(t, res.OKTokens, 16)
+		require.NoError(t, dst.CheckRestored(tokens, cells, res.OKTokens))
+	}
+	link := b.LinkFor(directory.Entry{Loc: directory.Location{Segment: a.Transport().LocalSegment()}})
+	require.False(t, b.Arbiter().Calibrated(link))
+	miss()
+	require.Zero(t, b.Stats().PeersDown, "a slow first contact is no hung peer")
+	require.True(t, b.Arbiter().Calibrated(link), "the miss calibrated the link")
+	p, err := mb.Lookup(key.Scope{}, tokens, 0)
+	require.NoError(t, err)
+	require.Equal(t, 3, p.MatchedBlocks, "the peer stays in the plans (the last token is computed): %+v", p.Decision)
+	miss()
+	require.Equal(t, int64(1), b.Stats().PeersDown, "a calibrated link's miss marks the peer down")
 }

@@ -617,12 +617,23 @@ func (ld *Load) checkLayer(a arrival) int {
 
 // blame is the failure of remote block i, whose transfer failed with err:
 // a peer that timed out is marked down, unless the host abandoned the load,
-// which is then the failure.
+// which is then the failure, or the load was a first contact that was
+// delivering layers when its deadline passed. Such a deadline came from
+// the link's configured prior, not a measurement: a link slower than the
+// prior says (or a first handshake longer than the margin) is not a hung
+// peer, and marking it down would plan around it for peer_down_ms after one
+// slow first read. The load's observation calibrates the link, so its next
+// miss is judged as any other.
 func (ld *Load) blame(i int, err error) error {
 	if abandoned(ld.ctx) {
 		return errAbandoned
 	}
-	ld.m.b.peerFailed(ld.blocks[i].entry.Loc.Segment, err)
+	b, e := ld.m.b, ld.blocks[i].entry
+	// The worker writes layers, and blame runs on it.
+	if status.Of(err) == status.Timeout && ld.layers > 0 && !b.arb.Calibrated(b.linkFor(e)) {
+		return err
+	}
+	b.peerFailed(e.Loc.Segment, err)
 	return err
 }
 
