@@ -200,7 +200,7 @@ func (m *Model) snapshotBoundaries(chain []key.BlockKey) ([]int, []directory.Ent
 type snapshotFetch struct {
 	entry  directory.Entry
 	expect pool.Expect
-	tokens int // the tokens the state is after
+	tokens int           // the tokens the state is after
 	done   chan struct{} // closed once state or err is set
 
 	state   []byte // the verified state: pinned pool memory or staging, valid until release
