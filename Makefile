@@ -33,6 +33,7 @@ test: test-go test-cgocheck test-c test-bench test-llama-suite
 # Every Go package, the end-to-end suites (tests/e2e) included, under the race
 # detector.
 test-go: deps
+	@unformatted=$$(gofmt -l $$(git ls-files '*.go')); test -z "$$unformatted" || { echo "gofmt -l: $$unformatted"; exit 1; }
 	$(GO) vet ./...
 	$(GO) vet -tags demo ./demo/
 	$(E2E) $(GO) test -race -count=1 -timeout 45m ./...
@@ -44,11 +45,16 @@ test-cgocheck: deps
 test-c: deps
 	$(E2E) ctest --test-dir $(BUILD) --output-on-failure
 
-# The benchmarks of bench/ once each at the report's quick sizes, so that one
-# that no longer builds or runs fails the run (a few seconds); the report's own
-# run, with the end-to-end benchmarks, is bench-report.
-test-bench:
-	MCB_BENCH_QUICK=1 $(GO) test -run '^$$' -bench . -benchtime 1x -count 1 ./bench/
+# The report's benchmarks once each at its quick sizes, so that one that no
+# longer builds or runs fails the run (about a minute): bench/, and those of
+# internal/ and the router's that bench/cmd/report runs. The llama-server
+# benchmarks of bench/e2e and bench/agentapi (about nine minutes at the quick
+# sizes) run with the report's own run, bench-report.
+test-bench: deps
+	MCB_BENCH_QUICK=1 $(GO) test -run '^$$' -bench . -benchtime 1x -count 1 ./bench/ ./internal/residency/
+	$(E2E) MCB_BENCH_QUICK=1 $(GO) test -run '^$$' -bench PeerRead -benchtime 1x -count 1 ./internal/transport/mooncake/
+	$(E2E) MCB_BENCH_QUICK=1 $(GO) test -run '^$$' -bench Store -benchtime 1x -count 1 ./internal/store/mooncake/
+	$(E2E) MCB_BENCH_QUICK=1 $(GO) test -run '^$$' -bench Route -benchtime 1x -count 1 ./bench/route/
 
 # llama.cpp's own server test suite (pytest) against stock and the patched server with
 # the bridge on (tests/llamasuite): the whole suite in a swarm, its contract files with
