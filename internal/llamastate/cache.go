@@ -18,15 +18,27 @@ var ErrLeadHeld = errors.New("the cache state holds the lead cell's position")
 // the base cache's (ParseLeading's rest). cellExt and kOnly are the
 // variant of the state it came from, which its caches share.
 func ParseCache(b []byte, cellExt, kOnly bool) ([]Stream, error) {
-	r := &reader{b: b, ext: cellExt, kOnly: kOnly}
-	ss, err := r.streams()
+	ss, n, err := ParseCacheLeading(b, cellExt, kOnly)
 	if err != nil {
 		return nil, err
 	}
-	if r.left() != 0 {
-		return nil, status.Errorf(status.InvalidArg, "cache state: %d bytes after the last stream", r.left())
+	if n != 0 {
+		return nil, status.Errorf(status.InvalidArg, "cache state: %d bytes after the last stream", n)
 	}
 	return ss, nil
+}
+
+// ParseCacheLeading reads the first of the KV cache states b holds back to
+// back (ParseCache's input followed by more: a sliding-window memory with
+// an indexer cache writes its full-attention cache's, its indexer's, then
+// its window cache's) and says how many bytes follow it.
+func ParseCacheLeading(b []byte, cellExt, kOnly bool) ([]Stream, int, error) {
+	r := &reader{b: b, ext: cellExt, kOnly: kOnly}
+	ss, err := r.streams()
+	if err != nil {
+		return nil, 0, err
+	}
+	return ss, r.left(), nil
 }
 
 // CacheWithLead frames the KV cache state b (ParseCache's input, written

@@ -29,6 +29,11 @@ func TestCacheWithLead(t *testing.T) {
 		require.Error(t, err, "%s: a byte after the cache", file)
 		_, err = ParseCache(window[:len(window)-1], st.CellExt, st.KOnly)
 		require.Error(t, err, "%s: a cut cache", file)
+		// Two caches back to back: the leading one, and the bytes after it.
+		lead, after, err := ParseCacheLeading(append(bytes.Clone(window), window...), st.CellExt, st.KOnly)
+		require.NoError(t, err, "%s", file)
+		require.Equal(t, len(window), after)
+		require.Equal(t, ss, lead)
 
 		for _, nStream := range []int{1, 3} {
 			lead := Cell{Pos: 0, SeqIDs: []int32{st.Streams[si].Cells[0].SeqIDs[0]}}
