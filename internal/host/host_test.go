@@ -643,52 +643,121 @@ func TestStateSnapshotsOfAWindow(t *testing.T) {
 	_, _, named, err := partialProbe(memory{arch: "gemma3", window: 4}, probe)
 	require.NoError(t, err)
 	assert.Equal(t, "state window 4 layers 2 K 1 V 1 K 1 V 1", named, "the partial state's name in the fingerprint")
-	mb, nStream, err := RegisterState(bb, Identity{GGUFPath: model, StateSnapshots: true}, probe)
-	require.NoError(t, err)
-	require.Equal(t, ma.Fingerprint(), mb.Fingerprint())
+	mb, nStream := registerAgain(t, bb, ma, model, probe)
 
-	tokens := kvtest.Tokens(rand.New(rand.NewSource(3)), 13)
-	cells := kvtest.SeqCells(13)
-	h.Fill(tokens, cells)
+	tokens, cells := fill(h, 3, 13)
 	at8 := twoCaches(t, stateOf(t, h, cells[:8]), 4)
 	require.Error(t, ma.SaveStateSnapshot(key0(), at8, tokens[:4]), "a state of 8 positions for 4 tokens")
 	require.Error(t, ma.SaveStateSnapshot(key0(), stateOf(t, h, cells[:8]), tokens[:8]), "a state without its window cache")
 	require.NoError(t, ma.SaveStateSnapshot(key0(), at8, tokens[:8]))
 	assert.Equal(t, []int{4, 12}, ma.MissingSnapshots(key0(), tokens, 0))
 	assert.Equal(t, []int{12}, ma.MissingSnapshots(key0(), tokens, 8))
-	saved, err := ma.SaveState(key0(), twoCaches(t, stateOf(t, h, cells), 9), tokens)
+	blob := restoreEight(t, ma, mb, nStream, tokens, twoCaches(t, stateOf(t, h, cells), 9))
+	base, n, err := llamastate.ParseLeading(blob)
+	require.NoError(t, err)
+	checkRows(t, h, cells, "base", stateRows(t, base), 0)
+	checkWindow(t, h, cells, nStream, blob[len(blob)-n:])
+
+	// A window that holds position 0 passes no llama-server check: no
+	// restore.
+	require.NoError(t, ma.SaveStateSnapshot(key0(), twoCaches(t, stateOf(t, h, cells[:4]), 0), tokens[:4]))
+	plan := planOf(t, mb, tokens[:5], 4)
+	_, res, err := mb.RestoreState(plan, Frame{Kind: llamastate.Memory, NStream: nStream, SeqID: 1}, func(n int) []byte { return make([]byte, n) })
+	assert.Equal(t, status.Unsupported, status.Of(err), "%v", err)
+	assert.ErrorIs(t, err, llamastate.ErrLeadHeld)
+	assert.Zero(t, res.OKTokens)
+}
+
+// A sliding-window memory with an indexer cache (dots3,
+// llama_kv_cache_dsa_iswa) writes its full-attention cache's state, its
+// indexer's (every position too), then its window cache's: blocks carry
+// both full caches' layers, and a restore frames both before the window
+// snapshot.
+func TestStateSnapshotsOfAWindowWithAnIndexer(t *testing.T) {
+	ba, bb := snapshotBridges(t)
+	model := headerOnlyGGUF(t, "dots3note", 4)
+	h := kvtest.New(t, 2, 32, 32, 48, false)
+	// The full caches' state and the window cache's, of the same host rows.
+	state := func(cells []uint32, from int) []byte {
+		full := twoCaches(t, stateOf(t, h, cells), 0)
+		withWindow := twoCaches(t, stateOf(t, h, cells), from)
+		_, n, err := llamastate.ParseLeading(withWindow)
+		require.NoError(t, err)
+		return append(full, withWindow[len(withWindow)-n:]...)
+	}
+	h.Fill(ProbeTokens(), kvtest.SeqCells(8))
+	probe := state(kvtest.SeqCells(8), 4)
+	ma, _, err := RegisterState(ba, Identity{GGUFPath: model, StateSnapshots: true}, probe)
+	require.NoError(t, err)
+	assert.Equal(t, 2, ma.Format.SecondLayers, "the blocks hold the indexer cache's layers after the first cache's")
+	assert.Equal(t, 4, ma.SnapshotsRestoreAfter(), "the window")
+	mb, nStream := registerAgain(t, bb, ma, model, probe)
+
+	tokens, cells := fill(h, 4, 13)
+	require.NoError(t, ma.SaveStateSnapshot(key0(), state(cells[:8], 4), tokens[:8]))
+	blob := restoreEight(t, ma, mb, nStream, tokens, state(cells, 9))
+	base, n, err := llamastate.ParseLeading(blob)
+	require.NoError(t, err)
+	checkRows(t, h, cells, "full-attention", stateRows(t, base), 0)
+	indexer, n, err := llamastate.ParseCacheLeading(blob[len(blob)-n:], false, false)
+	require.NoError(t, err)
+	checkRows(t, h, cells, "indexer", stateRows(t, &llamastate.State{Streams: indexer}), 0)
+	checkWindow(t, h, cells, nStream, blob[len(blob)-n:])
+}
+
+// registerAgain registers the model of ma on b from the same probe, which
+// must give the same fingerprint, and returns the probe's stream count.
+func registerAgain(t *testing.T, b *bridge.Bridge, ma *Model, model string, probe []byte) (*Model, int) {
+	t.Helper()
+	mb, nStream, err := RegisterState(b, Identity{GGUFPath: model, StateSnapshots: true}, probe)
+	require.NoError(t, err)
+	require.Equal(t, ma.Fingerprint(), mb.Fingerprint())
+	return mb, nStream
+}
+
+// fill fills n random tokens (of seed) into h's cells 0..n-1.
+func fill(h *kvtest.Host, seed int64, n int) ([]int32, []uint32) {
+	tokens, cells := kvtest.Tokens(rand.New(rand.NewSource(seed)), n), kvtest.SeqCells(n)
+	h.Fill(tokens, cells)
+	return tokens, cells
+}
+
+// restoreEight saves full, the state of every one of tokens, through ma, and
+// restores the first 8 of them, whose snapshot ma holds, through mb.
+func restoreEight(t *testing.T, ma, mb *Model, nStream int, tokens []int32, full []byte) []byte {
+	t.Helper()
+	saved, err := ma.SaveState(key0(), full, tokens)
 	require.NoError(t, err)
 	require.Equal(t, 3, saved.Queued)
-
 	plan := planOf(t, mb, tokens, 8)
 	blob, res, err := mb.RestoreState(plan, Frame{Kind: llamastate.Memory, NStream: nStream, SeqID: 1}, func(n int) []byte { return make([]byte, n) })
 	require.NoError(t, err)
 	require.Equal(t, 8, res.OKTokens)
-	base, n, err := llamastate.ParseLeading(blob)
-	require.NoError(t, err)
-	got := stateRows(t, base)
-	require.Len(t, got, 8)
-	for p := 0; p < 8; p++ {
-		assert.Equal(t, hostRows(h, int(cells[p])), got[p], "base cache, position %d", p)
+	return blob
+}
+
+// checkRows checks that a cache's rows by position (stateRows) are h's at
+// cells for positions [from, 8) and nothing else.
+func checkRows(t *testing.T, h *kvtest.Host, cells []uint32, name string, got map[int][]byte, from int) {
+	t.Helper()
+	require.Len(t, got, 8-from, name)
+	for p := from; p < 8; p++ {
+		assert.Equal(t, hostRows(h, int(cells[p])), got[p], "%s cache, position %d", name, p)
 	}
-	win, err := llamastate.ParseCache(blob[len(blob)-n:], false, false)
+}
+
+// checkWindow checks a restored window cache's state after 8 tokens, a
+// window of 4: framed for nStream streams, the window's rows and the lead.
+func checkWindow(t *testing.T, h *kvtest.Host, cells []uint32, nStream int, b []byte) {
+	t.Helper()
+	win, err := llamastate.ParseCache(b, false, false)
 	require.NoError(t, err)
 	require.Len(t, win, nStream)
 	wrows := stateRows(t, &llamastate.State{Streams: win})
 	require.Len(t, wrows, 5, "the window's positions 4..7 and the lead")
 	assert.Equal(t, make([]byte, len(wrows[0])), wrows[0], "the lead's rows are zero")
-	for p := 4; p < 8; p++ {
-		assert.Equal(t, hostRows(h, int(cells[p])), wrows[p], "window cache, position %d", p)
-	}
-
-	// A window that holds position 0 passes no llama-server check: no
-	// restore.
-	require.NoError(t, ma.SaveStateSnapshot(key0(), twoCaches(t, stateOf(t, h, cells[:4]), 0), tokens[:4]))
-	plan = planOf(t, mb, tokens[:5], 4)
-	_, res, err = mb.RestoreState(plan, Frame{Kind: llamastate.Memory, NStream: nStream, SeqID: 1}, func(n int) []byte { return make([]byte, n) })
-	assert.Equal(t, status.Unsupported, status.Of(err), "%v", err)
-	assert.ErrorIs(t, err, llamastate.ErrLeadHeld)
-	assert.Zero(t, res.OKTokens)
+	delete(wrows, 0)
+	checkRows(t, h, cells, "window", wrows, 4)
 }
 
 // A hybrid memory's recurrent state travels as it is: a restore is the

@@ -304,8 +304,9 @@ func registerRecurrent(b *bridge.Bridge, id Identity, probe []byte) (*Model, int
 }
 
 // partialProbe reads the probe state of a memory with a partial state: its
-// attention layers' KV cache, then the partial state, a window cache's
-// state (a sliding-window memory) or a recurrent state (a hybrid one). It
+// attention layers' KV cache (with the indexer's as State.Second where a
+// window memory has one), then the partial state, a window cache's state
+// (a sliding-window memory) or a recurrent state (a hybrid one). It
 // returns the first, what follows it, and the partial state's name for the
 // fingerprint (key.Model.Partial): the window and the architecture from the
 // model file, the window cache's layers and types, or the recurrent
@@ -337,7 +338,17 @@ func partialProbe(mem memory, probe []byte) (*llamastate.State, stateTail, strin
 	}
 	ss, err := llamastate.ParseCache(rest, st.CellExt, st.KOnly)
 	if err != nil {
-		return nil, noTail, "", status.Wrap(status.InvalidArg, err, "the window cache's state")
+		// A sliding-window memory with an indexer cache (dots3,
+		// llama_kv_cache_dsa_iswa) writes its indexer's state, which keeps
+		// every position as the first cache does, before the window cache's.
+		second, n, err2 := llamastate.ParseCacheLeading(rest, st.CellExt, st.KOnly)
+		if err2 == nil && n > 0 && len(second) == len(st.Streams) {
+			ss, err2 = llamastate.ParseCache(rest[len(rest)-n:], st.CellExt, st.KOnly)
+		}
+		if err2 != nil || n == 0 || len(second) != len(st.Streams) {
+			return nil, noTail, "", status.Wrap(status.InvalidArg, err, "the window cache's state")
+		}
+		st.Second = second
 	}
 	si, err := (&llamastate.State{Streams: ss}).Sequence()
 	if err != nil {

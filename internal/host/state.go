@@ -51,11 +51,17 @@ func (m *Model) ParseState(state []byte) (*llamastate.State, error) {
 }
 
 // parseWithTail reads the state of a model with a partial state: its
-// attention layers' cache, and the partial state after it.
+// attention layers' cache (and the indexer's, State.Second, where the
+// model's blocks carry one), and the partial state after it.
 func (m *Model) parseWithTail(state []byte) (*llamastate.State, []byte, error) {
 	st, n, err := llamastate.ParseLeading(state)
 	if err != nil {
 		return nil, nil, err
+	}
+	if n > 0 && m.Format.SecondLayers > 0 {
+		if st.Second, n, err = llamastate.ParseCacheLeading(state[len(state)-n:], st.CellExt, st.KOnly); err != nil {
+			return nil, nil, status.Wrap(status.InvalidArg, err, "the indexer cache's state")
+		}
 	}
 	if n == 0 {
 		return nil, nil, status.Errorf(status.InvalidArg, "the state carries no partial state after its KV cache")
