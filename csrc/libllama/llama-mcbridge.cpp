@@ -329,6 +329,9 @@ llama_kv_cache * attn_kv(llama_context * ctx) {
     if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
         return iswa->get_base();
     }
+    if (auto * dsa_iswa = dynamic_cast<llama_kv_cache_dsa_iswa *>(mem)) {
+        return dsa_iswa->get_dsa()->get_mla();
+    }
     if (dynamic_cast<llama_memory_hybrid_idx *>(mem) != nullptr) {
         return nullptr; // its indexer cache is a third part, in neither state
     }
@@ -346,6 +349,9 @@ llama_kv_cache * attn_kv(llama_context * ctx) {
 
 llama_kv_cache * companion_kv(llama_context * ctx) {
     llama_memory_i * mem = llama_get_memory(ctx);
+    if (auto * dsa_iswa = dynamic_cast<llama_kv_cache_dsa_iswa *>(mem)) {
+        return dsa_iswa->get_dsa()->get_lid();
+    }
     if (auto * dsa = dynamic_cast<llama_kv_cache_dsa *>(mem)) {
         return dsa->get_lid();
     }
@@ -371,16 +377,40 @@ std::string layer_pattern(uint32_t n, F && is) {
 
 } // namespace
 
+namespace {
+
+// The window cache of a sliding-window memory (llama_kv_cache_iswa, and the DSA one
+// whose full-attention part has an indexer cache), nullptr for any other memory: what
+// its PARTIAL_ONLY state holds.
+const llama_kv_cache * window_kv(llama_context * ctx) {
+    llama_memory_i * mem = llama_get_memory(ctx);
+    if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+        return iswa->get_swa();
+    }
+    if (auto * dsa_iswa = dynamic_cast<llama_kv_cache_dsa_iswa *>(mem)) {
+        return dsa_iswa->get_swa();
+    }
+    return nullptr;
+}
+
+} // namespace
+
 std::string partial_state_of(llama_context * ctx) {
     const llama_hparams & hp = llama_get_model(ctx)->hparams;
     llama_memory_i * mem = llama_get_memory(ctx);
     std::ostringstream d;
-    if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+    if (const llama_kv_cache * swa = window_kv(ctx)) {
         // The window cache's state: which layers it holds, the window and its kind
         // (chunked attention is one); its rows are in the types the blocks are keyed by.
         d << "iswa window " << hp.n_swa << " type " << (int) hp.swa_type << " layers "
           << layer_pattern(hp.n_layer(), [&](uint32_t il) { return hp.is_swa(il); })
-          << " K " << ggml_type_name(iswa->get_swa()->type_k()) << " V " << ggml_type_name(iswa->get_swa()->type_v());
+          << " K " << ggml_type_name(swa->type_k());
+        // An MLA cache has no V tensor for type_v to read (dots3's window cache).
+        if (hp.is_mla()) {
+            d << " no V";
+        } else {
+            d << " V " << ggml_type_name(swa->type_v());
+        }
         return d.str();
     }
     if (auto * hybrid = dynamic_cast<llama_memory_hybrid *>(mem)) {
@@ -430,9 +460,6 @@ std::string why_not_served(llama_context * ctx) {
     if (dynamic_cast<llama_memory_hybrid_idx *>(mem) != nullptr) {
         return "hybrid model with an indexer cache";
     }
-    if (dynamic_cast<llama_kv_cache_dsa_iswa *>(mem) != nullptr) {
-        return "sliding-window attention with an indexer cache (DSA)";
-    }
     if (dynamic_cast<llama_kv_cache_dsv4 *>(mem) != nullptr) {
         return "DeepSeek V4's token cache with compressed block caches";
     }
@@ -440,14 +467,13 @@ std::string why_not_served(llama_context * ctx) {
     if (kv == nullptr) {
         return "the context's memory is not a KV cache the bridge knows";
     }
-    if ((dynamic_cast<llama_kv_cache *>(mem) == kv || companion_kv(ctx) != nullptr) &&
-        hp.swa_type != LLAMA_SWA_TYPE_NONE) {
-        // A plain cache masks by the model's window whenever it has one (every plain
-        // cache llama_model::create_memory makes gets hparams.swa_type, and so do both
-        // caches of an indexed memory): it reuses the cells of positions left behind and
-        // its state leaves them out, so positions [0, P) are not what it holds. None of
-        // the pinned release's target contexts has one; an MTP draft's does, and it is
-        // refused above.
+    if (window_kv(ctx) == nullptr && hp.swa_type != LLAMA_SWA_TYPE_NONE) {
+        // A cache outside a sliding-window memory masks by the model's window whenever
+        // it has one (every plain cache llama_model::create_memory makes gets
+        // hparams.swa_type, and so do both caches of an indexed memory): it reuses the
+        // cells of positions left behind and its state leaves them out, so positions
+        // [0, P) are not what it holds. None of the pinned release's target contexts
+        // has one; an MTP draft's does, and it is refused above.
         return "sliding-window attention in a cache without a window cache";
     }
     if (!cp.causal_attn) {
@@ -484,11 +510,11 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     p.llama_version = MCB_LLAMA_TAG;
     p.gguf_path     = gguf_path;
     p.partial_state = partial.empty() ? nullptr : partial.c_str();
-    if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(llama_get_memory(ctx))) {
+    if (const llama_kv_cache * swa = window_kv(ctx)) {
         // The window cache's state is framed by this context's streams (one a slot
         // with -np N, one when unified): the bridge frames other contexts' snapshots
         // for them.
-        p.partial_kv_streams = iswa->get_swa()->get_n_stream();
+        p.partial_kv_streams = swa->get_n_stream();
     }
 
     mcb_model m = 0;
