@@ -96,6 +96,7 @@ var representatives = append([]archRun{
 	// boundary.
 	{model: "gemma3-dense"},                                // sliding window (iSWA): the window cache
 	{model: "gpt-oss-moe"},                                 // sliding window, MoE
+	{model: "dots3note-moe"},                               // sliding window with an indexer cache (DSA) beside the full-attention MLA cache
 	{model: "llama4-moe", proxyOff: prefixInsideTheWindow}, // chunked attention (iSWA by chunks of 8192)
 	{model: "qwen35-dense"},                                // hybrid: gated delta-net state, M-RoPE
 	{model: "granitehybrid-dense"},                         // hybrid: Mamba 2 state
@@ -411,19 +412,21 @@ func samePrefixKV(t *testing.T, slots string, x, y *testenv.Llama, n int) bool {
 	return assert.True(t, slices.Equal(prefixes[0], prefixes[1]), "the restored prefix is the holder's KV, byte for byte")
 }
 
-// prefixKV is the state of positions [0, n) of a slot file's KV: of both
-// caches of an indexed memory (DSA, MSA: the attention cache and the
-// indexer's, which hold every position), else of the attention cache, which
-// a window cache's or a recurrent state follows as the partial state,
-// restored from a snapshot.
+// prefixKV is the state of positions [0, n) of a slot file's KV: of the
+// attention cache and, where the state holds an indexer cache after it (DSA,
+// MSA, which keep every position), of both; a window cache's state or a
+// recurrent state after them is the partial state, restored from a
+// snapshot.
 func prefixKV(t *testing.T, b []byte, n int, path string) []byte {
+	st, rest, err := llamastate.ParseLeading(b)
+	require.NoError(t, err, "slot file %s", path)
 	var sl *llamastate.State
-	if two, err := llamastate.ParseTwoCaches(b); err == nil {
+	if second, _, err := llamastate.ParseCacheLeading(b[len(b)-rest:], st.CellExt, st.KOnly); rest > 0 && err == nil {
+		two := *st
+		two.Second = second
 		sl, _ = two.Merge(n) // a window cache lacks the positions it has moved past
 	}
 	if sl == nil {
-		st, _, err := llamastate.ParseLeading(b)
-		require.NoError(t, err, "slot file %s", path)
 		sl, err = st.Slice(n)
 		require.NoError(t, err, "positions [0, %d) of %s", n, path)
 	}
@@ -455,7 +458,8 @@ func memoryKind(t *testing.T, logPath string) string {
 	case strings.Contains(log, "llama_memory_recurrent"):
 		kind = append(kind, "recurrent")
 	}
-	if strings.Contains(log, "creating     SWA KV cache") {
+	// llama_kv_cache_iswa's line, and llama_kv_cache_dsa_iswa's.
+	if strings.Contains(log, "creating     SWA KV cache") || strings.Contains(log, "creating SWA KV cache") {
 		kind = append(kind, "sliding-window")
 	}
 	if strings.Contains(log, "n_lora_kv") {
