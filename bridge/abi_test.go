@@ -523,14 +523,16 @@ func TestModelRegister(t *testing.T) {
 			status.InvalidArg},
 		{"no V dimensions", format(func(f *fixture, t *testing.T, p *cKVFormat) { p.NEmbdVGQA = f.c.u32s(t, []uint32{8, 4, 0}) }),
 			status.InvalidArg},
-		{"no V in some layers", format(func(f *fixture, t *testing.T, p *cKVFormat) {
+		// A layer may have no V (an indexer cache's beside an attention
+		// cache's): then its probe layer has no V tensor either.
+		{"no V in a layer whose probe has one", format(func(f *fixture, t *testing.T, p *cKVFormat) {
 			p.NEmbdVGQA, p.VRowBytes = f.c.u32s(t, []uint32{8, 0, 12}), f.c.u32s(t, []uint32{16, 0, 24})
-		}), status.InvalidArg},
-		{"V in some layers of a K-only model", func(f *fixture, t *testing.T, a *regArgs, r *registration) {
+		}), status.Layout},
+		{"V in a layer whose probe has none", func(f *fixture, t *testing.T, a *regArgs, r *registration) {
 			variant(kOnlyModel(false))(f, t, a, r)
 			fm := (*cKVFormat)(a.format)
 			fm.NEmbdVGQA, fm.VRowBytes = f.c.u32s(t, []uint32{0, 0, 12}), f.c.u32s(t, []uint32{0, 0, 24})
-		}, status.InvalidArg},
+		}, status.Layout},
 		{"K-only with V rows", func(f *fixture, t *testing.T, a *regArgs, r *registration) {
 			variant(kOnlyModel(false))(f, t, a, r)
 			(*cKVFormat)(a.format).VRowBytes = f.c.u32s(t, []uint32{16, 16, 16})
@@ -846,6 +848,7 @@ func TestRoundTrip(t *testing.T) {
 		src, dst []uint32
 		scoped   bool
 		kOnly    bool // the model has no V (MLA)
+		mixed    bool // its last layer has no V (an indexer cache's beside an attention cache's)
 	}{
 		{name: "row-major", src: wrapCells(n, 40, cells), dst: reversed(n, cells), pad: tight},
 		{name: "transposed V", vtrans: true, src: wrapCells(n, 40, cells), dst: reversed(n, cells), pad: tight},
@@ -859,6 +862,8 @@ func TestRoundTrip(t *testing.T) {
 		{name: "K-only", kOnly: true, src: wrapCells(n, 40, cells), dst: reversed(n, cells), pad: tight},
 		{name: "K-only padded, V transposed", kOnly: true, vtrans: true, src: reversed(n, cells), dst: wrapCells(n, 60, cells), pad: padded},
 		{name: "K-only from a peer", kOnly: true, peer: true, src: wrapCells(n, 33, cells), dst: wrapCells(n, 1, cells), pad: tight},
+		{name: "a layer without V from a peer", mixed: true, peer: true, src: wrapCells(n, 33, cells), dst: reversed(n, cells), pad: padded},
+		{name: "a layer without V, V transposed", mixed: true, vtrans: true, src: reversed(n, cells), dst: wrapCells(n, 60, cells), pad: tight},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -866,6 +871,9 @@ func TestRoundTrip(t *testing.T) {
 			g := testModel(c.vtrans)
 			if c.kOnly {
 				g = kOnlyModel(c.vtrans)
+			}
+			if c.mixed {
+				g.vEmbd = []uint32{8, 4, 0}
 			}
 			saver := f.open(t, f.config(""))
 			loader := saver

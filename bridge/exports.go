@@ -394,18 +394,19 @@ func formatArg(p unsafe.Pointer) (host.Format, error) {
 		return f, err
 	}
 	f.VTrans = c.VTrans
-	// A K-only cache (MLA) has no V in any layer: 0 dimensions in 0 bytes.
-	kOnly := ev[0] == 0 && vr[0] == 0
 	for l := 0; l < n; l++ {
-		if ek[l] == 0 || ev[l] == 0 && !kOnly || kOnly && (ev[l] != 0 || vr[l] != 0) {
-			return f, status.Errorf(status.InvalidArg, "layer %d: %d K and %d V dimensions, V in %d bytes (no V is 0 in every layer)", l, ek[l], ev[l], vr[l])
+		// A layer without V (MLA; an indexer cache's) has 0 V dimensions
+		// in 0 bytes.
+		noV := ev[l] == 0 && vr[l] == 0
+		if ek[l] == 0 || ev[l] == 0 && !noV {
+			return f, status.Errorf(status.InvalidArg, "layer %d: %d K and %d V dimensions, V in %d bytes (no V is 0 and 0)", l, ek[l], ev[l], vr[l])
 		}
 		if err := rowArg(l, "K", c.TypeK, ek[l], kr[l]); err != nil {
 			return f, err
 		}
-		if kOnly {
-			// type_v names no tensor: every host gives a K-only layer its K
-			// type (host.LayerFormat).
+		if noV {
+			// type_v names no tensor: every host gives a layer without V
+			// its K type (host.LayerFormat).
 			f.Layers = append(f.Layers, host.LayerFormat{KType: c.TypeK, KRow: uint64(kr[l]), VType: c.TypeK})
 			continue
 		}

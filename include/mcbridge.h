@@ -149,11 +149,11 @@ struct mcb_model_params {
 };
 
 /* A KV cache's shape, for hosts that hand over tensors. Arrays hold n_layer
- * entries. A cache without V tensors (MLA: attention reads V out of K's
- * latent) has n_embd_v_gqa and v_row_bytes 0 in every layer, and its
- * layouts' layers a NULL v; type_v is then ignored (the model is keyed with
- * type_k, as hosts that see only its states, which name no V type, key it).
- * V in some layers only is refused. */
+ * entries. A layer without a V tensor (every layer of an MLA cache, where
+ * attention reads V out of K's latent; an indexer cache's layers after an
+ * attention cache's with V) has n_embd_v_gqa and v_row_bytes 0, and its
+ * layouts' layer a NULL v; type_v does not key it (hosts that see only
+ * states, which name no V type there, key it with type_k). */
 struct mcb_kv_format {
     uint32_t n_layer;              /* layers that hold KV */
     const uint32_t *n_embd_k_gqa;  /* per layer */

@@ -148,22 +148,26 @@ type layerShape struct {
 }
 
 // shapes checks f and derives every layer's shape from it. Types must agree
-// across layers: llama.cpp has one K and one V type per cache; and V is in
-// every layer or, in a K-only cache, in none.
+// across layers: llama.cpp has one K and one V type per cache, and the
+// caches of one memory share them. A layer without V (an MLA cache's, an
+// indexer cache's beside an attention cache with V) has V rows of 0 bytes
+// and its K type for V type.
 func (f *Format) shapes() ([]layerShape, error) {
 	if len(f.Layers) == 0 {
 		return nil, status.Errorf(status.Unsupported, "KV format without layers")
 	}
 	out := make([]layerShape, len(f.Layers))
-	k0, v0 := f.Layers[0].KType, f.Layers[0].VType
-	kOnly := f.KOnly()
+	k0, v0 := f.Layers[0].KType, -1
 	for l, ly := range f.Layers {
-		if ly.KType != k0 || ly.VType != v0 {
-			return nil, status.Errorf(status.Unsupported, "layer %d: K/V types %d/%d differ from layer 0's", l, ly.KType, ly.VType)
+		if ly.VRow > 0 && v0 < 0 {
+			v0 = int(ly.VType)
 		}
-		if kOnly {
-			if ly.VRow != 0 || ly.VElSize != 0 || ly.NEmbdV != 0 || ly.VType != ly.KType {
-				return nil, status.Errorf(status.Unsupported, "layer %d: V of type %d in %d-byte rows in a model whose layer 0 has no V", l, ly.VType, ly.VRow)
+		if ly.KType != k0 || ly.VRow > 0 && int(ly.VType) != v0 {
+			return nil, status.Errorf(status.Unsupported, "layer %d: K/V types %d/%d differ from earlier layers'", l, ly.KType, ly.VType)
+		}
+		if ly.VRow == 0 {
+			if ly.VElSize != 0 || ly.NEmbdV != 0 || ly.VType != ly.KType {
+				return nil, status.Errorf(status.Unsupported, "layer %d: no V rows, but V of type %d in %d columns", l, ly.VType, ly.NEmbdV)
 			}
 			if ly.KRow > math.MaxInt32 {
 				return nil, status.Errorf(status.Unsupported, "layer %d: rows over 2 GiB", l)

@@ -170,14 +170,22 @@ func TestKOnlyFormat(t *testing.T) {
 	assert.True(t, mk.Format.KOnly())
 	assert.Equal(t, mk.Format.Layers[0].KType, mk.Format.Layers[0].VType, "a K-only format's V type is its K type")
 
+	// A layer without V after one with V: an indexer cache's beside an
+	// attention cache (llama_memory_hybrid_idx). Its layout has no V tensor
+	// there, and its V type is its K type.
 	mixed := format(withV)
-	mixed.Layers[1].VRow = 0
-	_, err = Register(b, Identity{LlamaVersion: LlamaVersion, GGUFPath: model, Format: mixed}, withV.Layout(), cells)
-	assert.Equal(t, status.Unsupported, status.Of(err), "V in layer 0 only: %v", err)
-	mixed = format(kOnly)
-	mixed.Layers[1].VRow = 64
-	_, err = Register(b, Identity{LlamaVersion: LlamaVersion, GGUFPath: model, Format: mixed}, kOnly.Layout(), cells)
-	assert.Equal(t, status.Unsupported, status.Of(err), "V in layer 1 only: %v", err)
+	mixed.Layers[1].VRow, mixed.Layers[1].VElSize, mixed.Layers[1].NEmbdV = 0, 0, 0
+	mixed.Layers[1].VType = mixed.Layers[1].KType
+	lo := withV.Layout()
+	_, err = Register(b, Identity{LlamaVersion: LlamaVersion, GGUFPath: model, Format: mixed}, lo, cells)
+	assert.Equal(t, status.Layout, status.Of(err), "a V tensor for a layer without V: %v", err)
+	lo.Layers[1].V, lo.Layers[1].VStride = 0, 0
+	mm, err := Register(b, Identity{LlamaVersion: LlamaVersion, GGUFPath: model, Format: mixed}, lo, cells)
+	require.NoError(t, err)
+	assert.NotEqual(t, mv.Fingerprint(), mm.Fingerprint(), "the same layers with V in one only")
+	mixed.Layers[1].VType = mixed.Layers[1].KType + 1
+	_, err = Register(b, Identity{LlamaVersion: LlamaVersion, GGUFPath: model, Format: mixed}, lo, cells)
+	assert.Equal(t, status.Unsupported, status.Of(err), "a layer without V keyed by another V type: %v", err)
 	// A state with V is another model's than a K-only one's.
 	_, err = mk.SaveState(key0(), stateOf(t, withV, cells), probe)
 	assert.Equal(t, status.ModelMismatch, status.Of(err), "a state with V saved as a K-only model's: %v", err)

@@ -87,24 +87,15 @@ func (g *Geometry) Validate() error {
 	case len(g.VRow) != len(g.KRow):
 		return status.Errorf(status.InvalidArg, "%d K layers but %d V layers", len(g.KRow), len(g.VRow))
 	}
-	// A K-only cache (MLA: attention reads V out of K's latent) has V rows
-	// of 0 bytes in every layer; V in some layers only is no cache
-	// llama.cpp has.
-	kOnly := g.KOnly()
+	// A layer without V (MLA: attention reads V out of K's latent; an
+	// indexer cache's keys) has V rows of 0 bytes.
 	for l := range g.KRow {
-		vOK := g.VRow[l] > 0 && g.VRow[l] <= MaxRowBytes
-		if kOnly {
-			vOK = g.VRow[l] == 0
-		}
-		if g.KRow[l] <= 0 || g.KRow[l] > MaxRowBytes || !vOK {
-			return status.Errorf(status.InvalidArg, "layer %d rows of %d/%d bytes (K 1..%d, V 1..%d or 0 in every layer)", l, g.KRow[l], g.VRow[l], MaxRowBytes, MaxRowBytes)
+		if g.KRow[l] <= 0 || g.KRow[l] > MaxRowBytes || g.VRow[l] < 0 || g.VRow[l] > MaxRowBytes {
+			return status.Errorf(status.InvalidArg, "layer %d rows of %d/%d bytes (K 1..%d, V 0..%d)", l, g.KRow[l], g.VRow[l], MaxRowBytes, MaxRowBytes)
 		}
 	}
 	return nil
 }
-
-// KOnly reports whether the layers carry no V rows (MLA).
-func (g *Geometry) KOnly() bool { return len(g.VRow) > 0 && g.VRow[0] == 0 }
 
 // Layers is the number of layers.
 func (g *Geometry) Layers() int { return len(g.KRow) }

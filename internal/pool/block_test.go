@@ -80,8 +80,6 @@ func TestGeometryValidate(t *testing.T) {
 		{"negative V row", Geometry{BlockTokens: 1, KRow: []int{1}, VRow: []int{-1}}, "layer 0"},
 		{"K row too long", Geometry{BlockTokens: 1, KRow: []int{MaxRowBytes + 1}, VRow: []int{1}}, "layer 0"},
 		{"V row too long", Geometry{BlockTokens: 1, KRow: []int{1}, VRow: []int{MaxRowBytes + 1}}, "layer 0"},
-		{"V in some layers only", Geometry{BlockTokens: 1, KRow: []int{1, 1}, VRow: []int{1, 0}}, "layer 1"},
-		{"V after a K-only layer", Geometry{BlockTokens: 1, KRow: []int{1, 1}, VRow: []int{0, 1}}, "layer 1"},
 	} {
 		err := tc.g.Validate()
 		assert.Equal(t, status.InvalidArg, status.Of(err), "%s: %v", tc.name, err)
@@ -91,9 +89,11 @@ func TestGeometryValidate(t *testing.T) {
 	assert.NoError(t, edge.Validate(), "largest allowed geometry")
 	kOnly := Geometry{BlockTokens: 4, KRow: []int{8, 8}, VRow: []int{0, 0}}
 	require.NoError(t, kOnly.Validate(), "K-only geometry")
-	assert.True(t, kOnly.KOnly())
-	assert.False(t, smallGeometry().KOnly())
 	assert.Equal(t, 4*8, kOnly.LayerSize(1), "a K-only layer is its K rows")
+	// An indexer cache's layers without V after an attention cache's with V.
+	mixed := Geometry{BlockTokens: 4, KRow: []int{8, 8, 4}, VRow: []int{8, 8, 0}}
+	require.NoError(t, mixed.Validate(), "layers with V, then without")
+	assert.Equal(t, 4*4, mixed.LayerSize(2))
 }
 
 func TestGeometryDigest(t *testing.T) {
