@@ -15,13 +15,14 @@ namespace mcb_llama {
 
 // The KV cache of ctx's attention layers that blocks restore and save: the memory
 // itself when it is one plain llama_kv_cache, the full-attention cache of a
-// sliding-window memory (iSWA), the attention cache of a hybrid one or of an indexed
-// one (DSA, MSA); nullptr for any other memory. What the memory holds besides it is its partial state
+// sliding-window memory (iSWA, DSA-iSWA), the attention cache of a hybrid one or of an
+// indexed one (DSA, MSA); nullptr for any other memory. What the memory holds besides it is its partial state
 // (partial_state_of).
 llama_kv_cache * attn_kv(llama_context * ctx);
 
 // The cache an indexed memory keeps beside attn_kv (llama_kv_cache_dsa's indexer keys,
-// llama_kv_cache_msa's indexer cache), nullptr for any other memory. The memory edits
+// llama_kv_cache_msa's and llama_memory_hybrid_idx's indexer caches), nullptr for any
+// other memory. The memory edits
 // both alike and both hold a sequence in the same cells; blocks carry its layers after
 // the attention cache's.
 llama_kv_cache * companion_kv(llama_context * ctx);
@@ -40,10 +41,10 @@ std::vector<uint32_t> seq_cells(const llama_kv_cache * kv, llama_seq_id seq_id, 
 uint32_t seq_stream(const llama_kv_cache * kv, llama_seq_id seq_id);
 
 // The cache's K and V tensors, learned from a state_write of seq_id, which names its
-// stream's views of them (the sequence must hold cells); with k_only, K alone. Throws
-// when they are not laid out as the pinned llama.cpp lays them out. They may be in
-// device memory.
-kv_storage capture_storage(llama_kv_cache * kv, llama_seq_id seq_id, bool k_only);
+// stream's views of them (the sequence must hold cells): K and V of every layer, or K
+// alone (a cache without V: its v are null). Throws when they are not laid out as the
+// pinned llama.cpp lays them out. They may be in device memory.
+kv_storage capture_storage(llama_kv_cache * kv, llama_seq_id seq_id);
 
 // The bridge's view of stream strm of the storage: rows of cell c at k + c * k_stride,
 // or, with V transposed, dimension j of cell c at v + (j * n_cells + c) * element size;

@@ -126,7 +126,8 @@ public:
         kv(kv), att(att), seq_id(seq_id), n_tokens((int32_t) cells.size()), cells(cells),
         runs(runs_of(cells)), layers(layers.begin() + first, layers.begin() + first + count),
         ks(att.storage.k.begin() + first, att.storage.k.begin() + first + count),
-        vs(att.storage.v.begin() + first, att.storage.v.begin() + first + count) {
+        vs(att.storage.v.begin() + first, att.storage.v.begin() + first + count),
+        k_only(vs.empty() || vs[0] == nullptr) {
         put<uint32_t>(kv->get_n_stream());
         // The cells go in the first stream section; state_read places a single-sequence
         // blob in the destination's own stream whichever section carries it.
@@ -152,7 +153,7 @@ public:
         }
         // state_read_data skips every layer whose V is null: a K-only cache's state
         // has no V section.
-        if (!att.k_only) {
+        if (!k_only) {
             for (const ggml_tensor * v : vs) {
                 put<int32_t>((int32_t) v->type);
                 if (!att.v_trans) {
@@ -168,7 +169,7 @@ public:
         }
         n_reads_total = ks.size() * runs.size();
         for (const ggml_tensor * v : vs) {
-            n_reads_total += att.k_only ? 0 : runs.size() * (att.v_trans ? (size_t) v->ne[0] : 1);
+            n_reads_total += k_only ? 0 : runs.size() * (att.v_trans ? (size_t) v->ne[0] : 1);
         }
     }
 
@@ -222,7 +223,7 @@ private:
             want_size = r.n * row;
             want_data = layers[l].k;
         } else {
-            if (att.k_only) {
+            if (k_only) {
                 throw std::runtime_error("mcbridge: llama.cpp read V of a cache without V");
             }
             i -= L * R;
@@ -266,6 +267,9 @@ private:
     const std::vector<cell_run>      runs;
     const std::vector<mcb_kv_layer>  layers; // the cache's, from the load's layout
     const std::vector<ggml_tensor *> ks, vs; // the cache's K and V tensors (V null without V)
+    // The cache has no V tensors: an MLA cache, an indexer's (which may have none
+    // where the attention cache has V).
+    const bool k_only;
 
     std::vector<uint8_t> stream;
     size_t cur = 0;
@@ -296,14 +300,15 @@ private:
 
 } // namespace
 
-kv_storage capture_storage(llama_kv_cache * kv, llama_seq_id seq_id, bool k_only) {
+kv_storage capture_storage(llama_kv_cache * kv, llama_seq_id seq_id) {
     tensor_capture cap;
     kv->state_write(cap, seq_id);
     const size_t L = kv->get_layer_ids().size();
-    if (cap.order.size() != (k_only ? 1 : 2) * L) {
+    if (cap.order.size() != L && cap.order.size() != 2 * L) {
         throw std::runtime_error("state_write named " + std::to_string(cap.order.size()) + " tensors for " +
-                                 std::to_string(L) + " layers" + (k_only ? " without V" : ""));
+                                 std::to_string(L) + " layers");
     }
+    const bool k_only = cap.order.size() == L;
     // Each named tensor is the sequence's stream's view of a layer's K or V: a view at
     // stream * nb[2] of the whole tensor, with its rows.
     const uint32_t strm = seq_stream(kv, seq_id);

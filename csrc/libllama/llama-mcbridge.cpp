@@ -201,14 +201,19 @@ mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const m
             if (cells.size() != toks.size()) {
                 throw std::runtime_error("the probe's positions are not all in the cache");
             }
-            storage = capture_storage(kv, 0, k_only);
+            storage = capture_storage(kv, 0);
+            if ((storage.v.at(0) == nullptr) != k_only) {
+                throw std::runtime_error(k_only ? "the MLA cache has V tensors" : "the attention cache has no V tensors");
+            }
             if (llama_kv_cache * kv2 = companion_kv(ctx)) {
                 // Its cells are the attention cache's: the memory edits both alike, and
                 // find_slot, given the same edits, picks the same cells in both.
                 if (seq_cells(kv2, 0, (int32_t) toks.size()) != cells) {
                     throw std::runtime_error("the indexer cache holds the probe in other cells than the attention cache");
                 }
-                const kv_storage more = capture_storage(kv2, 0, k_only);
+                // Of its own kind: without V where the attention cache has it (a hybrid
+                // model's indexer), and the format's V rows 0 bytes there.
+                const kv_storage more = capture_storage(kv2, 0);
                 storage.k.insert(storage.k.end(), more.k.begin(), more.k.end());
                 storage.v.insert(storage.v.end(), more.v.begin(), more.v.end());
             }
@@ -332,11 +337,8 @@ llama_kv_cache * attn_kv(llama_context * ctx) {
     if (auto * dsa_iswa = dynamic_cast<llama_kv_cache_dsa_iswa *>(mem)) {
         return dsa_iswa->get_dsa()->get_mla();
     }
-    if (dynamic_cast<llama_memory_hybrid_idx *>(mem) != nullptr) {
-        return nullptr; // its indexer cache is a third part, in neither state
-    }
     if (auto * hybrid = dynamic_cast<llama_memory_hybrid *>(mem)) {
-        return hybrid->get_mem_attn();
+        return hybrid->get_mem_attn(); // and, of llama_memory_hybrid_idx, the indexer's beside it
     }
     if (auto * dsa = dynamic_cast<llama_kv_cache_dsa *>(mem)) {
         return dsa->get_mla();
@@ -357,6 +359,9 @@ llama_kv_cache * companion_kv(llama_context * ctx) {
     }
     if (auto * msa = dynamic_cast<llama_kv_cache_msa *>(mem)) {
         return msa->get_idx();
+    }
+    if (auto * hybrid_idx = dynamic_cast<llama_memory_hybrid_idx *>(mem)) {
+        return hybrid_idx->get_mem_idx(); // nullptr for a model without an indexer
     }
     return nullptr;
 }
@@ -457,9 +462,6 @@ std::string why_not_served(llama_context * ctx) {
         // layer: a restore would be a snapshot alone.
         return "hybrid model with sliding-window attention";
     }
-    if (dynamic_cast<llama_memory_hybrid_idx *>(mem) != nullptr) {
-        return "hybrid model with an indexer cache";
-    }
     if (dynamic_cast<llama_kv_cache_dsv4 *>(mem) != nullptr) {
         return "DeepSeek V4's token cache with compressed block caches";
     }
@@ -552,7 +554,9 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
         d << "; " << partial << ", snapshotted every " << a.snapshot_tokens << " tokens";
     }
     if (stage) {
-        d << ", KV on " << stage->where << " (" << stage->n_device << " of " << (k_only ? 1 : 2) * n_layer
+        const size_t n_tensors =
+            storage.k.size() + (size_t) std::count_if(storage.v.begin(), storage.v.end(), [](const ggml_tensor * v) { return v != nullptr; });
+        d << ", KV on " << stage->where << " (" << stage->n_device << " of " << n_tensors
           << " tensors, staged through host memory)";
     }
     a.describe = d.str();
