@@ -100,6 +100,8 @@ var representatives = append([]archRun{
 	{model: "llama4-moe", proxyOff: prefixInsideTheWindow}, // chunked attention (iSWA by chunks of 8192)
 	{model: "qwen35-dense"},                                // hybrid: gated delta-net state, M-RoPE
 	{model: "granitehybrid-dense"},                         // hybrid: Mamba 2 state
+	// hybrid with an indexer cache (its layers have no V) beside the attention cache
+	{model: "qwen4exp-moe", proxyOff: "a hybrid memory (qwen4exp)"},
 	// recurrent: the state alone, so a restore is a snapshot alone
 	{model: "mamba2-dense", patchedOff: "recurrent model"},
 }, quantizedKV(
