@@ -123,7 +123,8 @@ func TestDeviceKV(t *testing.T) {
 
 // The cache shapes beyond plain attention with their KV on a device: an MLA
 // cache (K alone, no V tensors) is staged through host memory as K rows
-// only; a sliding-window and a hybrid memory stage their attention cache so,
+// only, and so is an indexer cache beside an attention cache; a
+// sliding-window and a hybrid memory stage their attention cache so,
 // and their partial state (the window cache, the recurrent state) travels in
 // a snapshot that llama.cpp's own state reader and writer move to and from
 // the device. For each, a device-KV server restores what another computed,
@@ -134,6 +135,11 @@ func TestDeviceKVMemoryKinds(t *testing.T) {
 		{"deepseek2-moe", "no V (MLA), 2 stream(s) of 2048 cells"},
 		{"gemma3-dense", "iswa window 32"},
 		{"qwen35-dense", "recurrent layers"},
+		// An attention cache with an indexer cache beside it, both staged:
+		// DSA's K-only pair, and a hybrid's whose indexer has no V where the
+		// attention cache has it.
+		{"deepseek32-moe", "of them an indexer cache's"},
+		{"qwen4exp-moe", "of them an indexer cache's"},
 	} {
 		t.Run(c.model, func(t *testing.T) { deviceKVModel(t, c.model, c.log) })
 	}
