@@ -533,16 +533,18 @@ func (w *world) stats() {
 }
 
 // geometry draws a model: one to three layers of different widths, with V
-// or, K-only (MLA), without.
+// or, K-only (MLA), without, or with V but for the last of several (an
+// indexer cache's beside an attention cache's).
 func (w *world) geometry(at int) model {
 	blocks := []uint32{0, 1, 2, 4, 8, 16}
 	embd := []uint32{1, 2, 3, 8, 24, 64, 512}
 	m := model{block: blocks[w.arg(at+1)%byte(len(blocks))], vtrans: w.arg(at+8)%2 == 0}
-	kOnly := w.arg(at+8)%4 >= 2
-	for l := 0; l < 1+int(w.arg(at))%3; l++ {
+	kOnly, lastWithoutV := w.arg(at+8)%8 >= 4, w.arg(at+8)%8 == 2
+	n := 1 + int(w.arg(at))%3
+	for l := 0; l < n; l++ {
 		m.kEmbd = append(m.kEmbd, embd[w.arg(at+2+2*l)%byte(len(embd))])
 		v := embd[w.arg(at+3+2*l)%byte(len(embd))]
-		if kOnly {
+		if kOnly || lastWithoutV && n > 1 && l == n-1 {
 			v = 0
 		}
 		m.vEmbd = append(m.vEmbd, v)
@@ -611,8 +613,8 @@ func (w *world) register() {
 			rows[l] = uint32(g.row(l, detail%2))
 		}
 		rows[detail%len(rows)] = 0
-		if g.kOnly() && detail%2 == 1 {
-			rows[detail%len(rows)] = elem // a V row in a model without V
+		if g.vEmbd[detail%len(rows)] == 0 && detail%2 == 1 {
+			rows[detail%len(rows)] = elem // a V row in a layer without V
 		}
 		*arrays[2+detail%2] = w.c.u32s(w.t, rows)
 		faults = append(faults, status.InvalidArg)
@@ -1040,8 +1042,8 @@ func (w *world) layout(g model) (*tensors, unsafe.Pointer, []status.Code) {
 		{func(lo *cKVLayout, _ []cKVLayer) { lo.Layers += 4 }, status.InvalidArg},
 		{func(lo *cKVLayout, _ []cKVLayer) { lo.NCells = 0 }, status.Layout},
 		{func(_ *cKVLayout, ls []cKVLayer) { ls[l].K = 0 }, status.Layout},
-		{func(_ *cKVLayout, ls []cKVLayer) { // no V tensor in a model with V, one in a model without
-			if g.kOnly() {
+		{func(_ *cKVLayout, ls []cKVLayer) { // no V tensor in a layer with V, one in a layer without
+			if g.vEmbd[l] == 0 {
 				ls[l].V = ls[l].K
 			} else {
 				ls[l].V = 0

@@ -172,8 +172,9 @@ func edgeBytes(tb testing.TB, n int) []byte {
 }
 
 // model is the KV shape a host registers, with f16 rows as llama.cpp's
-// default cache type has: two bytes per embedding element. A model whose
-// vEmbd are all 0 is a K-only cache (MLA): its tensors have no V.
+// default cache type has: two bytes per embedding element. A layer whose
+// vEmbd is 0 has no V tensor: every layer of a K-only cache (MLA), an
+// indexer cache's beside an attention cache's.
 type model struct {
 	block        uint32
 	kEmbd, vEmbd []uint32
@@ -186,7 +187,6 @@ const (
 )
 
 func (m model) layers() int    { return len(m.kEmbd) }
-func (m model) kOnly() bool    { return len(m.vEmbd) > 0 && m.vEmbd[0] == 0 }
 func (m model) krow(l int) int { return elem * int(m.kEmbd[l]) }
 func (m model) vrow(l int) int { return elem * int(m.vEmbd[l]) }
 func (m model) row(l, kv int) int {
