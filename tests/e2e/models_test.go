@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"encoding/binary"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -415,26 +416,55 @@ func samePrefixKV(t *testing.T, slots string, x, y *testenv.Llama, n int) bool {
 }
 
 // prefixKV is the state of positions [0, n) of a slot file's KV: of the
-// attention cache and, where the state holds an indexer cache after it (DSA,
-// MSA, which keep every position), of both; a window cache's state or a
-// recurrent state after them is the partial state, restored from a
+// attention cache and, where the state holds an indexer cache too (DSA, MSA
+// and dots3 right after the attention cache, qwen4exp after its recurrent
+// state; each keeps every position), of that cache too. A window cache's
+// state or a recurrent state is the partial state, restored from a
 // snapshot.
 func prefixKV(t *testing.T, b []byte, n int, path string) []byte {
 	st, rest, err := llamastate.ParseLeading(b)
 	require.NoError(t, err, "slot file %s", path)
-	var sl *llamastate.State
-	if second, _, err := llamastate.ParseCacheLeading(b[len(b)-rest:], st.CellExt, st.KOnly); rest > 0 && err == nil {
-		two := *st
-		two.Second = second
-		sl, _ = two.Merge(n) // a window cache lacks the positions it has moved past
-	}
-	if sl == nil {
-		sl, err = st.Slice(n)
-		require.NoError(t, err, "positions [0, %d) of %s", n, path)
-	}
+	sl, err := st.Slice(n)
+	require.NoError(t, err, "positions [0, %d) of %s", n, path)
 	out, err := sl.Build()
 	require.NoError(t, err)
+	if idx := indexerCache(b[len(b)-rest:], st); idx != nil {
+		// A window cache lacks the positions it has moved past.
+		if isl, err := idx.Slice(n); err == nil {
+			more, err := isl.Build()
+			require.NoError(t, err)
+			out = append(out, more...)
+		}
+	}
 	return out
+}
+
+// indexerCache is the KV cache state that rest, what a state holds after
+// st's first cache, starts with, or else ends with after a recurrent state
+// (llama_memory_hybrid_idx writes its indexer's last, in a variant of its
+// own: no V), which the test finds by trying each offset whose stream count
+// is st's, as a state of st's framing; nil when there is none.
+func indexerCache(rest []byte, st *llamastate.State) *llamastate.State {
+	of := func(ss []llamastate.Stream, kOnly bool) *llamastate.State {
+		return &llamastate.State{Kind: st.Kind, SeqID: st.SeqID, Words: st.Words, Streams: ss, CellExt: st.CellExt, KOnly: kOnly}
+	}
+	if second, _, err := llamastate.ParseCacheLeading(rest, st.CellExt, st.KOnly); err == nil {
+		return of(second, st.KOnly)
+	}
+	if _, err := llamastate.RecurrentPos(rest); err != nil {
+		return nil
+	}
+	for o := 12; o+4 <= len(rest); o++ {
+		if int(binary.LittleEndian.Uint32(rest[o:])) != len(st.Streams) {
+			continue
+		}
+		for _, kOnly := range []bool{true, false} {
+			if second, err := llamastate.ParseCache(rest[o:], st.CellExt, kOnly); err == nil {
+				return of(second, kOnly)
+			}
+		}
+	}
+	return nil
 }
 
 var (
