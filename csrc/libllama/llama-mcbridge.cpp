@@ -133,11 +133,12 @@ struct kv_format_rows {
     std::vector<uint32_t> ek, ev, kr, vr;
     ggml_type tk, tv;
 
-    kv_format_rows(const kv_storage & st, bool k_only) {
+    explicit kv_format_rows(const kv_storage & st) {
         tk = st.k.at(0)->type;
         // An MLA cache's format has V rows of 0 bytes and type_v the K type: no V type
-        // is written anywhere (include/mcbridge.h).
-        tv = k_only ? tk : st.v.at(0)->type;
+        // is written anywhere (include/mcbridge.h). The attention cache's layers come
+        // first, so layer 0 has V wherever any layer does.
+        tv = st.v.at(0) != nullptr ? st.v[0]->type : tk;
         for (size_t l = 0; l < st.k.size(); l++) {
             const ggml_tensor * k = st.k[l];
             const ggml_tensor * v = st.v[l];
@@ -217,7 +218,7 @@ mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const m
                 storage.k.insert(storage.k.end(), more.k.begin(), more.k.end());
                 storage.v.insert(storage.v.end(), more.v.begin(), more.v.end());
             }
-            const kv_format_rows rows(storage, k_only);
+            const kv_format_rows rows(storage);
             const mcb_kv_format format = rows.format(v_trans);
             stage   = kv_stage::make(ctx, kv, storage, v_trans);
             const std::vector<mcb_kv_layer> layers = stream_layers(storage, kv->get_size(), v_trans, 0);
@@ -379,10 +380,6 @@ std::string layer_pattern(uint32_t n, F && is) {
     }
     return out;
 }
-
-} // namespace
-
-namespace {
 
 // The window cache of a sliding-window memory (llama_kv_cache_iswa, and the DSA one
 // whose full-attention part has an indexer cache), nullptr for any other memory: what

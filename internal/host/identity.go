@@ -342,10 +342,10 @@ func partialProbe(mem memory, probe []byte) (*llamastate.State, stateTail, strin
 		// llama_kv_cache_dsa_iswa) writes its indexer's state, which keeps
 		// every position as the first cache does, before the window cache's.
 		second, n, err2 := llamastate.ParseCacheLeading(rest, st.CellExt, st.KOnly)
-		if err2 == nil && n > 0 && len(second) == len(st.Streams) {
-			ss, err2 = llamastate.ParseCache(rest[len(rest)-n:], st.CellExt, st.KOnly)
-		}
 		if err2 != nil || n == 0 || len(second) != len(st.Streams) {
+			return nil, noTail, "", status.Wrap(status.InvalidArg, err, "the window cache's state")
+		}
+		if ss, err2 = llamastate.ParseCache(rest[len(rest)-n:], st.CellExt, st.KOnly); err2 != nil {
 			return nil, noTail, "", status.Wrap(status.InvalidArg, err, "the window cache's state")
 		}
 		st.Second = second
