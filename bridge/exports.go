@@ -638,12 +638,17 @@ func mcbgo_model_register_state(bridge uint64, params, state unsafe.Pointer, n u
 		if err != nil {
 			return err
 		}
-		if id.Partial != "" {
-			return status.Errorf(status.Unsupported, "a state host restores whole states: partial_state is for hosts that hand over tensors")
-		}
 		blob, err := stateArg(state, n)
 		if err != nil {
 			return err
+		}
+		if id.Partial != "" {
+			m, err := host.RegisterPartialOnly(h.b, id, blob)
+			if err != nil {
+				return err
+			}
+			*(*uint64)(out) = addHandle(&modelHandle{bridge: bridge, b: h.b, m: m})
+			return nil
 		}
 		m, nStream, err := host.RegisterState(h.b, id, blob)
 		if ce := (*llamastate.CachesError)(nil); errors.As(err, &ce) {
@@ -767,13 +772,16 @@ func mcbgo_load_begin(plan uint64, layout, cells unsafe.Pointer, out unsafe.Poin
 		if err := aligned(out, 8, "out"); err != nil {
 			return err
 		}
-		lo, err := layoutArg(layout)
-		if err != nil {
-			return err
-		}
-		cs, err := cellsArg(cells, h.p.RestoreTokens)
-		if err != nil {
-			return err
+		var lo kvlayout.Layout
+		var cs []uint32
+		if !h.model.m.SnapshotOnly() || layout != nil || cells != nil {
+			var err error
+			if lo, err = layoutArg(layout); err != nil {
+				return err
+			}
+			if cs, err = cellsArg(cells, h.p.RestoreTokens); err != nil {
+				return err
+			}
 		}
 		ld, err := h.p.Load(lo, cs)
 		if err != nil {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"encoding/binary"
 	"os"
 	"path/filepath"
@@ -633,4 +634,65 @@ func TestStateRestoreArguments(t *testing.T) {
 		})
 	}
 	mcbgo_state_free(nil)
+}
+
+// TestPartialOnlyModel: a model whose whole state is its partial state
+// (Mamba's recurrent state) registers from the probe's partial state,
+// saves snapshots alone and loads them with no layout, and keys its
+// snapshots by that probe state: another host's numerics find nothing.
+func TestPartialOnlyModel(t *testing.T) {
+	f := newFixture(t)
+	b := f.open(t, f.config(`,"snapshot_blocks":2`))
+	probe := bytes.Repeat([]byte{7, 1, 9}, 40)
+	params := func(partial string, streams uint32) *cModelParams {
+		p := f.stateParams(t)
+		p.PartialState, p.PartialKVStreams = f.c.cstr(t, partial), streams
+		return p
+	}
+	register := func(p *cModelParams, state []byte) (uint64, int32) {
+		out := f.out(t)
+		got := mcbgo_model_register_state(b, unsafe.Pointer(p), f.c.bytes(t, state), uint64(len(state)), unsafe.Pointer(out), f.eb, f.el)
+		return *out, got
+	}
+	m, got := register(params("recurrent test", 0), probe)
+	f.must(t, got, status.OK, "register a model without KV rows")
+	require.EqualValues(t, 8, mcbgo_model_snapshot_tokens(m), "block 4 times snapshot_blocks 2")
+
+	_, got = register(params("recurrent test", 1), probe)
+	f.expect(t, got, status.InvalidArg, "partial_kv_streams beside a partial state alone")
+	other, got := register(params("recurrent test", 0), append([]byte{8}, probe[1:]...))
+	f.must(t, got, status.OK, "register another host's numerics")
+
+	scope := f.scope(t, "")
+	tok := []int32{4, 8, 15, 16, 23, 42, 4, 8, 15, 16, 23, 42, 1, 2}
+	snap := []byte("the state after eight tokens")
+	f.must(t, mcbgo_snapshot_save(m, unsafe.Pointer(scope), f.c.i32s(t, tok), 8, f.c.bytes(t, snap), uint64(len(snap)), f.eb, f.el),
+		status.OK, "snapshot save")
+
+	r, _ := f.awaitMatch(t, m, scope, tok, len(tok), 2)
+	require.EqualValues(t, 8, r.NRestoreTokens, "restored to the snapshot")
+	assert.Zero(t, f.peek(t, other, scope, tok, len(tok)).NMatchedBlocks, "another probe state's model matched")
+
+	// A layout is refused (the plan is consumed); none loads the snapshot.
+	lo := putT(t, f.c, cKVLayout{}, 0)
+	out := f.out(t)
+	f.expect(t, mcbgo_load_begin(r.Plan, unsafe.Pointer(lo), nil, unsafe.Pointer(out), f.eb, f.el), status.Layout, "load into a layout")
+	r = f.lookup(t, m, scope, tok, len(tok), 0)
+	require.NotZero(t, r.Plan)
+	f.must(t, mcbgo_load_begin(r.Plan, nil, nil, unsafe.Pointer(out), f.eb, f.el), status.OK, "load begin")
+	state, n := putT(t, f.c, uintptr(0), 0), putT(t, f.c, uint64(0), 0)
+	f.must(t, mcbgo_load_snapshot(*out, unsafe.Pointer(state), unsafe.Pointer(n), f.eb, f.el), status.OK, "load snapshot")
+	assert.Equal(t, snap, append([]byte(nil), unsafe.Slice((*byte)(ptr(*state)), *n)...))
+	mcbgo_state_free(ptr(*state))
+	res := putT(t, f.c, cLoadResult{}, 0)
+	f.must(t, mcbgo_load_end(*out, unsafe.Pointer(res), f.eb, f.el), status.OK, "load end")
+	assert.EqualValues(t, 8, res.NTokensOK)
+
+	// A state host's restore is not this model's.
+	r = f.lookup(t, m, scope, tok, len(tok), 0)
+	blob, bn := putT(t, f.c, uintptr(0), 0), putT(t, f.c, uint64(0), 0)
+	f.expect(t, mcbgo_state_restore(r.Plan, unsafe.Pointer(blob), unsafe.Pointer(bn), unsafe.Pointer(res), f.eb, f.el),
+		status.Unsupported, "state restore")
+	f.expect(t, mcbgo_model_unregister(m, f.eb, f.el), status.OK, "unregister")
+	f.expect(t, mcbgo_model_unregister(other, f.eb, f.el), status.OK, "unregister")
 }

@@ -83,7 +83,7 @@ extern "C" {
 #endif
 #endif
 
-#define MCB_ABI_VERSION 4
+#define MCB_ABI_VERSION 5
 
 /* Status codes. The values are stable. */
 typedef enum mcb_status {
@@ -139,7 +139,8 @@ struct mcb_model_params {
                                    then snapshots it every mcb_model_snapshot_tokens tokens
                                    (mcb_snapshot_save), restores end only where a snapshot was
                                    taken, and each load hands its snapshot back
-                                   (mcb_load_snapshot). Only mcb_model_register takes one. */
+                                   (mcb_load_snapshot). mcb_model_register takes one, and so does
+                                   mcb_model_register_state for a model without KV rows. */
     uint32_t partial_kv_streams; /* 0 unless the partial state is a KV cache's (a sliding-window
                                    memory's window cache). Then the KV streams of the host's context
                                    (llama_kv_cache::get_n_stream: 1 when unified, else one per
@@ -354,6 +355,16 @@ MCB_API mcb_status mcb_model_register(mcb_bridge bridge, const struct mcb_model_
 /* Registers a model for a host that sees KV as state blobs: the format and
  * the probe's KV are read from probe_state, a llama_state_seq_get_data blob
  * of a sequence that holds exactly the probe prompt.
+ * With params->partial_state, it registers instead a model that has no KV
+ * rows for a host that hands over tensors: a memory whose whole state is
+ * its partial state (one recurrent state, as Mamba's; a window cache and a
+ * recurrent state, as LFM2's when every attention layer has a window).
+ * probe_state is then that state of the probe sequence
+ * (llama_state_seq_get_data_ext with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY),
+ * whose bytes name the weights and numerics as a probe's KV rows do;
+ * partial_kv_streams must be 0 (partial_state names the streams the state
+ * is framed by). The host saves snapshots alone (mcb_snapshot_save), and
+ * loads them with mcb_load_begin and mcb_load_snapshot.
  * Returns:
  *   MCB_STATUS_OK              *out is the new model.
  *   MCB_STATUS_BAD_HANDLE      bridge is not an open bridge.
@@ -414,7 +425,9 @@ MCB_API mcb_status mcb_lookup(mcb_model model, const struct mcb_scope *scope,
 MCB_API mcb_status mcb_plan_drop(mcb_plan plan);
 
 /* Starts restoring a plan's tokens into layout, position i into cell
- * cells[i] (cells NULL means cell i). The plan is consumed, also on
+ * cells[i] (cells NULL means cell i). A model registered without KV rows
+ * (mcb_model_register_state with a partial_state) takes layout and cells
+ * NULL: the load fetches its snapshot alone. The plan is consumed, also on
  * failure. Everything is checked before any byte moves: a refused load
  * leaves the tensors untouched.
  * Returns:

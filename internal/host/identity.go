@@ -279,14 +279,27 @@ func registerRecurrent(b *bridge.Bridge, id Identity, probe []byte) (*Model, int
 			return nil, 0, status.Errorf(status.InvalidArg, "the probe state holds other tokens")
 		}
 	}
-	arch, content, err := modelFile(id.GGUFPath)
+	m, err := registerStateOnly(b, id, rec, func(arch string) string {
+		return fmt.Sprintf("state recurrent %s bytes %d", arch, len(rec))
+	})
 	if err != nil {
 		return nil, 0, err
+	}
+	return &Model{Model: m, tail: recurrentTail}, 1, nil
+}
+
+// registerStateOnly registers a model without KV layers whose probe state
+// is probe: its digest names the weights and numerics as a probe's KV rows
+// do. partial names the state, given the model file's architecture.
+func registerStateOnly(b *bridge.Bridge, id Identity, probe []byte, partial func(arch string) string) (*bridge.Model, error) {
+	arch, content, err := modelFile(id.GGUFPath)
+	if err != nil {
+		return nil, err
 	}
 	h := xxh3.New()
 	_, _ = h.Write(probeDomain)
 	_, _ = h.Write(key.TokenBytes(probeTokens))
-	_, _ = h.Write(rec)
+	_, _ = h.Write(probe)
 	p := key.Model{
 		LlamaVersion: LlamaVersion,
 		Arch:         arch,
@@ -294,13 +307,38 @@ func registerRecurrent(b *bridge.Bridge, id Identity, probe []byte) (*Model, int
 		KVProbe:      key.FromU128(h.Sum128()),
 		BlockTokens:  uint32(max(id.BlockTokens, 0)),
 		Extra:        id.Extra,
-		Partial:      fmt.Sprintf("state recurrent %s bytes %d", arch, len(rec)),
+		Partial:      partial(arch),
 	}
-	m, err := b.RegisterModel(bridge.ModelSpec{Params: p, Name: strings.TrimSuffix(filepath.Base(id.GGUFPath), ".gguf")})
+	return b.RegisterModel(bridge.ModelSpec{Params: p, Name: strings.TrimSuffix(filepath.Base(id.GGUFPath), ".gguf")})
+}
+
+// RegisterPartialOnly registers, for a host that hands over tensors, a
+// model without KV rows: a memory whose whole state is its partial state
+// (id.Partial), one recurrent state (Mamba) or a window cache beside one
+// (LFM2 whose attention layers all have a window). probe is that partial
+// state of the probe sequence, as llama.cpp writes it (PARTIAL_ONLY), and
+// its digest names the weights and numerics as a probe's KV rows do; the
+// model is bridge.Model.SnapshotOnly, and its host snapshots the state
+// and loads snapshots alone.
+func RegisterPartialOnly(b *bridge.Bridge, id Identity, probe []byte) (*Model, error) {
+	if id.LlamaVersion != LlamaVersion {
+		return nil, status.Errorf(status.ModelMismatch, "the host is llama.cpp %s; this library reads the state format of %s", id.LlamaVersion, LlamaVersion)
+	}
+	switch {
+	case id.Partial == "":
+		return nil, status.Errorf(status.InvalidArg, "a model without KV layers needs a partial_state")
+	case len(probe) == 0:
+		return nil, status.Errorf(status.InvalidArg, "an empty probe state")
+	case id.PartialKVStreams != 0:
+		// Its snapshot is not a window cache's state alone, which is all
+		// Model.Snapshot frames again.
+		return nil, status.Errorf(status.InvalidArg, "partial_kv_streams %d for a model without KV layers: its host names its streams in partial_state", id.PartialKVStreams)
+	}
+	m, err := registerStateOnly(b, id, probe, func(string) string { return id.Partial })
 	if err != nil {
-		return nil, 0, err
+		return nil, err
 	}
-	return &Model{Model: m, tail: recurrentTail}, 1, nil
+	return &Model{Model: m}, nil
 }
 
 // partialProbe reads the probe state of a memory with a partial state: its

@@ -240,6 +240,9 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 		return nil, bridge.LoadResult{}, status.Errorf(status.InvalidArg, "a state of %d streams", fr.NStream)
 	}
 	if m.SnapshotOnly() {
+		if m.tail != recurrentTail {
+			return nil, bridge.LoadResult{}, status.Errorf(status.Unsupported, "a model registered with its partial state alone loads snapshots (Plan.Load), not states")
+		}
 		return m.restoreRecurrent(p, fr, alloc)
 	}
 	empty := m.emptyState(fr, tokens)
