@@ -7,7 +7,8 @@
 # other source's compile flags (so ccache serves the unpatched files from the stock
 # build):
 #   llama          csrc/libllama/llama-mcbridge*.cpp (stage 2, registration, clean marks),
-#                  LLAMA_MCBRIDGE on the patched llama-kv-cache.cpp and llama-context.cpp
+#                  LLAMA_MCBRIDGE on the patched llama-kv-cache.cpp, llama-memory-recurrent.cpp
+#                  and llama-context.cpp
 #   llama-common   LLAMA_MCBRIDGE on the patched arg.cpp (--mcb-config, --mcb-tenant)
 #   server-context csrc/server/server-mcbridge.cpp and LLAMA_MCBRIDGE for every file that
 #                  sees server-common.h or server-task.h (they gain members under it)
@@ -76,7 +77,8 @@ endfunction()
 set(MCB_LLAMA_SOURCES ${MCB_LIBLLAMA_DIR}/llama-mcbridge.cpp ${MCB_LIBLLAMA_DIR}/llama-mcbridge-io.cpp
     ${MCB_LIBLLAMA_DIR}/llama-mcbridge-device.cpp)
 target_sources(llama PRIVATE ${MCB_LLAMA_SOURCES})
-mcb_patched_source(llama ${MCB_LLAMA_SOURCES} ${CMAKE_SOURCE_DIR}/src/llama-kv-cache.cpp ${CMAKE_SOURCE_DIR}/src/llama-context.cpp)
+mcb_patched_source(llama ${MCB_LLAMA_SOURCES} ${CMAKE_SOURCE_DIR}/src/llama-kv-cache.cpp
+    ${CMAKE_SOURCE_DIR}/src/llama-memory-recurrent.cpp ${CMAKE_SOURCE_DIR}/src/llama-context.cpp)
 set_property(SOURCE ${MCB_LLAMA_SOURCES} TARGET_DIRECTORY llama PROPERTY SKIP_UNITY_BUILD_INCLUSION ON)
 set_property(SOURCE ${MCB_LLAMA_SOURCES} TARGET_DIRECTORY llama APPEND PROPERTY
     COMPILE_DEFINITIONS MCB_LLAMA_TAG="${MCB_LLAMA_TAG}")

@@ -31,7 +31,7 @@ llama_kv_cache * companion_kv(llama_context * ctx);
 std::string status_message(mcb_status st);
 
 // Raises the clean mark of a sequence that stage 2 has just filled from the bridge.
-void mark_restored(llama_kv_cache * kv, llama_seq_id seq_id);
+void mark_restored(llama_context * ctx, llama_seq_id seq_id);
 
 // The cells holding positions [0, n) of seq_id, in position order; stops at the first
 // position the sequence does not hold.

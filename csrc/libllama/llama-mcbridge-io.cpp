@@ -366,7 +366,7 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
     restore_result out;
     op = restore_op{};
     llama_kv_cache * kv = attn_kv(ctx);
-    if (kv == nullptr || n_tokens <= 0 || tokens == nullptr) {
+    if ((kv == nullptr && att.n_layer > 0) || n_tokens <= 0 || tokens == nullptr) {
         mcb_plan_drop(plan);
         out.status = MCB_STATUS_INVALID_ARG;
         out.error  = "no plain KV cache or no tokens";
@@ -379,6 +379,22 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
     // state goes too: until the restore ends, the sequence holds only the load's cells.
     llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1);
     out.seq_cleared = true;
+    if (att.n_layer == 0) {
+        // A memory without KV layers: the load fetches the snapshot, which
+        // seq_restore_end reads into the sequence.
+        mcb_load load = 0;
+        out.status = mcb_load_begin(plan, nullptr, nullptr, &load);
+        if (out.status != MCB_STATUS_OK) {
+            out.error = "mcb_load_begin: " + status_message(out.status);
+            return out;
+        }
+        op.ctx      = ctx;
+        op.seq_id   = seq_id;
+        op.n_tokens = n_tokens;
+        op.partial  = true;
+        op.load     = load;
+        return out;
+    }
     const llama_hparams & hp = llama_get_model(ctx)->hparams;
     const llama_kv_cache::slot_info sinfo = place(kv, hp, seq_id, n_tokens);
     if (sinfo.empty()) {
@@ -621,13 +637,13 @@ restore_result seq_restore_end(restore_op & op) {
     if (out.n_tokens < op.n_tokens) {
         // A partial load: keep the verified prefix; the cells past it hold unverified
         // bytes and leave the sequence (of the companion cache too, which holds the
-        // same positions).
+        // same positions). A load with a snapshot is whole or nothing.
         kv->seq_rm(op.seq_id, out.n_tokens, -1);
         if (llama_kv_cache * kv2 = companion_kv(op.ctx)) {
             kv2->seq_rm(op.seq_id, out.n_tokens, -1);
         }
     }
-    mark_restored(kv, op.seq_id);
+    mark_restored(op.ctx, op.seq_id);
     return out;
 }
 
@@ -669,6 +685,9 @@ mcb_status seq_snapshot(llama_context * ctx, const attachment & att, const mcb_s
 save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scope * scope,
                      llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens) {
     save_result out;
+    if (att.n_layer == 0) {
+        return out; // no rows: the snapshots (seq_snapshot) are what it publishes
+    }
     llama_kv_cache * kv = attn_kv(ctx);
     if (kv == nullptr || n_tokens <= 0 || tokens == nullptr) {
         out.status = MCB_STATUS_INVALID_ARG;

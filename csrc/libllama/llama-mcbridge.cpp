@@ -102,7 +102,9 @@ struct process_state {
     std::string open_error;     // why it did not open
     mcb_bridge  bridge = 0;
     std::unordered_map<const llama_context *, attachment>  contexts;
-    std::unordered_map<const llama_kv_cache *, kv_marks>  marks; // caches of attached contexts only
+    // Keyed by the memory whose edits they follow (marked_memory): caches and recurrent
+    // memories of attached contexts only.
+    std::unordered_map<const void *, kv_marks>  marks;
     recent_scopes<blob_digest>   saved_blobs; // state blobs written by attached contexts
     recent_scopes<file_identity> saved_files; // sequence state files written by them
 
@@ -167,18 +169,14 @@ struct kv_format_rows {
     }
 };
 
-// Decodes the probe prompt into sequence 0 of an empty cache and registers the model
-// with the KV it produced, learning where the cache's tensors are; the sequence is
-// emptied again either way.
-mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const mcb_model_params & params,
-                               bool v_trans, bool k_only, mcb_model & out, kv_storage & storage,
-                               std::shared_ptr<kv_stage> & stage, std::string & why) {
-    llama_memory_t mem = llama_get_memory(ctx);
-    if (llama_memory_seq_pos_max(mem, 0) >= 0) {
+// Decodes the probe prompt into sequence 0 of the empty memory; the caller empties it
+// again whatever it returns.
+mcb_status decode_probe(llama_context * ctx, std::vector<llama_token> & toks, std::string & why) {
+    if (llama_memory_seq_pos_max(llama_get_memory(ctx), 0) >= 0) {
         why = "sequence 0 is not empty";
         return MCB_STATUS_STATE;
     }
-    std::vector<llama_token> toks(mcb_probe_tokens(nullptr, 0));
+    toks.resize(mcb_probe_tokens(nullptr, 0));
     mcb_probe_tokens(toks.data(), toks.size());
     const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(ctx));
     for (llama_token t : toks) {
@@ -193,10 +191,22 @@ mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const m
     llama_batch batch = llama_batch_get_one(toks.data(), (int32_t) toks.size());
     const int32_t rc = llama_decode(ctx, batch);
     llama_synchronize(ctx);
-    mcb_status st = MCB_STATUS_INTERNAL;
     if (rc != 0) {
         why = "llama_decode returned " + std::to_string(rc);
-    } else {
+        return MCB_STATUS_INTERNAL;
+    }
+    return MCB_STATUS_OK;
+}
+
+// Decodes the probe prompt and registers the model with the KV it produced, learning
+// where the cache's tensors are; the sequence is emptied again either way.
+mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const mcb_model_params & params,
+                               bool v_trans, bool k_only, mcb_model & out, kv_storage & storage,
+                               std::shared_ptr<kv_stage> & stage, std::string & why) {
+    std::vector<llama_token> toks;
+    mcb_status st = decode_probe(ctx, toks, why);
+    if (st == MCB_STATUS_OK) {
+        st = MCB_STATUS_INTERNAL;
         try {
             const std::vector<uint32_t> cells = seq_cells(kv, 0, (int32_t) toks.size());
             if (cells.size() != toks.size()) {
@@ -249,7 +259,29 @@ mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const m
         }
     }
     // The partial state too (a window cache, a recurrent state).
-    llama_memory_seq_rm(mem, 0, -1, -1);
+    llama_memory_seq_rm(llama_get_memory(ctx), 0, -1, -1);
+    return st;
+}
+
+// Decodes the probe prompt and registers a model without KV layers with the partial
+// state it produced (llama.cpp's own writer, which reads device memory through the
+// backend); the sequence is emptied again either way.
+mcb_status register_partial_only(llama_context * ctx, const mcb_model_params & params, mcb_model & out,
+                                 std::string & why) {
+    std::vector<llama_token> toks;
+    mcb_status st = decode_probe(ctx, toks, why);
+    if (st == MCB_STATUS_OK) {
+        const size_t size = llama_state_seq_get_size_ext(ctx, 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+        std::vector<uint8_t> buf(size);
+        const size_t n = size > 0 ? llama_state_seq_get_data_ext(ctx, buf.data(), size, 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) : 0;
+        if (n == 0) {
+            why = "llama.cpp wrote no partial state of the probe";
+            st  = MCB_STATUS_INTERNAL;
+        } else if ((st = mcb_model_register_state(state().bridge, &params, buf.data(), n, &out)) != MCB_STATUS_OK) {
+            why = "mcb_model_register_state: " + status_message(st);
+        }
+    }
+    llama_memory_seq_rm(llama_get_memory(ctx), 0, -1, -1);
     return st;
 }
 
@@ -335,6 +367,9 @@ llama_kv_cache * attn_kv(llama_context * ctx) {
     if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
         return iswa->get_base();
     }
+    if (auto * hybrid_iswa = dynamic_cast<llama_memory_hybrid_iswa *>(mem)) {
+        return hybrid_iswa->get_mem_attn()->get_base(); // of no layers where every one has a window (LFM2)
+    }
     if (auto * dsa_iswa = dynamic_cast<llama_kv_cache_dsa_iswa *>(mem)) {
         return dsa_iswa->get_dsa()->get_mla();
     }
@@ -381,9 +416,9 @@ std::string layer_pattern(uint32_t n, F && is) {
     return out;
 }
 
-// The window cache of a sliding-window memory (llama_kv_cache_iswa, and the DSA one
-// whose full-attention part has an indexer cache), nullptr for any other memory: what
-// its PARTIAL_ONLY state holds.
+// The window cache of a sliding-window memory (llama_kv_cache_iswa, the DSA one whose
+// full-attention part has an indexer cache, the hybrid one beside a recurrent state),
+// nullptr for any other memory: what its PARTIAL_ONLY state holds.
 const llama_kv_cache * window_kv(llama_context * ctx) {
     llama_memory_i * mem = llama_get_memory(ctx);
     if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
@@ -392,14 +427,50 @@ const llama_kv_cache * window_kv(llama_context * ctx) {
     if (auto * dsa_iswa = dynamic_cast<llama_kv_cache_dsa_iswa *>(mem)) {
         return dsa_iswa->get_swa();
     }
+    if (auto * hybrid_iswa = dynamic_cast<llama_memory_hybrid_iswa *>(mem)) {
+        return hybrid_iswa->get_mem_attn()->get_swa();
+    }
     return nullptr;
+}
+
+// The recurrent state of ctx's memory, alone (Mamba) or beside attention caches (a
+// hybrid memory, llama_memory_hybrid_idx among them); nullptr for none.
+const llama_memory_recurrent * recurrent_of(llama_context * ctx) {
+    llama_memory_i * mem = llama_get_memory(ctx);
+    if (auto * recr = dynamic_cast<llama_memory_recurrent *>(mem)) {
+        return recr;
+    }
+    if (auto * hybrid = dynamic_cast<llama_memory_hybrid *>(mem)) {
+        return hybrid->get_mem_recr();
+    }
+    if (auto * hybrid_iswa = dynamic_cast<llama_memory_hybrid_iswa *>(mem)) {
+        return hybrid_iswa->get_mem_recr();
+    }
+    return nullptr;
+}
+
+// Whether ctx's memory has no KV layers for blocks to carry: its partial state is its
+// whole state (attach registers it with that state's probe).
+bool partial_only(llama_context * ctx) {
+    const llama_kv_cache * kv = attn_kv(ctx);
+    return kv == nullptr || kv->get_layer_ids().empty();
+}
+
+// The memory whose edits the clean marks of ctx's sequences follow: the attention
+// cache, or the recurrent memory of a context without KV layers, which its window
+// cache's edits go along with.
+const void * marked_memory(llama_context * ctx) {
+    if (partial_only(ctx)) {
+        return recurrent_of(ctx);
+    }
+    return attn_kv(ctx);
 }
 
 } // namespace
 
 std::string partial_state_of(llama_context * ctx) {
     const llama_hparams & hp = llama_get_model(ctx)->hparams;
-    llama_memory_i * mem = llama_get_memory(ctx);
+    const llama_memory_recurrent * recr = recurrent_of(ctx);
     std::ostringstream d;
     if (const llama_kv_cache * swa = window_kv(ctx)) {
         // The window cache's state: which layers it holds, the window and its kind
@@ -413,11 +484,16 @@ std::string partial_state_of(llama_context * ctx) {
         } else {
             d << " V " << ggml_type_name(swa->type_v());
         }
-        return d.str();
+        if (recr == nullptr) {
+            return d.str();
+        }
+        // A recurrent state follows (LFM2). llama.cpp frames the window cache's state by
+        // the context's KV streams, which the bridge frames again only for a window
+        // state alone (partial_kv_streams): the count names the state instead.
+        d << " streams " << swa->get_n_stream() << "; ";
     }
-    if (auto * hybrid = dynamic_cast<llama_memory_hybrid *>(mem)) {
+    if (recr != nullptr) {
         // The recurrent state: its layers and the widths and types of its two tensors.
-        const llama_memory_recurrent * recr = hybrid->get_mem_recr();
         d << "recurrent layers " << layer_pattern(hp.n_layer(), [&](uint32_t il) { return hp.is_recr(il); })
           << " r " << hp.n_embd_r() << " s " << hp.n_embd_s();
         for (size_t il = 0; il < recr->r_l.size(); il++) {
@@ -449,21 +525,13 @@ std::string why_not_served(llama_context * ctx) {
     if (cp.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
         return "not a target context (MTP/draft)";
     }
-    if (dynamic_cast<llama_memory_recurrent *>(mem) != nullptr) {
-        // No attention cache at all: a restore would be a snapshot alone (§5.9).
-        return "recurrent model";
-    }
-    if (dynamic_cast<llama_memory_hybrid_iswa *>(mem) != nullptr) {
-        // Its partial state is the window cache and the recurrent state; LFM2 with a
-        // window has every attention layer in it, so the cache blocks would carry has no
-        // layer: a restore would be a snapshot alone.
-        return "hybrid model with sliding-window attention";
-    }
     if (dynamic_cast<llama_kv_cache_dsv4 *>(mem) != nullptr) {
         return "DeepSeek V4's token cache with compressed block caches";
     }
-    llama_kv_cache * kv = attn_kv(ctx);
-    if (kv == nullptr) {
+    // Blocks restore an attention cache; a memory without one restores from a snapshot
+    // alone where its state is a recurrent one (Mamba; LFM2 with a window, whose
+    // attention layers are all in the window cache), §5.9.
+    if (attn_kv(ctx) == nullptr && recurrent_of(ctx) == nullptr) {
         return "the context's memory is not a KV cache the bridge knows";
     }
     if (window_kv(ctx) == nullptr && hp.swa_type != LLAMA_SWA_TYPE_NONE) {
@@ -480,6 +548,46 @@ std::string why_not_served(llama_context * ctx) {
     }
     return "";
 }
+
+namespace {
+
+// Starts the clean marks of an attached ctx. Whatever its memory holds now was not
+// computed under our watch.
+void track(llama_context * ctx, const attachment & a) {
+    process_state & s = state();
+    kv_marks & km = s.marks[marked_memory(ctx)];
+    km = kv_marks{};
+    for (uint32_t seq = 0; seq < llama_n_seq_max(ctx); seq++) {
+        if (llama_memory_seq_pos_max(llama_get_memory(ctx), (llama_seq_id) seq) >= 0) {
+            km.seq[(llama_seq_id) seq] = 0;
+        }
+    }
+    s.contexts[ctx] = a;
+    g_tracking.store(true, std::memory_order_release);
+}
+
+// attach of a context whose memory has no KV layers: its partial state is all a
+// restore places, so the model is named by the probe's.
+bool attach_partial_only(llama_context * ctx, const mcb_model_params & p, attachment & out, std::string & why_off) {
+    mcb_model m = 0;
+    std::string why_probe;
+    if (register_partial_only(ctx, p, m, why_probe) != MCB_STATUS_OK) {
+        why_off = "registering the model: " + why_probe;
+        return false;
+    }
+    attachment a;
+    a.model = m;
+    a.snapshot_tokens = mcb_model_snapshot_tokens(m);
+    std::ostringstream d;
+    d << llama_get_model(ctx)->arch_name() << ", no KV layers; " << p.partial_state << ", snapshotted every "
+      << a.snapshot_tokens << " tokens, restored from a snapshot alone";
+    a.describe = d.str();
+    track(ctx, a);
+    out = a;
+    return true;
+}
+
+} // namespace
 
 bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::string & why_off) {
     const llama_model & model = *llama_get_model(ctx);
@@ -509,11 +617,16 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     p.llama_version = MCB_LLAMA_TAG;
     p.gguf_path     = gguf_path;
     p.partial_state = partial.empty() ? nullptr : partial.c_str();
-    if (const llama_kv_cache * swa = window_kv(ctx)) {
+    const llama_kv_cache * swa = window_kv(ctx);
+    if (swa != nullptr && recurrent_of(ctx) == nullptr) {
         // The window cache's state is framed by this context's streams (one a slot
         // with -np N, one when unified): the bridge frames other contexts' snapshots
         // for them.
         p.partial_kv_streams = swa->get_n_stream();
+    }
+
+    if (partial_only(ctx)) {
+        return attach_partial_only(ctx, p, out, why_off);
     }
 
     mcb_model m = 0;
@@ -558,16 +671,7 @@ bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::
     }
     a.describe = d.str();
 
-    // Whatever the cache holds now was not computed under our watch.
-    kv_marks & km = s.marks[kv];
-    km = kv_marks{};
-    for (uint32_t seq = 0; seq < llama_n_seq_max(ctx); seq++) {
-        if (kv->seq_pos_max((llama_seq_id) seq) >= 0) {
-            km.seq[(llama_seq_id) seq] = 0;
-        }
-    }
-    s.contexts[ctx] = a;
-    g_tracking.store(true, std::memory_order_release);
+    track(ctx, a);
     out = a;
     return true;
 }
@@ -581,7 +685,7 @@ void detach(llama_context * ctx) {
     }
     mcb_model_unregister(it->second.model);
     s.contexts.erase(it);
-    s.marks.erase(attn_kv(ctx));
+    s.marks.erase(marked_memory(ctx));
     g_tracking.store(!s.contexts.empty(), std::memory_order_release);
 }
 
@@ -589,7 +693,7 @@ seq_origin seq_get_origin(llama_context * ctx, llama_seq_id seq_id) {
     process_state & s = state();
     std::lock_guard<std::recursive_mutex> lk(s.mu);
     seq_origin o;
-    auto it = s.marks.find(attn_kv(ctx));
+    auto it = s.marks.find(marked_memory(ctx));
     if (it == s.marks.end()) {
         return o;
     }
@@ -605,7 +709,7 @@ seq_origin seq_get_origin(llama_context * ctx, llama_seq_id seq_id) {
 void seq_set_scope(llama_context * ctx, llama_seq_id seq_id, const uint8_t scope[16], bool known) {
     process_state & s = state();
     std::lock_guard<std::recursive_mutex> lk(s.mu);
-    auto it = s.marks.find(attn_kv(ctx));
+    auto it = s.marks.find(marked_memory(ctx));
     if (it == s.marks.end()) {
         return;
     }
@@ -620,10 +724,10 @@ void seq_set_scope(llama_context * ctx, llama_seq_id seq_id, const uint8_t scope
     m.scope[seq_id] = id;
 }
 
-void mark_restored(llama_kv_cache * kv, llama_seq_id seq_id) {
+void mark_restored(llama_context * ctx, llama_seq_id seq_id) {
     process_state & s = state();
     std::lock_guard<std::recursive_mutex> lk(s.mu);
-    auto it = s.marks.find(kv);
+    auto it = s.marks.find(marked_memory(ctx));
     if (it != s.marks.end()) {
         // Published blocks are clean by construction: the sequence holds nothing else.
         it->second.seq[seq_id] = k_all_clean;
@@ -636,15 +740,15 @@ void mark_restored(llama_kv_cache * kv, llama_seq_id seq_id) {
 
 namespace {
 
-// Runs fn on the marks of kv when kv belongs to an attached context.
+// Runs fn on the marks of mem when an attached context's marks follow its edits.
 template <typename F>
-void with_marks(const llama_kv_cache * kv, F && fn) {
+void with_marks(const void * mem, F && fn) {
     if (!g_tracking.load(std::memory_order_acquire)) {
         return;
     }
     process_state & s = state();
     std::lock_guard<std::recursive_mutex> lk(s.mu);
-    auto it = s.marks.find(kv);
+    auto it = s.marks.find(mem);
     if (it != s.marks.end()) {
         fn(it->second);
     }
@@ -670,6 +774,29 @@ void rm_one(const llama_kv_cache * kv, kv_marks & m, llama_seq_id seq, llama_pos
     }
     // A hole in the middle: cells after it were computed over tokens that are gone.
     m.lower(seq, p0);
+}
+
+// The marks' edits every memory makes alike.
+
+void keep_one(kv_marks & m, llama_seq_id seq_id) {
+    const llama_pos keep = m.get(seq_id);
+    auto sc = m.scope.find(seq_id);
+    kv_marks kept;
+    kept.seq[seq_id] = keep;
+    if (sc != m.scope.end()) {
+        kept.scope[seq_id] = sc->second;
+    }
+    m = kept;
+}
+
+void state_loaded(kv_marks & m, llama_seq_id seq_id) {
+    if (seq_id < 0) {
+        m = kv_marks{};
+        m.dflt = 0;
+    } else {
+        m.seq[seq_id] = 0;
+        m.scope.erase(seq_id);
+    }
 }
 
 } // namespace
@@ -710,16 +837,7 @@ void kv_seq_cp(const llama_kv_cache * kv, llama_seq_id src, llama_seq_id dst, ll
 }
 
 void kv_seq_keep(const llama_kv_cache * kv, llama_seq_id seq_id) {
-    with_marks(kv, [&](kv_marks & m) {
-        const llama_pos keep = m.get(seq_id);
-        auto sc = m.scope.find(seq_id);
-        kv_marks kept;
-        kept.seq[seq_id] = keep;
-        if (sc != m.scope.end()) {
-            kept.scope[seq_id] = sc->second;
-        }
-        m = kept;
-    });
+    with_marks(kv, [&](kv_marks & m) { keep_one(m, seq_id); });
 }
 
 void kv_seq_add(const llama_kv_cache * kv, llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) {
@@ -746,15 +864,79 @@ void kv_clear(const llama_kv_cache * kv) {
 }
 
 void kv_state_read(const llama_kv_cache * kv, llama_seq_id seq_id) {
-    with_marks(kv, [&](kv_marks & m) {
+    with_marks(kv, [&](kv_marks & m) { state_loaded(m, seq_id); });
+}
+
+void rs_seq_rm(const llama_memory_recurrent * rs, llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
+    with_marks(rs, [&](kv_marks & m) {
+        p0 = std::max<llama_pos>(p0, 0);
         if (seq_id < 0) {
-            m = kv_marks{};
-            m.dflt = 0;
+            if (p0 == 0 && p1 < 0) {
+                m = kv_marks{}; // every state goes; a narrower range removes nothing
+            }
+            return;
+        }
+        const llama_pos pos_max = rs->seq_pos_max(seq_id);
+        if (pos_max < 0 || p0 > pos_max || (p1 >= 0 && p1 <= pos_max)) {
+            return; // the state is not in the range: it stays as it is
+        }
+        if (p0 == 0) {
+            m.seq[seq_id] = k_all_clean; // the state goes
+            return;
+        }
+        // A cut inside the history either rolls the state back to p0 (the per-token
+        // snapshots of speculative decoding) or is refused and leaves it: which, the
+        // memory decides after this call. The history past p0 is in doubt either way.
+        m.lower(seq_id, p0);
+    });
+}
+
+void rs_seq_cp(const llama_memory_recurrent * rs, llama_seq_id src, llama_seq_id dst, llama_pos p0, llama_pos p1) {
+    (void) p0; // the copy shares src's one state, whatever the range
+    (void) p1;
+    if (src == dst) {
+        return;
+    }
+    with_marks(rs, [&](kv_marks & m) {
+        // dst's state is replaced by src's, history and all.
+        auto sc = m.scope.find(src);
+        if (rs->seq_pos_max(src) >= 0 && sc != m.scope.end()) {
+            m.seq[dst]   = m.get(src);
+            m.scope[dst] = sc->second;
         } else {
-            m.seq[seq_id] = 0;
-            m.scope.erase(seq_id);
+            m.seq[dst] = rs->seq_pos_max(src) < 0 ? k_all_clean : 0;
+            m.scope.erase(dst);
         }
     });
+}
+
+void rs_seq_keep(const llama_memory_recurrent * rs, llama_seq_id seq_id) {
+    with_marks(rs, [&](kv_marks & m) { keep_one(m, seq_id); });
+}
+
+void rs_seq_add(const llama_memory_recurrent * rs, llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) {
+    (void) p1;
+    if (shift == 0) {
+        return;
+    }
+    // The state moves to another position: it was computed at the old one.
+    with_marks(rs, [&](kv_marks & m) { m.lower(seq_id, std::min(std::max<llama_pos>(p0, 0), std::max<llama_pos>(p0, 0) + shift)); });
+}
+
+void rs_seq_div(const llama_memory_recurrent * rs, llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d) {
+    (void) p1;
+    if (d == 1) {
+        return;
+    }
+    with_marks(rs, [&](kv_marks & m) { m.lower(seq_id, std::max<llama_pos>(p0, 0)); });
+}
+
+void rs_clear(const llama_memory_recurrent * rs) {
+    with_marks(rs, [&](kv_marks & m) { m = kv_marks{}; });
+}
+
+void rs_state_read(const llama_memory_recurrent * rs, llama_seq_id seq_id) {
+    with_marks(rs, [&](kv_marks & m) { state_loaded(m, seq_id); });
 }
 
 //
@@ -817,7 +999,7 @@ template <typename K>
 void restore_scope(llama_context * ctx, llama_seq_id seq_id, const recent_scopes<K> process_state::*saved, const K & key) {
     process_state & s = state();
     std::lock_guard<std::recursive_mutex> lk(s.mu);
-    auto it = s.marks.find(attn_kv(ctx));
+    auto it = s.marks.find(marked_memory(ctx));
     const scope_id * scope = (s.*saved).get(key);
     if (it != s.marks.end() && scope != nullptr) {
         it->second.scope[seq_id] = *scope;

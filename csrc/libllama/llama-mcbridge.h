@@ -29,6 +29,7 @@
 #include <vector>
 
 class llama_kv_cache;
+class llama_memory_recurrent;
 
 namespace mcb_llama {
 
@@ -54,7 +55,7 @@ struct kv_storage {
 // A context the bridge serves: its registration and what the server reports.
 struct attachment {
     mcb_model   model   = 0;
-    uint32_t    n_layer = 0;
+    uint32_t    n_layer = 0; // 0: the memory has no KV layers, its snapshots are its state
     bool        v_trans = false;
     bool        k_only  = false; // no V tensors (MLA): the format's V rows are 0 bytes
     kv_storage  storage; // learned from the probe's sequence, which names its stream's views
@@ -69,7 +70,8 @@ struct attachment {
 // Why the bridge cannot serve ctx (not a target context, non-causal, a memory it
 // cannot restore exactly), or "" when it can: a plain KV cache, or a sliding-window or
 // hybrid memory, whose attention cache blocks restore and whose partial state
-// snapshots do (docs/design.md §5.9). attach refuses such a context.
+// snapshots do, or a recurrent one, which snapshots alone restore (docs/design.md
+// §5.9). attach refuses such a context.
 std::string why_not_served(llama_context * ctx);
 // Why ctx's memory is not one plain, causal KV cache, or "". llama-server asks it of a
 // draft context, which a restore leaves to recompute its prefix in its own cache.
@@ -81,9 +83,10 @@ std::string partial_state_of(llama_context * ctx);
 
 // Registers ctx's KV format with the process's bridge (opening it on first use):
 // the probe prompt is decoded into sequence 0 of the empty cache and its KV handed
-// over, so that the library derives the model's identity as for any other host.
+// over, so that the library derives the model's identity as for any other host; a
+// memory without KV layers hands over the probe's partial state instead.
 // Returns false, with why_off set, when the bridge is off or cannot serve this
-// context (draft, recurrent, hybrid, sliding window, ...).
+// context (draft, non-causal, a memory it cannot restore exactly).
 bool attach(llama_context * ctx, const char * gguf_path, attachment & out, std::string & why_off);
 void detach(llama_context * ctx);
 
@@ -152,7 +155,8 @@ struct save_result {
 
 // The mirror for saves: hands the bridge the KV of positions [0, n) of seq_id, where n
 // is the clean prefix of tokens[0, n_tokens) that the cache holds; the bridge keeps its
-// full blocks. The rows are copied before this returns; publishing is the bridge's.
+// full blocks. The rows are copied before this returns; publishing is the bridge's. A
+// context without KV layers saves nothing here: its snapshots are all its state.
 save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scope * scope,
                      llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens);
 
@@ -186,6 +190,19 @@ void kv_seq_div (const llama_kv_cache * kv, llama_seq_id seq_id, llama_pos p0, l
 void kv_clear   (const llama_kv_cache * kv);
 // After a successful state_read: the loaded KV came from elsewhere.
 void kv_state_read(const llama_kv_cache * kv, llama_seq_id seq_id);
+
+// Called by llama_memory_recurrent (llama-patches/0007-mcbridge-recurrent-clean-marks.patch)
+// likewise: the marks of a context whose memory has no KV layers, whose whole state is
+// its recurrent state (Mamba) or a window cache beside one (LFM2 with a window), follow
+// that memory's edits. Its state is one per sequence, of the whole history, so an edit
+// that leaves the history in doubt makes every later state unclean.
+void rs_seq_rm  (const llama_memory_recurrent * rs, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+void rs_seq_cp  (const llama_memory_recurrent * rs, llama_seq_id src, llama_seq_id dst, llama_pos p0, llama_pos p1);
+void rs_seq_keep(const llama_memory_recurrent * rs, llama_seq_id seq_id);
+void rs_seq_add (const llama_memory_recurrent * rs, llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift);
+void rs_seq_div (const llama_memory_recurrent * rs, llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d);
+void rs_clear   (const llama_memory_recurrent * rs);
+void rs_state_read(const llama_memory_recurrent * rs, llama_seq_id seq_id);
 
 // Sequence state llama.cpp writes out and reads back itself (POST /slots/N?action=save
 // and restore, the prompt cache, context checkpoints) keeps the scope it was saved

@@ -11,7 +11,10 @@
 //     nothing, and a failed restore leaves every other sequence's KV untouched;
 //   - a restore that cannot fit rolls back;
 //   - a shifted or holed sequence publishes only its clean prefix, and a cut below the
-//     hole makes it clean again.
+//     hole makes it clean again;
+//   - a memory without KV layers (Mamba) restores from a snapshot alone, byte-identical
+//     to the state it was taken from, and its clean marks follow the recurrent memory's
+//     edits.
 #include "kv_blob.hpp"
 #include "llama-mcbridge.h"
 #include "llama.h"
@@ -146,6 +149,13 @@ struct context {
     }
 
     llama_pos clean_end(llama_seq_id seq) const { return mcb_llama::seq_get_origin(ctx, seq).clean_end; }
+
+    // The partial state of seq as llama.cpp writes it (a recurrent state, a window cache).
+    std::vector<uint8_t> partial(llama_seq_id seq) const {
+        std::vector<uint8_t> b(llama_state_seq_get_size_ext(ctx, seq, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY));
+        b.resize(llama_state_seq_get_data_ext(ctx, b.data(), b.size(), seq, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY));
+        return b;
+    }
 
     std::vector<uint8_t> blob(llama_seq_id seq) const {
         std::vector<uint8_t> b(llama_state_seq_get_size(ctx, seq));
@@ -332,6 +342,61 @@ void clean_marks(const model_file & model, const kv_format & f) {
           s2.blocks.n_blocks);
 }
 
+// A memory without KV layers: its snapshots are its state. One taken after 128 tokens
+// restores into another context's sequence beside a sequence of its own, byte for byte
+// the state it was taken from; another model finds nothing; the marks follow the
+// recurrent memory's edits.
+void snapshots_alone(const model_file & model, const model_file & other, const kv_format & f) {
+    const std::vector<llama_token> prompt = tokens(200, 7, 3);
+    context src(model, f, 1024, 2, true);
+    const int32_t every = (int32_t) src.att.snapshot_tokens;
+    check(src.att.n_layer == 0 && every > 0 && every <= 128 && 128 % every == 0,
+          "no KV layers, snapshots every %d tokens (%s)", every, src.att.describe.c_str());
+    const std::vector<llama_token> head(prompt.begin(), prompt.begin() + 128);
+    src.decode(0, head, 0);
+    const auto at128 = src.partial(0);
+    std::string err;
+    check(mcb_llama::seq_snapshot(src.ctx, src.att, nullptr, 0, head.data(), 128, err) == MCB_STATUS_OK,
+          "the state after 128 tokens is snapshotted %s", err.c_str());
+    src.decode(0, std::vector<llama_token>(prompt.begin() + 128, prompt.end()), 128);
+    const auto sv = src.save(0, prompt);
+    check(sv.status == MCB_STATUS_OK && sv.blocks.n_blocks == 0, "a save publishes no block: the snapshots are the state");
+
+    context dst(model, f, 1024, 2, true);
+    dst.decode(1, tokens(100, 5, 1), 0);
+    const auto before = dst.blob(1);
+    check(dst.matched(prompt) == 128, "lookup finds the snapshot's 128 tokens (%d)", dst.matched(prompt));
+    const auto r = dst.restore(0, prompt);
+    check(r.n_tokens == 128 && r.status == MCB_STATUS_OK, "restored %d of 128 tokens (%llu bytes) %s", r.n_tokens,
+          (unsigned long long) r.n_bytes, r.error.c_str());
+    check(llama_memory_seq_pos_max(dst.mem(), 0) == 127, "seq 0 is at position %d", llama_memory_seq_pos_max(dst.mem(), 0));
+    check(dst.partial(0) == at128, "the restored state is byte-identical to the one computed");
+    check(dst.blob(1) == before, "the other sequence is untouched");
+    check(dst.clean_end(0) > 128, "a restored sequence is clean");
+
+    {
+        context foreign(other, f, 1024, 1, true);
+        check(foreign.matched(prompt) == 0, "another model finds nothing");
+    }
+
+    // The marks: a shift leaves the history in doubt from where it moved; a removal of
+    // the whole state cleans it; a cut inside it (refused without rollback room) too;
+    // a copy shares the source's mark.
+    llama_memory_seq_add(dst.mem(), 0, 60, -1, -10);
+    check(dst.clean_end(0) == 50, "a shift lowers the clean mark to 50 (%d)", dst.clean_end(0));
+    const uint8_t scope[16] = {7};
+    mcb_llama::seq_set_scope(dst.ctx, 0, scope, true);
+    llama_memory_seq_cp(dst.mem(), 0, 1, -1, -1);
+    check(dst.clean_end(1) == 50, "a copy has its source's mark (%d)", dst.clean_end(1));
+    llama_memory_seq_rm(dst.mem(), 0, -1, -1);
+    check(dst.clean_end(0) > 128, "removing the whole state makes the sequence clean");
+    dst.decode(0, head, 0);
+    llama_memory_seq_rm(dst.mem(), 0, 100, -1);
+    check(dst.clean_end(0) == 100, "a cut inside the history leaves what follows it in doubt (%d)", dst.clean_end(0));
+    llama_memory_clear(dst.mem(), true);
+    check(dst.clean_end(0) > 128 && dst.clean_end(1) > 128, "a clear makes every sequence clean");
+}
+
 } // namespace
 
 // Whether llama.cpp makes a context of f for m.
@@ -379,13 +444,22 @@ int main(int argc, char ** argv) {
         bf16k = {"fa-on-bf16", true, GGML_TYPE_BF16, GGML_TYPE_BF16};
     }
 
-    round_trip(model, fa_on);
-    round_trip(model, fa_off);
-    round_trip(model, bf16k);
-    in_flight(model, fa_on);
-    in_flight(model, fa_off);
-    mismatches(model, other, fa_on, {fa_off, bf16k});
-    clean_marks(model, fa_on);
+    bool snapshot_only = false;
+    {
+        context probe(model, fa_on, 256, 1, true);
+        snapshot_only = probe.att.n_layer == 0;
+    }
+    if (snapshot_only) {
+        snapshots_alone(model, other, fa_on);
+    } else {
+        round_trip(model, fa_on);
+        round_trip(model, fa_off);
+        round_trip(model, bf16k);
+        in_flight(model, fa_on);
+        in_flight(model, fa_off);
+        mismatches(model, other, fa_on, {fa_off, bf16k});
+        clean_marks(model, fa_on);
+    }
 
     llama_model_free(model.model);
     llama_model_free(other.model);

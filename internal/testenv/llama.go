@@ -216,6 +216,18 @@ func StockFrom(tb testing.TB, url string, r Request, k int) Completion {
 // restored k does.
 func StockHolding(tb testing.TB, url string, r Request, k, cacheN int) Completion {
 	tb.Helper()
+	c := StockGiven(tb, url, r, k)
+	if k > 0 {
+		require.Equal(tb, cacheN, c.Timings.CacheN, "the stock slot given the prompt's first %d tokens kept %d", k, cacheN)
+	}
+	return c
+}
+
+// StockGiven is a stock llama-server's answer to r on a slot given the
+// first k tokens of r's prompt, keeping what it keeps of them (its
+// Timings.CacheN).
+func StockGiven(tb testing.TB, url string, r Request, k int) Completion {
+	tb.Helper()
 	fresh := map[string]any{"cache_prompt": false}
 	for key, v := range r.Extra {
 		if _, ok := fresh[key]; !ok {
@@ -228,9 +240,7 @@ func StockHolding(tb testing.TB, url string, r Request, k, cacheN int) Completio
 		return Complete(tb, url, r)
 	}
 	Prime(tb, url, r.Prompt, k, fresh)
-	c := Complete(tb, url, r)
-	require.Equal(tb, cacheN, c.Timings.CacheN, "the stock slot given the prompt's first %d tokens kept %d", k, cacheN)
-	return c
+	return Complete(tb, url, r)
 }
 
 // Prime has slot 0 of the stock server at url compute the Primer of

@@ -104,7 +104,10 @@ var representatives = append([]archRun{
 	// hybrid with an indexer cache (its layers have no V) beside the attention cache
 	{model: "qwen4exp-moe", proxyOff: "a hybrid memory (qwen4exp)"},
 	// recurrent: the state alone, so a restore is a snapshot alone
-	{model: "mamba2-dense", patchedOff: "recurrent model"},
+	{model: "mamba2-dense"},
+	// a window cache beside a recurrent state, every attention layer in the
+	// window (LFM2): a snapshot alone too, through the patched server
+	{model: "lfm2-dense", proxyOff: "a hybrid memory with a sliding window"},
 }, quantizedKV(
 	quantizedShape{model: "llama-dense"},
 	quantizedShape{model: "qwen3-dense"},
@@ -277,13 +280,35 @@ func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) 
 	// answers usually come from the same state.
 	// A server that restored P tokens of a memory whose window covers them
 	// computes the last again, as stock given P tokens does.
+	// A hybrid memory with a window (LFM2) given k tokens keeps only what
+	// its own context checkpoints give back, fewer than k: its reference is
+	// stock's answer from there (stockKept says how many it kept).
+	keepsFewer := strings.Contains(row.kind, "hybrid") && strings.Contains(row.kind, "sliding-window")
 	stock := map[[2]int][]int32{}
+	stockKept := map[[2]int]int{}
 	stockAs := func(c testenv.Completion) []int32 {
 		k := [2]int{max(c.Timings.CacheN, c.MCB.RestoredN), c.Timings.CacheN}
 		if _, ok := stock[k]; !ok {
-			stock[k] = testenv.StockHolding(t, ref.URL, reqB, k[0], k[1]).Tokens
+			if keepsFewer {
+				sc := testenv.StockGiven(t, ref.URL, reqB, k[0])
+				stock[k], stockKept[k] = sc.Tokens, sc.Timings.CacheN
+			} else {
+				stock[k] = testenv.StockHolding(t, ref.URL, reqB, k[0], k[1]).Tokens
+			}
 		}
 		return stock[k]
+	}
+	// stockNote is the row's note on an answer compared with stock's.
+	stockNote := func(c testenv.Completion, same bool) string {
+		k := [2]int{max(c.Timings.CacheN, c.MCB.RestoredN), c.Timings.CacheN}
+		note := ", answers as stock"
+		if !same {
+			note = ", answers differ from stock"
+		}
+		if kept, ok := stockKept[k]; ok && kept < k[0] {
+			note += fmt.Sprintf(" (given %d tokens, stock keeps %d)", k[0], kept)
+		}
+		return note
 	}
 
 	// The patched server.
@@ -294,12 +319,17 @@ func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) 
 	x := testenv.StartLlama(t, "x", testenv.PatchedServer(t), patchedArgs)
 	y := testenv.StartLlama(t, "y", testenv.PatchedServer(t), patchedArgs)
 	on := x.BridgeState()
+	every := snapshotOnly(x.LogLine("mcbridge: on: "))
 	x.Complete(t, reqA)
-	if on == "on" {
+	switch {
+	case on == "on" && every > 0:
+		// A memory without KV layers publishes its snapshots alone.
+		waitMirrored(t, y.URL, shared/every)
+	case on == "on":
 		waitMirrored(t, y.URL, shared/block)
 	}
 	got := y.Complete(t, reqB)
-	asStock := assert.Equal(t, stockAs(got), got.Tokens,
+	same := assert.Equal(t, stockAs(got), got.Tokens,
 		"the patched server answers as stock (cache_n %d): %+v", got.Timings.CacheN, got.MCB)
 	switch {
 	case on != "on":
@@ -313,16 +343,15 @@ func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) 
 	case got.MCB.RestoredN != shared:
 		row.patched = fmt.Sprintf("on, restored %d of %d: %s %s", got.MCB.RestoredN, shared, got.MCB.Decision, got.MCB.Error)
 		t.Errorf("the bridge is on and did not restore the shared blocks: %+v", got.MCB)
+	case every > 0:
+		// No rows to compare: the snapshot is the holder's bytes by its
+		// checksum, and llama.cpp read all of it.
+		row.patched = fmt.Sprintf("restored %d from a snapshot alone", shared)
 	default:
 		// Positions the server computed again after the restore are its own.
-		same := samePrefixKV(t, slots, x, y, got.Timings.CacheN)
-		row.patched = fmt.Sprintf("restored %d, byte-identical: %v", shared, same)
+		row.patched = fmt.Sprintf("restored %d, byte-identical: %v", shared, samePrefixKV(t, slots, x, y, got.Timings.CacheN))
 	}
-	if asStock {
-		row.patched += ", answers as stock"
-	} else {
-		row.patched += ", answers differ from stock"
-	}
+	row.patched += stockNote(got, same)
 	x.Stop()
 	y.Stop()
 
@@ -347,7 +376,7 @@ func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) 
 		}, "the asker's proxy never mirrored the holder's blocks (holder: %v)", testenv.JSON(proxies[0].State(t)))
 	}
 	got = testenv.Complete(t, proxies[1].URL, testenv.Request{Prompt: su.promptB, Slot: -1, NPredict: nPredict})
-	asStock = assert.Equal(t, stockAs(got), got.Tokens,
+	same = assert.Equal(t, stockAs(got), got.Tokens,
 		"the proxy answers as stock (cache_n %d)", got.Timings.CacheN)
 	switch {
 	case st["bridge"] != true:
@@ -366,11 +395,7 @@ func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) 
 	case must:
 		assert.Equal(t, shared, got.MCB.RestoredN, "a representative: the proxy restores the shared blocks: %s", row.proxied)
 	}
-	if asStock {
-		row.proxied += ", answers as stock"
-	} else {
-		row.proxied += ", answers differ from stock"
-	}
+	row.proxied += stockNote(got, same)
 	t.Logf("%s: patched server: %s; proxy: %s", row.kind, row.patched, row.proxied)
 }
 
@@ -398,6 +423,20 @@ func proxyWhy(t *testing.T, p *testenv.Proxy) string {
 	}
 	return why
 }
+
+// snapshotOnly is, from a patched server's "mcbridge: on" line, how many
+// tokens apart it snapshots a memory without KV layers, whose snapshots
+// are all it publishes; 0 for a memory with KV layers.
+func snapshotOnly(on string) int {
+	m := snapshotOnlyLine.FindStringSubmatch(on)
+	if m == nil {
+		return 0
+	}
+	n, _ := strconv.Atoi(m[1])
+	return n
+}
+
+var snapshotOnlyLine = regexp.MustCompile(`no KV layers; .*, snapshotted every (\d+) tokens`)
 
 // samePrefixKV saves slot 0 of x and of y (into their slot directory
 // slots) and checks that their first n positions are the same bytes:
