@@ -648,7 +648,7 @@ func TestStateSnapshotsOfAWindow(t *testing.T) {
 	assert.Zero(t, ma.Format.SecondLayers, "the blocks hold the base cache's layers")
 	assert.Equal(t, 4, ma.SnapshotTokens(), "a model with a partial state, snapshotted after every block")
 	assert.Equal(t, 4, ma.SnapshotsRestoreAfter(), "the window")
-	_, _, named, err := partialProbe(memory{arch: "gemma3", window: 4}, probe)
+	_, _, named, _, err := partialProbe(memory{arch: "gemma3", window: 4}, probe)
 	require.NoError(t, err)
 	assert.Equal(t, "state window 4 layers 2 K 1 V 1 K 1 V 1", named, "the partial state's name in the fingerprint")
 	mb, nStream := registerAgain(t, bb, ma, model, probe)
@@ -782,20 +782,14 @@ func TestStateSnapshotsOfARecurrentState(t *testing.T) {
 	ma, _, err := RegisterState(ba, Identity{GGUFPath: model, StateSnapshots: true}, probe)
 	require.NoError(t, err)
 	assert.Equal(t, 4, ma.SnapshotTokens(), "a model with a partial state, snapshotted after every block")
-	_, _, named, err := partialProbe(memory{arch: "qwen35"}, probe)
+	_, _, named, _, err := partialProbe(memory{arch: "qwen35"}, probe)
 	require.NoError(t, err)
 	assert.Equal(t, "state recurrent qwen35 bytes 24", named, "the partial state's name in the fingerprint")
 	mb, nStream, err := RegisterState(bb, Identity{GGUFPath: model, StateSnapshots: true}, probe)
 	require.NoError(t, err)
-	for arch, says := range map[string]string{"qwen4exp": "an indexer cache", "lfm2": "a sliding window"} {
-		window := uint32(0)
-		if arch == "lfm2" {
-			window = 16
-		}
-		_, _, err = RegisterState(ba, Identity{GGUFPath: headerOnlyGGUF(t, arch, window), StateSnapshots: true}, probe)
-		assert.Equal(t, status.Unsupported, status.Of(err), "%s: %v", arch, err)
-		assert.ErrorContains(t, err, says, arch)
-	}
+	_, _, err = RegisterState(ba, Identity{GGUFPath: headerOnlyGGUF(t, "lfm2", 16), StateSnapshots: true}, probe)
+	assert.Equal(t, status.Unsupported, status.Of(err), "lfm2: %v", err)
+	assert.ErrorContains(t, err, "a sliding window", "lfm2")
 
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(5)), 13)
 	cells := kvtest.ScatteredCells(rand.New(rand.NewSource(6)), 13, 32)
@@ -818,6 +812,80 @@ func TestStateSnapshotsOfARecurrentState(t *testing.T) {
 	for p := 0; p < 8; p++ {
 		assert.Equal(t, hostRows(h, int(cells[p])), got[p], "position %d", p)
 	}
+}
+
+// A hybrid memory with an indexer cache (qwen4exp, llama_memory_hybrid_idx)
+// writes its attention cache's state, its recurrent state, then its
+// indexer's (K only): the blocks carry the attention cache, a snapshot the
+// recurrent state and the indexer's rows of every position before it, in
+// position order whatever cells held them, and a restore frames those for
+// the asking host's streams after the blocks' state.
+func TestStateSnapshotsOfAHybridWithAnIndexer(t *testing.T) {
+	ba, bb := snapshotBridges(t)
+	model := headerOnlyGGUF(t, "qwen4exp", 0)
+	h := kvtest.New(t, 2, 32, 32, 48, true)
+	le := binary.LittleEndian
+	recurrent := func(n int) []byte {
+		rec := le.AppendUint32(le.AppendUint32(le.AppendUint32(nil, 1), uint32(n-1)), 0)
+		return append(rec, bytes.Repeat([]byte{byte(n)}, 24)...)
+	}
+	idxRow := func(p int) []byte { return bytes.Repeat([]byte{byte(0x80 + p)}, 16) }
+	// The indexer's state of positions [0, n), its cells listed from the
+	// last position to the first.
+	indexer := func(n int) []byte {
+		s := llamastate.Stream{Layers: []llamastate.Layer{{KType: 1, KRowSize: 16}}}
+		for i := range n {
+			p := n - 1 - i
+			s.Cells = append(s.Cells, llamastate.Cell{Pos: int32(p), SeqIDs: []int32{0}})
+			s.Layers[0].K = append(s.Layers[0].K, idxRow(p)...)
+		}
+		b, err := (&llamastate.State{Kind: llamastate.Memory, Streams: []llamastate.Stream{s}, KOnly: true}).Build()
+		require.NoError(t, err)
+		return b[8:] // after the magic and the sequence id
+	}
+	state := func(cells []uint32) []byte {
+		return slices.Concat(stateOf(t, h, cells), recurrent(len(cells)), indexer(len(cells)))
+	}
+	h.Fill(ProbeTokens(), kvtest.SeqCells(8))
+	probe := state(kvtest.SeqCells(8))
+	ma, _, err := RegisterState(ba, Identity{GGUFPath: model, StateSnapshots: true}, probe)
+	require.NoError(t, err)
+	assert.Equal(t, 2, len(ma.Format.Layers), "the blocks hold the attention cache alone")
+	_, _, named, _, err := partialProbe(memory{arch: "qwen4exp"}, probe)
+	require.NoError(t, err)
+	assert.Equal(t, "state recurrent qwen4exp bytes 36 indexer layers 1 K 1 row 16", named)
+	mb, _ := registerAgain(t, bb, ma, model, probe)
+
+	tokens, cells := kvtest.Tokens(rand.New(rand.NewSource(7)), 13), kvtest.ScatteredCells(rand.New(rand.NewSource(8)), 13, 32)
+	h.Fill(tokens, cells)
+	lacking := slices.Concat(stateOf(t, h, cells[:8]), recurrent(8), indexer(7))
+	assert.Error(t, ma.SaveStateSnapshot(key0(), lacking, tokens[:8]), "an indexer state lacking a position")
+	require.NoError(t, ma.SaveStateSnapshot(key0(), state(cells[:8]), tokens[:8]))
+	_, err = ma.SaveState(key0(), state(cells), tokens)
+	require.NoError(t, err)
+
+	plan := planOf(t, mb, tokens, 8)
+	blob, res, err := mb.RestoreState(plan, Frame{Kind: llamastate.Memory, NStream: 2, SeqID: 1}, func(n int) []byte { return make([]byte, n) })
+	require.NoError(t, err)
+	require.Equal(t, 8, res.OKTokens)
+	base, n, err := llamastate.ParseLeading(blob)
+	require.NoError(t, err)
+	got := stateRows(t, base)
+	for p := range 8 {
+		assert.Equal(t, hostRows(h, int(cells[p])), got[p], "attention cache, position %d", p)
+	}
+	tail := blob[len(blob)-n:]
+	require.Greater(t, len(tail), 36)
+	assert.Equal(t, recurrent(8), tail[:36], "the recurrent state after 8 tokens")
+	idx, err := llamastate.ParseCache(tail[36:], false, true)
+	require.NoError(t, err)
+	require.Len(t, idx, 2, "framed for the asking context's streams")
+	require.Len(t, idx[0].Cells, 8)
+	for c, cell := range idx[0].Cells {
+		assert.Equal(t, int32(c), cell.Pos, "the indexer's cell %d", c)
+		assert.Equal(t, idxRow(c), idx[0].Layers[0].K[16*c:16*(c+1)], "the indexer's row of position %d", c)
+	}
+	assert.Empty(t, idx[1].Cells)
 }
 
 // recurrentSlot is a slot file of a memory that is one recurrent state

@@ -1,6 +1,7 @@
 package host
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -69,9 +70,11 @@ type Model struct {
 	pos2D bool
 	// tail is what the model's states carry after the attention layers'
 	// KV, for a model registered from a state with snapshots; window is
-	// its sliding window, as the model file names it.
-	tail   stateTail
-	window int
+	// its sliding window, as the model file names it; recurrentBytes is the
+	// length of the recurrent state an indexedRecurrentTail starts with.
+	tail           stateTail
+	window         int
+	recurrentBytes int
 	// partialKVStreams is Identity.PartialKVStreams of a host with tensors.
 	partialKVStreams int
 }
@@ -84,6 +87,10 @@ const (
 	noTail        stateTail = iota
 	windowTail              // a sliding-window memory's window cache: a KV cache's state
 	recurrentTail           // a hybrid memory's recurrent state
+	// a hybrid memory's recurrent state, then its indexer cache's state
+	// (llama_memory_hybrid_idx), whose snapshot carries the indexer's rows
+	// of every position before it
+	indexedRecurrentTail
 )
 
 // textExt is the extension llama.cpp gives the cell of position pos when it
@@ -177,7 +184,7 @@ func (m *Model) Snapshot(ld *bridge.Load) ([]byte, error) {
 // that are not two KV caches) fails with Parse's *llamastate.CachesError.
 func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, int, error) {
 	st, err := llamastate.Parse(probeState)
-	tail, window := noTail, 0
+	tail, window, recBytes := noTail, 0, 0
 	if err != nil {
 		mem, merr := memoryOf(id.GGUFPath)
 		if merr != nil {
@@ -191,7 +198,7 @@ func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, in
 			if slices.Contains(recurrentArchs, mem.arch) {
 				return registerRecurrent(b, id, probeState)
 			}
-			if st, tail, id.Partial, err = partialProbe(mem, probeState); err != nil {
+			if st, tail, id.Partial, recBytes, err = partialProbe(mem, probeState); err != nil {
 				return nil, 0, status.Wrap(status.Unsupported, err, why)
 			}
 		}
@@ -249,7 +256,7 @@ func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, in
 		return nil, 0, err
 	}
 	m.pos2D = pos2D
-	m.tail = tail
+	m.tail, m.recurrentBytes = tail, recBytes
 	if tail == windowTail {
 		m.window = window
 	}
@@ -344,35 +351,50 @@ func RegisterPartialOnly(b *bridge.Bridge, id Identity, probe []byte) (*Model, e
 // partialProbe reads the probe state of a memory with a partial state: its
 // attention layers' KV cache (with the indexer's as State.Second where a
 // window memory has one), then the partial state, a window cache's state
-// (a sliding-window memory) or a recurrent state (a hybrid one). It
+// (a sliding-window memory) or a recurrent state (a hybrid one), and the
+// indexer cache's state after it (a hybrid one with an indexer,
+// llama_memory_hybrid_idx, whose recurrent state's length it returns). It
 // returns the first, what follows it, and the partial state's name for the
 // fingerprint (key.Model.Partial): the window and the architecture from the
 // model file, the window cache's layers and types, or the recurrent
-// state's size (which its shapes and types fix), from the probe's state.
+// state's size (which its shapes and types fix) and the indexer's layers,
+// from the probe's state.
 // (Recurrent-only memories, which have no KV cache, are registerRecurrent's.)
 // A hybrid memory with a sliding window carries both a window cache and a
-// recurrent state, and one with an indexer cache (llama_memory_hybrid_idx)
-// carries that cache too: a state host restores neither.
-func partialProbe(mem memory, probe []byte) (*llamastate.State, stateTail, string, error) {
+// recurrent state: a state host restores it not (stock llama-server
+// computes a prompt again after loading such a state, its recurrent state
+// being past the window's threshold).
+func partialProbe(mem memory, probe []byte) (*llamastate.State, stateTail, string, int, error) {
 	tail := windowTail
 	switch {
 	case slices.Contains(hybridArchs, mem.arch) && mem.window > 0:
-		return nil, noTail, "", status.Errorf(status.Unsupported, "a hybrid memory with a sliding window: its partial state is a window cache and a recurrent state")
+		return nil, noTail, "", 0, status.Errorf(status.Unsupported, "a hybrid memory with a sliding window: stock llama-server computes a prompt again after a slot restore of its state (its recurrent state is past the window's threshold, pos_min_thold)")
 	case slices.Contains(indexedHybridArchs, mem.arch):
-		return nil, noTail, "", status.Errorf(status.Unsupported, "a hybrid memory with an indexer cache: a third cache beside the recurrent state")
+		tail = indexedRecurrentTail
 	case slices.Contains(hybridArchs, mem.arch):
 		tail = recurrentTail
 	}
 	st, n, err := llamastate.ParseLeading(probe)
 	if err != nil {
-		return nil, noTail, "", err
+		return nil, noTail, "", 0, err
 	}
 	if n == 0 {
-		return nil, noTail, "", status.Errorf(status.InvalidArg, "the state carries nothing after its KV cache")
+		return nil, noTail, "", 0, status.Errorf(status.InvalidArg, "the state carries nothing after its KV cache")
 	}
 	rest := probe[len(probe)-n:]
-	if tail == recurrentTail {
-		return st, tail, fmt.Sprintf("state recurrent %s bytes %d", mem.arch, n), nil
+	switch tail {
+	case recurrentTail:
+		return st, tail, fmt.Sprintf("state recurrent %s bytes %d", mem.arch, n), 0, nil
+	case indexedRecurrentTail:
+		rec, idx, err := indexerAfter(rest, st, len(probeTokens))
+		if err != nil {
+			return nil, noTail, "", 0, err
+		}
+		d := fmt.Sprintf("state recurrent %s bytes %d indexer layers %d", mem.arch, rec, len(idx.Layers))
+		for _, l := range idx.Layers {
+			d += fmt.Sprintf(" K %d row %d", l.KType, l.KRowSize)
+		}
+		return st, tail, d, rec, nil
 	}
 	ss, err := llamastate.ParseCache(rest, st.CellExt, st.KOnly)
 	if err != nil {
@@ -381,22 +403,54 @@ func partialProbe(mem memory, probe []byte) (*llamastate.State, stateTail, strin
 		// every position as the first cache does, before the window cache's.
 		second, n, err2 := llamastate.ParseCacheLeading(rest, st.CellExt, st.KOnly)
 		if err2 != nil || n == 0 || len(second) != len(st.Streams) {
-			return nil, noTail, "", status.Wrap(status.InvalidArg, err, "the window cache's state")
+			return nil, noTail, "", 0, status.Wrap(status.InvalidArg, err, "the window cache's state")
 		}
 		if ss, err2 = llamastate.ParseCache(rest[len(rest)-n:], st.CellExt, st.KOnly); err2 != nil {
-			return nil, noTail, "", status.Wrap(status.InvalidArg, err, "the window cache's state")
+			return nil, noTail, "", 0, status.Wrap(status.InvalidArg, err, "the window cache's state")
 		}
 		st.Second = second
 	}
 	si, err := (&llamastate.State{Streams: ss}).Sequence()
 	if err != nil {
-		return nil, noTail, "", status.Wrap(status.InvalidArg, err, "the window cache's state")
+		return nil, noTail, "", 0, status.Wrap(status.InvalidArg, err, "the window cache's state")
 	}
 	d := fmt.Sprintf("state window %d layers %d", mem.window, len(ss[si].Layers))
 	for _, l := range ss[si].Layers {
 		d += fmt.Sprintf(" K %d V %d", l.KType, l.VType)
 	}
-	return st, tail, d, nil
+	return st, tail, d, 0, nil
+}
+
+// indexerAfter finds, in rest, what a llama_memory_hybrid_idx's state holds
+// after its attention cache's (st's), the indexer cache's state after the
+// recurrent state, whose length nothing in it says (it writes sections of
+// its non-null layers only): the first offset from which rest reads to its
+// end as a K-only cache state of st's streams and cell format holding
+// exactly positions [0, n), with a recurrent state at position n-1 before
+// it. It returns that offset, the recurrent state's length, and the
+// indexer's stream.
+func indexerAfter(rest []byte, st *llamastate.State, n int) (int, *llamastate.Stream, error) {
+	if pos, err := llamastate.RecurrentPos(rest); err != nil || int(pos) != n-1 {
+		return 0, nil, status.Errorf(status.InvalidArg, "the state after the attention cache is no recurrent state at position %d", n-1)
+	}
+	for o := 4; o+4 <= len(rest); o++ {
+		if int(binary.LittleEndian.Uint32(rest[o:])) != len(st.Streams) {
+			continue
+		}
+		ss, err := llamastate.ParseCache(rest[o:], st.CellExt, true)
+		if err != nil {
+			continue
+		}
+		idx := &llamastate.State{Streams: ss, CellExt: st.CellExt, KOnly: true}
+		si, err := idx.Sequence()
+		if err != nil || len(ss[si].Cells) != n {
+			continue
+		}
+		if _, err := idx.PositionCells(n); err == nil {
+			return o, &ss[si], nil
+		}
+	}
+	return 0, nil, status.Errorf(status.InvalidArg, "no indexer cache's state after the recurrent state")
 }
 
 // probeExt checks the probe's cell extensions, when its state has them,

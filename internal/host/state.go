@@ -67,9 +67,17 @@ func (m *Model) parseWithTail(state []byte) (*llamastate.State, []byte, error) {
 		return nil, nil, status.Errorf(status.InvalidArg, "the state carries no partial state after its KV cache")
 	}
 	tail := state[len(state)-n:]
-	if m.tail == windowTail {
+	switch m.tail {
+	case windowTail:
 		if _, err := llamastate.ParseCache(tail, st.CellExt, st.KOnly); err != nil {
 			return nil, nil, status.Wrap(status.InvalidArg, err, "the window cache's state")
+		}
+	case indexedRecurrentTail:
+		if len(tail) <= m.recurrentBytes {
+			return nil, nil, status.Errorf(status.InvalidArg, "%d bytes after the attention cache: no recurrent state of %d and indexer cache after it", len(tail), m.recurrentBytes)
+		}
+		if _, err := llamastate.ParseCache(tail[m.recurrentBytes:], st.CellExt, true); err != nil {
+			return nil, nil, status.Wrap(status.InvalidArg, err, "the indexer cache's state")
 		}
 	}
 	return st, tail, nil
@@ -105,6 +113,16 @@ func (m *Model) SaveStateSnapshot(scope key.Scope, state []byte, tokens []int32)
 	}
 	if err := slotListsTokens(st, tokens); err != nil {
 		return err
+	}
+	if m.tail == indexedRecurrentTail {
+		// The indexer's rows of every position, in position order, for
+		// the attention cache a restore frames so (RestoreState).
+		rec := tail[:m.recurrentBytes]
+		idx, err := llamastate.CacheOfPositions(tail[m.recurrentBytes:], st.CellExt, true, len(tokens))
+		if err != nil {
+			return status.Wrap(status.InvalidArg, err, "the indexer cache's state")
+		}
+		tail = append(bytes.Clone(rec), idx...)
 	}
 	return m.SaveSnapshot(scope, tokens, tail)
 }
@@ -381,8 +399,20 @@ func (m *Model) restoredTail(ld *bridge.Load, fr Frame, tokens []int32) ([]byte,
 	if err != nil {
 		return nil, err
 	}
-	if m.tail == recurrentTail {
+	switch m.tail {
+	case recurrentTail:
 		return bytes.Clone(snap), nil
+	case indexedRecurrentTail:
+		// The indexer cache's state, of one stream at the snapshot's
+		// positions in order, framed for the context's streams.
+		if len(snap) <= m.recurrentBytes {
+			return nil, status.Errorf(status.Corrupt, "a snapshot of %d bytes: no recurrent state of %d and indexer cache", len(snap), m.recurrentBytes)
+		}
+		idx, err := llamastate.ReframeCache(snap[m.recurrentBytes:], fr.NStream)
+		if err != nil {
+			return nil, status.Wrap(status.Corrupt, err, "the snapshot's indexer cache")
+		}
+		return append(bytes.Clone(snap[:m.recurrentBytes]), idx...), nil
 	}
 	lead := llamastate.Cell{Pos: 0, SeqIDs: []int32{fr.SeqID}}
 	if m.Format.CellExt {

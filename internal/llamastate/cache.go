@@ -171,3 +171,30 @@ func ReframeSeqState(b []byte, nStream int) ([]byte, error) {
 	}
 	return append(append(make([]byte, 0, header+len(cache)), b[:header]...), cache...), nil
 }
+
+// CacheOfPositions is b, one sequence's KV cache state (ParseCache's input)
+// that holds exactly positions [0, n), as the state of one stream whose
+// cells hold them in position order. llama_memory_hybrid_idx reads its
+// indexer cache's state into the cells its attention cache's state took, in
+// the order each lists them: a host that composes the two from different
+// sources lists both in position order.
+func CacheOfPositions(b []byte, cellExt, kOnly bool, n int) ([]byte, error) {
+	ss, err := ParseCache(b, cellExt, kOnly)
+	if err != nil {
+		return nil, err
+	}
+	st := &State{Streams: ss, CellExt: cellExt, KOnly: kOnly}
+	at, err := st.PositionCells(n)
+	if err != nil {
+		return nil, err
+	}
+	si, _ := st.Sequence()
+	if held := len(ss[si].Cells); held != n {
+		return nil, status.Errorf(status.InvalidArg, "cache state of %d cells for positions [0, %d)", held, n)
+	}
+	ordered, err := gather(&ss[si], ss[si].Layers, at, 0)
+	if err != nil {
+		return nil, err
+	}
+	return appendCache(nil, []Stream{ordered}, cellExt, kOnly, true), nil
+}

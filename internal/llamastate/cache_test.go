@@ -148,3 +148,39 @@ func TestReframeSeqState(t *testing.T) {
 		require.Error(t, err, "%s: no magic", file)
 	}
 }
+
+func TestCacheOfPositions(t *testing.T) {
+	for _, file := range []string{"seq-fa-on.bin", "seq-fa-off.bin", "seq-two-streams-fa-off.bin", "seq-scattered-fa-off.bin", "slot-fa-on.bin"} {
+		st, err := Parse(readTestdata(t, file))
+		require.NoError(t, err)
+		si, _ := st.Sequence()
+		held := &st.Streams[si]
+		n := len(held.Cells)
+		cache := appendCache(nil, st.Streams, st.CellExt, st.KOnly, true)
+
+		out, err := CacheOfPositions(cache, st.CellExt, st.KOnly, n)
+		require.NoError(t, err, "%s", file)
+		got, err := ParseCache(out, st.CellExt, st.KOnly)
+		require.NoError(t, err, "%s", file)
+		require.Len(t, got, 1, "%s: one stream", file)
+		g := &got[0]
+		require.Len(t, g.Cells, n)
+		for c, cell := range g.Cells {
+			require.Equal(t, int32(c), cell.Pos, "%s: cell %d", file, c)
+		}
+		for l := range g.Layers {
+			for p := 0; p < n; p++ {
+				wk, wv := kvAt(held, l, int32(p))
+				gk, gv := kvAt(g, l, int32(p))
+				require.True(t, bytes.Equal(wk, gk) && bytes.Equal(wv, gv), "%s: layer %d, position %d", file, l, p)
+			}
+		}
+
+		_, err = CacheOfPositions(cache, st.CellExt, st.KOnly, n-1)
+		require.Error(t, err, "%s: a state holding more positions than asked", file)
+		_, err = CacheOfPositions(cache, st.CellExt, st.KOnly, n+1)
+		require.Error(t, err, "%s: a state lacking a position", file)
+		_, err = CacheOfPositions(cache[:len(cache)-1], st.CellExt, st.KOnly, n)
+		require.Error(t, err, "%s: a cut state", file)
+	}
+}

@@ -168,6 +168,20 @@ func fuzzWindowCache(t *testing.T, b []byte) {
 			require.Equal(t, rowsOf(ss[si]), rowsOf(got[at]), "ReframeCache for %d streams", n)
 		}
 	}
+	if si, err := in.Sequence(); err == nil {
+		// Whatever CacheOfPositions accepts is one stream of positions
+		// 0..n-1 in order.
+		n := len(ss[si].Cells)
+		if out, err := CacheOfPositions(window, lead.CellExt, lead.KOnly, n); err == nil {
+			got, err := ParseCache(out, lead.CellExt, lead.KOnly)
+			require.NoError(t, err, "CacheOfPositions' output does not read")
+			require.Len(t, got, 1)
+			require.Len(t, got[0].Cells, n)
+			for c, cell := range got[0].Cells {
+				require.Equal(t, int32(c), cell.Pos, "CacheOfPositions: cell %d", c)
+			}
+		}
+	}
 	out, err := CacheWithLead(window, lead.CellExt, lead.KOnly, 2, Cell{Pos: -1, SeqIDs: []int32{0}})
 	if err != nil {
 		return

@@ -102,7 +102,7 @@ var representatives = append([]archRun{
 	{model: "qwen35-dense"},                                // hybrid: gated delta-net state, M-RoPE
 	{model: "granitehybrid-dense"},                         // hybrid: Mamba 2 state
 	// hybrid with an indexer cache (its layers have no V) beside the attention cache
-	{model: "qwen4exp-moe", proxyOff: "a hybrid memory (qwen4exp)"},
+	{model: "qwen4exp-moe"},
 	// recurrent: the state alone, so a restore is a snapshot alone
 	{model: "mamba2-dense"},
 	// a window cache beside a recurrent state, every attention layer in the
