@@ -392,6 +392,7 @@ restore_result seq_restore_begin(llama_context * ctx, const attachment & att, mc
         op.seq_id   = seq_id;
         op.n_tokens = n_tokens;
         op.partial  = true;
+        op.snapshot_flags = att.snapshot_flags;
         op.load     = load;
         return out;
     }
@@ -609,10 +610,10 @@ restore_result seq_restore_end(restore_op & op) {
     if (out.n_tokens > 0 && snap != nullptr) {
         // llama.cpp's own read of a partial state, as llama-server loads its context
         // checkpoints: the window cache or the recurrent state of the sequence, at the
-        // position the blocks end.
+        // position the blocks end (or, of DeepSeek V4, its whole state, as a slot file's).
         size_t read = 0;
         try {
-            read = llama_state_seq_set_data_ext(op.ctx, snap, n_snap, op.seq_id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+            read = llama_state_seq_set_data_ext(op.ctx, snap, n_snap, op.seq_id, op.snapshot_flags);
         } catch (const std::exception & e) {
             out.error = e.what();
         }
@@ -622,8 +623,10 @@ restore_result seq_restore_end(restore_op & op) {
             if (out.error.empty()) {
                 out.error = "llama.cpp read " + std::to_string(read) + " of the snapshot's " + std::to_string(n_snap) + " bytes";
             }
-        } else {
+        } else if (op.snapshot_flags == LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) {
             out.partial.assign(snap, snap + n_snap);
+        } else {
+            out.partial = seq_state(op.ctx, op.seq_id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
         }
     }
     mcb_state_free(snap);
@@ -660,6 +663,12 @@ void seq_restore_cancel(restore_op & op) {
     llama_memory_seq_rm(llama_get_memory(op.ctx), op.seq_id, -1, -1);
 }
 
+std::vector<uint8_t> seq_state(llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags) {
+    std::vector<uint8_t> buf(llama_state_seq_get_size_ext(ctx, seq_id, flags));
+    buf.resize(buf.empty() ? 0 : llama_state_seq_get_data_ext(ctx, buf.data(), buf.size(), seq_id, flags));
+    return buf;
+}
+
 mcb_status seq_snapshot(llama_context * ctx, const attachment & att, const mcb_scope * scope,
                         llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens, std::string & error) {
     if (att.snapshot_tokens == 0 || n_tokens <= 0 || tokens == nullptr) {
@@ -667,15 +676,13 @@ mcb_status seq_snapshot(llama_context * ctx, const attachment & att, const mcb_s
         return MCB_STATUS_INVALID_ARG;
     }
     // llama.cpp's own writer of the partial state (as llama-server's checkpoints take
-    // it), which reads device tensors through the backend where the memory is there.
-    const size_t size = llama_state_seq_get_size_ext(ctx, seq_id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
-    std::vector<uint8_t> buf(size);
-    const size_t n = size > 0 ? llama_state_seq_get_data_ext(ctx, buf.data(), size, seq_id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) : 0;
-    if (n == 0) {
-        error = "llama.cpp wrote no partial state of sequence " + std::to_string(seq_id);
+    // it), or of the whole state.
+    const std::vector<uint8_t> buf = seq_state(ctx, seq_id, att.snapshot_flags);
+    if (buf.empty()) {
+        error = "llama.cpp wrote no state of sequence " + std::to_string(seq_id);
         return MCB_STATUS_STATE;
     }
-    const mcb_status st = mcb_snapshot_save(att.model, scope, tokens, (size_t) n_tokens, buf.data(), n);
+    const mcb_status st = mcb_snapshot_save(att.model, scope, tokens, (size_t) n_tokens, buf.data(), buf.size());
     if (st != MCB_STATUS_OK) {
         error = "mcb_snapshot_save: " + status_message(st);
     }

@@ -263,21 +263,19 @@ mcb_status register_with_probe(llama_context * ctx, llama_kv_cache * kv, const m
     return st;
 }
 
-// Decodes the probe prompt and registers a model without KV layers with the partial
-// state it produced (llama.cpp's own writer, which reads device memory through the
-// backend); the sequence is emptied again either way.
-mcb_status register_partial_only(llama_context * ctx, const mcb_model_params & params, mcb_model & out,
-                                 std::string & why) {
+// Decodes the probe prompt and registers a model without KV layers with the state of
+// flags it produced (the partial state, or the whole state); the sequence is emptied
+// again either way.
+mcb_status register_partial_only(llama_context * ctx, const mcb_model_params & params, llama_state_seq_flags flags,
+                                 mcb_model & out, std::string & why) {
     std::vector<llama_token> toks;
     mcb_status st = decode_probe(ctx, toks, why);
     if (st == MCB_STATUS_OK) {
-        const size_t size = llama_state_seq_get_size_ext(ctx, 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
-        std::vector<uint8_t> buf(size);
-        const size_t n = size > 0 ? llama_state_seq_get_data_ext(ctx, buf.data(), size, 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) : 0;
-        if (n == 0) {
-            why = "llama.cpp wrote no partial state of the probe";
+        const std::vector<uint8_t> buf = seq_state(ctx, 0, flags);
+        if (buf.empty()) {
+            why = "llama.cpp wrote no state of the probe";
             st  = MCB_STATUS_INTERNAL;
-        } else if ((st = mcb_model_register_state(state().bridge, &params, buf.data(), n, &out)) != MCB_STATUS_OK) {
+        } else if ((st = mcb_model_register_state(state().bridge, &params, buf.data(), buf.size(), &out)) != MCB_STATUS_OK) {
             why = "mcb_model_register_state: " + status_message(st);
         }
     }
@@ -449,21 +447,32 @@ const llama_memory_recurrent * recurrent_of(llama_context * ctx) {
     return nullptr;
 }
 
-// Whether ctx's memory has no KV layers for blocks to carry: its partial state is its
-// whole state (attach registers it with that state's probe).
+// DeepSeek V4's memory, nullptr for another: a token cache (iSWA) beside compressed
+// caches of every ratio'th position and their rolling states, which no block can carry.
+// Snapshots of its whole state restore it.
+const llama_kv_cache_dsv4 * dsv4_of(llama_context * ctx) {
+    return dynamic_cast<const llama_kv_cache_dsv4 *>(llama_get_memory(ctx));
+}
+
+// Whether ctx's memory has no KV layers for blocks to carry: a snapshot is its whole
+// state (attach registers it with that state's probe).
 bool partial_only(llama_context * ctx) {
     const llama_kv_cache * kv = attn_kv(ctx);
     return kv == nullptr || kv->get_layer_ids().empty();
 }
 
 // The memory whose edits the clean marks of ctx's sequences follow: the attention
-// cache, or the recurrent memory of a context without KV layers, which its window
-// cache's edits go along with.
+// cache; of a context without KV layers, the recurrent memory, which its window
+// cache's edits go along with, or DeepSeek V4's token cache, which every edit of its
+// memory goes through.
 const void * marked_memory(llama_context * ctx) {
-    if (partial_only(ctx)) {
-        return recurrent_of(ctx);
+    if (!partial_only(ctx)) {
+        return attn_kv(ctx);
     }
-    return attn_kv(ctx);
+    if (const llama_kv_cache_dsv4 * dsv4 = dsv4_of(ctx)) {
+        return dsv4->get_raw()->get_base();
+    }
+    return recurrent_of(ctx);
 }
 
 } // namespace
@@ -472,6 +481,18 @@ std::string partial_state_of(llama_context * ctx) {
     const llama_hparams & hp = llama_get_model(ctx)->hparams;
     const llama_memory_recurrent * recr = recurrent_of(ctx);
     std::ostringstream d;
+    if (const llama_kv_cache_dsv4 * dsv4 = dsv4_of(ctx)) {
+        // Its whole state: the token cache's K type (of its part that has layers; its
+        // latent K has no V), its window, and the streams that frame it. The probe's
+        // state, whose digest names the model, has every cache's types and widths.
+        const llama_kv_cache * raw = dsv4->get_raw()->get_base();
+        if (raw->get_layer_ids().empty()) {
+            raw = dsv4->get_raw()->get_swa();
+        }
+        d << "whole state dsv4 window " << hp.n_swa << " K " << ggml_type_name(raw->type_k()) << " streams "
+          << raw->get_n_stream();
+        return d.str();
+    }
     if (const llama_kv_cache * swa = window_kv(ctx)) {
         // The window cache's state: which layers it holds, the window and its kind
         // (chunked attention is one); its rows are in the types the blocks are keyed by.
@@ -521,20 +542,16 @@ std::string why_not_served(llama_context * ctx) {
     const llama_cparams & cp = ctx->get_cparams();
 
     // What the bridge cannot describe or restore exactly turns it off (docs/design.md §5.5).
-    llama_memory_i * mem = llama_get_memory(ctx);
     if (cp.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
         return "not a target context (MTP/draft)";
     }
-    if (dynamic_cast<llama_kv_cache_dsv4 *>(mem) != nullptr) {
-        return "DeepSeek V4's token cache with compressed block caches";
-    }
     // Blocks restore an attention cache; a memory without one restores from a snapshot
     // alone where its state is a recurrent one (Mamba; LFM2 with a window, whose
-    // attention layers are all in the window cache), §5.9.
-    if (attn_kv(ctx) == nullptr && recurrent_of(ctx) == nullptr) {
+    // attention layers are all in the window cache), or DeepSeek V4's whole state (§5.9).
+    if (attn_kv(ctx) == nullptr && recurrent_of(ctx) == nullptr && dsv4_of(ctx) == nullptr) {
         return "the context's memory is not a KV cache the bridge knows";
     }
-    if (window_kv(ctx) == nullptr && hp.swa_type != LLAMA_SWA_TYPE_NONE) {
+    if (window_kv(ctx) == nullptr && hp.swa_type != LLAMA_SWA_TYPE_NONE && dsv4_of(ctx) == nullptr) {
         // A cache outside a sliding-window memory masks by the model's window whenever
         // it has one (every plain cache llama_model::create_memory makes gets
         // hparams.swa_type, and so do both caches of an indexed memory): it reuses the
@@ -566,18 +583,21 @@ void track(llama_context * ctx, const attachment & a) {
     g_tracking.store(true, std::memory_order_release);
 }
 
-// attach of a context whose memory has no KV layers: its partial state is all a
-// restore places, so the model is named by the probe's.
+// attach of a context whose memory has no KV layers: a snapshot of its partial state
+// (of its whole state, DeepSeek V4's) is all a restore places, so the model is named by
+// the probe's.
 bool attach_partial_only(llama_context * ctx, const mcb_model_params & p, attachment & out, std::string & why_off) {
+    const llama_state_seq_flags flags = dsv4_of(ctx) != nullptr ? 0 : LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
     mcb_model m = 0;
     std::string why_probe;
-    if (register_partial_only(ctx, p, m, why_probe) != MCB_STATUS_OK) {
+    if (register_partial_only(ctx, p, flags, m, why_probe) != MCB_STATUS_OK) {
         why_off = "registering the model: " + why_probe;
         return false;
     }
     attachment a;
     a.model = m;
     a.snapshot_tokens = mcb_model_snapshot_tokens(m);
+    a.snapshot_flags  = flags;
     std::ostringstream d;
     d << llama_get_model(ctx)->arch_name() << ", no KV layers; " << p.partial_state << ", snapshotted every "
       << a.snapshot_tokens << " tokens, restored from a snapshot alone";

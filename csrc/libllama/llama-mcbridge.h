@@ -62,8 +62,11 @@ struct attachment {
     // Where some K or V tensor is not host memory (a GPU, an RPC server): the host
     // staging every load and save of the context goes through; nullptr otherwise.
     std::shared_ptr<kv_stage> stage;
-    // With a partial state: how many tokens apart it is snapshotted, where restores end.
-    uint32_t    snapshot_tokens = 0;
+    // With a partial state: how many tokens apart it is snapshotted, where restores end,
+    // and what a snapshot holds (llama.cpp's state flags): the partial state, or the
+    // whole state of a memory whose caches blocks cannot carry (DeepSeek V4's).
+    uint32_t              snapshot_tokens = 0;
+    llama_state_seq_flags snapshot_flags  = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
     std::string describe; // one line for the log: types, layers, layout
 };
 
@@ -101,8 +104,8 @@ struct restore_result {
     mcb_status status   = MCB_STATUS_OK;
     bool       seq_cleared = false; // the sequence lost its previous cells (any attempt that got as far as llama.cpp's restore)
     std::string error;
-    // With a partial state: the snapshot the sequence was given (PARTIAL_ONLY), which
-    // the host may keep as its own checkpoint of position n_tokens.
+    // With a partial state: the sequence's partial state (PARTIAL_ONLY) once restored,
+    // which the host may keep as its own checkpoint of position n_tokens.
     std::vector<uint8_t> partial;
 };
 
@@ -116,6 +119,7 @@ struct restore_op {
     int32_t         n_tokens = 0;
     uint32_t        n_layer  = 0;
     bool            partial  = false; // the memory keeps a partial state: the load brings its snapshot
+    llama_state_seq_flags snapshot_flags = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY; // what it holds
     mcb_load        load     = 0;
     // KV on a device: the load lands in staging, lent to op until it ends, and each
     // verified layer is uploaded into the cells as the polls find it.
@@ -160,7 +164,13 @@ struct save_result {
 save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scope * scope,
                      llama_seq_id seq_id, const llama_token * tokens, int32_t n_tokens);
 
-// Snapshots the partial state of seq_id, whose positions [0, n_tokens) hold tokens,
+// llama.cpp's own state of seq_id (flags: LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, or 0 for
+// the whole state), which reads device tensors through the backend; empty when it
+// wrote none.
+std::vector<uint8_t> seq_state(llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags);
+
+// Snapshots the state of seq_id a snapshot holds (att.snapshot_flags: the partial state, or
+// the whole state), whose positions [0, n_tokens) hold tokens,
 // computed from position 0 under scope (n_tokens a multiple of att.snapshot_tokens),
 // into the bridge. Returns MCB_STATUS_OK or why not; the bridge publishes it.
 mcb_status seq_snapshot(llama_context * ctx, const attachment & att, const mcb_scope * scope,

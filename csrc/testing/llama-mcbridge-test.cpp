@@ -150,12 +150,9 @@ struct context {
 
     llama_pos clean_end(llama_seq_id seq) const { return mcb_llama::seq_get_origin(ctx, seq).clean_end; }
 
-    // The partial state of seq as llama.cpp writes it (a recurrent state, a window cache).
-    std::vector<uint8_t> partial(llama_seq_id seq) const {
-        std::vector<uint8_t> b(llama_state_seq_get_size_ext(ctx, seq, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY));
-        b.resize(llama_state_seq_get_data_ext(ctx, b.data(), b.size(), seq, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY));
-        return b;
-    }
+    // The state of seq that a snapshot holds, as llama.cpp writes it: the partial state
+    // (a recurrent state, a window cache), or the whole state (DeepSeek V4's).
+    std::vector<uint8_t> snapshot_state(llama_seq_id seq) const { return mcb_llama::seq_state(ctx, seq, att.snapshot_flags); }
 
     std::vector<uint8_t> blob(llama_seq_id seq) const {
         std::vector<uint8_t> b(llama_state_seq_get_size(ctx, seq));
@@ -342,10 +339,10 @@ void clean_marks(const model_file & model, const kv_format & f) {
           s2.blocks.n_blocks);
 }
 
-// A memory without KV layers: its snapshots are its state. One taken after 128 tokens
-// restores into another context's sequence beside a sequence of its own, byte for byte
-// the state it was taken from; another model finds nothing; the marks follow the
-// recurrent memory's edits.
+// A memory without KV layers: its snapshots are its state (its partial state, or
+// DeepSeek V4's whole state). One taken after 128 tokens restores into another
+// context's sequence beside a sequence of its own, byte for byte the state it was
+// taken from; another model finds nothing; the marks follow the memory's edits.
 void snapshots_alone(const model_file & model, const model_file & other, const kv_format & f) {
     const std::vector<llama_token> prompt = tokens(200, 7, 3);
     context src(model, f, 1024, 2, true);
@@ -354,7 +351,7 @@ void snapshots_alone(const model_file & model, const model_file & other, const k
           "no KV layers, snapshots every %d tokens (%s)", every, src.att.describe.c_str());
     const std::vector<llama_token> head(prompt.begin(), prompt.begin() + 128);
     src.decode(0, head, 0);
-    const auto at128 = src.partial(0);
+    const auto at128 = src.snapshot_state(0);
     std::string err;
     check(mcb_llama::seq_snapshot(src.ctx, src.att, nullptr, 0, head.data(), 128, err) == MCB_STATUS_OK,
           "the state after 128 tokens is snapshotted %s", err.c_str());
@@ -370,7 +367,7 @@ void snapshots_alone(const model_file & model, const model_file & other, const k
     check(r.n_tokens == 128 && r.status == MCB_STATUS_OK, "restored %d of 128 tokens (%llu bytes) %s", r.n_tokens,
           (unsigned long long) r.n_bytes, r.error.c_str());
     check(llama_memory_seq_pos_max(dst.mem(), 0) == 127, "seq 0 is at position %d", llama_memory_seq_pos_max(dst.mem(), 0));
-    check(dst.partial(0) == at128, "the restored state is byte-identical to the one computed");
+    check(dst.snapshot_state(0) == at128, "the restored state is byte-identical to the one computed");
     check(dst.blob(1) == before, "the other sequence is untouched");
     check(dst.clean_end(0) > 128, "a restored sequence is clean");
 
@@ -379,20 +376,32 @@ void snapshots_alone(const model_file & model, const model_file & other, const k
         check(foreign.matched(prompt) == 0, "another model finds nothing");
     }
 
-    // The marks: a shift leaves the history in doubt from where it moved; a removal of
-    // the whole state cleans it; a cut inside it (refused without rollback room) too;
-    // a copy shares the source's mark.
-    llama_memory_seq_add(dst.mem(), 0, 60, -1, -10);
-    check(dst.clean_end(0) == 50, "a shift lowers the clean mark to 50 (%d)", dst.clean_end(0));
+    // The marks: a shift leaves the history in doubt from where it moved; a copy into
+    // an empty sequence shares the source's mark; a removal of the whole state cleans
+    // it.
+    const bool whole = dst.att.snapshot_flags != LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
+    if (!whole) { // DeepSeek V4 is never shifted: it says it cannot be (get_can_shift)
+        llama_memory_seq_add(dst.mem(), 0, 60, -1, -10);
+        check(dst.clean_end(0) == 50, "a shift lowers the clean mark to 50 (%d)", dst.clean_end(0));
+    }
+    const llama_pos mark = dst.clean_end(0);
     const uint8_t scope[16] = {7};
     mcb_llama::seq_set_scope(dst.ctx, 0, scope, true);
+    llama_memory_seq_rm(dst.mem(), 1, -1, -1);
     llama_memory_seq_cp(dst.mem(), 0, 1, -1, -1);
-    check(dst.clean_end(1) == 50, "a copy has its source's mark (%d)", dst.clean_end(1));
+    check(dst.clean_end(1) == mark, "a copy has its source's mark (%d)", dst.clean_end(1));
     llama_memory_seq_rm(dst.mem(), 0, -1, -1);
     check(dst.clean_end(0) > 128, "removing the whole state makes the sequence clean");
     dst.decode(0, head, 0);
-    llama_memory_seq_rm(dst.mem(), 0, 100, -1);
-    check(dst.clean_end(0) == 100, "a cut inside the history leaves what follows it in doubt (%d)", dst.clean_end(0));
+    const bool kept = !llama_memory_seq_rm(dst.mem(), 0, 100, -1);
+    if (!whole) {
+        // A recurrent state's cut is seen before the memory refuses it (no room to roll
+        // back) or rolls back.
+        check(dst.clean_end(0) == 100, "a cut inside the history leaves what follows it in doubt (%d)", dst.clean_end(0));
+    } else {
+        // DeepSeek V4 refuses such a cut before it edits any cache: nothing changed.
+        check(kept && dst.clean_end(0) > 128, "a refused cut leaves the sequence clean (%d)", dst.clean_end(0));
+    }
     llama_memory_clear(dst.mem(), true);
     check(dst.clean_end(0) > 128 && dst.clean_end(1) > 128, "a clear makes every sequence clean");
 }

@@ -107,8 +107,8 @@ func TestPatchesOnlyInsertHooks(t *testing.T) {
 // mismatches restoring nothing, rollback, clean marks.
 // The same over a memory of an MLA cache and its indexer's (DeepSeek 3.2,
 // llama_kv_cache_dsa), whose blocks carry both caches' layers; and over
-// memories without KV layers (Mamba 2, LFM2 with a window), restored from a
-// snapshot alone, byte for byte the state it was taken from.
+// memories without KV layers (Mamba 2, LFM2 with a window, DeepSeek V4),
+// restored from a snapshot alone, byte for byte the state it was taken from.
 func TestStage2Contexts(t *testing.T) {
 	bin := filepath.Join(filepath.Dir(testenv.PatchedServer(t)), "llama-mcbridge-test")
 	archs := testenv.ArchModels(t)
@@ -118,6 +118,8 @@ func TestStage2Contexts(t *testing.T) {
 		// Memories without KV layers: a recurrent state, and a window cache beside one.
 		{"recurrent", filepath.Join(archs, "mamba2-dense.gguf"), filepath.Join(archs, "mamba-dense.gguf")},
 		{"window-recurrent", filepath.Join(archs, "lfm2-dense.gguf"), filepath.Join(archs, "mamba2-dense.gguf")},
+		// DeepSeek V4's compressed caches: snapshots of the whole state.
+		{"whole-state", filepath.Join(archs, "deepseek4-moe.gguf"), filepath.Join(archs, "mamba-dense.gguf")},
 	} {
 		t.Run(run.name, func(t *testing.T) {
 			out, err := exec.Command(bin, run.model, run.other).CombinedOutput()
