@@ -590,7 +590,7 @@ func TestRegisterStateRefusesOtherMemories(t *testing.T) {
 		says   string
 	}{
 		{"qwen35", 0, "a hybrid memory (qwen35)"},
-		{"deepseek4", 128, "a hybrid memory (deepseek4)"},
+		{"deepseek4", 128, "a memory of compressed caches (deepseek4)"},
 		{"mamba2", 0, "a recurrent memory (mamba2)"},
 		{"gemma3", 512, "a sliding-window memory (window 512)"},
 	} {
@@ -904,17 +904,41 @@ func recurrentSlot(t *testing.T, tokens []int32) []byte {
 	return out
 }
 
-// A memory that is one recurrent state (Mamba) registers as a model
-// without KV layers, keyed by its probe's state: its snapshots are its
-// whole state, and a restore is the last one on the prompt, framed as the
-// asking host reads it.
-func TestStateSnapshotsOfARecurrentMemory(t *testing.T) {
+// wholeStateSlot is a slot file of DeepSeek V4's memory after tokens: bytes
+// standing for its caches' states, which only llama.cpp reads.
+func wholeStateSlot(t *testing.T, tokens []int32) []byte {
+	t.Helper()
+	mem := binary.LittleEndian.AppendUint32(nil, 0x34565344)
+	for i := range 40 {
+		mem = append(mem, byte(int(tokens[len(tokens)-1])+len(tokens)+3*i))
+	}
+	st := &llamastate.State{Kind: llamastate.SlotFile, Words: ServerWords(tokens)}
+	out, err := st.AppendFramed(nil, mem)
+	require.NoError(t, err)
+	return out
+}
+
+// A memory that is one recurrent state (Mamba), and one whose state this
+// package reads no part of (DeepSeek V4's), register as models without KV
+// layers, keyed by their probe's state: their snapshots are their whole
+// state, and a restore is the last one on the prompt, framed as the asking
+// host reads it.
+func TestStateSnapshotsOfMemoriesWithoutKV(t *testing.T) {
+	for _, c := range []struct {
+		arch string
+		slot func(t *testing.T, tokens []int32) []byte
+	}{{"mamba2", recurrentSlot}, {"deepseek4", wholeStateSlot}} {
+		t.Run(c.arch, func(t *testing.T) { snapshotsWithoutKV(t, c.arch, c.slot) })
+	}
+}
+
+func snapshotsWithoutKV(t *testing.T, arch string, slot func(t *testing.T, tokens []int32) []byte) {
 	ba, bb := snapshotBridges(t)
-	model := headerOnlyGGUF(t, "mamba2", 0)
-	probe := recurrentSlot(t, ProbeTokens())
+	model := headerOnlyGGUF(t, arch, 0)
+	probe := slot(t, ProbeTokens())
 	_, _, err := RegisterState(ba, Identity{GGUFPath: model}, probe)
 	assert.Equal(t, status.Unsupported, status.Of(err), "a host without snapshots: %v", err)
-	_, _, err = RegisterState(ba, Identity{GGUFPath: model, StateSnapshots: true}, recurrentSlot(t, ProbeTokens()[:7]))
+	_, _, err = RegisterState(ba, Identity{GGUFPath: model, StateSnapshots: true}, slot(t, ProbeTokens()[:7]))
 	assert.Equal(t, status.InvalidArg, status.Of(err), "a probe state of other tokens: %v", err)
 	ma, _, err := RegisterState(ba, Identity{GGUFPath: model, StateSnapshots: true}, probe)
 	require.NoError(t, err)
@@ -930,13 +954,13 @@ func TestStateSnapshotsOfARecurrentMemory(t *testing.T) {
 	assert.NotEqual(t, ma.Fingerprint(), mc.Fingerprint(), "other numerics are another model")
 
 	tokens := kvtest.Tokens(rand.New(rand.NewSource(5)), 13)
-	require.Error(t, ma.SaveStateSnapshot(key0(), recurrentSlot(t, tokens[:8]), tokens[:4]), "a state at 8 for a snapshot at 4")
-	require.Error(t, ma.SaveStateSnapshot(key0(), recurrentSlot(t, tokens[1:9]), tokens[:8]), "a file of other tokens")
-	require.NoError(t, ma.SaveStateSnapshot(key0(), recurrentSlot(t, tokens[:8]), tokens[:8]))
+	require.Error(t, ma.SaveStateSnapshot(key0(), slot(t, tokens[:8]), tokens[:4]), "a state at 8 for a snapshot at 4")
+	require.Error(t, ma.SaveStateSnapshot(key0(), slot(t, tokens[1:9]), tokens[:8]), "a file of other tokens")
+	require.NoError(t, ma.SaveStateSnapshot(key0(), slot(t, tokens[:8]), tokens[:8]))
 	assert.Equal(t, []int{4, 12}, ma.MissingSnapshots(key0(), tokens, 0))
-	_, err = ma.SaveState(key0(), recurrentSlot(t, tokens), tokens)
+	_, err = ma.SaveState(key0(), slot(t, tokens), tokens)
 	assert.Equal(t, status.Unsupported, status.Of(err), "blocks of a memory without KV: %v", err)
-	st, err := ma.ParseState(recurrentSlot(t, tokens))
+	st, err := ma.ParseState(slot(t, tokens))
 	require.NoError(t, err)
 	words, err := st.PromptTokens()
 	require.NoError(t, err)
@@ -946,14 +970,14 @@ func TestStateSnapshotsOfARecurrentMemory(t *testing.T) {
 	blob, res, err := mb.RestoreState(plan, Frame{Kind: llamastate.SlotFile, NStream: nStream}, func(n int) []byte { return make([]byte, n) })
 	require.NoError(t, err)
 	require.Equal(t, 8, res.OKTokens)
-	assert.Equal(t, recurrentSlot(t, tokens[:8]), blob, "the slot file llama-server wrote after 8 tokens")
+	assert.Equal(t, slot(t, tokens[:8]), blob, "the slot file llama-server wrote after 8 tokens")
 	blob, res, err = mb.RestoreState(plan, Frame{Kind: llamastate.Memory, NStream: nStream, SeqID: 2}, func(n int) []byte { return make([]byte, n) })
 	require.NoError(t, err)
 	require.Equal(t, 8, res.OKTokens)
-	got, rec, err := llamastate.ParseRecurrent(blob)
+	got, mem, err := llamastate.ParseFramed(blob)
 	require.NoError(t, err)
 	assert.Equal(t, int32(2), got.SeqID)
-	assert.Equal(t, recurrentSlot(t, tokens[:8])[12+4*len(ServerWords(tokens[:8])):], rec)
+	assert.Equal(t, slot(t, tokens[:8])[12+4*len(ServerWords(tokens[:8])):], mem)
 }
 
 // A tensor host's window cache snapshot comes back framed for the asking

@@ -91,6 +91,9 @@ const (
 	// (llama_memory_hybrid_idx), whose snapshot carries the indexer's rows
 	// of every position before it
 	indexedRecurrentTail
+	// the whole memory state of a model without KV layers
+	// (registerWholeState)
+	wholeTail
 )
 
 // textExt is the extension llama.cpp gives the cell of position pos when it
@@ -198,6 +201,9 @@ func RegisterState(b *bridge.Bridge, id Identity, probeState []byte) (*Model, in
 			if slices.Contains(recurrentArchs, mem.arch) {
 				return registerRecurrent(b, id, probeState)
 			}
+			if slices.Contains(wholeStateArchs, mem.arch) {
+				return registerWholeState(b, id, probeState)
+			}
 			if st, tail, id.Partial, recBytes, err = partialProbe(mem, probeState); err != nil {
 				return nil, 0, status.Wrap(status.Unsupported, err, why)
 			}
@@ -277,14 +283,8 @@ func registerRecurrent(b *bridge.Bridge, id Identity, probe []byte) (*Model, int
 	if pos, _ := llamastate.RecurrentPos(rec); int(pos) != len(probeTokens)-1 {
 		return nil, 0, status.Errorf(status.InvalidArg, "the probe state is at position %d, the probe ends at %d", pos, len(probeTokens)-1)
 	}
-	if st.Kind == llamastate.SlotFile {
-		toks, err := st.PromptTokens()
-		if err != nil {
-			return nil, 0, err
-		}
-		if !equalTokens(toks, probeTokens) {
-			return nil, 0, status.Errorf(status.InvalidArg, "the probe state holds other tokens")
-		}
+	if err := slotListsTokens(st, probeTokens); err != nil {
+		return nil, 0, err
 	}
 	m, err := registerStateOnly(b, id, rec, func(arch string) string {
 		return fmt.Sprintf("state recurrent %s bytes %d", arch, len(rec))
@@ -293,6 +293,27 @@ func registerRecurrent(b *bridge.Bridge, id Identity, probe []byte) (*Model, int
 		return nil, 0, err
 	}
 	return &Model{Model: m, tail: recurrentTail}, 1, nil
+}
+
+// registerWholeState registers, from the probe's state, a memory whose
+// state this package reads no part of (wholeStateArchs) as a model without
+// KV layers whose snapshots are its whole state after the framing: only
+// llama.cpp reads it. The probe digest is of those bytes, which the
+// weights, the numerics and the context's KV streams (which frame its
+// caches' states) fix, so that only contexts of one stream count share.
+func registerWholeState(b *bridge.Bridge, id Identity, probe []byte) (*Model, int, error) {
+	st, mem, err := llamastate.ParseFramed(probe)
+	if err != nil {
+		return nil, 0, status.Wrap(status.Unsupported, err, "the probe state")
+	}
+	if err := slotListsTokens(st, probeTokens); err != nil {
+		return nil, 0, err
+	}
+	m, err := registerStateOnly(b, id, mem, func(arch string) string { return "state whole " + arch })
+	if err != nil {
+		return nil, 0, err
+	}
+	return &Model{Model: m, tail: wholeTail}, 1, nil
 }
 
 // registerStateOnly registers a model without KV layers whose probe state
@@ -535,6 +556,11 @@ var (
 	// The hybrid architectures whose memory has an indexer cache besides
 	// (llama_memory_hybrid_idx: llama_model::create_memory's needs_mem_idx).
 	indexedHybridArchs = []string{"qwen4exp"}
+	// The architectures whose memory this package reads no part of:
+	// DeepSeek V4's (llama_kv_cache_dsv4: a token cache beside caches of
+	// every ratio'th position, compressed, and their rolling states). A state
+	// host with snapshots snapshots its whole state (registerWholeState).
+	wholeStateArchs = []string{"deepseek4"}
 )
 
 // notKV says why the model's states hold something other than rows by
@@ -547,6 +573,8 @@ func (m memory) notKV() string {
 	switch {
 	case slices.Contains(recurrentArchs, m.arch):
 		return fmt.Sprintf("a recurrent memory (%s): its states hold one recurrent state for the position the sequence is at, no rows by position", m.arch)
+	case slices.Contains(wholeStateArchs, m.arch):
+		return fmt.Sprintf("a memory of compressed caches (%s): its states hold caches of every few positions and their rolling states", m.arch)
 	case slices.Contains(hybridArchs, m.arch):
 		return fmt.Sprintf("a hybrid memory (%s): its states hold a recurrent state for the position the sequence is at beside the attention layers' KV", m.arch)
 	case m.window > 0:

@@ -38,8 +38,9 @@ var ErrSecondCacheLacks = errors.New("the second KV cache lacks positions of the
 func (m *Model) ParseState(state []byte) (*llamastate.State, error) {
 	switch {
 	case m.SnapshotOnly():
-		// A recurrent memory's: its framing, without streams.
-		st, _, err := llamastate.ParseRecurrent(state)
+		// A recurrent memory's, or a whole memory state: its framing,
+		// without streams.
+		st, _, err := llamastate.ParseFramed(state)
 		return st, err
 	case m.tail != noTail:
 		st, _, err := m.parseWithTail(state)
@@ -95,7 +96,7 @@ func (m *Model) SaveStateSnapshot(scope key.Scope, state []byte, tokens []int32)
 		return status.Errorf(status.Unsupported, "the model's states carry no partial state")
 	}
 	if m.SnapshotOnly() {
-		return m.saveRecurrentSnapshot(scope, state, tokens)
+		return m.saveStateOnlySnapshot(scope, state, tokens)
 	}
 	st, tail, err := m.parseWithTail(state)
 	if err != nil {
@@ -127,21 +128,23 @@ func (m *Model) SaveStateSnapshot(scope key.Scope, state []byte, tokens []int32)
 	return m.SaveSnapshot(scope, tokens, tail)
 }
 
-// saveRecurrentSnapshot is SaveStateSnapshot of a memory that is one
-// recurrent state: the whole state after its framing, which must be at the
-// snapshot's last position.
-func (m *Model) saveRecurrentSnapshot(scope key.Scope, state []byte, tokens []int32) error {
-	st, rec, err := llamastate.ParseRecurrent(state)
+// saveStateOnlySnapshot is SaveStateSnapshot of a model without KV
+// layers: the whole state after its framing, a recurrent state at the
+// snapshot's last position, or a memory state only llama.cpp reads.
+func (m *Model) saveStateOnlySnapshot(scope key.Scope, state []byte, tokens []int32) error {
+	st, mem, err := llamastate.ParseFramed(state)
 	if err != nil {
 		return err
 	}
-	if pos, _ := llamastate.RecurrentPos(rec); int(pos) != len(tokens)-1 {
-		return status.Errorf(status.InvalidArg, "a recurrent state at position %d for a snapshot after %d tokens", pos, len(tokens))
+	if m.tail == recurrentTail {
+		if pos, err := llamastate.RecurrentPos(mem); err != nil || int(pos) != len(tokens)-1 {
+			return status.Errorf(status.InvalidArg, "a recurrent state at position %d for a snapshot after %d tokens (%v)", pos, len(tokens), err)
+		}
 	}
 	if err := slotListsTokens(st, tokens); err != nil {
 		return err
 	}
-	return m.SaveSnapshot(scope, tokens, rec)
+	return m.SaveSnapshot(scope, tokens, mem)
 }
 
 // slotListsTokens checks that a slot file lists exactly tokens; other
@@ -258,10 +261,10 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 		return nil, bridge.LoadResult{}, status.Errorf(status.InvalidArg, "a state of %d streams", fr.NStream)
 	}
 	if m.SnapshotOnly() {
-		if m.tail != recurrentTail {
+		if m.tail != recurrentTail && m.tail != wholeTail {
 			return nil, bridge.LoadResult{}, status.Errorf(status.Unsupported, "a model registered with its partial state alone loads snapshots (Plan.Load), not states")
 		}
-		return m.restoreRecurrent(p, fr, alloc)
+		return m.restoreStateOnly(p, fr, alloc)
 	}
 	empty := m.emptyState(fr, tokens)
 	// The rows are left for the load to fill: written here, they would
@@ -336,19 +339,19 @@ func (m *Model) RestoreState(p *bridge.Plan, fr Frame, alloc func(n int) []byte)
 	return append(out, tail...), res, loadErr
 }
 
-// restoreRecurrent is RestoreState of a memory that is one recurrent
-// state: the plan's snapshot, which must be at its last position, framed.
-func (m *Model) restoreRecurrent(p *bridge.Plan, fr Frame, alloc func(n int) []byte) ([]byte, bridge.LoadResult, error) {
+// restoreStateOnly is RestoreState of a model without KV layers: the plan's
+// snapshot, framed (a recurrent state must be at its last position).
+func (m *Model) restoreStateOnly(p *bridge.Plan, fr Frame, alloc func(n int) []byte) ([]byte, bridge.LoadResult, error) {
 	tokens := p.Tokens()
 	ld, err := p.Load(kvlayout.Layout{}, nil)
 	if err != nil {
 		return nil, bridge.LoadResult{}, err
 	}
 	var out []byte
-	rec, err := ld.Snapshot()
-	if err == nil {
+	mem, err := ld.Snapshot()
+	if err == nil && m.tail == recurrentTail {
 		var pos int32
-		if pos, err = llamastate.RecurrentPos(rec); err == nil && int(pos) != len(tokens)-1 {
+		if pos, err = llamastate.RecurrentPos(mem); err == nil && int(pos) != len(tokens)-1 {
 			err = status.Errorf(status.Corrupt, "the snapshot after %d tokens is a recurrent state at position %d", len(tokens), pos)
 		}
 	}
@@ -357,7 +360,7 @@ func (m *Model) restoreRecurrent(p *bridge.Plan, fr Frame, alloc func(n int) []b
 		if fr.Kind == llamastate.SlotFile {
 			frame.Words = ServerWords(tokens)
 		}
-		out, err = frame.AppendRecurrent(alloc(frame.RecurrentSize(rec))[:0], rec)
+		out, err = frame.AppendFramed(alloc(frame.RecurrentSize(mem))[:0], mem)
 	}
 	res, endErr := ld.End()
 	if err == nil {

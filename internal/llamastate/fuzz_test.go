@@ -201,8 +201,15 @@ func oneStreamWithCells(ss []Stream) bool {
 	return n == 1
 }
 
-// fuzzRecurrent: what ParseRecurrent accepts builds back to the same bytes.
+// fuzzRecurrent: what ParseRecurrent and ParseFramed accept builds back to
+// the same bytes.
 func fuzzRecurrent(t *testing.T, b []byte) {
+	if st, mem, err := ParseFramed(b); err == nil {
+		out, err := st.AppendFramed(nil, mem)
+		require.NoError(t, err, "ParseFramed accepted %d bytes that do not build", len(b))
+		require.True(t, bytes.Equal(out, b), "ParseFramed accepted %d bytes but built %d", len(b), len(out))
+		require.Equal(t, len(b), st.RecurrentSize(mem))
+	}
 	st, rec, err := ParseRecurrent(b)
 	if err != nil {
 		return

@@ -20,16 +20,30 @@ const recurrentMeta = 12
 // that follows, which must hold one cell of one sequence. The returned
 // bytes alias b.
 func ParseRecurrent(b []byte) (*State, []byte, error) {
+	st, rec, err := ParseFramed(b)
+	if err != nil {
+		return nil, nil, err
+	}
+	if _, err := RecurrentPos(rec); err != nil {
+		return nil, nil, err
+	}
+	return st, rec, nil
+}
+
+// ParseFramed reads a state's framing (Kind, SeqID, Words; no Streams)
+// and returns the memory's state after it unread: a memory whose state is
+// not KV caches' states (a recurrent state; DeepSeek V4's caches, which
+// only llama.cpp reads). The returned bytes alias b.
+func ParseFramed(b []byte) (*State, []byte, error) {
 	r := &reader{b: b}
 	st := &State{}
 	if err := r.frame(st); err != nil {
 		return nil, nil, err
 	}
-	rec := b[r.off:]
-	if _, err := RecurrentPos(rec); err != nil {
-		return nil, nil, err
+	if r.left() == 0 {
+		return nil, nil, status.Errorf(status.InvalidArg, "sequence state: no memory state after its framing")
 	}
-	return st, rec, nil
+	return st, b[r.off:], nil
 }
 
 // RecurrentPos reads the position the recurrent state of one sequence is
@@ -57,13 +71,23 @@ func (st *State) AppendRecurrent(w, rec []byte) ([]byte, error) {
 	if _, err := RecurrentPos(rec); err != nil {
 		return nil, err
 	}
-	if st.Streams != nil || st.Second != nil {
-		return nil, status.Errorf(status.InvalidArg, "a recurrent memory's state with KV streams")
-	}
-	return append(st.appendFrame(w), rec...), nil
+	return st.AppendFramed(w, rec)
 }
 
-// RecurrentSize is the length of AppendRecurrent's output for rec.
+// AppendFramed appends st's framing, then mem, a memory's state
+// (ParseFramed's).
+func (st *State) AppendFramed(w, mem []byte) ([]byte, error) {
+	if st.Streams != nil || st.Second != nil {
+		return nil, status.Errorf(status.InvalidArg, "a framed memory state with KV streams")
+	}
+	if len(mem) == 0 {
+		return nil, status.Errorf(status.InvalidArg, "an empty memory state")
+	}
+	return append(st.appendFrame(w), mem...), nil
+}
+
+// RecurrentSize is the length of AppendRecurrent's and AppendFramed's
+// output for rec.
 func (st *State) RecurrentSize(rec []byte) int {
 	n := 8
 	if st.Kind == SlotFile {

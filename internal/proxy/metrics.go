@@ -135,9 +135,12 @@ type UpstreamState struct {
 	Fingerprint string `json:"fingerprint,omitempty"`
 	// SnapshotTokens is how many tokens apart the proxy snapshots a model
 	// with a partial state (sliding-window, hybrid), and SnapshotsAfter how
-	// many tokens a snapshot must come after to restore (the window).
+	// many tokens a snapshot must come after to restore (the window);
+	// SnapshotsOnly says that the model has no KV layers (a recurrent
+	// memory, DeepSeek V4's): its snapshots are all it publishes.
 	SnapshotTokens int   `json:"snapshot_tokens,omitempty"`
 	SnapshotsAfter int   `json:"snapshots_after,omitempty"`
+	SnapshotsOnly  bool  `json:"snapshots_only,omitempty"`
 	Slots          int   `json:"slots"`
 	Routed         int64 `json:"routed"`
 	Restarts       int64 `json:"restarts"`
@@ -154,6 +157,7 @@ type State struct {
 	Fingerprint    string `json:"fingerprint,omitempty"`
 	SnapshotTokens int    `json:"snapshot_tokens,omitempty"`
 	SnapshotsAfter int    `json:"snapshots_after,omitempty"`
+	SnapshotsOnly  bool   `json:"snapshots_only,omitempty"`
 	Slots          int    `json:"slots"` // over every upstream
 	// Mirrored is how many blocks of the model the directory holds, as
 	// this proxy's mirror of it knows.
@@ -177,6 +181,7 @@ func (p *Proxy) State() State {
 		if be.model != nil {
 			u.Fingerprint = be.model.m.Fingerprint().String()
 			u.SnapshotTokens, u.SnapshotsAfter = be.model.m.SnapshotTokens(), be.model.m.SnapshotsRestoreAfter()
+			u.SnapshotsOnly = be.model.m.SnapshotOnly()
 			if lead < 0 {
 				lead = i
 				s.Mirrored = be.model.m.Mirrored()
@@ -194,7 +199,7 @@ func (p *Proxy) State() State {
 	}
 	u := s.Upstreams[lead]
 	s.Bridge, s.BridgeOff, s.Fingerprint = u.Bridge, u.BridgeOff, u.Fingerprint
-	s.SnapshotTokens, s.SnapshotsAfter = u.SnapshotTokens, u.SnapshotsAfter
+	s.SnapshotTokens, s.SnapshotsAfter, s.SnapshotsOnly = u.SnapshotTokens, u.SnapshotsAfter, u.SnapshotsOnly
 	s.Publishing, s.PublishOff = u.Publishing, u.PublishOff
 	if p.isClosed() && s.PublishOff == "" {
 		s.PublishOff = "the proxy is closed"

@@ -108,6 +108,9 @@ var representatives = append([]archRun{
 	// a window cache beside a recurrent state, every attention layer in the
 	// window (LFM2): a snapshot alone too, through the patched server
 	{model: "lfm2-dense", proxyOff: "a hybrid memory with a sliding window"},
+	// a token cache beside compressed caches and their rolling states
+	// (DeepSeek V4): snapshots of the whole state
+	{model: "deepseek4-moe"},
 }, quantizedKV(
 	quantizedShape{model: "llama-dense"},
 	quantizedShape{model: "qwen3-dense"},
@@ -366,9 +369,9 @@ func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) 
 	testenv.Complete(t, proxies[0].URL, testenv.Request{Prompt: su.promptA, Slot: -1, NPredict: nPredict})
 	st := proxies[1].State(t)
 	if st["bridge"] == true {
-		// A recurrent memory publishes no blocks: its snapshots alone.
+		// A memory without KV layers publishes no blocks: its snapshots alone.
 		want := shared / block
-		if every, ok := st["snapshot_tokens"].(float64); ok && strings.HasPrefix(row.kind, "recurrent") {
+		if every, ok := st["snapshot_tokens"].(float64); ok && st["snapshots_only"] == true {
 			want = shared / int(every)
 		}
 		testenv.Eventually(t, defaultWait, func() bool {
@@ -532,6 +535,9 @@ func memoryKind(t *testing.T, logPath string) string {
 	// llama_kv_cache_iswa's line, and llama_kv_cache_dsa_iswa's.
 	if strings.Contains(log, "creating     SWA KV cache") || strings.Contains(log, "creating SWA KV cache") {
 		kind = append(kind, "sliding-window")
+	}
+	if strings.Contains(log, "llama_kv_cache_dsv4:") {
+		kind = append(kind, "compressed caches")
 	}
 	if strings.Contains(log, "n_lora_kv") {
 		kind = append(kind, "MLA")
