@@ -31,9 +31,11 @@ struct mcb_request_stats {
     uint32_t    snapshots        = 0; // partial states it snapshotted (sliding-window, hybrid)
     uint32_t    published_blocks = 0;
     double      save_ms          = 0.0;
-    // with a draft model: the prompt tokens its context computed during the restore
+    // with a draft model: the prompt tokens its context computed during the restore,
+    // and those it restored from its own blocks beside the target's
     int32_t     n_draft_prefilled = 0;
     double      draft_prefill_ms  = 0.0;
+    int32_t     n_draft_restored  = 0;
 
     // where the computed remainder of the prompt starts, for the arbiter's calibration
     int32_t     n_compute_start    = 0;

@@ -21,6 +21,7 @@ struct slot_restore {
     int                    task_id = -1;   // the task it restores for
     uint8_t                scope[16] = {}; // the request's scope id: the restored cells'
     mcb_llama::restore_op  op;             // LOADING: the load into the slot's sequence
+    mcb_llama::restore_op  dft_op;         // LOADING: the draft's load of its own blocks, if it restores
     int64_t                t_begin_us = 0;
     int32_t                n_prompt   = 0; // for the log
 };
@@ -33,6 +34,10 @@ struct server_state {
     llama_context *       ctx = nullptr;
     llama_context *       dft = nullptr; // the draft model's context (-md, draft-simple), if any
     mcb_llama::attachment att;
+    // The draft's own registration, when the bridge serves its context too: its blocks
+    // are saved beside the target's and restore with them.
+    bool                  dft_on = false;
+    mcb_llama::attachment dft_att;
     std::string           why_off; // with a configuration given: why the bridge does not serve ctx
     int32_t               n_swa = 0; // the window llama-server checks a slot's cache against (0: none, or --swa-full)
     std::map<int32_t, slot_restore> restores; // by sequence (slot) id
@@ -151,6 +156,63 @@ std::string draft_prefill(llama_context * dft, int32_t seq_id, const llama_token
     return err;
 }
 
+// Records the scope of a slot's sequence in the target's context and the draft's,
+// which hold the same tokens.
+void set_scope(const server_state & s, llama_context * ctx, int32_t seq_id, const uint8_t scope[16], bool known) {
+    mcb_llama::seq_set_scope(ctx, seq_id, scope, known);
+    if (s.dft_on) {
+        mcb_llama::seq_set_scope(s.dft, seq_id, scope, known);
+    }
+}
+
+// Starts restoring the draft's own blocks of tokens[0, p) into seq_id, beside the
+// target's load, when its model is registered and its lookup restores all p of them
+// (its arbiter weighs its own prefill). Returns whether the load runs; otherwise
+// draft_from says from where the draft holds nothing of the prompt (0 where a start
+// that failed removed its cells).
+bool draft_restore_begin(server_state & s, int32_t seq_id, const request_scope & rs, const llama_tokens & tokens,
+                         int32_t p, mcb_llama::restore_op & op, int32_t & draft_from) {
+    if (!s.dft_on) {
+        return false;
+    }
+    // The prompt up to p and one token more: a lookup restores whole blocks short of
+    // its last token.
+    mcb_lookup_result lr = {};
+    if (mcb_lookup(s.dft_att.model, &rs.scope, tokens.data(), (size_t) p + 1, 0, &lr) != MCB_STATUS_OK) {
+        return false;
+    }
+    if ((int32_t) lr.n_restore_tokens != p) {
+        mcb_plan_drop(lr.plan);
+        return false;
+    }
+    const mcb_llama::restore_result r = mcb_llama::seq_restore_begin(s.dft, s.dft_att, lr.plan, seq_id, tokens.data(), p, op);
+    if (op.load == 0 && r.seq_cleared) {
+        draft_from = 0;
+    }
+    return op.load != 0;
+}
+
+// Ends a draft's load beside the target's, which restored n of the prompt's tokens:
+// the draft must hold them too, so it computes those its load did not bring. Returns
+// "" or why it could not.
+std::string draft_restore_end(server_state & s, int32_t seq_id, mcb_llama::restore_op & op, const llama_tokens & tokens,
+                              int32_t n, mcb_request_stats & st) {
+    // Positions past n that the draft's load brought go with the slot's own cut when
+    // its prompt starts, as the target's unverified ones do.
+    const int32_t held = std::min(mcb_llama::seq_restore_end(op).n_tokens, n);
+    st.n_draft_restored = held;
+    if (held >= n) {
+        return "";
+    }
+    const int64_t t0 = now_us();
+    const std::string err = draft_prefill(s.dft, seq_id, tokens, held, n);
+    st.draft_prefill_ms = ms_between(t0, now_us());
+    if (err.empty()) {
+        st.n_draft_prefilled = n - held;
+    }
+    return err;
+}
+
 } // namespace
 
 void attach(llama_context * ctx_tgt, bool has_draft, const common_params & params) {
@@ -180,8 +242,17 @@ void attach(llama_context * ctx_tgt, bool has_draft, const common_params & param
         SRV_WRN("mcbridge: off: %s\n", s.why_off.c_str());
         return;
     }
-    SRV_INF("mcbridge: on: %s%s\n", s.att.describe.c_str(),
-            s.dft != nullptr ? "; the draft context recomputes what the target restores" : "");
+    std::string draft_note;
+    if (s.dft != nullptr) {
+        // The draft's KV is shared as the target's, under its own model: a restore brings
+        // the draft's blocks beside the target's where they are, and the draft computes
+        // what they do not cover.
+        std::string why_dft;
+        s.dft_on   = mcb_llama::attach(s.dft, params.speculative.draft.mparams.path.c_str(), s.dft_att, why_dft);
+        draft_note = s.dft_on ? "; the draft context (" + s.dft_att.describe + ") restores its own blocks beside the target's, or computes them"
+                              : "; the draft context computes what the target restores (" + why_dft + ")";
+    }
+    SRV_INF("mcbridge: on: %s%s\n", s.att.describe.c_str(), draft_note.c_str());
     if (params.cache_ram_mib != 0) {
         SRV_WRN("%s\n", "mcbridge: the prompt cache (--cache-ram) keeps every prefix a second time; "
                         "--cache-ram 0 (LLAMA_ARG_CACHE_RAM=0) leaves that to the bridge");
@@ -200,8 +271,12 @@ void detach(llama_context * ctx_tgt) {
         // Nothing the bridge started may write into the cache once it is freed.
         for (auto & [seq_id, r] : s.restores) {
             mcb_llama::seq_restore_cancel(r.op);
+            mcb_llama::seq_restore_cancel(r.dft_op);
         }
         mcb_llama::detach(ctx_tgt);
+        if (s.dft_on) {
+            mcb_llama::detach(s.dft);
+        }
     }
     s = server_state{};
 }
@@ -232,7 +307,7 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
     auto skip = [&](const char * why) {
         st.decision = "skip";
         st.reason   = why;
-        mcb_llama::seq_set_scope(ctx, seq_id, nullptr, false);
+        set_scope(s, ctx, seq_id, nullptr, false);
         return computing_from(n_past);
     };
     if (task.type != SERVER_TASK_TYPE_COMPLETION && task.type != SERVER_TASK_TYPE_INFILL) {
@@ -270,7 +345,7 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
         scope_rule = origin.known ? "the slot's cells were computed under another scope"
                                   : "the slot's cells are of no known scope";
     }
-    mcb_llama::seq_set_scope(ctx, seq_id, rs.id, true);
+    set_scope(s, ctx, seq_id, rs.id, true);
     auto keep_own = [&]() {
         if (n_own < n_past) {
             cached.keep_first(n_own);
@@ -318,15 +393,19 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
         }
         return keep_own();
     }
-    if (s.dft != nullptr) {
+    int32_t draft_from = n_own;
+    if (s.dft != nullptr && !draft_restore_begin(s, seq_id, rs, tokens, p, sr.dft_op, draft_from)) {
         // The draft computes [n_own, p) while the target's load runs; its cells past
         // n_own are another prompt's. Positions the load does not verify the slot's own
         // seq_rm takes from both contexts when its prompt starts.
         const int64_t t_dft = now_us();
-        std::string err = llama_memory_seq_rm(llama_get_memory(s.dft), seq_id, n_own, -1)
-                              ? draft_prefill(s.dft, seq_id, tokens, n_own, p)
+        std::string err = llama_memory_seq_rm(llama_get_memory(s.dft), seq_id, draft_from, -1)
+                              ? draft_prefill(s.dft, seq_id, tokens, draft_from, p)
                               : "the draft's cells past its own prefix cannot be removed";
         st.draft_prefill_ms = ms_between(t_dft, now_us());
+        if (err.empty() && s.dft_on && p > draft_from) {
+            mcb_model_observe_prefill(s.dft_att.model, (uint32_t) draft_from, (uint32_t) p, st.draft_prefill_ms / 1000.0);
+        }
         if (!err.empty()) {
             mcb_llama::seq_restore_cancel(sr.op);
             st.restore_ms = ms_between(sr.t_begin_us, now_us());
@@ -337,7 +416,7 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
             cached.keep_first(0); // the load's cancel left the target's sequence empty
             return computing_from(0);
         }
-        st.n_draft_prefilled = p - n_own;
+        st.n_draft_prefilled = p - draft_from;
     }
     // The sequence holds the load's cells and nothing else; the slot waits for them.
     cached.keep_first(0);
@@ -358,14 +437,25 @@ bool restore_pending(llama_context * ctx, int32_t seq_id, const server_task & ta
         // The slot went on to another task without a release; never seen, but its
         // sequence must not keep a load's cells.
         mcb_llama::seq_restore_cancel(sr.op);
+        mcb_llama::seq_restore_cancel(sr.dft_op);
         cached.keep_first(0);
         s.restores.erase(it);
         return false;
     }
-    if (!mcb_llama::seq_restore_poll(sr.op, 0)) {
+    if (!mcb_llama::seq_restore_poll(sr.op, 0) || !mcb_llama::seq_restore_poll(sr.dft_op, 0)) {
         return true;
     }
     mcb_llama::restore_result r = mcb_llama::seq_restore_end(sr.op);
+    const llama_tokens & tokens = input.get_tokens();
+    if (sr.dft_op.load != 0) {
+        // The draft must hold what the target holds.
+        const std::string err = draft_restore_end(s, seq_id, sr.dft_op, tokens, std::max(r.n_tokens, 0), st);
+        if (!err.empty() && r.n_tokens > 0) {
+            llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1);
+            r.n_tokens = 0;
+            r.error    = "draft: " + err;
+        }
+    }
     sr.phase      = slot_restore::DONE;
     st.restore_ms = ms_between(sr.t_begin_us, now_us());
     cached.keep_first(0);
@@ -377,8 +467,7 @@ bool restore_pending(llama_context * ctx, int32_t seq_id, const server_task & ta
         return false;
     }
     // The sequence now holds exactly input[0, r.n_tokens), computed under its scope.
-    mcb_llama::seq_set_scope(ctx, seq_id, sr.scope, true);
-    const llama_tokens & tokens = input.get_tokens();
+    set_scope(s, ctx, seq_id, sr.scope, true);
     for (int32_t i = 0; i < r.n_tokens; i++) {
         cached.push_back(tokens[i]);
     }
@@ -413,6 +502,7 @@ void slot_released(int32_t seq_id) {
         return;
     }
     mcb_llama::seq_restore_cancel(it->second.op); // a no-op once the load has ended
+    mcb_llama::seq_restore_cancel(it->second.dft_op);
     s.restores.erase(it);
 }
 
@@ -492,6 +582,14 @@ void prompt_save(llama_context * ctx, int32_t seq_id, const server_task & task,
         snapshot(s, ctx, seq_id, task, lora, tokens, n, st);
     }
     const mcb_llama::save_result r = mcb_llama::seq_save(ctx, s.att, &rs.scope, seq_id, tokens.get_tokens().data(), n);
+    if (s.dft_on && rs.same(mcb_llama::seq_get_origin(s.dft, seq_id))) {
+        // The draft's sequence holds the same prompt: llama-server decodes each batch of
+        // the target's into it (its clean mark says how much of it).
+        const mcb_llama::save_result rd = mcb_llama::seq_save(s.dft, s.dft_att, &rs.scope, seq_id, tokens.get_tokens().data(), n);
+        if (rd.status != MCB_STATUS_OK) {
+            SRV_WRN("mcbridge: save of the draft's seq %d failed: %s\n", seq_id, rd.error.c_str());
+        }
+    }
     st.save_ms      = ms_between(t0, now_us());
     st.saved_blocks = r.blocks.n_written;
     if (r.status != MCB_STATUS_OK) {
@@ -525,6 +623,9 @@ void add_outcome(const mcb_request_stats & st, json & res) {
     if (st.n_draft_prefilled > 0) {
         o["draft_prefilled_n"] = st.n_draft_prefilled;
         o["draft_prefill_ms"]  = st.draft_prefill_ms;
+    }
+    if (st.n_draft_restored > 0) {
+        o["draft_restored_n"] = st.n_draft_restored;
     }
     if (!st.error.empty()) {
         o["error"] = st.error;

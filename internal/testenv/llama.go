@@ -68,9 +68,11 @@ type Outcome struct {
 	Snapshots     int     `json:"snapshots"` // partial states snapshotted (sliding-window, hybrid)
 	SaveMS        float64 `json:"save_ms"`
 	// DraftPrefilledN is what a draft model's context computed of the
-	// restored prefix while the target's restore ran.
+	// restored prefix while the target's restore ran, and DraftRestoredN
+	// what it restored of its own blocks beside the target's.
 	DraftPrefilledN int     `json:"draft_prefilled_n"`
 	DraftPrefillMS  float64 `json:"draft_prefill_ms"`
+	DraftRestoredN  int     `json:"draft_restored_n"`
 	Error           string  `json:"error"`
 }
 
