@@ -197,15 +197,17 @@ func (r archRun) name() string {
 
 // archRow is a line of docs/models.md.
 type archRow struct {
-	run              archRun
-	kind             string
-	patched, proxied string
+	run                      archRun
+	kind                     string
+	patched, stored, proxied string
 }
 
 // Every architecture test-llama-archs writes (MCB_MODELS_ALL=1, `make
 // test-models`) or the representatives: a patched holder computes prefix+A
 // and a second patched process, through etcd and the Transfer Engine,
-// asks for prefix+B; a proxy in front of a stock server does the same
+// asks for prefix+B; then, over the real Transfer Engine, a holder that
+// exits leaves the prefix to a store node, whose copies a new process
+// restores (fromStore); a proxy in front of a stock server does the same
 // for another proxy's server. Where the bridge serves the model, the
 // asker restores the shared blocks, byte for byte the holder's KV, and
 // answers as a stock server in the same cache state; where the patched
@@ -242,6 +244,7 @@ func TestModels(t *testing.T) {
 		if ex, ok := archExceptions[r.model]; ok {
 			t.Run(r.name(), func(t *testing.T) {
 				row.patched = "exception: " + ex.why
+				row.stored = "exception"
 				row.proxied = "exception: stock answers " + strconv.Quote(ex.stockSays)
 				su := setupArch(t, model, r.args)
 				stock := testenv.StartLlama(t, "stock", testenv.StockServer(t), append(su.args, "-lv", "4"))
@@ -268,7 +271,7 @@ func TestModels(t *testing.T) {
 // both hosts must restore (a representative).
 func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) {
 	r := row.run
-	row.kind, row.patched, row.proxied = "?", "(not reached)", "(not reached)"
+	row.kind, row.patched, row.stored, row.proxied = "?", "(not reached)", "(not reached)", "(not reached)"
 	su := setupArch(t, model, r.args)
 	args, shared := su.args, su.shared
 	// -lv 4: llama.cpp's loading log, which memoryKind reads; it changes no answer.
@@ -323,13 +326,15 @@ func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) 
 	y := testenv.StartLlama(t, "y", testenv.PatchedServer(t), patchedArgs)
 	on := x.BridgeState()
 	every := snapshotOnly(x.LogLine("mcbridge: on: "))
+	// What the holder publishes of the prefix: its blocks, or, of a memory
+	// without KV layers, its snapshots alone.
+	published := shared / block
+	if every > 0 {
+		published = shared / every
+	}
 	x.Complete(t, reqA)
-	switch {
-	case on == "on" && every > 0:
-		// A memory without KV layers publishes its snapshots alone.
-		waitMirrored(t, y.URL, shared/every)
-	case on == "on":
-		waitMirrored(t, y.URL, shared/block)
+	if on == "on" {
+		waitMirrored(t, y.URL, published)
 	}
 	got := y.Complete(t, reqB)
 	same := assert.Equal(t, stockAs(got), got.Tokens,
@@ -357,6 +362,18 @@ func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) 
 	row.patched += stockNote(got, same)
 	x.Stop()
 	y.Stop()
+	row.stored = "off"
+	switch {
+	case on == "on" && must && len(r.args) > 0:
+		// make test: a store node over the real Transfer Engine for each
+		// memory kind; its KV types' variants (which that path carries as
+		// it carries any rows) in make test-models.
+		row.stored = "(make test-models)"
+	case on == "on":
+		var sg testenv.Completion
+		row.stored, sg = fromStore(t, etcd, prefix+"/store", args, reqA, reqB, published, shared, must)
+		row.stored += stockNote(sg, assert.Equal(t, stockAs(sg), sg.Tokens, "from a store node, the patched server answers as stock"))
+	}
 
 	// The proxy in front of stock servers.
 	pcfg := proxyConfig(etcd, mockTE, prefix+"/proxy")
@@ -399,7 +416,7 @@ func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) 
 		assert.Equal(t, shared, got.MCB.RestoredN, "a representative: the proxy restores the shared blocks: %s", row.proxied)
 	}
 	row.proxied += stockNote(got, same)
-	t.Logf("%s: patched server: %s; proxy: %s", row.kind, row.patched, row.proxied)
+	t.Logf("%s: patched server: %s; store node, real TE: %s; proxy: %s", row.kind, row.patched, row.stored, row.proxied)
 }
 
 // proxyWhy is what a proxy says about its last publish: its state, and
@@ -425,6 +442,36 @@ func proxyWhy(t *testing.T, p *testenv.Proxy) string {
 		}
 	}
 	return why
+}
+
+// fromStore runs prefix+A on a patched holder over the real Transfer
+// Engine beside a store node, stops the holder once the store has copied
+// the published entries of the prefix (its blocks, snapshots included, or
+// its snapshots alone), and restores prefix+B from the store's copies
+// into a new process; it returns the row's cell and the answer. must: the
+// restore must bring the shared tokens.
+func fromStore(t *testing.T, etcd, prefix string, args []string, reqA, reqB testenv.Request, published, shared int, must bool) (string, testenv.Completion) {
+	cfg := fmt.Sprintf(`{"block_tokens": %d, "arbiter": {"policy": "always-restore"}, "directory": {"kind": "etcd", "endpoints": [%q], "prefix": %q}, "transport": {"kind": "mooncake", "lib": %q}}`,
+		block, etcd, prefix, testenv.RealTE(t))
+	store := testenv.StartStore(t, "store", cfg, "--pool-bytes", fmt.Sprint(256<<20))
+	defer store.Stop()
+	withBridge := append(slices.Clone(args), "--mcb-config", cfg)
+	h := testenv.StartLlama(t, "holder", testenv.PatchedServer(t), withBridge)
+	h.Complete(t, reqA)
+	waitStore(t, store, "the prefix copied", func(s storeState) bool { return s.Stats.Replicated >= published })
+	h.Stop()
+	waitStore(t, store, "the prefix published as the store's", func(s storeState) bool { return s.Stats.TakenOver >= published })
+	y := testenv.StartLlama(t, "asker", testenv.PatchedServer(t), withBridge)
+	defer y.Stop()
+	waitMirrored(t, y.URL, published)
+	got := y.Complete(t, reqB)
+	if must {
+		assert.Equal(t, shared, got.MCB.RestoredN, "a representative restores the shared blocks from a store node: %+v", got.MCB)
+	}
+	if got.MCB.RestoredN != shared {
+		return fmt.Sprintf("restored %d of %d: %s %s", got.MCB.RestoredN, shared, got.MCB.Decision, got.MCB.Error), got
+	}
+	return fmt.Sprintf("restored %d", shared), got
 }
 
 // snapshotOnly is, from a patched server's "mcbridge: on" line, how many
@@ -577,16 +624,19 @@ every architecture that the pinned llama.cpp's tests/test-llama-archs.cpp writes
 1024 shared (192 for a model with a learned position table of 256 rows) and 40 or 48
 own tokens. "patched server": a holder computes prefix+A,
 a second patched process asks for prefix+B through etcd and the mock Transfer Engine.
+"store node, real TE": a patched holder over the real Transfer Engine computes prefix+A
+beside an ` + "`mcbridge serve`" + ` store node and exits once the store has copied what it
+published; a new patched process restores prefix+B from the store's copies.
 "proxy": the same through two ` + "`mcbridge proxy`" + ` processes in front of stock servers.
 Every answer is compared with a stock server's in the same cache state. "off" is
 what the patched server logs (` + "`mcbridge: off: <why>`" + `) or the proxy's state says.
 ` + "`make test`" + ` runs the representatives of tests/e2e/models_test.go.
 
-| model | memory kind | patched server | proxy |
-|---|---|---|---|
+| model | memory kind | patched server | store node, real TE | proxy |
+|---|---|---|---|---|
 `)
 	for _, r := range rows {
-		fmt.Fprintf(&b, "| %s | %s | %s | %s |\n", r.run.name(), r.kind, r.patched, r.proxied)
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s |\n", r.run.name(), r.kind, r.patched, r.stored, r.proxied)
 	}
 	return b.String()
 }
