@@ -599,6 +599,7 @@ restore_result seq_restore_end(restore_op & op) {
     }
     out.n_tokens = (int32_t) std::min(ok, res.n_tokens_ok);
     out.n_bytes  = res.n_bytes + n_snap;
+    out.n_snapshot_bytes = n_snap;
     if (op.partial && (snap == nullptr || out.n_tokens < op.n_tokens)) {
         out.n_tokens = 0;
     }

@@ -101,6 +101,7 @@ bool configured();
 struct restore_result {
     int32_t    n_tokens = 0;        // positions [0, n_tokens) of the sequence are restored
     uint64_t   n_bytes  = 0;        // KV bytes placed
+    uint64_t   n_snapshot_bytes = 0; // of them, the snapshot's (a memory with a partial state)
     mcb_status status   = MCB_STATUS_OK;
     bool       seq_cleared = false; // the sequence lost its previous cells (any attempt that got as far as llama.cpp's restore)
     std::string error;

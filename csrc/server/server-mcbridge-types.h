@@ -23,6 +23,7 @@ struct mcb_request_stats {
     int32_t     n_matched      = 0; // leading prompt tokens found in the cache
     int32_t     n_restored     = 0; // leading prompt tokens restored
     uint64_t    restored_bytes = 0;
+    uint64_t    restored_snapshot_bytes = 0; // of them, the snapshot's
     double      lookup_ms      = 0.0;
     double      restore_ms     = 0.0;
     double      est_restore_ms   = 0.0;

@@ -490,6 +490,7 @@ bool restore_pending(llama_context * ctx, int32_t seq_id, const server_task & ta
     st.decision       = "restore";
     st.n_restored     = r.n_tokens;
     st.restored_bytes = r.n_bytes;
+    st.restored_snapshot_bytes = r.n_snapshot_bytes;
     SRV_INF("mcbridge: seq %d restored %d of %d prompt tokens (%.1f MiB) in %.2f ms (lookup %.3f ms, %s)\n",
             seq_id, r.n_tokens, sr.n_prompt, r.n_bytes / 1048576.0, st.restore_ms, st.lookup_ms, st.reason.c_str());
     return false;
@@ -619,6 +620,9 @@ void add_outcome(const mcb_request_stats & st, json & res) {
     };
     if (st.snapshots > 0) {
         o["snapshots"] = st.snapshots;
+    }
+    if (st.restored_snapshot_bytes > 0) {
+        o["restored_snapshot_bytes"] = st.restored_snapshot_bytes;
     }
     if (st.n_draft_prefilled > 0) {
         o["draft_prefilled_n"] = st.n_draft_prefilled;

@@ -73,7 +73,9 @@ type Outcome struct {
 	DraftPrefilledN int     `json:"draft_prefilled_n"`
 	DraftPrefillMS  float64 `json:"draft_prefill_ms"`
 	DraftRestoredN  int     `json:"draft_restored_n"`
-	Error           string  `json:"error"`
+	// RestoredSnapshotBytes is, of the restored bytes, the snapshot's.
+	RestoredSnapshotBytes int64  `json:"restored_snapshot_bytes"`
+	Error                 string `json:"error"`
 }
 
 // Completion is a /completion answer.

@@ -354,10 +354,10 @@ func runArch(t *testing.T, etcd, prefix, model string, row *archRow, must bool) 
 	case every > 0:
 		// No rows to compare: the snapshot is the holder's bytes by its
 		// checksum, and llama.cpp read all of it.
-		row.patched = fmt.Sprintf("restored %d from a snapshot alone", shared)
+		row.patched = fmt.Sprintf("restored %d from a snapshot alone%s", shared, snapshotSize(got.MCB, shared))
 	default:
 		// Positions the server computed again after the restore are its own.
-		row.patched = fmt.Sprintf("restored %d, byte-identical: %v", shared, samePrefixKV(t, slots, x, y, got.Timings.CacheN))
+		row.patched = fmt.Sprintf("restored %d, byte-identical: %v%s", shared, samePrefixKV(t, slots, x, y, got.Timings.CacheN), snapshotSize(got.MCB, shared))
 	}
 	row.patched += stockNote(got, same)
 	x.Stop()
@@ -472,6 +472,19 @@ func fromStore(t *testing.T, etcd, prefix string, args []string, reqA, reqB test
 		return fmt.Sprintf("restored %d of %d: %s %s", got.MCB.RestoredN, shared, got.MCB.Decision, got.MCB.Error), got
 	}
 	return fmt.Sprintf("restored %d", shared), got
+}
+
+// snapshotSize is the row's note on the snapshot a restore of n tokens
+// brought, against a block's KV: "" for a restore without one.
+func snapshotSize(o testenv.Outcome, n int) string {
+	if o.RestoredSnapshotBytes == 0 {
+		return ""
+	}
+	kib := func(b int64) string { return strconv.FormatFloat(float64(b)/1024, 'f', 1, 64) }
+	if rows := o.RestoredBytes - o.RestoredSnapshotBytes; rows > 0 {
+		return fmt.Sprintf(" (snapshot %s KiB, a block's KV %s KiB)", kib(o.RestoredSnapshotBytes), kib(rows/int64(n/block)))
+	}
+	return fmt.Sprintf(" (snapshot %s KiB)", kib(o.RestoredSnapshotBytes))
 }
 
 // snapshotOnly is, from a patched server's "mcbridge: on" line, how many
@@ -628,6 +641,8 @@ a second patched process asks for prefix+B through etcd and the mock Transfer En
 beside an ` + "`mcbridge serve`" + ` store node and exits once the store has copied what it
 published; a new patched process restores prefix+B from the store's copies.
 "proxy": the same through two ` + "`mcbridge proxy`" + ` processes in front of stock servers.
+A memory with a partial state names the size of the snapshot its restore brought, and of
+one block's KV (` + "`block_tokens`" + ` positions), as measured on these models.
 Every answer is compared with a stock server's in the same cache state. "off" is
 what the patched server logs (` + "`mcbridge: off: <why>`" + `) or the proxy's state says.
 ` + "`make test`" + ` runs the representatives of tests/e2e/models_test.go.
