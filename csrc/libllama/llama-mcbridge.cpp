@@ -796,27 +796,56 @@ void rm_one(const llama_kv_cache * kv, kv_marks & m, llama_seq_id seq, llama_pos
     m.lower(seq, p0);
 }
 
-// The marks' edits every memory makes alike.
+// The edits whose effect on the marks is the same in a KV cache and a recurrent
+// memory (mem is either).
 
-void keep_one(kv_marks & m, llama_seq_id seq_id) {
-    const llama_pos keep = m.get(seq_id);
-    auto sc = m.scope.find(seq_id);
-    kv_marks kept;
-    kept.seq[seq_id] = keep;
-    if (sc != m.scope.end()) {
-        kept.scope[seq_id] = sc->second;
-    }
-    m = kept;
+void marks_keep(const void * mem, llama_seq_id seq_id) {
+    with_marks(mem, [&](kv_marks & m) {
+        const llama_pos keep = m.get(seq_id);
+        auto sc = m.scope.find(seq_id);
+        kv_marks kept;
+        kept.seq[seq_id] = keep;
+        if (sc != m.scope.end()) {
+            kept.scope[seq_id] = sc->second;
+        }
+        m = kept;
+    });
 }
 
-void state_loaded(kv_marks & m, llama_seq_id seq_id) {
-    if (seq_id < 0) {
-        m = kv_marks{};
-        m.dflt = 0;
-    } else {
-        m.seq[seq_id] = 0;
-        m.scope.erase(seq_id);
+void marks_shift(const void * mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) {
+    if (shift == 0 || (p0 >= 0 && p0 == p1)) {
+        return;
     }
+    with_marks(mem, [&](kv_marks & m) {
+        p0 = std::max<llama_pos>(p0, 0);
+        // Cells (a recurrent state) from p0 on move; from the lower of the old and new
+        // start, positions hold what was computed at other positions.
+        m.lower(seq_id, std::min(p0, p0 + shift));
+    });
+}
+
+void marks_div(const void * mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d) {
+    if (d == 1 || (p0 >= 0 && p0 == p1)) {
+        return;
+    }
+    with_marks(mem, [&](kv_marks & m) { m.lower(seq_id, std::max<llama_pos>(p0, 0)); });
+}
+
+void marks_clear(const void * mem) {
+    with_marks(mem, [&](kv_marks & m) { m = kv_marks{}; });
+}
+
+// After a successful state_read: the loaded state came from elsewhere.
+void marks_state_read(const void * mem, llama_seq_id seq_id) {
+    with_marks(mem, [&](kv_marks & m) {
+        if (seq_id < 0) {
+            m = kv_marks{};
+            m.dflt = 0;
+        } else {
+            m.seq[seq_id] = 0;
+            m.scope.erase(seq_id);
+        }
+    });
 }
 
 } // namespace
@@ -857,34 +886,23 @@ void kv_seq_cp(const llama_kv_cache * kv, llama_seq_id src, llama_seq_id dst, ll
 }
 
 void kv_seq_keep(const llama_kv_cache * kv, llama_seq_id seq_id) {
-    with_marks(kv, [&](kv_marks & m) { keep_one(m, seq_id); });
+    marks_keep(kv, seq_id);
 }
 
 void kv_seq_add(const llama_kv_cache * kv, llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) {
-    if (shift == 0 || (p0 >= 0 && p0 == p1)) {
-        return;
-    }
-    with_marks(kv, [&](kv_marks & m) {
-        p0 = std::max<llama_pos>(p0, 0);
-        // Cells from p0 on move; from the lower of the old and new start, positions hold
-        // KV computed at other positions.
-        m.lower(seq_id, std::min(p0, p0 + shift));
-    });
+    marks_shift(kv, seq_id, p0, p1, shift);
 }
 
 void kv_seq_div(const llama_kv_cache * kv, llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d) {
-    if (d == 1 || (p0 >= 0 && p0 == p1)) {
-        return;
-    }
-    with_marks(kv, [&](kv_marks & m) { m.lower(seq_id, std::max<llama_pos>(p0, 0)); });
+    marks_div(kv, seq_id, p0, p1, d);
 }
 
 void kv_clear(const llama_kv_cache * kv) {
-    with_marks(kv, [&](kv_marks & m) { m = kv_marks{}; });
+    marks_clear(kv);
 }
 
 void kv_state_read(const llama_kv_cache * kv, llama_seq_id seq_id) {
-    with_marks(kv, [&](kv_marks & m) { state_loaded(m, seq_id); });
+    marks_state_read(kv, seq_id);
 }
 
 void rs_seq_rm(const llama_memory_recurrent * rs, llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
@@ -931,32 +949,23 @@ void rs_seq_cp(const llama_memory_recurrent * rs, llama_seq_id src, llama_seq_id
 }
 
 void rs_seq_keep(const llama_memory_recurrent * rs, llama_seq_id seq_id) {
-    with_marks(rs, [&](kv_marks & m) { keep_one(m, seq_id); });
+    marks_keep(rs, seq_id);
 }
 
 void rs_seq_add(const llama_memory_recurrent * rs, llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) {
-    (void) p1;
-    if (shift == 0) {
-        return;
-    }
-    // The state moves to another position: it was computed at the old one.
-    with_marks(rs, [&](kv_marks & m) { m.lower(seq_id, std::min(std::max<llama_pos>(p0, 0), std::max<llama_pos>(p0, 0) + shift)); });
+    marks_shift(rs, seq_id, p0, p1, shift);
 }
 
 void rs_seq_div(const llama_memory_recurrent * rs, llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d) {
-    (void) p1;
-    if (d == 1) {
-        return;
-    }
-    with_marks(rs, [&](kv_marks & m) { m.lower(seq_id, std::max<llama_pos>(p0, 0)); });
+    marks_div(rs, seq_id, p0, p1, d);
 }
 
 void rs_clear(const llama_memory_recurrent * rs) {
-    with_marks(rs, [&](kv_marks & m) { m = kv_marks{}; });
+    marks_clear(rs);
 }
 
 void rs_state_read(const llama_memory_recurrent * rs, llama_seq_id seq_id) {
-    with_marks(rs, [&](kv_marks & m) { state_loaded(m, seq_id); });
+    marks_state_read(rs, seq_id);
 }
 
 //

@@ -395,9 +395,9 @@ int32_t prompt_restore(llama_context * ctx, int32_t seq_id, const server_task & 
     }
     int32_t draft_from = n_own;
     if (s.dft != nullptr && !draft_restore_begin(s, seq_id, rs, tokens, p, sr.dft_op, draft_from)) {
-        // The draft computes [n_own, p) while the target's load runs; its cells past
-        // n_own are another prompt's. Positions the load does not verify the slot's own
-        // seq_rm takes from both contexts when its prompt starts.
+        // The draft computes [draft_from, p) while the target's load runs; its cells
+        // past draft_from are another prompt's. Positions the load does not verify the
+        // slot's own seq_rm takes from both contexts when its prompt starts.
         const int64_t t_dft = now_us();
         std::string err = llama_memory_seq_rm(llama_get_memory(s.dft), seq_id, draft_from, -1)
                               ? draft_prefill(s.dft, seq_id, tokens, draft_from, p)
