@@ -227,12 +227,25 @@ func (ld *Load) run() {
 	arrivals := make(chan arrival, ld.m.geo.Layers())
 	go ld.poll(arrivals)
 	for a := range arrivals {
-		ld.layer(a)
-		ld.mu.Lock()
-		ld.layers = a.layer + 1
-		ld.placed.Broadcast()
-		ld.mu.Unlock()
-		// The host waiting for this layer was readied onto this
+		// Every layer that has arrived is placed in one pass: a layer at
+		// a time, the helpers went idle between layers and woke too late
+		// to share the next one (two 1 MiB blocks a layer placed no
+		// faster on two processors than on one).
+		first, n := a.layer, []int{ld.checkLayer(a)}
+	more:
+		for {
+			select {
+			case b, open := <-arrivals:
+				if !open {
+					break more
+				}
+				n = append(n, ld.checkLayer(b))
+			default:
+				break more
+			}
+		}
+		ld.placeLayers(first, n)
+		// The host waiting for these layers was readied onto this
 		// processor, behind the worker, which would go on to the next
 		// layer first: with the poller holding the other processor, the
 		// host woke 1-5 ms late. Yielding lets it run now.
@@ -578,12 +591,6 @@ func (ld *Load) Progress() (layers, tokensOK int, err error) {
 	return ld.layers, ld.ok * ld.m.geo.BlockTokens, nil
 }
 
-// layer verifies and places one layer of every block still good; the
-// worker runs it, reading ok without the lock as only it writes ok.
-func (ld *Load) layer(a arrival) {
-	ld.placeLayer(a.layer, ld.checkLayer(a))
-}
-
 // checkLayer fails the first block whose layer did not arrive (or, at
 // layer 0, whose header is not the one expected) and returns how many
 // leading blocks are left to place.
@@ -656,37 +663,55 @@ func (ld *Load) arrived(lb *loadBlock, a arrival) error {
 	return nil
 }
 
-// placeLayer places layer l of blocks [0, n) and verifies each: a staged
-// block with PlaceSum (one pass, each chunk summed right after it is
-// copied), one landed in place by summing it where it landed. It runs on
-// as many goroutines as the process has CPUs: the blocks' cells are
-// disjoint, and a copy with streaming stores is bound by one core well
-// below the memory's bandwidth. The first block whose sum does not match
-// fails; its cells and those of every later block hold unverified bytes,
-// which the host drops, as they are past the good prefix.
-func (ld *Load) placeLayer(l, n int) {
+// placeLayers places layers first, first+1, ... of blocks [0, n[j]) for
+// layer first+j, and verifies each: a staged block with PlaceSum (one
+// pass, each chunk summed right after it is copied), one landed in place
+// by summing it where it landed. It runs on as many goroutines as the
+// process has CPUs, which take the (layer, block) pieces in layer order:
+// the blocks' cells are disjoint, and a copy with streaming stores is bound
+// by one core well below the memory's bandwidth. Each layer is published
+// to the host as soon as it and every layer below it are in (publish), so
+// the host computes layer l while later ones are placed.
+func (ld *Load) placeLayers(first int, n []int) {
 	g := &ld.m.geo
-	off, size := g.LayerOffset(l), g.LayerSize(l)
-	bad := make([]bool, n)
+	ps := &placing{first: first, n: n, left: make([]atomic.Int32, len(n))}
+	for j, k := range n {
+		ps.width = max(ps.width, k)
+		ps.left[j].Store(int32(k))
+	}
+	ps.bad = make([]bool, len(n)*ps.width)
+	if ps.width == 0 {
+		ld.publish(ps)
+		return
+	}
 	var next atomic.Int64
-	workers := min(runtime.GOMAXPROCS(0), n)
+	workers := min(runtime.GOMAXPROCS(0), len(ps.bad))
 	if ld.landed {
 		workers = min(workers, len(ld.scratch)) // GOMAXPROCS may have grown since
 	}
 	place := func(w int) {
 		for {
-			i := int(next.Add(1) - 1)
-			if i >= n {
+			p := int(next.Add(1) - 1)
+			if p >= len(ps.bad) {
 				return
 			}
+			j, i := p/ps.width, p%ps.width
+			if i >= n[j] {
+				continue
+			}
+			l := first + j
 			lb := &ld.blocks[i]
 			var sum uint64
 			if lb.pieces != nil {
-				sum = kvlayout.SumPieces(lb.pieces[l], size, ld.scratch[w])
+				sum = kvlayout.SumPieces(lb.pieces[l], g.LayerSize(l), ld.scratch[w])
 			} else {
-				sum = ld.layout.PlaceSum(&ld.m.shape, l, lb.src[off:off+size], lb.runs)
+				off := g.LayerOffset(l)
+				sum = ld.layout.PlaceSum(&ld.m.shape, l, lb.src[off:off+g.LayerSize(l)], lb.runs)
 			}
-			bad[i] = sum != lb.header.LayerSums[l]
+			ps.bad[p] = sum != lb.header.LayerSums[l]
+			if ps.left[j].Add(-1) == 0 {
+				ld.publish(ps)
+			}
 		}
 	}
 	var wg sync.WaitGroup
@@ -695,11 +720,40 @@ func (ld *Load) placeLayer(l, n int) {
 	}
 	place(0)
 	wg.Wait()
-	for i, b := range bad {
-		if b {
-			ld.failPlacing(i, status.Errorf(status.Corrupt, "block %s layer %d: checksum mismatch", ld.blocks[i].entry.Key, l))
-			return
+}
+
+// placing is one pass of placeLayers: layers first+j, j < len(n), each of
+// blocks [0, n[j]), as pieces p = j*width + i. A piece's bad is written by
+// the goroutine that placed it before it counts the piece off left[j], so
+// whoever finds left[j] at 0 reads the layer's bad flags whole.
+type placing struct {
+	first int
+	n     []int
+	width int
+	bad   []bool
+	left  []atomic.Int32
+}
+
+// publish moves layers past every layer of the pass that is whole, in
+// order, failing in each the first block whose sum did not match (its
+// cells and those of every later block hold unverified bytes, which the
+// host drops, as they are past the good prefix), and wakes the host.
+func (ld *Load) publish(ps *placing) {
+	ld.mu.Lock()
+	defer ld.mu.Unlock()
+	moved := false
+	for j := ld.layers - ps.first; j < len(ps.n) && ps.left[j].Load() == 0; j++ {
+		for i := range ps.n[j] {
+			if ps.bad[j*ps.width+i] {
+				ld.fail(i, status.Errorf(status.Corrupt, "block %s layer %d: checksum mismatch", ld.blocks[i].entry.Key, ps.first+j))
+				break
+			}
 		}
+		ld.layers = ps.first + j + 1
+		moved = true
+	}
+	if moved {
+		ld.placed.Broadcast()
 	}
 }
 
