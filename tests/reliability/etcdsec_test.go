@@ -299,6 +299,7 @@ func TestEtcdTLS(t *testing.T) {
 		{"plain-http", good, "unreachable"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel() // each waits out the directory's timeouts
 			ep := endpoint
 			if tc.name == "plain-http" {
 				ep = strings.Replace(endpoint, "https://", "http://", 1)
