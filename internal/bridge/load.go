@@ -606,7 +606,7 @@ func (ld *Load) checkLayer(a arrival) int {
 			}
 		} else if !lb.local && !lb.mapped {
 			if err := ld.arrived(lb, a); err != nil {
-				ld.failPlacing(i, ld.blame(i, err))
+				ld.failPlacing(i, ld.blame(i, l, err))
 				break
 			}
 		}
@@ -622,22 +622,22 @@ func (ld *Load) checkLayer(a arrival) int {
 	return ld.ok
 }
 
-// blame is the failure of remote block i, whose transfer failed with err:
-// a peer that timed out is marked down, unless the host abandoned the load,
-// which is then the failure, or the load was a first contact that was
-// delivering layers when its deadline passed. Such a deadline came from
+// blame is the failure of remote block i, whose transfer failed with err
+// after delivered layers had arrived: a peer that timed out is marked down,
+// unless the host abandoned the load, which is then the failure, or the
+// load was a first contact that was delivering layers when its deadline
+// passed. Such a deadline came from
 // the link's configured prior, not a measurement: a link slower than the
 // prior says (or a first handshake longer than the margin) is not a hung
 // peer, and marking it down would plan around it for peer_down_ms after one
 // slow first read. The load's observation calibrates the link, so its next
 // miss is judged as any other.
-func (ld *Load) blame(i int, err error) error {
+func (ld *Load) blame(i, delivered int, err error) error {
 	if abandoned(ld.ctx) {
 		return errAbandoned
 	}
 	b, e := ld.m.b, ld.blocks[i].entry
-	// The worker writes layers, and blame runs on it.
-	if status.Of(err) == status.Timeout && ld.layers > 0 && !b.arb.Calibrated(b.linkFor(e)) {
+	if status.Of(err) == status.Timeout && delivered > 0 && !b.arb.Calibrated(b.linkFor(e)) {
 		return err
 	}
 	b.peerFailed(e.Loc.Segment, err)
@@ -862,7 +862,7 @@ func (ld *Load) recheck() {
 		} else {
 			t := g.task[i]
 			if g.batch == nil {
-				ld.fail(i, ld.blame(i, g.err))
+				ld.fail(i, ld.blame(i, ld.layers, g.err))
 				return
 			}
 			if st := remote[t].State; st != transport.Completed {
@@ -870,7 +870,7 @@ func (ld *Load) recheck() {
 				if st == transport.TimedOut {
 					code = status.Timeout
 				}
-				ld.fail(i, ld.blame(i, status.Errorf(code, "block %s generation check: %s", lb.entry.Key, st)))
+				ld.fail(i, ld.blame(i, ld.layers, status.Errorf(code, "block %s generation check: %s", lb.entry.Key, st)))
 				return
 			}
 			gen = pool.Generation(b.hold.Bytes(g.at.off+int64(t)*genSlot, genSlot))
