@@ -101,7 +101,7 @@ func TestSwarmDemo(t *testing.T) {
 	ctx := prefixN + suffixN + 8*agents + nPredict + 256
 	// -fa auto is on for the CPU backend. DEMO_THREADS takes the place of
 	// ServerArgs' -t 2: llama-server warns about a repeated -t.
-	args := testenv.ServerArgs(model, ctx, 1, "auto")
+	args := testenv.BenchServerArgs(model, ctx, 1, "auto")
 	args[slices.Index(args, "-t")+1] = strconv.Itoa(threads)
 	bridgeCfg := testenv.JSON(map[string]any{
 		"directory": map[string]any{"kind": "etcd", "endpoints": []string{etcdURL}},

@@ -214,7 +214,7 @@ func swarmRun(b *testing.B, model string, s swarm, kind, side string) Run {
 	var procs []*testenv.Llama
 	for i := range servers {
 		dir := testenv.ShmSlotDir(b, "agentapi-"+strconv.Itoa(i))
-		sargs := append(testenv.ServerArgs(model, 8192, slots, "on"), "--slot-save-path", dir)
+		sargs := append(testenv.BenchServerArgs(model, 8192, slots, "on"), "--slot-save-path", dir)
 		if side == "uncached" {
 			sargs = append(sargs, "--no-cache-prompt")
 		}

@@ -68,7 +68,7 @@ type alignServer struct {
 func ubatchAlignment(b *testing.B, preset string, trials int, lengths []int) {
 	model := testenv.Model(b, preset, 0)
 	args := func(slots int) []string {
-		return append(testenv.ServerArgs(model, 8192, slots, "on"), "-ub", fmt.Sprint(alignUbatch))
+		return append(testenv.BenchServerArgs(model, 8192, slots, "on"), "-ub", fmt.Sprint(alignUbatch))
 	}
 	stock := testenv.StartLlama(b, "stock", testenv.StockServer(b), args(1))
 	servers := []*alignServer{{name: "block-aligned", block: 64}, {name: "ubatch-aligned", block: alignUbatch}}

@@ -29,7 +29,7 @@ func BenchmarkDeviceRestore(b *testing.B) {
 	cfg := fmt.Sprintf(`{"block_tokens": 256, "arbiter": {"policy": "always-restore"}, "directory": {"kind": "etcd", "endpoints": [%q]}, "transport": {"kind": "mooncake", "lib": %q}}`,
 		etcd.Endpoint(), mockTE)
 	args := func(name string, extra ...string) []string {
-		return append(append(testenv.ServerArgs(model, 8192, 2, "on"), onDevice(b, name)...), extra...)
+		return append(append(testenv.BenchServerArgs(model, 8192, 2, "on"), onDevice(b, name)...), extra...)
 	}
 	dir := testenv.SlotDir(b, "stock")
 	stock := testenv.StartLlama(b, "stock", testenv.StockServer(b), args("stock", "--slot-save-path", dir))
@@ -40,7 +40,7 @@ func BenchmarkDeviceRestore(b *testing.B) {
 	// Its holder computes the prefix on the host: where the device's KV
 	// bytes are the host's (the RPC device; the probe decides), its blocks
 	// are the device holder's, already known.
-	hostArgs := append(testenv.ServerArgs(model, 8192, 2, "on"), "--mcb-config", cfg)
+	hostArgs := append(testenv.BenchServerArgs(model, 8192, 2, "on"), "--mcb-config", cfg)
 	host := testenv.StartLlama(b, "host", testenv.PatchedServer(b), hostArgs)
 	hostHolder := testenv.StartLlama(b, "host-holder", testenv.PatchedServer(b), hostArgs)
 	mirrored := func(url string) int { return int(testenv.Metrics(b, url+"/metrics")["mcbridge_mirrored_blocks"]) }
@@ -146,7 +146,7 @@ func BenchmarkDeviceStall(b *testing.B) {
 	etcd := etcdtest.Start(b)
 	cfg := fmt.Sprintf(`{"block_tokens": 256, "arbiter": {"policy": "always-restore"}, "directory": {"kind": "etcd", "endpoints": [%q]}, "transport": {"kind": "mooncake", "lib": %q}}`,
 		etcd.Endpoint(), mockTE)
-	hostArgs := append(testenv.ServerArgs(model, 8192, 1, "on"), "--mcb-config", cfg)
+	hostArgs := append(testenv.BenchServerArgs(model, 8192, 1, "on"), "--mcb-config", cfg)
 	holder := testenv.StartLlama(b, "holder", testenv.PatchedServer(b), hostArgs)
 	type reader struct {
 		link       int

@@ -22,7 +22,7 @@ func BenchmarkEtcdStopped(b *testing.B) {
 	etcd := etcdtest.Start(b)
 	cfg := fmt.Sprintf(`{"block_tokens": 256, "directory": {"kind": "etcd", "endpoints": [%q], "op_timeout_ms": 2000}, "transport": {"kind": "mooncake", "lib": %q}}`,
 		etcd.Endpoint(), mockTE)
-	s := testenv.StartLlama(b, "patched", testenv.PatchedServer(b), append(testenv.ServerArgs(model, 8192, 2, "on"), "--mcb-config", cfg))
+	s := testenv.StartLlama(b, "patched", testenv.PatchedServer(b), append(testenv.BenchServerArgs(model, 8192, 2, "on"), "--mcb-config", cfg))
 	const prefixLen, suffixLen, rounds = 1024, 64, 5
 	family := 0
 	next := func() []int32 { family++; return testenv.Tokens(prefixLen, 7+2*family, family) }

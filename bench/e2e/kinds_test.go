@@ -127,7 +127,7 @@ func kindTokens(n, mul, off int) []int32 {
 func memoryKindRow(b *testing.B, etcd, name, arch string, p, rounds int) kindRow {
 	model := filepath.Join(testenv.ArchBenchModels(b), name+".gguf")
 	ctx := p + ttftSuffix + 256
-	args := append(testenv.ServerArgs(model, 2*ctx, 2, "on"), "--override-kv", arch+".context_length=int:16384")
+	args := append(testenv.BenchServerArgs(model, 2*ctx, 2, "on"), "--override-kv", arch+".context_length=int:16384")
 	cfg := func(host string) string {
 		return fmt.Sprintf(`{"block_tokens": 256, "pool_bytes": %d, "arbiter": {"policy": "always-restore"}, "directory": {"kind": "etcd", "endpoints": [%q], "prefix": "/kinds/%s/%s/%d"}, "transport": {"kind": "mooncake", "lib": %q}}`,
 			int64(2)<<30, etcd, host, name, p, mockTE)

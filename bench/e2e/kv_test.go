@@ -38,7 +38,7 @@ func realBlocks(tb testing.TB, name string, tokens, blockTokens int) (blocks [][
 	require.NoError(tb, gguf.WriteFile(path, cfg))
 	slots := testenv.SlotDir(tb, name)
 	s := testenv.StartLlama(tb, "kv-"+name, testenv.StockServer(tb),
-		append(testenv.ServerArgs(path, tokens+64, 1, "on"), "--slot-save-path", slots))
+		append(testenv.BenchServerArgs(path, tokens+64, 1, "on"), "--slot-save-path", slots))
 	prompt := testenv.Tokens(tokens+1, 7, 3)
 	prefillMS = s.Complete(tb, testenv.Request{Prompt: prompt, Slot: 0, NPredict: 1}).Timings.PromptMS
 	testenv.Post(tb, s.URL+"/slots/0?action=save", map[string]string{"filename": "kv.bin"}, nil)

@@ -28,7 +28,7 @@ func BenchmarkStoreTTFT(b *testing.B) {
 	model := testenv.Model(b, "bench", 0)
 	etcd := etcdtest.Start(b)
 	node := testenv.StartStoreNode(b, "node", etcd.Endpoint(), testenv.StoreNodeOptions{})
-	args := testenv.ServerArgs(model, 2*(maxShared+suffix+256), 2, "on")
+	args := testenv.BenchServerArgs(model, 2*(maxShared+suffix+256), 2, "on")
 	start := func(name, bin, cfg string) *testenv.Llama {
 		a := args
 		if cfg != "" {

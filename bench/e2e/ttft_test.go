@@ -184,7 +184,7 @@ func runTTFT(b *testing.B, prefixes []int, rounds int) ttftResult {
 	model := testenv.Model(b, "bench", 0)
 	longest := slices.Max(append([]int{ttftZeroHitN}, prefixes...))
 	slotCtx := longest + ttftSuffix + ttftDecode + 256
-	args := testenv.ServerArgs(model, 2*slotCtx, 2, "on")
+	args := testenv.BenchServerArgs(model, 2*slotCtx, 2, "on")
 	memcpy := memcpyBytesPerSecond()
 
 	etcd := etcdtest.Start(b)

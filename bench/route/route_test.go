@@ -90,7 +90,7 @@ func replay(b *testing.B, model string, swarm Swarm, w Workload, policy string) 
 	for i := range upstreams {
 		dir := testenv.ShmSlotDir(b, "route-"+strconv.Itoa(i))
 		s := testenv.StartLlama(b, fmt.Sprintf("%s-u%d", policy, i), testenv.StockServer(b),
-			append(testenv.ServerArgs(model, 8192, 2, "on"), "--slot-save-path", dir))
+			append(testenv.BenchServerArgs(model, 8192, 2, "on"), "--slot-save-path", dir))
 		servers = append(servers, s)
 		args = append(args, "--upstream", s.URL+",slots="+dir)
 	}

@@ -29,10 +29,26 @@ func StartLlama(tb testing.TB, name, bin string, args []string, env ...string) *
 
 // ServerArgs are the arguments the tests give every llama-server of one
 // comparison, so that slots, streams and batches are equal and only the
-// bridge differs: the model, a context of ctx cells over slots, 2 threads,
-// flash attention fa ("on" or "off"), no prompt cache.
+// bridge differs: the model, a context of ctx cells over slots, 1 thread,
+// flash attention fa ("on" or "off"), no prompt cache. One thread, as
+// the tests run several servers at once beside other packages' tests on
+// few processors: llama.cpp's threads spin between a graph's operations,
+// and a server's thread whose sibling lost its processor spins out its
+// time slice (TestModels' representatives side by side took 3.6 times the
+// processor time with 2 threads a server).
 func ServerArgs(model string, ctx, slots int, fa string) []string {
-	return []string{"-m", model, "-c", strconv.Itoa(ctx), "-np", strconv.Itoa(slots), "-t", "2",
+	return serverArgs(model, ctx, slots, fa, 1)
+}
+
+// BenchServerArgs is ServerArgs with the 2 threads the benchmarks' model
+// was measured with (docs/design.md §15), for benchmarks and the demo,
+// which run their servers one comparison at a time.
+func BenchServerArgs(model string, ctx, slots int, fa string) []string {
+	return serverArgs(model, ctx, slots, fa, 2)
+}
+
+func serverArgs(model string, ctx, slots int, fa string, threads int) []string {
+	return []string{"-m", model, "-c", strconv.Itoa(ctx), "-np", strconv.Itoa(slots), "-t", strconv.Itoa(threads),
 		"-fa", fa, "--no-webui", "--cache-ram", "0", "--metrics"}
 }
 

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -237,12 +238,21 @@ func TestModels(t *testing.T) {
 		runs = append(runs, variants...)
 	}
 	etcd := etcdtest.Start(t)
-	var rows []archRow
+	rows := make([]archRow, len(runs))
+	if out := os.Getenv("MCB_MODELS_TABLE"); out != "" {
+		// After every subtest: the parallel ones end after this function.
+		t.Cleanup(func() { assert.NoError(t, os.WriteFile(out, []byte(modelsTable(rows)), 0o644)) })
+	}
+	// The runs go side by side, as many as go test's -parallel (GOMAXPROCS):
+	// each waits on its servers' start-up and its restores more than it
+	// computes (one thread a server, testenv.ServerArgs).
 	for i, r := range runs {
-		row := archRow{run: r}
+		row := &rows[i]
+		row.run = r
 		model := filepath.Join(dir, r.model+".gguf")
 		if ex, ok := archExceptions[r.model]; ok {
 			t.Run(r.name(), func(t *testing.T) {
+				t.Parallel()
 				row.patched = "exception: " + ex.why
 				row.stored = "exception"
 				row.proxied = "exception: stock answers " + strconv.Quote(ex.stockSays)
@@ -253,16 +263,12 @@ func TestModels(t *testing.T) {
 				assert.NotEqual(t, 200, code, "stock serves %s now: %s", r.model, body)
 				assert.Contains(t, string(body), ex.stockSays)
 			})
-			rows = append(rows, row)
 			continue
 		}
 		t.Run(r.name(), func(t *testing.T) {
-			runArch(t, etcd.Endpoint(), fmt.Sprintf("/models/%d", i), model, &row, !all)
+			t.Parallel()
+			runArch(t, etcd.Endpoint(), fmt.Sprintf("/models/%d", i), model, row, !all)
 		})
-		rows = append(rows, row)
-	}
-	if out := os.Getenv("MCB_MODELS_TABLE"); out != "" {
-		require.NoError(t, os.WriteFile(out, []byte(modelsTable(rows)), 0o644))
 	}
 }
 
@@ -581,9 +587,16 @@ var (
 // llama-server logs loading it (llama-model.cpp print_info, the caches'
 // constructors).
 func memoryKind(t *testing.T, logPath string) string {
-	b, err := os.ReadFile(logPath)
-	require.NoError(t, err)
-	log := string(b)
+	// llama.cpp writes its log from a thread of its own, which can lag
+	// behind /health on a loaded machine: "model loaded" follows every
+	// line read here.
+	var log string
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		b, err := os.ReadFile(logPath)
+		require.NoError(t, err)
+		log = string(b)
+		return strings.Contains(log, "model loaded")
+	}, "%s: no \"model loaded\" in the log", logPath)
 	attn := strings.Contains(log, "llama_kv_cache: size =")
 	var kind []string
 	switch {
