@@ -39,14 +39,16 @@ CGOCHECK_TEST = GOEXPERIMENT=cgocheck2 $(GO) test -race -count=1 -timeout 45m $(
 # detector; those that call C under cgocheck2 too, which catches Go pointers
 # kept by C. cgocheck2 is a build setting, so they are a second go test,
 # run beside the first (test-cgocheck runs it alone). tests/e2e, the longest
-# package, starts first.
+# package, starts first; the others wait on processes, peers and timeouts
+# more than they compute, and three at a time keep up with it (one beside
+# it ended 230 s after it).
 test-go: deps
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go')); test -z "$$unformatted" || { echo "gofmt -l: $$unformatted"; exit 1; }
 	$(GO) vet ./...
 	$(GO) vet -tags demo ./demo/
 	$(E2E) { $(CGOCHECK_TEST) & cgo=$$!; \
 		pkgs=$$($(GO) list ./... | grep -vxF "$$($(GO) list $(CGO_PKGS))"); \
-		$(GO) test -race -count=1 -timeout 45m ./tests/e2e/ $$pkgs; rc=$$?; \
+		$(GO) test -race -count=1 -p 3 -timeout 45m ./tests/e2e/ $$pkgs; rc=$$?; \
 		wait $$cgo || rc=1; exit $$rc; }
 
 test-cgocheck: deps
