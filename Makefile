@@ -40,8 +40,7 @@ CGOCHECK_TEST = GOEXPERIMENT=cgocheck2 $(GO) test -race -count=1 -timeout 45m $(
 # kept by C. cgocheck2 is a build setting, so they are a second go test,
 # run beside the first (test-cgocheck runs it alone). tests/e2e, the longest
 # package, starts first; the others wait on processes, peers and timeouts
-# more than they compute, and three at a time keep up with it (one beside
-# it ended 230 s after it).
+# more than they compute: one at a time beside it, they ended 230 s after it.
 test-go: deps
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go')); test -z "$$unformatted" || { echo "gofmt -l: $$unformatted"; exit 1; }
 	$(GO) vet ./...
