@@ -377,7 +377,12 @@ func TestOpenWithoutMaster(t *testing.T) {
 	start := time.Now()
 	_, err := Open(ctx, Config{Library: mastertest.Lib(t), Master: "127.0.0.1:1"})
 	require.Error(t, err)
-	assert.Less(t, time.Since(start), 3*time.Second, "Open waited past its deadline")
+	assert.Equal(t, status.Timeout, status.Of(err), "%v", err)
+	assert.ErrorIs(t, err, context.DeadlineExceeded)
+	// Not a measure of speed: the library gives up after its retries, a
+	// minute and more; an Open that waited for it would take that long. A
+	// bound near the deadline failed under CI's load (3.2 s for 2 s).
+	assert.Less(t, time.Since(start), 20*time.Second, "Open waited for the library's retries, past its deadline")
 	t.Logf("open against no master: %v", err)
 }
 
