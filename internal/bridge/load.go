@@ -45,8 +45,9 @@ type Load struct {
 	scratch [][]byte // per placing goroutine (GOMAXPROCS), for SumPieces
 	gens    genCheck // the seqlock's second read of the remote blocks
 
-	// The worker owns blocks and writes ok and err under mu until placed
-	// reaches the layer count; the host reads them under mu.
+	// The worker (its placing helpers too) owns blocks and writes ok, err
+	// and layers under mu until layers reaches the layer count; the host
+	// reads them under mu.
 	mu     sync.Mutex
 	placed sync.Cond // signalled as layers reaches each layer
 	layers int       // layers below it are placed for blocks [0, ok)
@@ -593,7 +594,8 @@ func (ld *Load) Progress() (layers, tokensOK int, err error) {
 
 // checkLayer fails the first block whose layer did not arrive (or, at
 // layer 0, whose header is not the one expected) and returns how many
-// leading blocks are left to place.
+// leading blocks are left to place. The worker runs it between passes of
+// placeLayers, when no helper of its writes ok, so it reads ok unlocked.
 func (ld *Load) checkLayer(a arrival) int {
 	g := &ld.m.geo
 	l := a.layer
@@ -626,12 +628,11 @@ func (ld *Load) checkLayer(a arrival) int {
 // after delivered layers had arrived: a peer that timed out is marked down,
 // unless the host abandoned the load, which is then the failure, or the
 // load was a first contact that was delivering layers when its deadline
-// passed. Such a deadline came from
-// the link's configured prior, not a measurement: a link slower than the
-// prior says (or a first handshake longer than the margin) is not a hung
-// peer, and marking it down would plan around it for peer_down_ms after one
-// slow first read. The load's observation calibrates the link, so its next
-// miss is judged as any other.
+// passed. Such a deadline came from the link's configured prior, not a
+// measurement: a link slower than the prior says (or a first handshake
+// longer than the margin) is not a hung peer, and marking it down would
+// plan around it for peer_down_ms after one slow first read. The load's
+// observation calibrates the link, so its next miss is judged as any other.
 func (ld *Load) blame(i, delivered int, err error) error {
 	if abandoned(ld.ctx) {
 		return errAbandoned
