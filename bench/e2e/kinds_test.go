@@ -38,9 +38,12 @@ import (
 // patched server saving its blocks and snapshots as it goes, the proxy
 // sending its snapshot prompts and saving the slot at each boundary, and
 // their TTFT is set against stock's computing the same prompt in the same
-// round (the 0%-hit overhead of docs/design.md §15, for these memories:
-// the median of the rounds' ratios); the last round's prefix is the one
-// the askers restore. Results go to $MCB_BENCH_OUT/kinds.json
+// round into the same slot, the three in another order each round (the
+// 0%-hit overhead of docs/design.md §15, for these memories: the median of
+// the rounds' ratios, of TTFT and of the processor time the holder's
+// processes used, which the rest of the machine disturbs less than the
+// clock); the last round's prefix is the one the askers restore. Results
+// go to $MCB_BENCH_OUT/kinds.json
 // (bench/out).
 func BenchmarkMemoryKinds(b *testing.B) {
 	prefixes, rounds := []int{4096, 8192}, 3
@@ -64,11 +67,13 @@ func BenchmarkMemoryKinds(b *testing.B) {
 				b.ReportMetric(row.ProxyCut, fmt.Sprintf("proxycut-%s-%d", k.kind, p))
 				b.ReportMetric(row.HolderCost, fmt.Sprintf("holdercost-%s-%d", k.kind, p))
 				b.ReportMetric(row.ProxyHolderCost, fmt.Sprintf("proxyholdercost-%s-%d", k.kind, p))
+				b.ReportMetric(row.HolderCPUCost, fmt.Sprintf("holdercpu-%s-%d", k.kind, p))
+				b.ReportMetric(row.ProxyHolderCPUCost, fmt.Sprintf("proxyholdercpu-%s-%d", k.kind, p))
 				b.Logf("%s (%s), %d shared: stock %.1f ms, restore %.1f ms (%d tokens, %s): cut %.2fx, proxy %.1f ms (%d tokens): cut %.2fx, first token as stock: %v",
 					k.kind, k.model, p, row.StockMS, row.RestoreTTFTms, row.RestoredN, row.Decision, row.Cut,
 					row.ProxyTTFTms, row.ProxyRestoredN, row.ProxyCut, row.SameAsStock)
-				b.Logf("%s (%s), %d shared, holders computing and saving: patched %.1f ms (%.3fx stock, %d snapshots), proxy %.1f ms (%.3fx stock, %.0f snapshot prompts)",
-					k.kind, k.model, p, row.HolderTTFTms, row.HolderCost, row.Snapshots, row.ProxyHolderTTFTms, row.ProxyHolderCost, row.ProxySnapshots)
+				b.Logf("%s (%s), %d shared, holders computing and saving: patched %.1f ms (%.3fx stock, processor %.3fx, %d snapshots), proxy %.1f ms (%.3fx stock, processor %.3fx, %.0f snapshot prompts)",
+					k.kind, k.model, p, row.HolderTTFTms, row.HolderCost, row.HolderCPUCost, row.Snapshots, row.ProxyHolderTTFTms, row.ProxyHolderCost, row.ProxyHolderCPUCost, row.ProxySnapshots)
 			}
 		}
 		b.Logf("wrote %s", testenv.WriteBenchOut(b, "kinds.json", res))
@@ -113,6 +118,10 @@ type kindRow struct {
 	ProxyHolderTTFTms float64   `json:"proxy_holder_ttft_ms"`
 	ProxyHolderRounds []float64 `json:"proxy_holder_ttft_ms_rounds"`
 	ProxyHolderCost   float64   `json:"proxy_holder_cost"`
+	// The same as processor time: the holder's (the proxy's and its stock
+	// server's) over stock's, the median of the rounds' ratios.
+	HolderCPUCost      float64 `json:"holder_cpu_cost"`
+	ProxyHolderCPUCost float64 `json:"proxy_holder_cpu_cost"`
 }
 
 // kindTokens is n ids of the random models' 128-token vocabulary.
@@ -138,12 +147,13 @@ func memoryKindRow(b *testing.B, etcd, name, arch string, p, rounds int) kindRow
 	}
 	x, y := patched("x"), patched("y")
 	var proxies [2]*testenv.Proxy
+	var proxied [2]*testenv.Llama // the stock servers behind them
 	servers := []*testenv.Llama{stock, x, y}
 	for i := range proxies {
 		dir := testenv.SlotDir(b, fmt.Sprint("s", i))
-		s := testenv.StartLlama(b, fmt.Sprint("s", i), testenv.StockServer(b), append(slices.Clone(args), "--slot-save-path", dir+"/"))
-		proxies[i] = testenv.StartProxy(b, fmt.Sprint("p", i), s.URL, dir, cfg("proxy"))
-		servers = append(servers, s)
+		proxied[i] = testenv.StartLlama(b, fmt.Sprint("s", i), testenv.StockServer(b), append(slices.Clone(args), "--slot-save-path", dir+"/"))
+		proxies[i] = testenv.StartProxy(b, fmt.Sprint("p", i), proxied[i].URL, dir, cfg("proxy"))
+		servers = append(servers, proxied[i])
 	}
 	defer func() {
 		for _, p := range proxies {
@@ -169,27 +179,45 @@ func memoryKindRow(b *testing.B, etcd, name, arch string, p, rounds int) kindRow
 		testenv.Complete(b, u, testenv.Request{Prompt: kindTokens(16, 5, 100), Slot: -1, NPredict: 1})
 	}
 	patchedHeld, proxyHeld := 0, 0
-	var holderCost, proxyHolderCost []float64
+	var holderCost, proxyHolderCost, holderCPU, proxyHolderCPU []float64
 	for r := rounds - 1; r >= 0; r-- {
 		computing := testenv.Cat(kindTokens(p, 7, 3+r), own)
-		settle()
-		stockTTFT, _ := ttft(b, stock.URL, computing, 1, map[string]any{"cache_prompt": false})
-		settle()
-		patchedTTFT, held := ttft(b, x.URL, computing, 0, nil)
-		row.Snapshots = held.MCB.Snapshots
-		patchedHeld += p/256 + held.MCB.Snapshots
-		waitMirroredBlocks(b, y.URL, patchedHeld)
-		before := snapshotPrompts()
-		settle()
-		proxyTTFT, _ := ttft(b, proxies[0].URL, computing, -1, nil)
-		row.ProxySnapshots = snapshotPrompts() - before
-		proxyHeld += p/256 + int(row.ProxySnapshots)
-		waitMirroredBlocks(b, proxies[1].URL, proxyHeld)
+		// Each holder against stock computing the same prompt into the
+		// same slot (one slot's prompt took 7% more processor time than
+		// the other's here, stock or patched), each round in another
+		// order, so that what drifts between requests weighs on all three.
+		var stockTTFT, patchedTTFT, proxyTTFT time.Duration
+		var stockCPU, patchedCPU, proxyCPU float64
+		measure := []func(){
+			func() {
+				stockCPU = cpuOf(b, func() { stockTTFT, _ = ttft(b, stock.URL, computing, 0, map[string]any{"cache_prompt": false}) }, stock.Pid())
+			},
+			func() {
+				var held testenv.Completion
+				patchedCPU = cpuOf(b, func() { patchedTTFT, held = ttft(b, x.URL, computing, 0, nil) }, x.Pid())
+				row.Snapshots = held.MCB.Snapshots
+				patchedHeld += p/256 + held.MCB.Snapshots
+				waitMirroredBlocks(b, y.URL, patchedHeld)
+			},
+			func() {
+				before := snapshotPrompts()
+				proxyCPU = cpuOf(b, func() { proxyTTFT, _ = ttft(b, proxies[0].URL, computing, -1, nil) }, proxied[0].Pid(), proxies[0].Pid())
+				row.ProxySnapshots = snapshotPrompts() - before
+				proxyHeld += p/256 + int(row.ProxySnapshots)
+				waitMirroredBlocks(b, proxies[1].URL, proxyHeld)
+			},
+		}
+		for i := range measure {
+			settle()
+			measure[(i+r)%len(measure)]()
+		}
 		row.HolderStockRounds = append(row.HolderStockRounds, ms(stockTTFT))
 		row.HolderRounds = append(row.HolderRounds, ms(patchedTTFT))
 		row.ProxyHolderRounds = append(row.ProxyHolderRounds, ms(proxyTTFT))
 		holderCost = append(holderCost, ms(patchedTTFT)/ms(stockTTFT))
 		proxyHolderCost = append(proxyHolderCost, ms(proxyTTFT)/ms(stockTTFT))
+		holderCPU = append(holderCPU, patchedCPU/stockCPU)
+		proxyHolderCPU = append(proxyHolderCPU, proxyCPU/stockCPU)
 	}
 
 	measured := testenv.Cat(kindTokens(p, 7, 3), kindTokens(ttftSuffix, 13, 9))
@@ -222,5 +250,21 @@ func memoryKindRow(b *testing.B, etcd, name, arch string, p, rounds int) kindRow
 	row.Cut, row.ProxyCut = row.StockMS/row.RestoreTTFTms, row.StockMS/row.ProxyTTFTms
 	row.HolderTTFTms, row.ProxyHolderTTFTms = medianF(row.HolderRounds), medianF(row.ProxyHolderRounds)
 	row.HolderCost, row.ProxyHolderCost = medianF(holderCost), medianF(proxyHolderCost)
+	row.HolderCPUCost, row.ProxyHolderCPUCost = medianF(holderCPU), medianF(proxyHolderCPU)
 	return row
+}
+
+// cpuOf runs request and returns the processor time that the processes
+// pids used meanwhile.
+func cpuOf(b *testing.B, request func(), pids ...int) float64 {
+	cpu := func() float64 {
+		var s float64
+		for _, pid := range pids {
+			s += cpuSeconds(b, pid)
+		}
+		return s
+	}
+	before := cpu()
+	request()
+	return cpu() - before
 }
