@@ -61,8 +61,11 @@ type Bridge struct {
 	stats   counters
 	closers []func() error // what Open built, in build order
 	pub     *publisher
-	store   *storeBackend // nil without a store (store.go)
-	closeCh chan struct{} // closed when Close starts
+	// prefault keeps the pool's pages ahead of its allocations resident
+	// (prefault.go).
+	prefault *prefaulter
+	store    *storeBackend // nil without a store (store.go)
+	closeCh  chan struct{} // closed when Close starts
 	// events hears what this process answers for (events.go); publisher
 	// is it when the bridge built it from the configuration.
 	events    EventSink
@@ -126,6 +129,8 @@ func (b *Bridge) build(deps Deps) error {
 		return err
 	}
 	b.closers = append(b.closers, b.closePool, b.closeShared)
+	b.startPrefault()
+	b.closers = append(b.closers, b.prefault.close)
 	if err = b.openShared(); err != nil {
 		return err
 	}

@@ -78,3 +78,9 @@ func (b *Bridge) StoreClient() *mcstore.Client { return b.store.conn.Load().c }
 func (b *Bridge) QueueUsed(segment string, items ...storenode.ReportItem) {
 	b.queue(segment, storenode.ReportUsed, items...)
 }
+
+// PoolMemory is the whole of the bridge's pool region.
+func (b *Bridge) PoolMemory() []byte { return b.hold.Bytes(0, b.hold.Size()) }
+
+// PoolUsed is the bytes the pool has allocated.
+func (b *Bridge) PoolUsed() int64 { return b.hold.Used() }

@@ -451,7 +451,7 @@ func (ld *Load) submitRemote() {
 			}
 		}
 	}
-	genOff, err := b.hold.Alloc(int64(len(remote)) * genSlot)
+	genOff, err := b.alloc(int64(len(remote)) * genSlot)
 	if err != nil {
 		ld.failPlacing(remote[0], err)
 		return
@@ -472,7 +472,7 @@ func (ld *Load) submitRemote() {
 		}
 	}
 	for j, i := range remote {
-		off, err := b.hold.Alloc(stage)
+		off, err := b.alloc(stage)
 		if err != nil {
 			ld.failPlacing(i, err)
 			remote = remote[:j]

@@ -106,7 +106,7 @@ func (m *Model) SaveBegin(scope key.Scope, layout kvlayout.Layout, tokens []int3
 			parent = chain[i]
 			continue
 		}
-		off, err := b.hold.Alloc(size)
+		off, err := b.alloc(size)
 		if err != nil {
 			sv.err = err
 			break

@@ -86,7 +86,7 @@ func (m *Model) SaveSnapshot(scope key.Scope, tokens []int32, state []byte) erro
 	}
 	defer b.end()
 	size := int64(g.Size())
-	off, err := b.hold.Alloc(size)
+	off, err := b.alloc(size)
 	if err != nil {
 		return err
 	}
@@ -227,7 +227,7 @@ func (ld *Load) fetchSnapshot() {
 		blk = b.hold.Bytes(held.Value.Off, held.Value.Size)
 	} else {
 		n := int64(e.Loc.Length)
-		off, err := b.hold.Alloc(n)
+		off, err := b.alloc(n)
 		if err != nil {
 			f.err = err
 			return

@@ -53,7 +53,7 @@ func (ld *Load) submitStore() {
 		}
 		var off int64
 		if err == nil {
-			off, err = b.hold.Alloc(size)
+			off, err = b.alloc(size)
 		}
 		if err != nil {
 			ld.fail(i, err)

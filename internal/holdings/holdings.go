@@ -203,6 +203,10 @@ func (h *Holdings) Alloc(n int64) (int64, error) {
 	}
 }
 
+// Prefault makes pages past the pool's highest allocation resident, at
+// most limit bytes (pool.Prefault).
+func (h *Holdings) Prefault(limit int64) { h.pool.Prefault(limit) }
+
 // Free returns memory from Alloc that never held a block a reader could
 // be sent to (staging).
 func (h *Holdings) Free(off, n int64) error { return h.pool.Free(off, n) }

@@ -51,3 +51,21 @@ func Unmap(b []byte) error {
 	}
 	return unix.Munmap(b)
 }
+
+// ResidentPages counts b's pages that are in memory (mincore).
+func ResidentPages(b []byte) (int, error) {
+	if len(b) == 0 {
+		return 0, nil
+	}
+	page := unix.Getpagesize()
+	vec := make([]byte, (len(b)+page-1)/page)
+	_, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(unsafe.SliceData(b))), uintptr(len(b)), uintptr(unsafe.Pointer(unsafe.SliceData(vec))))
+	if e != 0 {
+		return 0, fmt.Errorf("mem: mincore: %w", e)
+	}
+	n := 0
+	for _, v := range vec {
+		n += int(v & 1)
+	}
+	return n, nil
+}

@@ -25,6 +25,10 @@ type Pool struct {
 	mu   sync.Mutex
 	free []extent // sorted by offset, never adjacent
 	used int64
+	high int64 // the end of the highest extent ever allocated
+	// prefaulted is where Prefault stopped: pages from high to it are
+	// resident.
+	prefaulted int64
 }
 
 type extent struct{ off, n int64 }
@@ -87,9 +91,54 @@ func (p *Pool) take(n int64) (int64, bool) {
 			p.free[i] = extent{e.off + n, e.n - n}
 		}
 		p.used += n
+		p.high = max(p.high, e.off+n)
 		return e.off, true
 	}
 	return 0, false
+}
+
+// Prefault makes the pages past the pool's highest allocation resident,
+// as many as lie below it (so a pool that stores more prefaults more; one
+// that stores nothing, nothing), at most limit bytes of them. It writes a
+// zero to each, a piece at a time under the pool's lock, where no extent
+// is, nor ever was: a reader only ever reads allocated extents, and the
+// region is zeroed already. The first-fit allocator takes the lowest free
+// extent, so those pages are the next ones written, and a pool's memory
+// is mapped, not touched: a save's first copy into it otherwise takes a
+// fault at every page on the host's thread, before llama-server's first
+// token. Measured here, 96 MiB copied into fresh memory: 287 ms; after
+// MADV_POPULATE_WRITE, 136 ms (this machine is a virtual machine whose
+// host backs a page when it is first written); after a write to each
+// page, 6 ms. Pages below the highest allocation are left to whoever
+// allocated them.
+func (p *Pool) Prefault(limit int64) {
+	page := int64(unix.Getpagesize())
+	for {
+		p.mu.Lock()
+		from := max(p.prefaulted, alignPage(p.high))
+		to := min(p.Size(), alignPage(p.high+min(p.high, limit)))
+		if from >= to {
+			p.mu.Unlock()
+			return
+		}
+		// A piece bounds how long an allocation waits for the lock.
+		end := min(to, from+prefaultPiece)
+		for at := from; at < end; at += page {
+			p.region[at] = 0
+		}
+		p.prefaulted = end
+		p.mu.Unlock()
+	}
+}
+
+// prefaultPiece is what Prefault writes under the lock at once: 64 pages,
+// under a millisecond where a page's first write costs 11 µs.
+const prefaultPiece = 256 << 10
+
+// alignPage rounds n up to the page size.
+func alignPage(n int64) int64 {
+	page := int64(unix.Getpagesize())
+	return (n + page - 1) / page * page
 }
 
 // Free returns an extent from Alloc. Freeing what was not allocated is a

@@ -8,7 +8,9 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
+	"github.com/mcbridge/mcbridge/internal/mem"
 	"github.com/mcbridge/mcbridge/internal/status"
 )
 
@@ -212,4 +214,51 @@ func TestClose(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, p.Close())
 	require.NoError(t, p.Close(), "second Close")
+}
+
+// resident counts b's pages in memory.
+func resident(t *testing.T, b []byte) int {
+	t.Helper()
+	n, err := mem.ResidentPages(b)
+	require.NoError(t, err)
+	return n
+}
+
+func TestPrefault(t *testing.T) {
+	page := int64(unix.Getpagesize())
+	p := newPool(t, 64*page)
+	require.Zero(t, resident(t, p.region), "a new pool's memory is mapped, not touched")
+
+	// A pool that stores nothing prefaults nothing.
+	p.Prefault(64 * page)
+	assert.Zero(t, resident(t, p.region))
+
+	// As many pages past the highest extent as lie below it, up to the
+	// limit; those of extents allocated are their writers' to fault in.
+	a := mustAlloc(t, p, 2*page)
+	b := mustAlloc(t, p, 2*page)
+	copy(p.Bytes(b, 8), "written!")
+	require.NoError(t, p.Free(a, 2*page))
+	p.Prefault(64 * page)
+	assert.Equal(t, 1+4, resident(t, p.region), "b's first page, 4-7")
+	assert.Equal(t, 4, resident(t, p.region[4*page:8*page]))
+	assert.Equal(t, "written!", string(p.Bytes(b, 8)))
+
+	// Ahead of the highest extent, not of the lowest free byte, and within
+	// the limit.
+	mustAlloc(t, p, 4*page) // takes a's pages
+	mustAlloc(t, p, 20*page)
+	p.Prefault(3 * page)
+	assert.Equal(t, 5+3, resident(t, p.region))
+	assert.Equal(t, 3, resident(t, p.region[28*page:31*page]))
+
+	// As many as lie below (to page 56), nothing twice, never past the
+	// region.
+	p.Prefault(1000 * page)
+	assert.Equal(t, 8+25, resident(t, p.region))
+	p.Prefault(1000 * page)
+	assert.Equal(t, 8+25, resident(t, p.region))
+	mustAlloc(t, p, 8*page)
+	p.Prefault(1000 * page)
+	assert.Equal(t, 8+25+8, resident(t, p.region), "to the region's end")
 }
