@@ -183,9 +183,8 @@ func memoryKindRow(b *testing.B, etcd, name, arch string, p, rounds int) kindRow
 	for r := rounds - 1; r >= 0; r-- {
 		computing := testenv.Cat(kindTokens(p, 7, 3+r), own)
 		// Each holder against stock computing the same prompt into the
-		// same slot (one slot's prompt took 7% more processor time than
-		// the other's here, stock or patched), each round in another
-		// order, so that what drifts between requests weighs on all three.
+		// same slot, each round in another order, so that what drifts
+		// between requests weighs on all three.
 		var stockTTFT, patchedTTFT, proxyTTFT time.Duration
 		var stockCPU, patchedCPU, proxyCPU float64
 		measure := []func(){

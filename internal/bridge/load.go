@@ -744,14 +744,15 @@ func (ld *Load) workerScratch(w int) []byte {
 	return ld.scratch[w]
 }
 
-// help is the host's share of placement while it would wait for the load
-// (Poll, WaitLayer, End): it takes pieces of the pass in progress, if
-// any, until none is left or until (when non-zero). The host's processor
-// is otherwise idle then, and the worker's helpers may not get one at
-// once: a host thread that called into the library leaves the Go
-// scheduler short of the processor it held until the runtime takes that
-// back, which on two cores started the second helper up to 2.5 ms late
-// in a 3 ms restore (the patched server, 48 MiB from its own pool).
+// help is the host's share of placement while it would wait for the whole
+// load (Poll, End; not WaitLayer, whose host wants one layer back as soon
+// as it is in): it takes pieces of the pass in progress, if any, until
+// none is left or until (when non-zero). The host's processor is otherwise
+// idle then, and the worker's helpers may not get one at once: a host
+// thread that called into the library leaves the Go scheduler short of the
+// processor it held until the runtime takes that back, which on two cores
+// started the second helper up to 2.5 ms late in a 3 ms restore (the
+// patched server, 48 MiB from its own pool).
 func (ld *Load) help(until time.Time) {
 	if ps := ld.pass.Load(); ps != nil {
 		ld.place(ps, ld.workerScratch(len(ld.scratch)-1), until)
