@@ -109,10 +109,13 @@ func (be *backend) probe(ctx context.Context, slot int) ([]byte, error) {
 	if err := be.up.complete(ctx, req); err != nil {
 		return nil, status.Wrap(status.Unsupported, err, "probe completion")
 	}
+	// Not given back: the registration may keep parts of the probe's file.
 	return be.save(ctx, slot)
 }
 
-// save has the server write slot into a file, reads it and removes it.
+// save has the server write slot into a file, reads it into one of the
+// proxy's read buffers and removes it. The caller gives the buffer back to
+// p.bufs once nothing refers to its bytes, or leaves it to the collector.
 func (be *backend) save(ctx context.Context, slot int) ([]byte, error) {
 	name := be.p.fileName("s", slot)
 	path := be.slotPath(name)
@@ -121,7 +124,7 @@ func (be *backend) save(ctx context.Context, slot int) ([]byte, error) {
 	if err != nil {
 		return nil, status.Wrap(status.Unsupported, err, "slot save")
 	}
-	data, err := os.ReadFile(path)
+	data, err := be.p.bufs.read(path)
 	if err != nil {
 		return nil, status.Wrap(status.Unsupported, err, "reading the saved slot (is the slot directory the server's --slot-save-path?)")
 	}

@@ -241,6 +241,7 @@ func (ru *run) snapshots(ctx context.Context) {
 		data, err := be.save(ctx, ru.slot)
 		if err == nil {
 			err = lm.m.SaveStateSnapshot(p.opts.Scope, data, prefix)
+			p.bufs.put(data)
 		}
 		if err != nil {
 			p.stats.snapshotFailures.Add(1)

@@ -157,6 +157,7 @@ type Proxy struct {
 	pending atomic.Int64   // answers whose save or publish is not done
 	stop    chan struct{}  // closed by Close
 	stats   counters
+	bufs    readBuffers // what saved slot files are read into
 }
 
 // New builds a proxy in front of opts' upstreams that uses b. It contacts
@@ -209,6 +210,10 @@ func New(b *bridge.Bridge, opts Options) (*Proxy, error) {
 		b: b, opts: opts, log: opts.Log, inst: hex.EncodeToString(id[:]), router: router,
 		queue: make(chan publishJob, opts.PublishQueue), stop: make(chan struct{}),
 	}
+	// Slot files are KV, as the pool is: a quarter of it more may stay
+	// resident between saves.
+	_, _, poolBytes := b.Resident()
+	p.bufs.limit = int(poolBytes / 4)
 	for i, u := range opts.Upstreams {
 		be, err := newBackend(p, i, u)
 		if err != nil {

@@ -536,6 +536,9 @@ func TestHybridSnapshots(t *testing.T) {
 	assert.Equal(t, int64(2), st.SnapshotPrompts)
 	assert.Zero(t, st.SnapshotFailures)
 	assert.Equal(t, every, n1.p.State().SnapshotTokens)
+	n1.p.bufs.mu.Lock()
+	assert.NotEmpty(t, n1.p.bufs.idle, "the saved files' buffers are kept for the next save")
+	n1.p.bufs.mu.Unlock()
 
 	code, b2, h2 := postH(t, n2.url, "/completion", req(seqTokens(5, 3, 17)))
 	require.Equal(t, 200, code, "request 2: %s", b2)

@@ -77,6 +77,11 @@ func (ru *run) after() {
 		return
 	}
 	data, err := be.save(ctx, ru.slot)
+	defer func() {
+		if !queued {
+			p.bufs.put(data)
+		}
+	}()
 	var st *llamastate.State
 	if err == nil {
 		st, err = ru.lm.m.ParseState(data)
@@ -120,6 +125,7 @@ func (p *Proxy) publisher() {
 			p.stats.publishFailures.Add(1)
 			p.log.Info("mcbridge proxy: publish failed", "upstream", job.be.name, "err", err)
 		}
+		p.bufs.put(job.data)
 		p.pending.Add(-1)
 	}
 }
