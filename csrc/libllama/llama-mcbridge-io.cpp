@@ -678,12 +678,17 @@ mcb_status seq_snapshot(llama_context * ctx, const attachment & att, const mcb_s
     }
     // llama.cpp's own writer of the partial state (as llama-server's checkpoints take
     // it), or of the whole state.
-    const std::vector<uint8_t> buf = seq_state(ctx, seq_id, att.snapshot_flags);
-    if (buf.empty()) {
+    std::vector<uint8_t> & buf  = *att.snapshot_buf;
+    const size_t           size = llama_state_seq_get_size_ext(ctx, seq_id, att.snapshot_flags);
+    if (buf.size() < size) {
+        buf.resize(size);
+    }
+    const size_t n = size == 0 ? 0 : llama_state_seq_get_data_ext(ctx, buf.data(), size, seq_id, att.snapshot_flags);
+    if (n == 0) {
         error = "llama.cpp wrote no state of sequence " + std::to_string(seq_id);
         return MCB_STATUS_STATE;
     }
-    const mcb_status st = mcb_snapshot_save(att.model, scope, tokens, (size_t) n_tokens, buf.data(), buf.size());
+    const mcb_status st = mcb_snapshot_save(att.model, scope, tokens, (size_t) n_tokens, buf.data(), n);
     if (st != MCB_STATUS_OK) {
         error = "mcb_snapshot_save: " + status_message(st);
     }
