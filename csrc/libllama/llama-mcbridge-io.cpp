@@ -664,9 +664,17 @@ void seq_restore_cancel(restore_op & op) {
     llama_memory_seq_rm(llama_get_memory(op.ctx), op.seq_id, -1, -1);
 }
 
+size_t seq_state_into(llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags, std::vector<uint8_t> & buf) {
+    const size_t size = llama_state_seq_get_size_ext(ctx, seq_id, flags);
+    if (buf.size() < size) {
+        buf.resize(size);
+    }
+    return size == 0 ? 0 : llama_state_seq_get_data_ext(ctx, buf.data(), size, seq_id, flags);
+}
+
 std::vector<uint8_t> seq_state(llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags) {
-    std::vector<uint8_t> buf(llama_state_seq_get_size_ext(ctx, seq_id, flags));
-    buf.resize(buf.empty() ? 0 : llama_state_seq_get_data_ext(ctx, buf.data(), buf.size(), seq_id, flags));
+    std::vector<uint8_t> buf;
+    buf.resize(seq_state_into(ctx, seq_id, flags, buf));
     return buf;
 }
 
@@ -678,12 +686,8 @@ mcb_status seq_snapshot(llama_context * ctx, const attachment & att, const mcb_s
     }
     // llama.cpp's own writer of the partial state (as llama-server's checkpoints take
     // it), or of the whole state.
-    std::vector<uint8_t> & buf  = *att.snapshot_buf;
-    const size_t           size = llama_state_seq_get_size_ext(ctx, seq_id, att.snapshot_flags);
-    if (buf.size() < size) {
-        buf.resize(size);
-    }
-    const size_t n = size == 0 ? 0 : llama_state_seq_get_data_ext(ctx, buf.data(), size, seq_id, att.snapshot_flags);
+    std::vector<uint8_t> & buf = *att.snapshot_buf;
+    const size_t           n   = seq_state_into(ctx, seq_id, att.snapshot_flags, buf);
     if (n == 0) {
         error = "llama.cpp wrote no state of sequence " + std::to_string(seq_id);
         return MCB_STATUS_STATE;

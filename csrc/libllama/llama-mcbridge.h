@@ -176,6 +176,8 @@ save_result seq_save(llama_context * ctx, const attachment & att, const mcb_scop
 // the whole state), which reads device tensors through the backend; empty when it
 // wrote none.
 std::vector<uint8_t> seq_state(llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags);
+// seq_state into buf, which it grows and never shrinks; returns the bytes written.
+size_t seq_state_into(llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags, std::vector<uint8_t> & buf);
 
 // Snapshots the state of seq_id a snapshot holds (att.snapshot_flags: the partial state, or
 // the whole state), whose positions [0, n_tokens) hold tokens,
