@@ -1,11 +1,9 @@
 package bridge_test
 
 import (
-	"bytes"
 	"log/slog"
 	"math/rand"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -20,6 +18,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/key"
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
 	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
 // unreachableDirectory is a memory directory whose health the test sets,
@@ -38,24 +37,6 @@ func (d *unreachableDirectory) Healthy() error {
 
 func (d *unreachableDirectory) Errors() directory.ErrorCounts { return directory.ErrorCounts{} }
 
-// syncBuffer is a log the bridge's goroutines write while the test reads.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) count(line string) int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return strings.Count(s.b.String(), line)
-}
-
 // A bridge whose directory goes out of reach says so in its log and in
 // Health (mcbridge_up) the first lookup after, once, and that it is back
 // when it is.
@@ -65,7 +46,7 @@ func TestUnreachableSwarmIsLoggedAndCleared(t *testing.T) {
 	defer dir.Close()
 	var clock atomic.Int64
 	clock.Store(time.Now().UnixNano())
-	var log syncBuffer
+	var log testenv.LockedBuffer
 	b, err := bridge.Open(bridgetest.WithOwner(cfg, "a"), bridge.Deps{Directory: dir, Log: slog.New(slog.NewTextHandler(&log, nil)),
 		Now: func() time.Time { return time.Unix(0, clock.Load()) }})
 	require.NoError(t, err)
@@ -79,22 +60,16 @@ func TestUnreachableSwarmIsLoggedAndCleared(t *testing.T) {
 
 	dir.down.Store(true)
 	lookup()
-	assert.Zero(t, log.count("swarm unreachable"), "within the first dial's grace the directory is still connecting")
+	assert.Zero(t, strings.Count(log.String(), "swarm unreachable"), "within the first dial's grace the directory is still connecting")
 	clock.Add(int64(etcd.DefaultDialTimeout))
 	lookup()
 	lookup()
 	require.Error(t, b.Health(), "mcbridge_up says it")
-	assert.Equal(t, 1, log.count("msg=\"mcbridge: swarm unreachable: restoring only what this process holds\""), "%s", log.String())
+	assert.Equal(t, 1, strings.Count(log.String(), "msg=\"mcbridge: swarm unreachable: restoring only what this process holds\""), "%s", log.String())
 
 	dir.down.Store(false)
 	lookup()
 	require.NoError(t, b.Health())
-	assert.Equal(t, 1, log.count("mcbridge: swarm reachable again"), "%s", log.String())
-	assert.Equal(t, 1, log.count("swarm unreachable"), "one outage, one line")
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
+	assert.Equal(t, 1, strings.Count(log.String(), "mcbridge: swarm reachable again"), "%s", log.String())
+	assert.Equal(t, 1, strings.Count(log.String(), "swarm unreachable"), "one outage, one line")
 }

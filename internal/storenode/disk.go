@@ -1,6 +1,7 @@
 package storenode
 
 import (
+	"errors"
 	"sort"
 	"sync"
 
@@ -183,7 +184,12 @@ func (n *Node) bringBack(keys []key.BlockKey) int {
 		if !ok {
 			continue
 		}
-		if err := n.readBack(m); err != nil {
+		err := n.readBack(m)
+		if errors.Is(err, errHeldAlready) {
+			held = append(held, k) // a copy came in meanwhile: the chain goes on from it
+			continue
+		}
+		if err != nil {
 			n.log.Warn("mcbridge: disk tier: a block cannot come back", "block", k, "err", err)
 			break
 		}
@@ -193,6 +199,10 @@ func (n *Node) bringBack(keys []key.BlockKey) int {
 	n.host.PublishHeld(held)
 	return brought
 }
+
+// errHeldAlready is readBack's answer for a block the pool came to hold
+// while its file was read (a copy replication made): it is in the pool.
+var errHeldAlready = errors.New("the pool holds the block already")
 
 // readBack brings one block from its file into the pool: decoded and
 // verified in scratch memory first, then copied in under the seqlock with
@@ -229,6 +239,9 @@ func (n *Node) readBack(m disk.Meta) error {
 		Entry: directory.Entry{Model: m.Model, Key: m.Key, Parent: m.Parent, Loc: directory.Location{Checksum: m.HeaderSum}}}
 	if err := n.hold.Admit(m.Parent, s, n.blockCost(g.BlockTokens, m.Depth), m.Uses); err != nil {
 		n.hold.Invalidate(off, m.RawLen)
+		if _, held := n.hold.Get(m.Key); held {
+			return errHeldAlready
+		}
 		return err
 	}
 	n.stats.pagedIn.Add(1)
@@ -278,11 +291,16 @@ func (n *Node) RefillFromDisk() int {
 		if !ok {
 			continue
 		}
-		if err := n.readBack(m); err != nil {
-			n.log.Warn("mcbridge: disk tier: a block cannot come back", "block", k, "err", err)
-			continue
+		if _, held := n.hold.Get(k); held {
+			continue // replication, which runs from the node's start, copied it first
 		}
-		back++
+		switch err := n.readBack(m); {
+		case errors.Is(err, errHeldAlready):
+		case err != nil:
+			n.log.Warn("mcbridge: disk tier: a block cannot come back", "block", k, "err", err)
+		default:
+			back++
+		}
 	}
 	n.host.PublishHeld(order)
 	return back

@@ -2,6 +2,7 @@ package storenode_test
 
 import (
 	"fmt"
+	"log/slog"
 	"math/rand"
 	"os"
 	"testing"
@@ -17,6 +18,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
 	"github.com/mcbridge/mcbridge/internal/residency"
 	"github.com/mcbridge/mcbridge/internal/status"
+	"github.com/mcbridge/mcbridge/internal/storenode"
 	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
@@ -273,4 +275,32 @@ func TestRestartedHolderIsReopened(t *testing.T) {
 	require.Equal(t, status.Transfer, status.Of(err), "the cached segment names the old holder")
 	n, _ = restoreFrom(t, cfg, mr, tokens)
 	assert.Equal(t, 8, n, "reopened")
+}
+
+// A store node restarted while the owner of its blocks still runs copies
+// them again (replication starts first) as it reads its files back: a block
+// the pool came to hold meanwhile is in, not lost, and the read-back says
+// nothing of it.
+func TestDiskTierRefillAfterReplication(t *testing.T) {
+	cfg := bridgetest.Config(t)
+	dir := t.TempDir()
+	store, tier := diskStore(t, storeNodeConfig(cfg, 12, "frequency"), dir, 64<<20, disk.Raw)
+	_, tokens := saved(t, cfg, "owner", 21, 3)
+	bridgetest.WaitFor(t, "the store to write 3 blocks", func() bool { return tier.Stats().Files == 3 })
+	require.NoError(t, store.Close())
+
+	tier2, err := disk.Open(disk.Config{Dir: dir, Bytes: 64 << 20, Codec: disk.Raw, Policy: residency.Frequency})
+	require.NoError(t, err)
+	var logged testenv.LockedBuffer
+	b := bridgetest.Open(t, storeNodeConfig(cfg, 12, "frequency"), "store")
+	n, err := storenode.New(b, storenode.Config{Disk: tier2, Log: slog.New(slog.NewTextHandler(&logged, nil))})
+	require.NoError(t, err)
+	require.NoError(t, n.Replicate())
+	bridgetest.WaitFor(t, "the store to copy the owner's 3 blocks again", func() bool { return n.Stats().Replicated == 3 })
+
+	assert.Zero(t, n.RefillFromDisk(), "every block is in the pool already")
+	assert.NotContains(t, logged.String(), "cannot come back")
+	assert.Zero(t, n.Stats().PagedIn)
+	n2, _ := restoreFrom(t, cfg, reader(t, cfg, "reader"), tokens)
+	assert.Equal(t, 12, n2)
 }

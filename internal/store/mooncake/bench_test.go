@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mcbridge/mcbridge/internal/store/mooncake/mastertest"
+	"github.com/mcbridge/mcbridge/internal/testenv"
 )
 
 // storeShape is 48 MiB moved as objects of one size: the shapes of the
@@ -102,7 +103,7 @@ func startBenchHolder(b *testing.B, m *mastertest.Master) string {
 	cmd.Env = append(os.Environ(), envChild+"=benchholder", envChildMaster+"="+m.Addr(), EnvLibrary+"="+mastertest.Lib(b))
 	out, err := cmd.StdoutPipe()
 	require.NoError(b, err)
-	stderr := &lockedBuffer{}
+	stderr := &testenv.LockedBuffer{}
 	cmd.Stderr = stderr
 	require.NoError(b, cmd.Start())
 	b.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })

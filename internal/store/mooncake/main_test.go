@@ -11,7 +11,6 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -107,7 +106,7 @@ func startHolder(t *testing.T, m *mastertest.Master, keys string) (segment strin
 	cmd.Env = append(os.Environ(), envChild+"=holder", envChildMaster+"="+m.Addr(), envChildArg+"="+keys, EnvLibrary+"="+mastertest.Lib(t))
 	out, err := cmd.StdoutPipe()
 	require.NoError(t, err)
-	stderr := &lockedBuffer{}
+	stderr := &testenv.LockedBuffer{}
 	cmd.Stderr = stderr
 	require.NoError(t, cmd.Start())
 	killed := false
@@ -133,25 +132,6 @@ func startHolder(t *testing.T, m *mastertest.Master, keys string) (segment strin
 	}
 	require.NotEmpty(t, segment, "the holder child did not come up: %s", stderr.String())
 	return segment, kill
-}
-
-// lockedBuffer collects a child's stderr, written by exec's copying
-// goroutine while the test may read it.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 // fill writes the pattern of seed into b.
