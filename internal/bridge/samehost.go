@@ -18,10 +18,11 @@ import (
 // other processes, mapped read-only, which loads read blocks from in place
 // instead of through the transport.
 type sameHost struct {
-	host   string       // this machine, as entries name it (pool.HostID)
-	server *pool.Server // hands this pool out
-	addr   string       // the server's pool.Address, as entries carry it
-	peers  *pool.Peers
+	host     string       // this machine, as entries name it (pool.HostID)
+	server   *pool.Server // hands this pool out
+	addr     string       // the server's pool.Address, as entries carry it
+	peers    *pool.Peers
+	unfollow func() // a store node's: stops following the host's pools (nil if none)
 }
 
 // peerMapIdle is how long a peer's pool stays mapped while no load reads
@@ -61,10 +62,31 @@ func (b *Bridge) closeShared() error {
 	if b.shared == nil {
 		return nil
 	}
+	if b.shared.unfollow != nil {
+		b.shared.unfollow()
+	}
 	err := b.shared.server.Close()
 	if perr := b.shared.peers.Close(); err == nil {
 		err = perr
 	}
+	return err
+}
+
+// followSameHost has a store node map every shared pool of its host as
+// soon as its socket appears, before the holder publishes any block: the
+// store then copies a holder's blocks even when the holder is killed
+// right after it publishes them (Ollama kills a runner as soon as its
+// answer is out when keep_alive is 0), because the pages of a mapped pool
+// outlive the process. Called with b.mu held, once.
+func (b *Bridge) followSameHost() error {
+	if b.shared == nil {
+		return nil
+	}
+	own, err := pool.ParseAddress(b.shared.addr)
+	if err != nil {
+		return err
+	}
+	b.shared.unfollow, err = b.shared.peers.FollowDir(b.cfg.SharedPool.SocketDir(), own.Path)
 	return err
 }
 

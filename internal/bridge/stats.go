@@ -10,33 +10,34 @@ import (
 
 // Stats are the bridge's counters since Open.
 type Stats struct {
-	Lookups          int64
-	Hits             int64 // lookups that matched at least one block
-	Misses           int64
-	DecidedRestore   int64 // lookups the arbiter answered with a restore
-	DecidedRecompute int64 // lookups with a match that the arbiter sent to recompute
-	DecidedLocal     int64 // lookups whose host held as much already, or nearly
-	MatchedTokens    int64
-	Loads            int64
-	LoadFailures     int64 // loads that restored less than asked
-	RestoredTokens   int64
-	RestoredBytes    int64
-	Saves            int64
-	SaveFailures     int64
-	SnapshotsSaved   int64 // partial states stored (snapshot.go)
-	SavedBlocks      int64 // published by this process
-	DedupedBlocks    int64 // written, but another process published first
-	PublishDropped   int64 // sealed blocks the full publish queue could not take
-	UnpublishDropped int64 // evicted blocks whose unpublish the full queue could not take
-	Evictions        int64
-	DirectoryErrors  int64
-	TornReads        int64
-	ParkedBatches    int64
-	Replicated       int64 // blocks a store node copied from their owners (internal/storenode)
-	TakenOver        int64 // copies a store node published when their owner let go
-	ReplicationFails int64
-	PeersDown        int64 // times a peer timed out and was planned around
-	SharedPoolBlocks int64 // blocks restored in place from a same-host process's shared pool
+	Lookups           int64
+	Hits              int64 // lookups that matched at least one block
+	Misses            int64
+	DecidedRestore    int64 // lookups the arbiter answered with a restore
+	DecidedRecompute  int64 // lookups with a match that the arbiter sent to recompute
+	DecidedLocal      int64 // lookups whose host held as much already, or nearly
+	MatchedTokens     int64
+	Loads             int64
+	LoadFailures      int64 // loads that restored less than asked
+	RestoredTokens    int64
+	RestoredBytes     int64
+	Saves             int64
+	SaveFailures      int64
+	SnapshotsSaved    int64 // partial states stored (snapshot.go)
+	SavedBlocks       int64 // published by this process
+	DedupedBlocks     int64 // written, but another process published first
+	PublishDropped    int64 // sealed blocks the full publish queue could not take
+	UnpublishDropped  int64 // evicted blocks whose unpublish the full queue could not take
+	Evictions         int64
+	DirectoryErrors   int64
+	TornReads         int64
+	ParkedBatches     int64
+	Replicated        int64 // blocks a store node copied from their owners (internal/storenode)
+	TakenOver         int64 // copies a store node published when their owner let go
+	ReplicationFails  int64
+	PeersDown         int64 // times a peer timed out and was planned around
+	SharedPoolBlocks  int64 // blocks restored in place from a same-host process's shared pool
+	SharedPoolsMapped int64 // same-host processes' shared pools mapped now
 	// Reports between readers and blocks' holders (reports.go, and
 	// storenode's for the holder's side).
 	ReportsSent       int64 // notifications sent to holders
@@ -132,6 +133,9 @@ func (b *Bridge) Stats() Stats {
 	}
 	in := b.inbox.Stats()
 	s.ReportsUnreadable, s.PeerUses, s.BadChecks = in.Unreadable, in.PeerUses, in.BadChecks
+	if b.shared != nil {
+		s.SharedPoolsMapped = int64(b.shared.peers.Mapped())
+	}
 	for i := range c.failuresByStatus {
 		s.FailuresByStatus[i] = c.failuresByStatus[i].Load()
 	}

@@ -25,6 +25,9 @@ func (b *Bridge) Attach(n *storenode.Node) error {
 	if b.closed || b.node.Load() != nil {
 		return status.Errorf(status.State, "a store node is attached once, to an open bridge")
 	}
+	if err := b.followSameHost(); err != nil {
+		return err
+	}
 	b.node.Store(n)
 	return nil
 }

@@ -133,6 +133,7 @@ var Vocabulary = []Series{
 	{Name: "replication_failures_total", Kind: "counter", Help: "Copies that failed to transfer or verify.", value: stat(func(s *bridge.Stats) int64 { return s.ReplicationFails })},
 	{Name: "peers_down_total", Kind: "counter", Help: "Times a peer's transfers timed out and lookups planned around its blocks for peer_down_ms.", value: stat(func(s *bridge.Stats) int64 { return s.PeersDown })},
 	{Name: "shared_pool_blocks_total", Kind: "counter", Help: "Blocks restored in place from a same-host process's shared pool, with no transfer.", value: stat(func(s *bridge.Stats) int64 { return s.SharedPoolBlocks })},
+	{Name: "shared_pools_mapped", Kind: "gauge", Help: "Shared pools of this host's other processes mapped now (a store node maps each as it appears).", value: stat(func(s *bridge.Stats) int64 { return s.SharedPoolsMapped })},
 	{Name: "reports_sent_total", Kind: "counter", Help: "Reports sent to blocks' holders (what readers restored, found bad, wanted next).", value: stat(func(s *bridge.Stats) int64 { return s.ReportsSent })},
 	{Name: "reports_failed_total", Kind: "counter", Help: "Reports to blocks' holders not delivered: the holder unreachable, or the queue full.", value: stat(func(s *bridge.Stats) int64 { return s.ReportsFailed + s.ReportsDropped })},
 	{Name: "reports_unreadable_total", Kind: "counter", Help: "Reports from readers this holder could not read (another version).", value: stat(func(s *bridge.Stats) int64 { return s.ReportsUnreadable })},

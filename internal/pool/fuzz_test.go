@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"github.com/zeebo/xxh3"
+	"golang.org/x/sys/unix"
 
 	"github.com/mcbridge/mcbridge/internal/status"
 )
@@ -86,4 +87,31 @@ func FuzzParseAddress(f *testing.F) {
 		}
 		require.Equal(t, s, a.String())
 	})
+}
+
+// FuzzParseInotify: parseInotify never panics or reads past what it was
+// given, and events it builds are read back whole.
+func FuzzParseInotify(f *testing.F) {
+	f.Add(inotifyRecord(unix.IN_CREATE, "pool-1.sock", 16))
+	f.Add(append(inotifyRecord(unix.IN_ATTRIB, "a.sock", 8), inotifyRecord(unix.IN_DELETE, "", 0)...))
+	f.Add([]byte{1, 2, 3})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		evs := parseInotify(b)
+		var again []byte
+		for _, ev := range evs {
+			require.NotContains(t, ev.name, "\x00")
+			again = append(again, inotifyRecord(ev.mask, ev.name, len(ev.name))...)
+		}
+		require.Equal(t, evs, parseInotify(again), "events re-encode to themselves")
+	})
+}
+
+// inotifyRecord is one event as the kernel writes it, the name padded
+// with NULs to pad bytes (at least its length).
+func inotifyRecord(mask uint32, name string, pad int) []byte {
+	b := make([]byte, unix.SizeofInotifyEvent+max(pad, len(name)))
+	binary.NativeEndian.PutUint32(b[4:], mask)
+	binary.NativeEndian.PutUint32(b[12:], uint32(len(b)-unix.SizeofInotifyEvent))
+	copy(b[unix.SizeofInotifyEvent:], name)
+	return b
 }

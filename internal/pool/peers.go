@@ -18,19 +18,23 @@ type Peers struct {
 	timeout time.Duration // of a Warm's handshake
 	idle    time.Duration // a mapping unused this long is dropped
 
-	mu     sync.Mutex
-	pools  map[Address]*peer
-	latest map[string]uint64 // per socket path, the newest identity seen
-	swept  time.Time
-	closed bool
+	mu        sync.Mutex
+	pools     map[Address]*peer
+	latest    map[string]uint64 // per socket path, the newest identity seen
+	following map[string]bool   // socket paths Follow is mapping now
+	swept     time.Time
+	closed    bool
 }
 
+// A peer is unpinned (Warm, Get) or pinned (Follow): a pinned mapping is
+// not dropped for being idle, only once Unfollow unpins it.
 type peer struct {
-	ready chan struct{} // closed once m or err is set
-	m     *Mapped
-	err   error
-	refs  int       // reads holding m
-	used  time.Time // last Warm or Get
+	ready  chan struct{} // closed once m or err is set
+	m      *Mapped
+	err    error
+	refs   int       // reads holding m
+	used   time.Time // last Warm or Get
+	pinned bool
 }
 
 // NewPeers returns an empty set. timeout bounds a background mapping;
@@ -38,7 +42,7 @@ type peer struct {
 // leaves its pool's pages alive while readers map them, so an unused
 // mapping must go.
 func NewPeers(now func() time.Time, timeout, idle time.Duration) *Peers {
-	return &Peers{now: now, timeout: timeout, idle: idle, pools: map[Address]*peer{}, latest: map[string]uint64{}}
+	return &Peers{now: now, timeout: timeout, idle: idle, pools: map[Address]*peer{}, latest: map[string]uint64{}, following: map[string]bool{}}
 }
 
 // Warm starts mapping the pool at addr in the background unless it is
@@ -80,6 +84,69 @@ func (ps *Peers) startLocked(addr Address) *peer {
 		close(p.ready)
 	}()
 	return p
+}
+
+// Follow maps, in the background, the pool whatever socket at path hands
+// out, and pins the mapping until Unfollow: a store node maps each pool
+// of its host as it appears, before any of its blocks is published, so
+// that it can copy them even after their holder is killed (the pages live
+// while mapped). A failure is forgotten; the next Follow tries again.
+func (ps *Peers) Follow(path string) {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	if ps.closed || ps.following[path] {
+		return
+	}
+	ps.following[path] = true
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), ps.timeout)
+		defer cancel()
+		m, err := mapAt(ctx, path)
+		ps.mu.Lock()
+		defer ps.mu.Unlock()
+		delete(ps.following, path)
+		switch {
+		case err != nil:
+			return
+		case ps.closed:
+			_ = m.Close()
+			return
+		}
+		if p, ok := ps.pools[m.addr]; ok {
+			_ = m.Close()
+			p.pinned, p.used = true, ps.now()
+			return
+		}
+		ready := make(chan struct{})
+		close(ready)
+		ps.pools[m.addr] = &peer{ready: ready, m: m, used: ps.now(), pinned: true}
+		ps.latest[path] = m.addr.ID
+	}()
+}
+
+// Unfollow unpins the mappings of pools at path: they go, as any, once
+// idle.
+func (ps *Peers) Unfollow(path string) {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	for a, p := range ps.pools {
+		if a.Path == path && p.pinned {
+			p.pinned, p.used = false, ps.now()
+		}
+	}
+}
+
+// Followed returns the socket paths of the pinned mappings.
+func (ps *Peers) Followed() []string {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	var out []string
+	for a, p := range ps.pools {
+		if p.pinned {
+			out = append(out, a.Path)
+		}
+	}
+	return out
 }
 
 // Get returns the mapped pool at addr, mapping it first if needed (waiting
@@ -132,7 +199,7 @@ func (ps *Peers) sweepLocked() {
 		default:
 			continue
 		}
-		if p.refs == 0 && (now.Sub(p.used) >= ps.idle || ps.latest[a.Path] != a.ID) {
+		if p.refs == 0 && (now.Sub(p.used) >= ps.idle && !p.pinned || ps.latest[a.Path] != a.ID) {
 			delete(ps.pools, a)
 			_ = p.m.Close()
 		}

@@ -291,8 +291,24 @@ type Mapped struct {
 // for the holder to answer until ctx ends: a stopped holder delays only
 // this, never a read of a pool already mapped.
 func Map(ctx context.Context, addr Address) (*Mapped, error) {
+	m, err := mapAt(ctx, addr.Path)
+	if err != nil {
+		return nil, err
+	}
+	if m.addr.ID != addr.ID {
+		id := m.addr.ID
+		_ = m.Close()
+		return nil, status.Errorf(status.NotFound, "the shared pool %s is another pool now (%016x, want %016x)", addr.Path, id, addr.ID)
+	}
+	return m, nil
+}
+
+// mapAt maps whatever pool the socket at path hands out; its Address says
+// which.
+func mapAt(ctx context.Context, path string) (*Mapped, error) {
+	addr := Address{Path: path}
 	var d net.Dialer
-	c, err := d.DialContext(ctx, "unix", addr.Path)
+	c, err := d.DialContext(ctx, "unix", path)
 	if err != nil {
 		return nil, status.Wrap(status.Transfer, err, "reaching the shared pool "+addr.Path)
 	}
@@ -322,9 +338,8 @@ func Map(ctx context.Context, addr Address) (*Mapped, error) {
 	switch {
 	case n != handshakeSize || string(msg[:8]) != handshakeMagic || len(fds) != 1:
 		return nil, status.Errorf(status.Transfer, "the shared pool %s answered %d bytes and %d descriptors", addr.Path, n, len(fds))
-	case le.Uint64(msg[8:]) != addr.ID:
-		return nil, status.Errorf(status.NotFound, "the shared pool %s is another pool now (%016x, want %016x)", addr.Path, le.Uint64(msg[8:]), addr.ID)
 	}
+	addr.ID = le.Uint64(msg[8:])
 	base, size := le.Uint64(msg[16:]), le.Uint64(msg[24:])
 	if size == 0 || size > 1<<50 || base+size < base {
 		return nil, status.Errorf(status.Transfer, "the shared pool %s has %d bytes at %#x", addr.Path, size, base)

@@ -10,7 +10,9 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime/debug"
+	"sort"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -27,6 +29,7 @@ const (
 	holderEnv = "MCB_POOL_TEST_HOLDER" // the socket directory
 	readerEnv = "MCB_POOL_TEST_READER" // a pool address to map
 	groupEnv  = "MCB_POOL_TEST_GROUP"  // the holder's Access.GID
+	nameEnv   = "MCB_POOL_TEST_NAME"   // the holder's socket, when not holder.sock
 )
 
 func TestMain(m *testing.M) {
@@ -52,7 +55,11 @@ func runHolder(dir string) int {
 		fmt.Println("error", err)
 		return 1
 	}
-	s, err := p.Share(dir, "holder.sock", Access{GID: gid})
+	name := "holder.sock"
+	if n := os.Getenv(nameEnv); n != "" {
+		name = n
+	}
+	s, err := p.Share(dir, name, Access{GID: gid})
 	if err != nil {
 		fmt.Println("error", err)
 		return 1
@@ -386,4 +393,56 @@ func TestShareSweepsDeadSockets(t *testing.T) {
 	m, err := Map(context.Background(), live.addr)
 	require.NoError(t, err)
 	require.NoError(t, m.Close())
+}
+
+// A follower maps every pool of its directory, those there before it and
+// those that appear after, before anything asks for them, and keeps a
+// killed holder's pool readable; a holder's clean exit and a killed
+// holder's dead socket each unpin its mapping, which then goes once idle.
+func TestFollowDir(t *testing.T) {
+	dir := t.TempDir()
+	require.NoError(t, SocketDir(dir, Access{GID: -1}))
+	var mu sync.Mutex
+	now := time.Unix(1000, 0)
+	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	const idle = 50 * time.Millisecond
+	ps := NewPeers(clock, 5*time.Second, idle)
+	defer ps.Close()
+	first := startHolder(t, dir, nameEnv+"=first.sock")
+	own := filepath.Join(dir, "own.sock")
+	require.NoError(t, os.WriteFile(own, nil, 0o600))
+	stop, err := ps.FollowDir(dir, own)
+	require.NoError(t, err)
+	defer stop()
+	later := startHolder(t, dir, nameEnv+"=later.sock")
+	followed := func() []string { p := ps.Followed(); sort.Strings(p); return p }
+	require.Eventually(t, func() bool { return len(followed()) == 2 }, 10*time.Second, time.Millisecond)
+	require.Equal(t, []string{first.addr.Path, later.addr.Path}, followed(), "the own socket is not followed")
+
+	// Killed, the holder's pool stays mapped: the follower asked for it
+	// before anything did, and a read needs nothing from the holder.
+	require.NoError(t, later.cmd.Process.Kill())
+	_ = later.cmd.Wait()
+	m, release, err := ps.Get(context.Background(), later.addr)
+	require.NoError(t, err, "a killed holder's pool, followed")
+	b, err := m.Block(later.block, uint64(smallGeometry().Size()))
+	require.NoError(t, err)
+	_, _, err = VerifyBlock(b, later.expect())
+	require.NoError(t, err, "a killed holder's block")
+	release()
+
+	// Its socket is left behind, refusing: the liveness check unpins it.
+	require.Eventually(t, func() bool { return len(followed()) == 1 }, 10*time.Second, time.Millisecond)
+	require.Equal(t, []string{first.addr.Path}, followed())
+	// The other exits cleanly and unlinks its socket.
+	require.NoError(t, first.in.Close())
+	require.NoError(t, first.cmd.Wait())
+	require.Eventually(t, func() bool { return len(followed()) == 0 }, 10*time.Second, time.Millisecond)
+	require.Equal(t, 2, ps.Mapped(), "unpinned mappings stay until idle")
+	mu.Lock()
+	now = now.Add(time.Minute)
+	mu.Unlock()
+	_, _, err = ps.Get(context.Background(), later.addr)
+	require.Error(t, err, "the killed holder's pool, unpinned and idle, was dropped and cannot be mapped again")
+	require.Zero(t, ps.Mapped())
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/mcbridge/mcbridge/internal/kvlayout/kvtest"
 	"github.com/mcbridge/mcbridge/internal/mem"
 	"github.com/mcbridge/mcbridge/internal/pool"
+	"github.com/mcbridge/mcbridge/internal/storenode"
 )
 
 // runOwner is a process that computes and saves prompts when told, and
@@ -79,6 +80,18 @@ func runOwner(j job) int {
 				tb.Fatal("owner: scribble:", err)
 			}
 			fmt.Println("scribble", f[3])
+		case "replicate": // become a store node: copy every other owner's blocks
+			node, err := storenode.New(b, storenode.Config{})
+			if err == nil {
+				err = node.Replicate()
+			}
+			if err != nil {
+				tb.Fatal("owner: replicate:", err)
+			}
+			fmt.Println("replicate")
+		case "stats": // mapped pools, blocks copied, copies published
+			st := b.Stats()
+			fmt.Println("stats", st.SharedPoolsMapped, st.Replicated, st.TakenOver)
 		case "quit":
 			if err := b.Close(); err != nil {
 				fmt.Fprintln(os.Stderr, "close:", err)
