@@ -437,11 +437,13 @@ func upReason(t *testing.T, url string) string {
 // prompt tokens, and every answer is the one Ollama gives with the stock
 // llama-server as its runner holding as many of the prompt's tokens. The
 // store node goes away for one runner, which says so and answers from its
-// own computation.
+// own computation. The swarm is set up as docs/ollama.md sets up one host:
+// shared pools, no transfer engine; the store maps each runner's pool as
+// it starts, so Ollama's kill right after an answer loses none of it.
 func TestOllama(t *testing.T) {
 	model := testenv.Model(t, "tiny", 0)
 	metricsAddr := "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))
-	sw := newDiskSwarm(t, fmt.Sprintf(`, "metrics_listen": %q`, metricsAddr))
+	sw := newOneHostSwarm(t, fmt.Sprintf(`, "metrics_listen": %q`, metricsAddr))
 	o := startOllama(t, "OLLAMA_NUM_PARALLEL=2", "OLLAMA_KEEP_ALIVE=0", "MCB_CONFIG="+sw.serverCfg, "LLAMA_ARG_CACHE_RAM=0")
 	o.create(t, ollamaTpl, fmt.Sprintf("FROM %s\nTEMPLATE \"\"\"%s\"\"\"\n", model, ollamaTemplate))
 	o.create(t, ollamaNative, fmt.Sprintf("FROM %s\n", model))

@@ -46,25 +46,39 @@ func readState(t *testing.T, store *testenv.Store) storeState {
 // the patched servers' configuration pointing at them.
 type diskSwarm struct {
 	etcdURL, etcdDir, diskDir string
+	transport                 string // every process's transport (and shared pool) configuration
 	serverCfg                 string // the patched servers' bridge configuration
 }
 
+// newDiskSwarm is a swarm whose processes reach each other over the
+// (mock) Transfer Engine, as across hosts.
 func newDiskSwarm(t *testing.T, extra string) *diskSwarm {
+	return newSwarmOver(t, fmt.Sprintf(`"transport": {"kind": "mooncake", "lib": %q}`, mockTE), extra)
+}
+
+// newOneHostSwarm is a swarm set up as docs/ollama.md sets up one host:
+// the in-process transport and shared pools, no port opened.
+func newOneHostSwarm(t *testing.T, extra string) *diskSwarm {
+	return newSwarmOver(t, fmt.Sprintf(`"transport": {"kind": "loopback"}, "shared_pool": {"enabled": true, "dir": %q}`, t.TempDir()), extra)
+}
+
+func newSwarmOver(t *testing.T, transport, extra string) *diskSwarm {
 	dir := t.TempDir()
 	s := &diskSwarm{
 		etcdURL: "http://127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)),
 		etcdDir: filepath.Join(dir, "etcd"), diskDir: filepath.Join(dir, "disk"),
+		transport: transport,
 	}
 	// A short lease: a process killed without unpublishing leaves entries
 	// that name it until the lease runs out; the store takes over then.
-	s.serverCfg = fmt.Sprintf(`{"block_tokens": 64, "directory": {"kind": "etcd", "endpoints": [%q], "lease_ttl_s": 3}, "transport": {"kind": "mooncake", "lib": %q}%s}`,
-		s.etcdURL, mockTE, extra)
+	s.serverCfg = fmt.Sprintf(`{"block_tokens": 64, "directory": {"kind": "etcd", "endpoints": [%q], "lease_ttl_s": 3}, %s%s}`,
+		s.etcdURL, transport, extra)
 	return s
 }
 
 // startStore starts (or restarts) the store node.
 func (s *diskSwarm) startStore(t *testing.T, name string) *testenv.Store {
-	cfg := fmt.Sprintf(`{"block_tokens": 64, "directory": {"lease_ttl_s": 3}, "transport": {"kind": "mooncake", "lib": %q}}`, mockTE)
+	cfg := fmt.Sprintf(`{"block_tokens": 64, "directory": {"lease_ttl_s": 3}, %s}`, s.transport)
 	return testenv.StartStore(t, name, cfg, "--embed-etcd", "--etcd-dir", s.etcdDir, "--etcd-client-url", s.etcdURL,
 		"--disk-dir", s.diskDir, "--disk-bytes", fmt.Sprint(1<<30), "--pool-bytes", fmt.Sprint(256<<20))
 }
