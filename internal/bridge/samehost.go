@@ -29,6 +29,11 @@ type sameHost struct {
 // it: the pages of a holder that exited live on while mapped.
 const peerMapIdle = time.Minute
 
+// followCheck is how often a store node asks whether the holders of the
+// pools it follows still listen: a killed runner's pool is unpinned at
+// most this late, and then goes once idle.
+const followCheck = 5 * time.Second
+
 // openShared hands a shared pool to same-host readers and readies the
 // mapping of theirs, when the configuration says so.
 func (b *Bridge) openShared() error {
@@ -86,7 +91,7 @@ func (b *Bridge) followSameHost() error {
 	if err != nil {
 		return err
 	}
-	b.shared.unfollow, err = b.shared.peers.FollowDir(b.cfg.SharedPool.SocketDir(), own.Path)
+	b.shared.unfollow, err = b.shared.peers.FollowDir(b.cfg.SharedPool.SocketDir(), own.Path, followCheck)
 	return err
 }
 

@@ -20,9 +20,11 @@ import (
 // the one at own: those there now and each one bound later, as soon as
 // inotify reports it, so that no timing decides whether a holder killed
 // right after its first save is mapped first. A socket removed is
-// unfollowed; so, every idle period, is one whose holder no longer
-// listens (a killed holder cannot unlink its socket). stop ends both.
-func (ps *Peers) FollowDir(dir, own string) (stop func(), err error) {
+// unfollowed; so, checked every check, is one whose holder no longer
+// listens (a killed holder cannot unlink its socket). Unfollowed, a
+// mapping goes once idle, as any: a dead holder's pages live on no longer
+// than that. stop ends both.
+func (ps *Peers) FollowDir(dir, own string, check time.Duration) (stop func(), err error) {
 	fd, err := unix.InotifyInit1(unix.IN_NONBLOCK | unix.IN_CLOEXEC)
 	if err != nil {
 		return nil, status.Wrap(status.Unsupported, err, "watching the shared pool directory")
@@ -73,7 +75,7 @@ func (ps *Peers) FollowDir(dir, own string) (stop func(), err error) {
 	}()
 	go func() {
 		defer wg.Done()
-		t := time.NewTicker(ps.idle)
+		t := time.NewTicker(check)
 		defer t.Stop()
 		for {
 			select {

@@ -411,7 +411,7 @@ func TestFollowDir(t *testing.T) {
 	first := startHolder(t, dir, nameEnv+"=first.sock")
 	own := filepath.Join(dir, "own.sock")
 	require.NoError(t, os.WriteFile(own, nil, 0o600))
-	stop, err := ps.FollowDir(dir, own)
+	stop, err := ps.FollowDir(dir, own, idle)
 	require.NoError(t, err)
 	defer stop()
 	later := startHolder(t, dir, nameEnv+"=later.sock")
