@@ -1647,6 +1647,32 @@ func TestStatsArguments(t *testing.T) {
 	assert.Equal(t, cStats{PoolBytes: 16 << 20}, st[0], "stats of a new bridge")
 }
 
+// TestWaitPublished: the wait returns OK at once with nothing saved, and
+// once a save's blocks are published the bridge that saved them counts
+// them as its own; a handle that is not an open bridge is refused.
+func TestWaitPublished(t *testing.T) {
+	f := newFixture(t)
+	g := testModel(false)
+	b := f.open(t, f.config(""))
+	m := f.register(t, b, g.reg(t, f.c))
+	f.expect(t, mcbgo_bridge_wait_published(b, 0, f.eb, f.el), status.OK, "nothing saved")
+	tok := prompt(41, 0, 40)
+	src := mustTensors(t, f.c, g, 64, false, tight)
+	src.compute(tok, nil, 40)
+	f.save(t, m, nil, src, tok, 32, nil)
+	f.expect(t, mcbgo_bridge_wait_published(b, 10_000, f.eb, f.el), status.OK, "after a save")
+	st := f.stats(t, b)
+	assert.Equal(t, uint64(32/g.block), st.SavedBlocks+st.DedupedBlocks, "blocks settled with the directory when the wait returned")
+	closed := f.open(t, f.config(""))
+	f.expect(t, mcbgo_bridge_close(closed, f.eb, f.el), status.OK, "close")
+	for _, c := range []struct {
+		name   string
+		bridge uint64
+	}{{"bridge 0", 0}, {"model as bridge", m}, {"closed bridge", closed}} {
+		f.expect(t, mcbgo_bridge_wait_published(c.bridge, 0, f.eb, f.el), status.BadHandle, c.name)
+	}
+}
+
 // TestCloseWithWorkOpen: a bridge refuses to close under a load or save,
 // stays usable, and closes once they end; its models and plans go with it.
 func TestCloseWithWorkOpen(t *testing.T) {

@@ -15,6 +15,7 @@ import "C"
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"math"
@@ -538,6 +539,15 @@ func mcbgo_bridge_stats(bridge uint64, out unsafe.Pointer, errbuf unsafe.Pointer
 }
 
 func u64(v int64) uint64 { return uint64(max(v, 0)) }
+
+//export mcbgo_bridge_wait_published
+func mcbgo_bridge_wait_published(bridge uint64, timeoutMS uint32, errbuf unsafe.Pointer, errlen uint64) int32 {
+	return withHandle(bridge, "bridge", errbuf, errlen, func(h *bridgeHandle) error {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(timeoutMS)*time.Millisecond)
+		defer cancel()
+		return h.b.Published(ctx)
+	})
+}
 
 // mcbgo_metrics_text writes the metric text for bridge (0: off) into buf
 // and returns its full length. A bridge handle that is not open reads as

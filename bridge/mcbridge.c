@@ -93,6 +93,10 @@ mcb_status mcb_bridge_stats(mcb_bridge bridge, struct mcb_stats *out) {
     return (mcb_status)mcbgo_bridge_stats(bridge, out, ERR);
 }
 
+mcb_status mcb_bridge_wait_published(mcb_bridge bridge, uint32_t timeout_ms) {
+    return (mcb_status)mcbgo_bridge_wait_published(bridge, timeout_ms, ERR);
+}
+
 size_t mcb_metrics_text(mcb_bridge bridge, const char *off_reason, char *buf, size_t cap) {
     return (size_t)mcbgo_metrics_text(bridge, (void *)off_reason, buf, cap);
 }

@@ -83,7 +83,7 @@ extern "C" {
 #endif
 #endif
 
-#define MCB_ABI_VERSION 5
+#define MCB_ABI_VERSION 6
 
 /* Status codes. The values are stable. */
 typedef enum mcb_status {
@@ -316,6 +316,21 @@ MCB_API mcb_status mcb_bridge_close(mcb_bridge bridge);
  *   MCB_STATUS_BAD_HANDLE   bridge is not an open bridge.
  *   MCB_STATUS_INVALID_ARG  out is NULL or misaligned. */
 MCB_API mcb_status mcb_bridge_stats(mcb_bridge bridge, struct mcb_stats *out);
+
+/* Waits until the blocks this bridge saved before the call are named by
+ * the directory, for at most timeout_ms. A host whose process may be
+ * killed as soon as an answer is out (Ollama unloads a runner with SIGKILL
+ * when keep_alive is 0) calls it before the answer's last byte, off its
+ * decode thread, so that a store node hears of the answer's blocks first.
+ * A directory failing now is not waited on.
+ * Returns:
+ *   MCB_STATUS_OK           nothing was queued, or all of it is published
+ *                           (or was found published by another process).
+ *   MCB_STATUS_TIMEOUT      not in time: the blocks stay queued and
+ *                           restorable in this process.
+ *   MCB_STATUS_DIRECTORY    the directory refuses or does not answer now.
+ *   MCB_STATUS_BAD_HANDLE   bridge is not an open bridge. */
+MCB_API mcb_status mcb_bridge_wait_published(mcb_bridge bridge, uint32_t timeout_ms);
 
 /* Writes the bridge's metrics in the Prometheus text format into buf
  * (NUL-terminated, truncated to cap - 1 bytes). Every host exposes the

@@ -738,3 +738,79 @@ func TestGenerationCheck(t *testing.T) {
 	require.Equal(t, idle, b.Holdings().Used(), "and frees it once they are done")
 	a.Transport().(*transport.Loopback).SetFault(transport.Fault{})
 }
+
+// Published holds its caller until the blocks saved before the call are
+// in the directory, and no longer than its deadline; a directory failing
+// now is not waited on. Only the blocks queued before the call count.
+func TestPublishedWaitsForTheSavedBlocks(t *testing.T) {
+	cfg := bridgetest.Config(t)
+	cfg.Directory.OpTimeoutMS = int(time.Hour / time.Millisecond)
+	dir := &stuckDirectory{Directory: directory.OpenMemory(cfg.Directory.Name), release: make(chan struct{})}
+	defer dir.Close()
+	b, err := bridge.Open(bridgetest.WithOwner(cfg, "saver"), bridge.Deps{Directory: dir})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = b.Close() })
+	h := kvtest.New(t, 2, 32, 16, 16, false)
+	m := bridgetest.Register(t, b, h, 4)
+	require.NoError(t, b.Published(context.Background()), "nothing saved: nothing to wait for")
+
+	tokens := kvtest.Tokens(rand.New(rand.NewSource(16)), 8)
+	require.Equal(t, 2, saveUnflushed(t, m, h, tokens).Queued)
+	short, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	require.Equal(t, status.Timeout, status.Of(b.Published(short)), "the directory has not answered")
+
+	done := make(chan error, 1)
+	go func() { done <- b.Published(context.Background()) }()
+	select {
+	case err := <-done:
+		require.FailNow(t, "Published returned before the directory took the blocks", "%v", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(dir.release)
+	require.NoError(t, <-done)
+	reader := bridgetest.Open(t, cfg, "reader")
+	mr := bridgetest.Register(t, reader, kvtest.New(t, 2, 32, 16, 16, false), 4)
+	lk, err := mr.Lookup(key.Scope{}, append(tokens, 1), 0)
+	require.NoError(t, err)
+	require.Equal(t, 2, lk.MatchedBlocks, "once Published returns, another process finds the blocks")
+}
+
+func TestPublishedDoesNotWaitOnAFailingDirectory(t *testing.T) {
+	cfg := bridgetest.Config(t)
+	dir := &flakyDirectory{Directory: directory.OpenMemory(cfg.Directory.Name)}
+	dir.down.Store(true)
+	defer dir.Close()
+	b, err := bridge.Open(bridgetest.WithOwner(cfg, "failing"), bridge.Deps{Directory: dir})
+	require.NoError(t, err)
+	defer b.Close()
+	h := kvtest.New(t, 2, 32, 16, 16, false)
+	m := bridgetest.Register(t, b, h, 4)
+	first := kvtest.Tokens(rand.New(rand.NewSource(17)), 8)
+	saveUnflushed(t, m, h, first)
+	require.Equal(t, status.Directory, status.Of(b.Published(context.Background())),
+		"the batch failed: the blocks are queued again, not published")
+	second := kvtest.Tokens(rand.New(rand.NewSource(18)), 8)
+	saveUnflushed(t, m, h, second)
+	require.Equal(t, status.Directory, status.Of(b.Published(context.Background())),
+		"a directory failing now is not waited on")
+	dir.down.Store(false)
+	require.Eventually(t, func() bool { return b.Published(context.Background()) == nil }, 10*time.Second, time.Millisecond,
+		"once the directory answers, the retried blocks are published")
+}
+
+// saveUnflushed saves tokens, computed in h's first cells, and returns as
+// a host does: with the blocks queued for the directory.
+func saveUnflushed(t *testing.T, m *bridge.Model, h *kvtest.Host, tokens []int32) bridge.SaveResult {
+	t.Helper()
+	cells := kvtest.SeqCells(len(tokens))
+	h.Fill(tokens, cells)
+	sv, err := m.SaveBegin(key.Scope{}, h.Layout(), tokens, cells)
+	require.NoError(t, err)
+	for l := range h.K {
+		require.NoError(t, sv.SaveLayer(l))
+	}
+	res, err := sv.End()
+	require.NoError(t, err)
+	return res
+}

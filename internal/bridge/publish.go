@@ -36,7 +36,9 @@ type publisher struct {
 	dels     map[key.Fingerprint][]key.BlockKey
 	nDels    int
 	inFlight bool
-	idle     *sync.Cond // signalled when the queues are empty and nothing is in flight
+	idle     *sync.Cond // signalled when the queues are empty and nothing is in flight, and when a batch settles
+	taken    uint64     // batches handed to the loop so far
+	settled  uint64     // of them, those whose directory calls have ended
 	closing  bool
 	done     chan struct{}
 	lastErr  error // of the last publish; nil once one succeeds
@@ -103,6 +105,7 @@ func (p *publisher) take() (puts []directory.Entry, dels map[key.Fingerprint][]k
 			puts, dels = p.puts, p.dels
 			p.puts, p.dels, p.nDels = nil, map[key.Fingerprint][]key.BlockKey{}, 0
 			p.inFlight = true
+			p.taken++
 			p.mu.Unlock()
 			return puts, dels, true
 		}
@@ -127,17 +130,22 @@ func (p *publisher) requeue(entries []directory.Entry) {
 	p.mu.Unlock()
 }
 
+// wakeWhenDone wakes the waiters on idle when ctx ends, so that a wait
+// there sees its deadline; the returned func stops it.
+func (p *publisher) wakeWhenDone(ctx context.Context) (stop func() bool) {
+	return context.AfterFunc(ctx, func() {
+		p.mu.Lock()
+		p.idle.Broadcast()
+		p.mu.Unlock()
+	})
+}
+
 // Flush waits until everything queued so far has been offered to the
 // directory (published, found published by another process, or retried
 // until ctx ends).
 func (b *Bridge) Flush(ctx context.Context) error {
 	p := b.pub
-	stop := context.AfterFunc(ctx, func() {
-		p.mu.Lock()
-		p.idle.Broadcast()
-		p.mu.Unlock()
-	})
-	defer stop()
+	defer p.wakeWhenDone(ctx)()
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for len(p.puts) > 0 || p.nDels > 0 || p.inFlight {
@@ -147,6 +155,38 @@ func (b *Bridge) Flush(ctx context.Context) error {
 		p.idle.Wait()
 	}
 	return nil
+}
+
+// Published waits until the blocks queued for the directory before the
+// call are named by it (or found named by another process), until ctx
+// ends: a host that may be killed as soon as its answer is out holds the
+// answer here, so that a store node hears of the blocks first (Ollama
+// with keep_alive 0, docs/design.md §8.2). It does not wait on a
+// directory that is failing now: the blocks stay queued and restorable
+// here, and it returns a status.Directory error at once.
+func (b *Bridge) Published(ctx context.Context) error {
+	p := b.pub
+	defer p.wakeWhenDone(ctx)()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	// The next batch takes everything queued now; without a queue, the
+	// batch in flight holds what was.
+	want := p.taken
+	if len(p.puts) > 0 {
+		want++
+	}
+	for {
+		if p.lastErr != nil {
+			return status.Wrap(status.Directory, p.lastErr, "the directory has not taken this process's blocks")
+		}
+		if p.settled >= want {
+			return nil
+		}
+		if err := ctx.Err(); err != nil {
+			return status.Wrap(status.Timeout, err, "waiting for the directory to take saved blocks")
+		}
+		p.idle.Wait()
+	}
 }
 
 // Queued is how many publishes and unpublishes wait for the directory.
@@ -199,6 +239,10 @@ func (b *Bridge) publishLoop() {
 			}
 			b.reach.Met("publish", b.Health())
 		}
+		p.mu.Lock()
+		p.settled = p.taken
+		p.idle.Broadcast()
+		p.mu.Unlock()
 		if !failed {
 			wait = retryMin
 			continue
