@@ -601,6 +601,19 @@ void prompt_save(llama_context * ctx, int32_t seq_id, const server_task & task,
     }
 }
 
+void answer_ready(const mcb_request_stats & st) {
+    // An etcd put takes about a millisecond; a directory slower than this is failing,
+    // and the answer does not wait on it.
+    constexpr uint32_t k_wait_ms = 50;
+    if (!st.on || (st.saved_blocks == 0 && st.snapshots == 0)) {
+        return;
+    }
+    const mcb_status s = mcb_bridge_wait_published(mcb_llama::bridge(), k_wait_ms);
+    if (s != MCB_STATUS_OK) {
+        SRV_DBG("mcbridge: answer sent before its blocks were published: %s\n", mcb_last_error());
+    }
+}
+
 void add_outcome(const mcb_request_stats & st, json & res) {
     if (!st.on) {
         return;

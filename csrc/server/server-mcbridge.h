@@ -78,6 +78,13 @@ void prompt_save(llama_context * ctx, int32_t seq_id, const server_task & task,
                  const std::vector<common_adapter_lora_info> & lora, const server_tokens & tokens,
                  mcb_request_stats & st);
 
+// On the HTTP thread, before a request's last result goes out (llama-patches/0008): when
+// the request saved blocks, waits until the directory names them, 50 ms at most, so that
+// a runner killed as soon as its answer is out (Ollama, keep_alive 0) has its blocks
+// known to the store node first. Requests that saved nothing, and the decode loop,
+// never wait.
+void answer_ready(const mcb_request_stats & st);
+
 // Wherever a response carries "timings" (llama-patches/0004): what the bridge did for
 // the prompt, as an object of its own, "mcbridge", next to it. "timings" stays
 // llama-server's, every value a number.

@@ -231,3 +231,34 @@ func prefixOnDisk(t *testing.T, dir string) (*disk.Tier, map[int][]disk.Meta) {
 	}
 	return tier, byDepth
 }
+
+// A patched server killed the moment its answer arrives, as Ollama kills
+// a runner when keep_alive is 0, loses none of the blocks that answer's
+// prompt saved. The answer goes out only once the directory names them
+// (llama-patches/0008), and the store node, which mapped the server's
+// shared pool when the server started, copies them from the mapping and
+// serves them once the killed server's lease is gone. One token is
+// generated: the answer follows the prompt's save at once, the closest a
+// kill can come to it.
+func TestKilledAtItsAnswer(t *testing.T) {
+	model := testenv.Model(t, "tiny", 0)
+	sw := newOneHostSwarm(t, "")
+	store := sw.startStore(t, "store")
+	args := append(serverArgs(model, "on", false), "--mcb-config", sw.serverCfg)
+	x := testenv.StartLlama(t, "x", testenv.PatchedServer(t), args)
+	testenv.Eventually(t, defaultWait, func() bool {
+		return testenv.Metrics(t, store.URL+"/metrics")["mcbridge_shared_pools_mapped"] >= 1
+	}, "the store never mapped the server's pool")
+	got := x.Complete(t, testenv.Request{Prompt: promptA, Slot: 0, NPredict: 1})
+	x.Kill()
+	saved := got.MCB.SavedBlocks
+	require.GreaterOrEqual(t, saved, shared/block, "blocks the answer's prompt saved: %+v", got.MCB)
+	waitStore(t, store, "every block of the killed server copied, and served", func(st storeState) bool {
+		return st.Stats.Replicated >= saved && st.Stats.TakenOver >= st.Stats.Replicated
+	})
+
+	y := testenv.StartLlama(t, "y", testenv.PatchedServer(t), args)
+	waitMirrored(t, y.URL, shared/block)
+	c := y.Complete(t, testenv.Request{Prompt: promptB, Slot: 1, NPredict: nPredict})
+	require.Equal(t, shared, c.MCB.RestoredN, "y restores what the killed server computed: %+v", c.MCB)
+}
