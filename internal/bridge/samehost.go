@@ -87,11 +87,8 @@ func (b *Bridge) followSameHost() error {
 	if b.shared == nil {
 		return nil
 	}
-	own, err := pool.ParseAddress(b.shared.addr)
-	if err != nil {
-		return err
-	}
-	b.shared.unfollow, err = b.shared.peers.FollowDir(b.cfg.SharedPool.SocketDir(), own.Path, followCheck)
+	var err error
+	b.shared.unfollow, err = b.shared.peers.FollowDir(b.cfg.SharedPool.SocketDir(), b.shared.server.Address().Path, followCheck)
 	return err
 }
 

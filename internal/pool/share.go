@@ -151,12 +151,7 @@ func (p *Pool) Share(dir, name string, access Access) (*Server, error) {
 func sweepSockets(dir string) {
 	names, _ := filepath.Glob(filepath.Join(dir, "*.sock"))
 	for _, n := range names {
-		c, err := net.DialTimeout("unix", n, 100*time.Millisecond)
-		if err == nil {
-			_ = c.Close()
-			continue
-		}
-		if errors.Is(err, syscall.ECONNREFUSED) {
+		if !listening(n) {
 			_ = os.Remove(n)
 		}
 	}
