@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/mcbridge/mcbridge/internal/directory"
 	"github.com/mcbridge/mcbridge/internal/holdings"
@@ -121,20 +122,37 @@ func (m *Model) SaveSnapshot(scope key.Scope, tokens []int32, state []byte) erro
 	return nil
 }
 
-// MissingSnapshots lists the snapshot boundaries n, multiples of
-// SnapshotTokens with from < n < len(tokens), after which no snapshot of
-// tokens under scope is held here or known to the directory: where a host
-// that snapshots from outside the server (the proxy) has to stop a prompt.
-func (m *Model) MissingSnapshots(scope key.Scope, tokens []int32, from int) []int {
-	every := m.SnapshotTokens()
-	if every == 0 || len(tokens) <= every {
+// MissingSnapshots lists, in order, the snapshot boundaries n with
+// from < n < len(tokens) after which no snapshot of tokens under scope is
+// held here or known to the directory: where a host that snapshots from
+// outside the server (the proxy) has to stop a prompt. They are the
+// prompt's last block boundary and branch, the end of the first branch
+// tokens whose blocks the directory knows (the lookup's match), when that
+// is a block boundary; with config proxy_snapshots "every", or for a
+// model that keeps no KV blocks (whose branches nothing shows), every
+// SnapshotTokens as well.
+func (m *Model) MissingSnapshots(scope key.Scope, tokens []int32, from, branch int) []int {
+	every, B := m.SnapshotTokens(), m.geo.BlockTokens
+	if every == 0 || len(tokens) <= B {
 		return nil
 	}
-	last := (len(tokens) - 1) / every * every
-	chain := key.Chain(key.Root(m.fp, scope), tokens[:last], m.geo.BlockTokens)
+	last := (len(tokens) - 1) / B * B
+	var at []int
+	if m.b.cfg.ProxySnapshots == "every" || m.SnapshotOnly() {
+		for n := every; n < last; n += every {
+			at = append(at, n)
+		}
+	}
+	if branch%B == 0 && branch < last {
+		at = append(at, branch)
+	}
+	at = append(at, last)
+	slices.Sort(at)
+	at = slices.Compact(at)
+	chain := key.Chain(key.Root(m.fp, scope), tokens[:last], B)
 	var missing []int
-	for n := (from/every + 1) * every; n <= last; n += every {
-		if !m.snapshotKnown(chain[n/m.geo.BlockTokens-1]) {
+	for _, n := range at {
+		if n > from && !m.snapshotKnown(chain[n/B-1]) {
 			missing = append(missing, n)
 		}
 	}

@@ -128,6 +128,39 @@ func TestSnapshotRestore(t *testing.T) {
 	}
 }
 
+// The proxy stops a prompt where a snapshot is missing: by default at the
+// prompt's last block boundary and where it leaves the blocks its lookup
+// matched (a branch), with proxy_snapshots "every" at every
+// snapshot_blocks blocks as well; never at or before from, never where a
+// snapshot is known.
+func TestMissingSnapshots(t *testing.T) {
+	for _, tc := range []struct {
+		mode                       string
+		noBranch, branch, fromHeld []int
+	}{
+		{"ends", []int{20}, []int{12, 20}, []int{12, 20}},
+		{"every", []int{8, 16, 20}, []int{8, 12, 16, 20}, []int{12, 20}},
+	} {
+		t.Run(tc.mode, func(t *testing.T) {
+			cfg := bridgetest.Config(t)
+			cfg.ProxySnapshots, cfg.SnapshotBlocks = tc.mode, 2
+			a := bridgetest.Open(t, cfg, "a")
+			m := registerPartial(t, a, kvtest.New(t, 3, 64, 32, 48, false))
+			require.Equal(t, 8, m.SnapshotTokens(), "blocks of 4 tokens, a snapshot every 2 blocks")
+			tokens := kvtest.Tokens(rand.New(rand.NewSource(3)), 22) // five blocks and two tokens
+			require.Equal(t, tc.noBranch, m.MissingSnapshots(key.Scope{}, tokens, 0, 0))
+			require.Equal(t, tc.branch, m.MissingSnapshots(key.Scope{}, tokens, 0, 12), "a branch after 3 blocks")
+			require.Equal(t, tc.noBranch, m.MissingSnapshots(key.Scope{}, tokens, 0, 14), "a match that ends inside a block is no boundary")
+			require.NoError(t, m.SaveSnapshot(key.Scope{}, tokens[:8], partialState(tokens[:8], 100)))
+			require.NoError(t, m.SaveSnapshot(key.Scope{}, tokens[:16], partialState(tokens[:16], 100)))
+			require.Equal(t, tc.fromHeld, m.MissingSnapshots(key.Scope{}, tokens, 0, 12), "snapshots held")
+			require.Equal(t, []int{20}, m.MissingSnapshots(key.Scope{}, tokens, 12, 12), "from 12")
+			require.Empty(t, m.MissingSnapshots(key.Scope{}, tokens[:4], 0, 0), "one block: nothing before the last token")
+			require.Equal(t, []int{4}, m.MissingSnapshots(key.Scope{}, tokens[:5], 0, 0), "a block and a token")
+		})
+	}
+}
+
 // A snapshot that fails verification makes its load restore nothing, its
 // blocks verified or not; a holder that hangs costs the load its deadline.
 func TestSnapshotFaults(t *testing.T) {

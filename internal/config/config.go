@@ -31,6 +31,16 @@ type Config struct {
 	// partial state (sliding-window, hybrid, recurrent) snapshots it: the
 	// only places a restore of such a model can end (docs/design.md §5.9).
 	SnapshotBlocks int `json:"snapshot_blocks"`
+	// ProxySnapshots is where the proxy, which snapshots a stock server
+	// from outside at the price of a prompt stopped at the boundary and a
+	// save of the whole slot, takes them for a model with KV blocks:
+	// "ends" at a prompt's last block boundary and where the prompt leaves
+	// the blocks the directory knows (a branch: the requests after it
+	// restore there), "every" every snapshot_blocks blocks as well (any
+	// prefix restores to a boundary, each costing its prompt and save).
+	// A recurrent-only model, whose saves are its small state, is
+	// snapshotted every snapshot_blocks blocks either way.
+	ProxySnapshots string `json:"proxy_snapshots"`
 	// Eviction is "lru", "cost" (cost-aware) or "frequency" (cost-aware
 	// and weighted by uses: what a store node serving many readers wants).
 	Eviction string `json:"eviction"`
@@ -241,6 +251,7 @@ func Default() Config {
 		PoolBytes:      1 << 30,
 		BlockTokens:    256,
 		SnapshotBlocks: 4,
+		ProxySnapshots: "ends",
 		Eviction:       "lru",
 		Transport:      Transport{Kind: "loopback", Metadata: "P2PHANDSHAKE", Protocol: "tcp", LocalHostname: "127.0.0.1"},
 		Directory:      Directory{Kind: "memory", Name: "default", Prefix: "/mcbridge", LeaseTTLS: 10, OpTimeoutMS: 2000},
@@ -311,6 +322,8 @@ func (c *Config) Validate() error {
 		return status.Errorf(status.Config, "block_tokens %d: 1..65536", c.BlockTokens)
 	case c.SnapshotBlocks <= 0 || c.SnapshotBlocks > 1<<16:
 		return status.Errorf(status.Config, "snapshot_blocks %d: 1..65536", c.SnapshotBlocks)
+	case c.ProxySnapshots != "ends" && c.ProxySnapshots != "every":
+		return status.Errorf(status.Config, "proxy_snapshots %q: ends or every", c.ProxySnapshots)
 	case c.Eviction != "lru" && c.Eviction != "cost" && c.Eviction != "frequency":
 		return status.Errorf(status.Config, "eviction %q: lru, cost or frequency", c.Eviction)
 	case c.Transport.Kind != "loopback" && c.Transport.Kind != "mooncake":

@@ -87,6 +87,7 @@ func TestValidate(t *testing.T) {
 		{"no block tokens", func(c *Config) { c.BlockTokens = 0 }, "block_tokens"},
 		{"huge blocks", func(c *Config) { c.BlockTokens = 1<<16 + 1 }, "block_tokens"},
 		{"eviction", func(c *Config) { c.Eviction = "fifo" }, "eviction"},
+		{"proxy snapshots", func(c *Config) { c.ProxySnapshots = "branches" }, "proxy_snapshots"},
 		{"transport kind", func(c *Config) { c.Transport.Kind = "rdma" }, "transport.kind"},
 		{"negative bandwidth", func(c *Config) { c.Transport.BandwidthGBps = -1 }, "shaping"},
 		{"negative latency", func(c *Config) { c.Transport.LatencyUS = -0.5 }, "shaping"},

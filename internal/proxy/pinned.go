@@ -202,10 +202,11 @@ func fallbackHeader(err error) string {
 // cache, a recurrent state: docs/design.md §5.9) restores from, which a
 // stock server's slot files hold at their end only: before the request, it
 // has the server compute the prompt up to each snapshot boundary the
-// directory lacks, as a request of its own in the run's slot (one token
-// generated, the slot kept), saves the slot after each, and stores the
-// partial state the file ends with. The request then computes only the
-// rest. Only clean KV is snapshotted: a request that adapts its cells, or a
+// directory lacks (config proxy_snapshots: the prompt's last block
+// boundary and where it leaves the blocks the lookup matched), as a
+// request of its own in the run's slot (one token generated, the slot
+// kept), saves the slot after each, and stores the partial state the file
+// ends with. The request then computes only the rest. Only clean KV is snapshotted: a request that adapts its cells, or a
 // slot whose start is unknown, takes none.
 func (ru *run) snapshots(ctx context.Context) {
 	be, p, lm := ru.be, ru.be.p, ru.lm
@@ -214,7 +215,11 @@ func (ru *run) snapshots(ctx context.Context) {
 		return
 	}
 	from := max(lcp(ru.before.tokens, ru.tokens), lm.m.SnapshotsRestoreAfter())
-	for _, n := range lm.m.MissingSnapshots(p.opts.Scope, ru.tokens, from) {
+	branch := 0
+	if ru.plan != nil {
+		branch = ru.plan.MatchedBlocks * lm.m.BlockTokens()
+	}
+	for _, n := range lm.m.MissingSnapshots(p.opts.Scope, ru.tokens, from, branch) {
 		prefix := ru.tokens[:n]
 		req := map[string]any{"prompt": prefix, "n_predict": 1, "temperature": 0, "cache_prompt": true, "id_slot": ru.slot}
 		var ans answer

@@ -36,12 +36,22 @@ func directoryName(t testing.TB) string {
 
 func openBridge(t testing.TB, dir, owner string) *bridge.Bridge {
 	t.Helper()
+	return openBridgeOf(t, bridgeConfig(dir, owner))
+}
+
+// bridgeConfig is the tests' bridge configuration.
+func bridgeConfig(dir, owner string) config.Config {
 	c := config.Default()
 	c.PoolBytes = 8 << 20
 	c.BlockTokens = blockTokens
 	c.Directory.Name = dir
 	c.Owner = owner
 	c.Arbiter.Policy = "always-restore"
+	return c
+}
+
+func openBridgeOf(t testing.TB, c config.Config) *bridge.Bridge {
+	t.Helper()
 	b, err := bridge.Open(c, bridge.Deps{})
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, b.Close(), "bridge close") })
@@ -57,7 +67,12 @@ type node struct {
 
 func startNode(t testing.TB, fs *fakeServer, dir, owner string, opts Options) *node {
 	t.Helper()
-	b := openBridge(t, dir, owner)
+	return startNodeOn(t, openBridge(t, dir, owner), fs, opts)
+}
+
+// startNodeOn is startNode over a bridge of the caller's.
+func startNodeOn(t testing.TB, b *bridge.Bridge, fs *fakeServer, opts Options) *node {
+	t.Helper()
 	opts.Upstream, opts.SlotDir = fs.url(), fs.dir
 	p, err := New(b, opts)
 	require.NoError(t, err)
@@ -504,10 +519,13 @@ func TestAPIKey(t *testing.T) {
 }
 
 // A hybrid memory's slot files hold its recurrent state at their end only:
-// the proxy stops the first prompt at each snapshot boundary as a request
+// the proxy stops the first prompt at its last block boundary as a request
 // of its own and stores the state after it; the second server restores
 // the blocks and the snapshot the shared prefix ends at, and computes only
-// the rest.
+// the rest. A prompt that leaves the shared blocks where no snapshot is
+// computes, snapshotting the branch, and the prompts after it restore
+// there; with proxy_snapshots "every" the first prompt stops at every
+// snapshot_blocks blocks too.
 func TestHybridSnapshots(t *testing.T) {
 	dir := directoryName(t)
 	n1 := startNode(t, newHybridFake(t, "slot-fa-on.bin", 1, 1), dir, "one", Options{})
@@ -515,25 +533,30 @@ func TestHybridSnapshots(t *testing.T) {
 	ref := newHybridFake(t, "slot-fa-on.bin", 1, 1)
 	every := 4 * blockTokens // config.Default's snapshot_blocks
 	prefix := seqTokens(2*every+3, 7, 3)
+	last := 2 * every // the last block boundary of the prompts below
 	req := func(suffix []int32) map[string]any {
 		return map[string]any{"prompt": concat(prefix, suffix), "n_predict": 4, "temperature": 0}
+	}
+	// stops lists the lengths of the prompts a node's server was sent
+	// after the probe: the snapshots' prompts, then the request's.
+	stops := func(n *node, from int) []int {
+		var prompts []int
+		for _, r := range n.fs.requests[from:] {
+			prompts = append(prompts, len(r["prompt"].([]any)))
+		}
+		return prompts
 	}
 
 	code, b1, h1 := postH(t, n1.url, "/completion", req(seqTokens(5, 5, 11)))
 	require.Equal(t, 200, code, "request 1: %s", b1)
 	require.Zero(t, restoredOf(t, h1))
 	n1.flush(t)
-	var prompts []int
-	for _, r := range n1.fs.requests[1:] { // after the probe
-		prompts = append(prompts, len(r["prompt"].([]any)))
-		if len(prompts) < 3 {
-			assert.Equal(t, float64(1), r["n_predict"], "a snapshot's prompt generates one token")
-			assert.Equal(t, float64(0), r["id_slot"], "a snapshot's prompt runs in the request's slot")
-		}
-	}
-	assert.Equal(t, []int{every, 2 * every, len(prefix) + 5}, prompts, "the prompt stops at each boundary, then the request")
+	first := n1.fs.requests[1]
+	assert.Equal(t, float64(1), first["n_predict"], "a snapshot's prompt generates one token")
+	assert.Equal(t, float64(0), first["id_slot"], "a snapshot's prompt runs in the request's slot")
+	assert.Equal(t, []int{last, len(prefix) + 5}, stops(n1, 1), "the prompt stops at its last block boundary, then the request")
 	st := n1.p.Stats()
-	assert.Equal(t, int64(2), st.SnapshotPrompts)
+	assert.Equal(t, int64(1), st.SnapshotPrompts)
 	assert.Zero(t, st.SnapshotFailures)
 	assert.Equal(t, every, n1.p.State().SnapshotTokens)
 	n1.p.bufs.mu.Lock()
@@ -542,15 +565,44 @@ func TestHybridSnapshots(t *testing.T) {
 
 	code, b2, h2 := postH(t, n2.url, "/completion", req(seqTokens(5, 3, 17)))
 	require.Equal(t, 200, code, "request 2: %s", b2)
-	require.Equal(t, 2*every, restoredOf(t, h2), "restored to the last snapshot of the shared prefix: %+v", n2.p.Stats())
+	require.Equal(t, last, restoredOf(t, h2), "restored to the last snapshot of the shared prefix: %+v", n2.p.Stats())
 	require.Len(t, n2.fs.restores, 1, "restores")
 	var rest map[string]any
 	require.NoError(t, json.Unmarshal(b2, &rest), "answer %q", b2)
-	assert.Equal(t, 2*every, int(rest["timings"].(map[string]any)["cache_n"].(float64)), "the server reused the restored tokens")
+	assert.Equal(t, last, int(rest["timings"].(map[string]any)["cache_n"].(float64)), "the server reused the restored tokens")
 	_, direct := post(t, ref.url(), "/completion", req(seqTokens(5, 3, 17)))
 	assert.Equal(t, cacheFree(t, direct), cacheFree(t, b2), "answer through the proxy, without")
-	assert.Zero(t, n2.p.Stats().SnapshotPrompts, "the directory has every boundary's snapshot")
+	assert.Zero(t, n2.p.Stats().SnapshotPrompts, "the directory has the shared prefix's snapshot")
 	n2.flush(t)
+
+	// A branch inside the shared blocks, where no snapshot is: the first
+	// prompt to take it computes and snapshots it, the next restores it.
+	branch := 5 * blockTokens
+	other := func(mul int) map[string]any {
+		return map[string]any{"prompt": concat(prefix[:branch], seqTokens(20, mul, 29)), "n_predict": 4, "temperature": 0}
+	}
+	n4 := startNode(t, newHybridFake(t, "slot-fa-on.bin", 1, 1), dir, "four", Options{})
+	code, b4, h4 := postH(t, n4.url, "/completion", other(3))
+	require.Equal(t, 200, code, "request 4: %s", b4)
+	require.Zero(t, restoredOf(t, h4), "no snapshot where the prompt leaves the shared blocks")
+	assert.Equal(t, []int{branch, (branch + 19) / blockTokens * blockTokens, branch + 20}, stops(n4, 1),
+		"the prompt stops at the branch and at its last block boundary")
+	n4.flush(t)
+	n5 := startNode(t, newHybridFake(t, "slot-fa-on.bin", 1, 1), dir, "five", Options{})
+	code, b5, h5 := postH(t, n5.url, "/completion", other(5))
+	require.Equal(t, 200, code, "request 5: %s", b5)
+	require.Equal(t, branch, restoredOf(t, h5), "the branch's snapshot: %+v", n5.p.Stats())
+	_, direct = post(t, ref.url(), "/completion", other(5))
+	assert.Equal(t, cacheFree(t, direct), cacheFree(t, b5), "answer through the proxy, without")
+	n5.flush(t)
+
+	c := bridgeConfig(directoryName(t), "every")
+	c.ProxySnapshots = "every"
+	n6 := startNodeOn(t, openBridgeOf(t, c), newHybridFake(t, "slot-fa-on.bin", 1, 1), Options{})
+	code, b6 := post(t, n6.url, "/completion", req(seqTokens(5, 5, 11)))
+	require.Equal(t, 200, code, "request 6: %s", b6)
+	assert.Equal(t, []int{every, last, len(prefix) + 5}, stops(n6, 1), "every snapshot_blocks blocks, then the request")
+	n6.flush(t)
 
 	// A slot another client filled: the server reuses cells the proxy does
 	// not know the origin of, so nothing is snapshotted or published.
