@@ -72,12 +72,25 @@ func (p *Pool) Alloc(n int64) (int64, error) {
 	}
 	n = int64(alignUp(int(n)))
 	p.mu.Lock()
+	resident := max(p.prefaulted, alignPage(p.high))
 	off, ok := p.take(n)
 	p.mu.Unlock()
 	if !ok {
 		return 0, status.Errorf(status.PoolFull, "no %d contiguous bytes free in a pool of %d", n, p.Size())
 	}
+	p.populate(max(resident, off), off+n)
 	return off, nil
+}
+
+// populate faults in the pages of [from, to) that nothing wrote yet, the
+// extent's part past what was resident when it was taken, in one madvise
+// rather than a fault at each page its writer would take (see Prefault).
+// A kernel before 5.14 refuses the advice, and the writes fault alone.
+func (p *Pool) populate(from, to int64) {
+	page := int64(unix.Getpagesize())
+	if from = from / page * page; from < to {
+		_ = unix.Madvise(p.region[from:min(alignPage(to), p.Size())], unix.MADV_POPULATE_WRITE)
+	}
 }
 
 func (p *Pool) take(n int64) (int64, bool) {
@@ -109,8 +122,12 @@ func (p *Pool) take(n int64) (int64, bool) {
 // token. Measured here, 96 MiB copied into fresh memory: 287 ms; after
 // MADV_POPULATE_WRITE, 136 ms (this machine is a virtual machine whose
 // host backs a page when it is first written); after a write to each
-// page, 6 ms. Pages below the highest allocation are left to whoever
-// allocated them.
+// page, 6 ms. So each piece is populated by one madvise, which spares
+// the guest's fault at each page, and then written a page at a time,
+// which has the host back each: 256 MiB took 370 ms of processor time so
+// against 720 ms for the writes alone, time a prefaulter running beside
+// a prompt takes from it. Pages below the highest allocation are left to
+// whoever allocated them.
 func (p *Pool) Prefault(limit int64) {
 	page := int64(unix.Getpagesize())
 	for {
@@ -123,6 +140,7 @@ func (p *Pool) Prefault(limit int64) {
 		}
 		// A piece bounds how long an allocation waits for the lock.
 		end := min(to, from+prefaultPiece)
+		p.populate(from, end)
 		for at := from; at < end; at += page {
 			p.region[at] = 0
 		}
