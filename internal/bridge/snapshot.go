@@ -125,12 +125,12 @@ func (m *Model) SaveSnapshot(scope key.Scope, tokens []int32, state []byte) erro
 // MissingSnapshots lists, in order, the snapshot boundaries n with
 // from < n < len(tokens) after which no snapshot of tokens under scope is
 // held here or known to the directory: where a host that snapshots from
-// outside the server (the proxy) has to stop a prompt. They are the
-// prompt's last block boundary and branch, the end of the first branch
-// tokens whose blocks the directory knows (the lookup's match), when that
-// is a block boundary; with config proxy_snapshots "every", or for a
-// model that keeps no KV blocks (whose branches nothing shows), every
-// SnapshotTokens as well.
+// outside the server (the proxy) has to stop a prompt. The candidates are
+// the prompt's last block boundary and its branch: the end of the first
+// branch tokens, those whose blocks the directory knows (the lookup's
+// match), when that is a block boundary. With config proxy_snapshots
+// "every", or for a model that keeps no KV blocks (whose branches nothing
+// shows), every SnapshotTokens is one as well.
 func (m *Model) MissingSnapshots(scope key.Scope, tokens []int32, from, branch int) []int {
 	every, B := m.SnapshotTokens(), m.geo.BlockTokens
 	if every == 0 || len(tokens) <= B {
