@@ -371,6 +371,20 @@ type flakyDirectory struct {
 	commit bool
 }
 
+// openOverDownDirectory opens a bridge as owner over a flakyDirectory
+// that is down, and a model of two layers and 4-token blocks on it.
+func openOverDownDirectory(t *testing.T, cfg config.Config, owner string, commit bool) (*bridge.Bridge, *flakyDirectory, *kvtest.Host, *bridge.Model) {
+	t.Helper()
+	dir := &flakyDirectory{Directory: directory.OpenMemory(cfg.Directory.Name), commit: commit}
+	dir.down.Store(true)
+	t.Cleanup(func() { _ = dir.Close() })
+	b, err := bridge.Open(bridgetest.WithOwner(cfg, owner), bridge.Deps{Directory: dir})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = b.Close() })
+	h := kvtest.New(t, 2, 32, 16, 16, false)
+	return b, dir, h, bridgetest.Register(t, b, h, 4)
+}
+
 func (d *flakyDirectory) Publish(ctx context.Context, entries []directory.Entry) ([]bool, error) {
 	if d.down.Load() && !d.commit {
 		return nil, status.Errorf(status.Timeout, "directory did not answer in time")
@@ -391,14 +405,7 @@ func TestPublishTimeoutKeepsBlocks(t *testing.T) {
 	for _, commit := range []bool{true, false} {
 		t.Run(fmt.Sprintf("committed=%v", commit), func(t *testing.T) {
 			cfg := bridgetest.Config(t)
-			dir := &flakyDirectory{Directory: directory.OpenMemory(cfg.Directory.Name), commit: commit}
-			dir.down.Store(true)
-			defer dir.Close()
-			b, err := bridge.Open(bridgetest.WithOwner(cfg, "a"), bridge.Deps{Directory: dir})
-			require.NoError(t, err)
-			defer b.Close()
-			h := kvtest.New(t, 2, 32, 16, 16, false)
-			m := bridgetest.Register(t, b, h, 4)
+			b, dir, h, m := openOverDownDirectory(t, cfg, "a", commit)
 			tokens := kvtest.Tokens(rand.New(rand.NewSource(14)), 8)
 			h.Fill(tokens, kvtest.SeqCells(8))
 			sv, err := m.SaveBegin(key.Scope{}, h.Layout(), tokens, kvtest.SeqCells(8))
@@ -778,14 +785,7 @@ func TestPublishedWaitsForTheSavedBlocks(t *testing.T) {
 
 func TestPublishedDoesNotWaitOnAFailingDirectory(t *testing.T) {
 	cfg := bridgetest.Config(t)
-	dir := &flakyDirectory{Directory: directory.OpenMemory(cfg.Directory.Name)}
-	dir.down.Store(true)
-	defer dir.Close()
-	b, err := bridge.Open(bridgetest.WithOwner(cfg, "failing"), bridge.Deps{Directory: dir})
-	require.NoError(t, err)
-	defer b.Close()
-	h := kvtest.New(t, 2, 32, 16, 16, false)
-	m := bridgetest.Register(t, b, h, 4)
+	b, dir, h, m := openOverDownDirectory(t, cfg, "failing", false)
 	first := kvtest.Tokens(rand.New(rand.NewSource(17)), 8)
 	saveUnflushed(t, m, h, first)
 	require.Equal(t, status.Directory, status.Of(b.Published(context.Background())),
