@@ -148,8 +148,7 @@ func (sv *Save) SaveLayer(il int) error {
 	for i := range sv.blocks {
 		blk := &sv.blocks[i]
 		payload := sv.m.b.hold.Bytes(blk.off+int64(off), int64(n))
-		sv.layout.Gather(&sv.m.shape, il, payload, blk.runs)
-		blk.sums[il] = pool.Sum(payload)
+		blk.sums[il] = sv.layout.GatherSum(&sv.m.shape, il, payload, blk.runs)
 	}
 	sv.saved[il] = true
 	return nil

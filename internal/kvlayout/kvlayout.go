@@ -13,6 +13,7 @@ package kvlayout
 import (
 	"math"
 
+	"github.com/mcbridge/mcbridge/internal/chunksum"
 	"github.com/mcbridge/mcbridge/internal/mem"
 	"github.com/mcbridge/mcbridge/internal/pool"
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -153,14 +154,44 @@ func (lo *Layout) Place(s *Shape, l int, payload []byte, runs []Run) {
 	lo.move(s, l, payload, runs, true)
 }
 
-// PlaceSum is Place fused with the layer's checksum (pool.Sum of payload):
-// chunk by chunk of the sum, it moves the chunk's rows into the tensors
-// with streaming stores (mem.Stream) and then sums the chunk, which the
-// copy has just brought into cache, so the payload is read from memory
-// once. Transposed V is summed with the rest and scattered after. The
-// caller compares the sum with the block's: on a mismatch the block's
+// PlaceSum is Place fused with the layer's checksum (pool.Sum of payload),
+// so that the payload is read from memory once. Chunk by chunk of the sum,
+// it moves the chunk's rows into the tensors with streaming stores and
+// sums the chunk: where the rows allow (fusedSum), in the same pass
+// (chunksum), else right after the copy, which has just brought the chunk
+// into cache. Transposed V is summed with the rest and scattered after.
+// The caller compares the sum with the block's: on a mismatch the block's
 // cells hold unverified bytes.
 func (lo *Layout) PlaceSum(s *Shape, l int, payload []byte, runs []Run) uint64 {
+	sum := lo.moveSum(s, l, payload, runs, true, lo.fusedSum(s, l))
+	if vrow := s.Geometry.VRow[l]; lo.VTrans && vrow > 0 {
+		vpart := payload[s.Geometry.BlockTokens*s.Geometry.KRow[l]:]
+		for _, r := range runs {
+			transposed(lo.Layers[l].V, lo.Layers[l].VStride, vrow, s.VElem[l], r, vpart, true)
+		}
+	}
+	return sum
+}
+
+// GatherSum is Gather fused with the layer's checksum, which it returns:
+// where the rows allow (fusedSum) and payload is aligned for streaming
+// stores, it gathers and sums each chunk in one pass (chunksum), writing
+// the pool with streaming stores, as nothing reads a saved block soon;
+// else it gathers, then sums the payload.
+func (lo *Layout) GatherSum(s *Shape, l int, payload []byte, runs []Run) uint64 {
+	if !lo.fusedSum(s, l) || !chunksum.Aligned(mem.Addr(payload)) {
+		lo.Gather(s, l, payload, runs)
+		return pool.Sum(payload)
+	}
+	return lo.moveSum(s, l, payload, runs, false, true)
+}
+
+// moveSum moves layer l's row-major rows between payload and the tensors
+// (into the tensors when place) with streaming stores, chunk by chunk of
+// pool.Sum, and returns the payload's sum: computed in the same pass for
+// chunks chunksum fits when fused, else from payload after each chunk's
+// copy. Transposed V is left to the caller.
+func (lo *Layout) moveSum(s *Shape, l int, payload []byte, runs []Run, place, fused bool) uint64 {
 	g := s.Geometry
 	ly := lo.Layers[l]
 	krow, vrow := g.KRow[l], g.VRow[l]
@@ -170,25 +201,54 @@ func (lo *Layout) PlaceSum(s *Shape, l int, payload []byte, runs []Run) uint64 {
 	sum := pool.NewSummer()
 	for off := 0; off < len(payload); off += pool.SumChunk {
 		end := min(off+pool.SumChunk, len(payload))
-		placeSpan(ly.K, ly.KStride, krow, runs, kpart, off, end)
-		if !lo.VTrans && vrow > 0 {
-			placeSpan(ly.V, ly.VStride, vrow, runs, vpart, off-kn, end-kn)
+		var ck *chunksum.Chunk
+		if fused && chunksum.Fits(end-off) {
+			c := chunksum.New(end - off)
+			ck = &c
 		}
-		sum.Add(payload[off:end])
-	}
-	if lo.VTrans && vrow > 0 {
-		for _, r := range runs {
-			transposed(ly.V, ly.VStride, vrow, s.VElem[l], r, vpart, true)
+		moveSpan(ly.K, ly.KStride, krow, runs, kpart, off, end, ck, place)
+		if !lo.VTrans && vrow > 0 {
+			moveSpan(ly.V, ly.VStride, vrow, runs, vpart, off-kn, end-kn, ck, place)
+		}
+		if ck != nil {
+			sum.AddSum(ck.Sum64())
+		} else {
+			sum.Add(payload[off:end])
 		}
 	}
 	return sum.Sum64()
 }
 
-// placeSpan places bytes [from, to) of a block's K or V part (offsets into
-// part, clipped to it) at the cells of its runs, row by row where the
-// tensor's rows are not adjacent.
-func placeSpan(base uintptr, stride uint64, row int, runs []Run, part []byte, from, to int) {
+// fusedSum reports whether layer l's rows can be summed as they move:
+// every piece moveSpan copies is whole 64-byte stripes (rows of whole
+// stripes, chunks of whole rows' multiples), the tensors' rows are 32-byte
+// aligned, and V is not transposed (transposed V moves apart from the sum).
+func (lo *Layout) fusedSum(s *Shape, l int) bool {
+	ly := lo.Layers[l]
+	krow, vrow := s.Geometry.KRow[l], s.Geometry.VRow[l]
+	if pool.SumChunk%64 != 0 || krow%64 != 0 || !chunksum.Aligned(ly.K) || ly.KStride%32 != 0 {
+		return false
+	}
+	return vrow == 0 || (!lo.VTrans && vrow%64 == 0 && chunksum.Aligned(ly.V) && ly.VStride%32 == 0)
+}
+
+// moveSpan moves bytes [from, to) of a block's K or V part (offsets into
+// part, clipped to it) between part and the cells of its runs (into the
+// cells when place), row by row where the tensor's rows are not adjacent,
+// with streaming stores: through ck, which sums them, when not nil.
+func moveSpan(base uintptr, stride uint64, row int, runs []Run, part []byte, from, to int, ck *chunksum.Chunk, place bool) {
 	from, to = max(from, 0), min(to, len(part))
+	move := func(tensor, blk []byte) {
+		dst, src := tensor, blk
+		if !place {
+			dst, src = blk, tensor
+		}
+		if ck != nil {
+			ck.Copy(dst, src)
+		} else {
+			mem.Stream(dst, src)
+		}
+	}
 	for _, r := range runs {
 		lo, hi := r.Pos*row, (r.Pos+r.N)*row
 		a, b := max(lo, from), min(hi, to)
@@ -197,13 +257,13 @@ func placeSpan(base uintptr, stride uint64, row int, runs []Run, part []byte, fr
 		}
 		at := base + uintptr(uint64(r.Cell)*stride)
 		if stride == uint64(row) {
-			mem.Stream(mem.Bytes(at+uintptr(a-lo), b-a), part[a:b])
+			move(mem.Bytes(at+uintptr(a-lo), b-a), part[a:b])
 			continue
 		}
 		for x := a; x < b; {
 			k := (x - lo) / row
 			rowEnd := min(lo+(k+1)*row, b)
-			mem.Stream(mem.Bytes(at+uintptr(uint64(k)*stride)+uintptr(x-lo-k*row), rowEnd-x), part[x:rowEnd])
+			move(mem.Bytes(at+uintptr(uint64(k)*stride)+uintptr(x-lo-k*row), rowEnd-x), part[x:rowEnd])
 			x = rowEnd
 		}
 	}

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/mcbridge/mcbridge/internal/chunksum"
 	"github.com/mcbridge/mcbridge/internal/mem"
 	"github.com/mcbridge/mcbridge/internal/pool"
 	"github.com/mcbridge/mcbridge/internal/status"
@@ -277,6 +278,10 @@ func checkPlaceGather(t testing.TB, r *rand.Rand, lo *Layout, s *Shape, l int, c
 	lo.Gather(s, l, pl.buf, runs)
 	require.True(t, bytes.Equal(pl.buf, payload), "Gather of layer %d did not return the placed rows (cells %v)", l, cells)
 	require.True(t, pl.slackIntact(), "Gather wrote before the payload")
+	clear(pl.buf)
+	require.Equal(t, pool.Sum(payload), lo.GatherSum(s, l, pl.buf, runs), "GatherSum of layer %d: not the payload's checksum", l)
+	require.True(t, bytes.Equal(pl.buf, payload), "GatherSum of layer %d did not return the placed rows (cells %v)", l, cells)
+	require.True(t, pl.slackIntact(), "GatherSum wrote before the payload")
 	for i, tt := range ts {
 		require.True(t, bytes.Equal(tt.k.buf, wantK[i]), "Gather changed layer %d's K tensor", i)
 		require.True(t, bytes.Equal(tt.v.buf, wantV[i]), "Gather changed layer %d's V tensor", i)
@@ -431,18 +436,28 @@ func TestPlaceSumAcrossChunks(t *testing.T) {
 		}
 	}
 	for _, vtrans := range []bool{false, true} {
-		krow, vrow := []int{1000, 1024}, []int{770, 512}
-		s := shape(block, krow, vrow, []int{2, 2})
+		// Layers 2 and 3 have rows of whole 64-byte stripes at 32-byte
+		// aligned addresses, which chunksum sums as they move (packed and
+		// padded); layers 0 and 1 do not.
+		krow, vrow := []int{1000, 1024, 512, 512}, []int{770, 512, 512, 1024}
+		s := shape(block, krow, vrow, []int{2, 2, 2, 2})
 		lo := &Layout{Cells: cellCount, VTrans: vtrans, Location: "cpu:0", Layers: []Layer{
 			{KStride: uint64(krow[0]), VStride: uint64(vrow[0])},
 			{KStride: uint64(krow[1] + 40), VStride: uint64(vrow[1] + 6)},
+			{KStride: uint64(krow[2]), VStride: uint64(vrow[2])},
+			{KStride: uint64(krow[3] + 64), VStride: uint64(vrow[3] + 32)},
 		}}
 		if vtrans {
 			lo.Layers[0].VStride = cellCount * 2
 			lo.Layers[1].VStride = cellCount*2 + 6
+			lo.Layers[2].VStride = cellCount * 2
+			lo.Layers[3].VStride = cellCount*2 + 32
 		}
 		ts := buildLayout(t, lo, s)
 		require.NoError(t, lo.Validate(s))
+		for l := range lo.Layers {
+			require.Equal(t, l >= 2 && !vtrans && chunksum.Fits(pool.SumChunk), lo.fusedSum(s, l), "layer %d summed as it moves", l)
+		}
 		for _, cs := range [][]uint32{cells, seqCells(400, block)} {
 			require.NoError(t, lo.CheckCells(cs))
 			for l := range lo.Layers {

@@ -176,8 +176,12 @@ type Summer struct {
 func NewSummer() Summer { return Summer{h: xxh3.New()} }
 
 // Add sums the next chunk: SumChunk bytes, fewer only for the last.
-func (s *Summer) Add(chunk []byte) {
-	binary.LittleEndian.PutUint64(s.b[:], xxh3.Hash(chunk))
+func (s *Summer) Add(chunk []byte) { s.AddSum(xxh3.Hash(chunk)) }
+
+// AddSum sums the next chunk given its xxh3.Hash, computed as it was
+// copied (chunksum).
+func (s *Summer) AddSum(chunk uint64) {
+	binary.LittleEndian.PutUint64(s.b[:], chunk)
 	_, _ = s.h.Write(s.b[:])
 }
 
