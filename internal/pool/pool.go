@@ -124,8 +124,8 @@ func (p *Pool) take(n int64) (int64, bool) {
 // host backs a page when it is first written); after a write to each
 // page, 6 ms. So each piece is populated by one madvise, which spares
 // the guest's fault at each page, and then written a page at a time,
-// which has the host back each: 256 MiB took 370 ms of processor time so
-// against 720 ms for the writes alone, time a prefaulter running beside
+// which has the host back each. 256 MiB took 370 ms of processor time,
+// against 720 ms for the writes alone: time a prefaulter running beside
 // a prompt takes from it. Pages below the highest allocation are left to
 // whoever allocated them.
 func (p *Pool) Prefault(limit int64) {
